@@ -1,0 +1,273 @@
+//! The macros' input as a typed model, attributes already parsed.
+//!
+//! Building the model reports what makes it impossible to build (a union, a missing id
+//! field); everything else is checked in `valid.rs`.
+
+use proc_macro2::{Span, TokenStream};
+use syn::spanned::Spanned;
+use syn::{Data, DeriveInput, Fields, Ident, ItemStruct, LitInt, LitStr, Member, Path, Type};
+
+use crate::attr::{self, Errors, Place};
+
+/// The input of `#[derive(DomainEvent)]`.
+pub struct Event<'a> {
+    pub input: &'a DeriveInput,
+    pub kind: EventKind<'a>,
+}
+
+pub enum EventKind<'a> {
+    /// A struct: one event type.
+    Struct(EventType<'a>),
+    /// An enum: one event type per variant, in declaration order.
+    Enum(Vec<EventType<'a>>),
+}
+
+/// One event type: a struct, or one variant of an enum.
+pub struct EventType<'a> {
+    /// The struct or variant name.
+    pub ident: &'a Ident,
+    /// `#[event(name = "..")]`, if given.
+    pub name: Option<LitStr>,
+    /// `#[event(version = N)]`, if given.
+    pub version: Option<LitInt>,
+    pub fields: &'a Fields,
+    /// The fields marked `#[event(partition_key)]`: one is expected.
+    pub partition_keys: Vec<PartitionKey>,
+    /// The variant's position among the enum's variants (serde's variant index).
+    pub index: u32,
+    /// The keys of the variant's `#[serde(..)]` attributes.
+    pub serde_keys: Vec<Path>,
+}
+
+pub struct PartitionKey {
+    pub member: Member,
+    /// The `partition_key` token of the attribute.
+    pub attr: Path,
+}
+
+impl EventType<'_> {
+    /// The event type name: `#[event(name)]`, or the struct or variant name.
+    pub fn name(&self) -> String {
+        match &self.name {
+            Some(name) => name.value(),
+            None => self.ident.unraw_string(),
+        }
+    }
+}
+
+trait Unraw {
+    fn unraw_string(&self) -> String;
+}
+
+impl Unraw for Ident {
+    fn unraw_string(&self) -> String {
+        let text = self.to_string();
+        text.strip_prefix("r#").map_or(text.clone(), str::to_owned)
+    }
+}
+
+impl<'a> Event<'a> {
+    pub fn from_input(input: &'a DeriveInput, errors: &mut Errors) -> Option<Self> {
+        let kind = match &input.data {
+            Data::Struct(data) => {
+                let attrs = attr::event_attrs(&input.attrs, Place::Struct, errors);
+                EventKind::Struct(event_type(
+                    &input.ident,
+                    attrs,
+                    &data.fields,
+                    0,
+                    vec![],
+                    errors,
+                ))
+            }
+            Data::Enum(data) => {
+                attr::event_attrs(&input.attrs, Place::Enum, errors);
+                let variants = data.variants.iter().enumerate().map(|(index, variant)| {
+                    let attrs = attr::event_attrs(&variant.attrs, Place::Variant, errors);
+                    let index = u32::try_from(index).expect("fewer than 2^32 variants");
+                    let serde_keys = attr::serde_keys(&variant.attrs);
+                    event_type(
+                        &variant.ident,
+                        attrs,
+                        &variant.fields,
+                        index,
+                        serde_keys,
+                        errors,
+                    )
+                });
+                EventKind::Enum(variants.collect())
+            }
+            Data::Union(data) => {
+                errors.push(syn::Error::new_spanned(
+                    data.union_token,
+                    "DomainEvent cannot be derived for a union: an event is a struct with named \
+                     fields, or an enum with one variant per event type",
+                ));
+                return None;
+            }
+        };
+        Some(Self { input, kind })
+    }
+
+    pub fn event_types(&self) -> &[EventType<'a>] {
+        match &self.kind {
+            EventKind::Struct(event_type) => std::slice::from_ref(event_type),
+            EventKind::Enum(variants) => variants,
+        }
+    }
+}
+
+fn event_type<'a>(
+    ident: &'a Ident,
+    attrs: attr::EventAttrs,
+    fields: &'a Fields,
+    index: u32,
+    serde_keys: Vec<Path>,
+    errors: &mut Errors,
+) -> EventType<'a> {
+    let partition_keys = fields
+        .members()
+        .zip(fields.iter())
+        .filter_map(|(member, field)| {
+            attr::event_attrs(&field.attrs, Place::Field, errors)
+                .partition_key
+                .map(|attr| PartitionKey { member, attr })
+        })
+        .collect();
+    EventType {
+        ident,
+        name: attrs.name,
+        version: attrs.version,
+        fields,
+        partition_keys,
+        index,
+        serde_keys,
+    }
+}
+
+/// The input of `#[aggregate]`.
+pub struct AggregateInput {
+    /// The struct, with the `#[aggregate_id]` markers removed.
+    pub item: ItemStruct,
+    /// `event = ..`.
+    pub event: Type,
+    /// `name = ".."`, if given.
+    pub name: Option<LitStr>,
+    /// The id field.
+    pub id: Member,
+}
+
+impl AggregateInput {
+    /// Parses the attribute's arguments and the struct. On error, also returns the item to
+    /// emit unchanged (minus the helper attributes), so one mistake does not cascade into
+    /// "cannot find type" errors wherever the struct is used.
+    pub fn parse(
+        args: TokenStream,
+        item: TokenStream,
+        errors: &mut Errors,
+    ) -> Result<Self, TokenStream> {
+        let args = attr::aggregate_args(args, errors);
+        let item: syn::Item = match syn::parse2(item.clone()) {
+            Ok(item) => item,
+            Err(error) => {
+                errors.push(error);
+                return Err(item);
+            }
+        };
+        let mut item = match item {
+            syn::Item::Struct(item) => item,
+            other => {
+                let token = match &other {
+                    syn::Item::Enum(e) => e.enum_token.span(),
+                    syn::Item::Union(u) => u.union_token.span(),
+                    other => other.span(),
+                };
+                errors.push(syn::Error::new(
+                    token,
+                    "#[aggregate] goes on a struct with named fields",
+                ));
+                return Err(quote::quote!(#other));
+            }
+        };
+
+        let mut ids = Vec::new();
+        let members: Vec<Member> = item.fields.members().collect();
+        for (member, field) in members.into_iter().zip(item.fields.iter_mut()) {
+            let before = field.attrs.len();
+            let mut marker = None;
+            field.attrs.retain(|a| {
+                let is_id = attr::is_aggregate_id(a, errors);
+                if is_id {
+                    marker = Some(a.path().clone());
+                }
+                !is_id
+            });
+            if field.attrs.len() < before {
+                ids.push((member, marker.expect("removed an #[aggregate_id]")));
+            }
+        }
+
+        if !matches!(item.fields, Fields::Named(_)) {
+            let span = match &item.fields {
+                Fields::Unnamed(fields) => fields.span(),
+                _ => item.ident.span(),
+            };
+            errors.push(syn::Error::new(
+                span,
+                "#[aggregate] needs named fields: one of them holds the id and the macro adds \
+                 a `pending_events` field",
+            ));
+            return Err(quote::quote!(#item));
+        }
+
+        let id = match ids.as_slice() {
+            [(member, _)] => Some(member.clone()),
+            [_, (_, second), ..] => {
+                errors.push(syn::Error::new_spanned(
+                    second,
+                    "#[aggregate_id] is set on two fields; keep it on the one field that holds \
+                     the aggregate id",
+                ));
+                None
+            }
+            [] => {
+                let named_id = item
+                    .fields
+                    .members()
+                    .find(|m| matches!(m, Member::Named(ident) if ident == "id"));
+                if named_id.is_none() {
+                    errors.push(syn::Error::new_spanned(
+                        &item.ident,
+                        format!(
+                            "aggregate `{}` has no id field: mark the field that holds its id \
+                             with #[aggregate_id], or name it `id`",
+                            item.ident
+                        ),
+                    ));
+                }
+                named_id
+            }
+        };
+
+        let event = match args.event {
+            Some(event) => Some(event),
+            None => {
+                errors.push(syn::Error::new(
+                    Span::call_site(),
+                    "#[aggregate] needs the event type it records: #[aggregate(event = OrderEvent)]",
+                ));
+                None
+            }
+        };
+
+        match (id, event) {
+            (Some(id), Some(event)) => Ok(Self {
+                item,
+                event,
+                name: args.name,
+                id,
+            }),
+            _ => Err(quote::quote!(#item)),
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Attribute parsing only: `#[event(..)]`, `#[aggregate(..)]`, `#[aggregate_id]`, and the
+//! `#[serde(..)]` and `#[derive(..)]` keys that the checks look at.
+
+use proc_macro2::TokenStream;
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::{Attribute, LitInt, LitStr, Meta, Path, Token};
+
+/// Errors collected across the input, reported together (`syn::Error::combine`).
+#[derive(Default)]
+pub struct Errors(Option<syn::Error>);
+
+impl Errors {
+    pub fn push(&mut self, error: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    pub fn finish(self) -> syn::Result<()> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+/// Where an `#[event(..)]` attribute stands, which decides the keys it takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// On a struct: one event type.
+    Struct,
+    /// On an enum: nothing; each variant is an event type.
+    Enum,
+    /// On an enum variant: one event type.
+    Variant,
+    /// On a field: the partition key.
+    Field,
+}
+
+/// The keys of the `#[event(..)]` attributes at one place.
+#[derive(Default)]
+pub struct EventAttrs {
+    /// `name = "..."`: the event type name.
+    pub name: Option<LitStr>,
+    /// `version = N`: the payload version.
+    pub version: Option<LitInt>,
+    /// `partition_key`: this field is the partition key (the path, for its span).
+    pub partition_key: Option<Path>,
+}
+
+pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> EventAttrs {
+    let mut parsed = EventAttrs::default();
+    for attr in attrs.iter().filter(|a| a.path().is_ident("event")) {
+        if place == Place::Enum {
+            errors.push(syn::Error::new_spanned(
+                attr,
+                "#[event(..)] does not go on an enum; put #[event(name = \"..\", version = N)] \
+                 on the variant it describes",
+            ));
+            continue;
+        }
+        let result = attr.parse_nested_meta(|meta| {
+            let key = &meta.path;
+            let expected = match place {
+                Place::Field => "on a field it takes `partition_key`",
+                _ => "on a struct or variant it takes `name = \"..\"` and `version = N`",
+            };
+            if key.is_ident("partition_key") && place == Place::Field {
+                if parsed.partition_key.is_some() {
+                    return Err(meta.error("`partition_key` is set twice on this field"));
+                }
+                parsed.partition_key = Some(key.clone());
+            } else if key.is_ident("name") && place != Place::Field {
+                let value: LitStr = meta.value()?.parse()?;
+                if parsed.name.is_some() {
+                    return Err(syn::Error::new_spanned(key, "`name` is set twice"));
+                }
+                parsed.name = Some(value);
+            } else if key.is_ident("version") && place != Place::Field {
+                let value: LitInt = meta.value()?.parse()?;
+                if parsed.version.is_some() {
+                    return Err(syn::Error::new_spanned(key, "`version` is set twice"));
+                }
+                parsed.version = Some(value);
+            } else if key.is_ident("partition_key") {
+                return Err(meta.error(
+                    "`partition_key` belongs on a field: #[event(partition_key)] on the field \
+                     whose value partitions this event",
+                ));
+            } else if key.is_ident("name") || key.is_ident("version") {
+                return Err(meta.error(format!(
+                    "`{}` belongs on the struct or variant, not on a field",
+                    path_text(key)
+                )));
+            } else {
+                return Err(meta.error(format!(
+                    "unknown key `{}` in #[event(..)]; {expected}",
+                    path_text(key)
+                )));
+            }
+            Ok(())
+        });
+        if let Err(error) = result {
+            errors.push(error);
+        }
+    }
+    parsed
+}
+
+/// The arguments of `#[aggregate(..)]`.
+#[derive(Default)]
+pub struct AggregateArgs {
+    /// `event = Type`: the event type the aggregate records.
+    pub event: Option<syn::Type>,
+    /// `name = "..."`: the aggregate type name.
+    pub name: Option<LitStr>,
+}
+
+pub fn aggregate_args(args: TokenStream, errors: &mut Errors) -> AggregateArgs {
+    let mut parsed = AggregateArgs::default();
+    let parser = syn::meta::parser(|meta| {
+        if meta.path.is_ident("event") {
+            if parsed.event.is_some() {
+                return Err(meta.error("`event` is set twice"));
+            }
+            parsed.event = Some(meta.value()?.parse()?);
+        } else if meta.path.is_ident("name") {
+            if parsed.name.is_some() {
+                return Err(meta.error("`name` is set twice"));
+            }
+            parsed.name = Some(meta.value()?.parse()?);
+        } else {
+            return Err(meta.error(format!(
+                "unknown #[aggregate] argument `{}`; it takes `event = EventType` and \
+                 `name = \"..\"`",
+                path_text(&meta.path)
+            )));
+        }
+        Ok(())
+    });
+    if let Err(error) = parser.parse2(args) {
+        errors.push(error);
+    }
+    parsed
+}
+
+/// Whether `attr` is `#[aggregate_id]`; a malformed one is an error.
+pub fn is_aggregate_id(attr: &Attribute, errors: &mut Errors) -> bool {
+    if !attr.path().is_ident("aggregate_id") {
+        return false;
+    }
+    if !matches!(attr.meta, Meta::Path(_)) {
+        errors.push(syn::Error::new_spanned(
+            &attr.meta,
+            "#[aggregate_id] takes no arguments; it marks the field that holds the id",
+        ));
+    }
+    true
+}
+
+/// The top-level keys of every `#[serde(..)]` attribute, as paths (for their spans).
+/// An attribute that does not parse is left to serde to report.
+pub fn serde_keys(attrs: &[Attribute]) -> Vec<Path> {
+    attrs
+        .iter()
+        .filter(|a| a.path().is_ident("serde"))
+        .filter_map(|a| {
+            a.parse_args_with(Punctuated::<Meta, Token![,]>::parse_terminated)
+                .ok()
+        })
+        .flatten()
+        .map(|meta| meta.path().clone())
+        .collect()
+}
+
+/// The paths inside every `#[derive(..)]` attribute.
+pub fn derives(attrs: &[Attribute]) -> Vec<Path> {
+    attrs
+        .iter()
+        .filter(|a| a.path().is_ident("derive"))
+        .filter_map(|a| {
+            a.parse_args_with(Punctuated::<Path, Token![,]>::parse_terminated)
+                .ok()
+        })
+        .flatten()
+        .collect()
+}
+
+/// The last segment of a path, as written (`serde::Serialize` -> `Serialize`).
+pub fn last_segment(path: &Path) -> String {
+    path.segments
+        .last()
+        .map(|s| s.ident.to_string())
+        .unwrap_or_default()
+}
+
+fn path_text(path: &Path) -> String {
+    path.segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect::<Vec<_>>()
+        .join("::")
+}

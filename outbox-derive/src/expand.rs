@@ -1,0 +1,259 @@
+//! Code generation. Everything generated names the runtime by absolute path through
+//! `::outbox_runtime::__private`, so it compiles whatever the user imported or renamed.
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote};
+use syn::{DeriveInput, Fields, LitStr};
+
+use crate::ast::{AggregateInput, Event, EventKind, EventType};
+use crate::attr::{self, Errors};
+use crate::valid;
+
+pub fn domain_event(input: &DeriveInput) -> syn::Result<TokenStream> {
+    let mut errors = Errors::default();
+    let event = Event::from_input(input, &mut errors);
+    if let Some(event) = &event {
+        valid::event(event, &mut errors);
+    }
+    errors.finish()?;
+    let event = event.expect("no errors, so the model was built");
+    Ok(expand_event(&event))
+}
+
+fn expand_event(event: &Event<'_>) -> TokenStream {
+    let ident = &event.input.ident;
+    let (impl_generics, ty_generics, where_clause) = event.input.generics.split_for_impl();
+    let private = quote!(::outbox_runtime::__private);
+
+    let types = event.event_types();
+    let names: Vec<String> = types.iter().map(EventType::name).collect();
+    let versions: Vec<i32> = types.iter().map(version).collect();
+
+    let body = match &event.kind {
+        EventKind::Struct(event_type) => {
+            let name = &names[0];
+            let version = versions[0];
+            let partition_key = match event_type.partition_keys.first() {
+                Some(key) => {
+                    let member = &key.member;
+                    quote!(#private::Option::Some(#private::ToString::to_string(&self.#member)))
+                }
+                None => quote!(#private::Option::None),
+            };
+            // A unit struct has no data and needs no serde: its payload is `{}`.
+            let (to_payload, decode) = if matches!(event_type.fields, Fields::Unit) {
+                (
+                    quote!(#private::Result::Ok(#private::String::from("{}"))),
+                    quote!(#private::Result::Ok(Self)),
+                )
+            } else {
+                (
+                    quote!(#private::SerdeEvent::struct_to_payload(self, #name, #version)),
+                    quote!(<Self as #private::SerdeEvent>::struct_from_payload(
+                        event_type,
+                        event_version,
+                        payload,
+                    )),
+                )
+            };
+            quote! {
+                fn event_type(&self) -> &'static str { #name }
+                fn event_version(&self) -> i32 { #version }
+                fn partition_key(&self) -> #private::Option<#private::String> { #partition_key }
+                fn to_payload(&self) -> #private::Result<#private::String, #private::PayloadError> {
+                    #to_payload
+                }
+                fn from_payload(
+                    event_type: &str,
+                    event_version: i32,
+                    payload: &[u8],
+                ) -> #private::Result<Self, #private::PayloadError> {
+                    match (event_type, event_version) {
+                        (#name, #version) => #decode,
+                        _ => #private::Result::Err(
+                            #private::PayloadError::unknown_event_type::<Self>(event_type, event_version),
+                        ),
+                    }
+                }
+            }
+        }
+        EventKind::Enum(variants) => {
+            let encode = quote!(#private::SerdeEvent::variant_to_payload(
+                self,
+                #private::DomainEvent::event_type(self),
+                #private::DomainEvent::event_version(self),
+            ));
+            let decode = quote!(<Self as #private::SerdeEvent>::variant_from_payload(
+                index,
+                event_type,
+                event_version,
+                payload,
+            ));
+            let idents: Vec<_> = variants.iter().map(|v| v.ident).collect();
+            let indices: Vec<u32> = variants.iter().map(|v| v.index).collect();
+            let partition_keys = variants.iter().map(|v| match v.partition_keys.first() {
+                Some(key) => {
+                    let (ident, member) = (v.ident, &key.member);
+                    quote! {
+                        Self::#ident { #member: __partition_key, .. } =>
+                            #private::Option::Some(#private::ToString::to_string(__partition_key)),
+                    }
+                }
+                None => {
+                    let ident = v.ident;
+                    quote!(Self::#ident { .. } => #private::Option::None,)
+                }
+            });
+            quote! {
+                fn event_type(&self) -> &'static str {
+                    match self { #(Self::#idents { .. } => #names,)* }
+                }
+                fn event_version(&self) -> i32 {
+                    match self { #(Self::#idents { .. } => #versions,)* }
+                }
+                fn partition_key(&self) -> #private::Option<#private::String> {
+                    match self { #(#partition_keys)* }
+                }
+                fn to_payload(&self) -> #private::Result<#private::String, #private::PayloadError> {
+                    #encode
+                }
+                fn from_payload(
+                    event_type: &str,
+                    event_version: i32,
+                    payload: &[u8],
+                ) -> #private::Result<Self, #private::PayloadError> {
+                    let index: u32 = match (event_type, event_version) {
+                        #((#names, #versions) => #indices,)*
+                        _ => return #private::Result::Err(
+                            #private::PayloadError::unknown_event_type::<Self>(event_type, event_version),
+                        ),
+                    };
+                    #decode
+                }
+            }
+        }
+    };
+
+    // The serde bound, stated once on the impl and spanned on the type, so a missing
+    // derive is one error there (a unit struct has no payload to encode).
+    let mut where_clause = where_clause
+        .cloned()
+        .unwrap_or_else(|| syn::parse_quote!(where));
+    if !matches!(&event.kind, EventKind::Struct(t) if matches!(t.fields, Fields::Unit)) {
+        where_clause
+            .predicates
+            .push(syn::parse_quote_spanned!(ident.span()=> Self: #private::SerdeEvent));
+    }
+
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #private::DomainEvent for #ident #ty_generics #where_clause {
+            const EVENT_TYPES: &'static [#private::EventType] = &[
+                #(#private::EventType { name: #names, version: #versions },)*
+            ];
+            #body
+        }
+    }
+}
+
+fn version(event_type: &EventType<'_>) -> i32 {
+    event_type
+        .version
+        .as_ref()
+        .and_then(|v| v.base10_parse().ok())
+        .unwrap_or(1)
+}
+
+pub fn aggregate(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut errors = Errors::default();
+    let input = match AggregateInput::parse(args, item, &mut errors) {
+        Ok(input) => input,
+        Err(item) => return with_errors(item, errors),
+    };
+    valid::aggregate(&input, &mut errors);
+    match errors.finish() {
+        Ok(()) => expand_aggregate(input),
+        Err(error) => {
+            let item = &input.item;
+            let errors = error.into_compile_error();
+            quote!(#item #errors)
+        }
+    }
+}
+
+fn with_errors(item: TokenStream, errors: Errors) -> TokenStream {
+    let errors = errors.finish().err().map(syn::Error::into_compile_error);
+    quote!(#item #errors)
+}
+
+fn expand_aggregate(input: AggregateInput) -> TokenStream {
+    let AggregateInput {
+        mut item,
+        event,
+        name,
+        id,
+    } = input;
+    let private = quote!(::outbox_runtime::__private);
+    let ident = &item.ident;
+    let vis = &item.vis;
+    let name = name.unwrap_or_else(|| LitStr::new(&ident.to_string(), ident.span()));
+
+    // Other derives on the struct must leave the buffer alone.
+    let derives: Vec<String> = attr::derives(&item.attrs)
+        .iter()
+        .map(attr::last_segment)
+        .collect();
+    let derived = |name: &str| derives.iter().any(|d| d == name);
+    let mut field_attrs = Vec::new();
+    if derived("Serialize") || derived("Deserialize") {
+        field_attrs.push(quote!(#[serde(skip)]));
+    }
+    if derived("Insertable") {
+        field_attrs.push(quote!(#[diesel(skip_insertion)]));
+    }
+    if derived("AsChangeset") {
+        field_attrs.push(quote!(#[diesel(skip_update)]));
+    }
+    let buffer = format_ident!("pending_events");
+    if let Fields::Named(fields) = &mut item.fields {
+        fields.named.push(syn::parse_quote! {
+            /// The events this aggregate recorded that no committed unit of work has taken
+            /// yet (added by `#[aggregate]`).
+            #(#field_attrs)*
+            #vis #buffer: #private::PendingEvents<#event>
+        });
+    }
+
+    let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
+    quote! {
+        #item
+
+        #[automatically_derived]
+        impl #impl_generics #private::Aggregate for #ident #ty_generics #where_clause {
+            type Event = #event;
+            const AGGREGATE_TYPE: &'static str = #name;
+            fn aggregate_id(&self) -> #private::String {
+                #private::ToString::to_string(&self.#id)
+            }
+            fn pending(&self) -> &#private::PendingEvents<#event> {
+                &self.#buffer
+            }
+            fn pending_mut(&mut self) -> &mut #private::PendingEvents<#event> {
+                &mut self.#buffer
+            }
+        }
+
+        impl #impl_generics #ident #ty_generics #where_clause {
+            /// Records `event`: a unit of work that tracks this aggregate writes it to the
+            /// outbox, and it is published once that unit of work commits.
+            #vis fn record(&mut self, event: #event) {
+                #private::Aggregate::record(self, event)
+            }
+
+            /// The events recorded and not yet committed, oldest first.
+            #vis fn pending_events(&self) -> &[#event] {
+                #private::Aggregate::pending_events(self)
+            }
+        }
+    }
+}

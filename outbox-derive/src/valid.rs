@@ -1,0 +1,216 @@
+//! Every check of the macros' input, each error on the exact token that is wrong.
+
+use std::collections::HashMap;
+
+use syn::{Fields, GenericParam, LitInt, LitStr, Member};
+
+use crate::ast::{AggregateInput, Event, EventKind, EventType};
+use crate::attr::{self, Errors};
+
+/// Why `token` cannot be a NATS subject token, or `None` when it can.
+///
+/// The same rule as `outbox_runtime::subject::validate_token` (this crate cannot depend on
+/// that one); the tests of both pin the same cases.
+pub fn token_error(token: &str) -> Option<String> {
+    if token.is_empty() {
+        return Some("it is empty".to_owned());
+    }
+    token.chars().find_map(|c| match c {
+        '.' => Some("it contains '.', the NATS token separator".to_owned()),
+        '*' | '>' => Some(format!("it contains the NATS wildcard '{c}'")),
+        c if c.is_whitespace() => Some(format!("it contains whitespace ({c:?})")),
+        c if c.is_control() => Some(format!("it contains the control character {c:?}")),
+        _ => None,
+    })
+}
+
+fn check_name(literal: &LitStr, what: &str, errors: &mut Errors) {
+    if let Some(reason) = token_error(&literal.value()) {
+        errors.push(syn::Error::new_spanned(
+            literal,
+            format!(
+                "{what} {:?} is not a valid NATS subject token: {reason}",
+                literal.value()
+            ),
+        ));
+    }
+}
+
+/// The version as written, when it is a valid one (1 to `i32::MAX`).
+pub fn version(literal: &LitInt, errors: &mut Errors) -> Option<i32> {
+    match literal.base10_parse::<i32>() {
+        Ok(version) if version >= 1 => Some(version),
+        _ => {
+            errors.push(syn::Error::new_spanned(
+                literal,
+                "an event version is a whole number from 1 to 2147483647 (the `event_version` \
+                 column is a PostgreSQL integer)",
+            ));
+            None
+        }
+    }
+}
+
+pub fn event(event: &Event<'_>, errors: &mut Errors) {
+    for param in &event.input.generics.params {
+        if let GenericParam::Lifetime(lifetime) = param {
+            errors.push(syn::Error::new_spanned(
+                lifetime,
+                "an event owns its data ('static): remove the lifetime parameter and use owned \
+                 fields",
+            ));
+        }
+    }
+    match &event.kind {
+        EventKind::Struct(event_type) => {
+            if let Fields::Unnamed(fields) = event_type.fields {
+                errors.push(syn::Error::new_spanned(
+                    fields,
+                    "DomainEvent needs named fields: the payload is a JSON object keyed by field \
+                     name; write `struct Name { field: Type }`",
+                ));
+            }
+        }
+        EventKind::Enum(variants) => {
+            if variants.is_empty() {
+                errors.push(syn::Error::new_spanned(
+                    &event.input.ident,
+                    "an event enum needs at least one variant, one per event type",
+                ));
+            }
+            for key in attr::serde_keys(&event.input.attrs) {
+                if ["tag", "content", "untagged"]
+                    .iter()
+                    .any(|k| key.is_ident(k))
+                {
+                    errors.push(syn::Error::new_spanned(
+                        &key,
+                        "DomainEvent sends the event type in `ce-type` and the variant's own JSON \
+                         as the payload, so it needs serde's default enum representation; \
+                         remove this serde attribute",
+                    ));
+                }
+            }
+            for variant in variants {
+                check_variant(variant, errors);
+            }
+        }
+    }
+    let mut seen: HashMap<(String, i32), &EventType<'_>> = HashMap::new();
+    for event_type in event.event_types() {
+        if let Some(name) = &event_type.name {
+            check_name(name, "event type name", errors);
+        }
+        let version = match &event_type.version {
+            Some(literal) => version(literal, errors),
+            None => Some(1),
+        };
+        if let [_, second, ..] = event_type.partition_keys.as_slice() {
+            errors.push(syn::Error::new_spanned(
+                &second.attr,
+                "partition_key is set twice; keep one #[event(partition_key)] field",
+            ));
+        }
+        if let Some(version) = version
+            && let Some(first) = seen.insert((event_type.name(), version), event_type)
+        {
+            let message = format!(
+                "event type {:?} version {version} is already carried by variant `{}`; give \
+                     this variant another #[event(name)] or #[event(version)]",
+                event_type.name(),
+                first.ident
+            );
+            match &event_type.name {
+                Some(name) => errors.push(syn::Error::new_spanned(name, message)),
+                None => errors.push(syn::Error::new_spanned(event_type.ident, message)),
+            }
+        }
+    }
+}
+
+fn check_variant(variant: &EventType<'_>, errors: &mut Errors) {
+    if let Fields::Unnamed(fields) = variant.fields
+        && fields.unnamed.len() != 1
+    {
+        errors.push(syn::Error::new_spanned(
+            fields,
+            "an event variant has named fields, one unnamed field (its payload type), or \
+                 none; several unnamed fields have no JSON object shape",
+        ));
+    }
+    for key in &variant.serde_keys {
+        let refused = [
+            "skip",
+            "skip_serializing",
+            "skip_deserializing",
+            "other",
+            "untagged",
+        ];
+        if refused.iter().any(|k| key.is_ident(k)) {
+            errors.push(syn::Error::new_spanned(
+                key,
+                "every variant of a DomainEvent enum is an event type that must serialize and \
+                 deserialize; remove this serde attribute",
+            ));
+        }
+    }
+}
+
+pub fn aggregate(input: &AggregateInput, errors: &mut Errors) {
+    if let Some(name) = &input.name {
+        check_name(name, "aggregate type name", errors);
+    }
+    let taken = input
+        .item
+        .fields
+        .members()
+        .find(|m| matches!(m, Member::Named(ident) if ident == "pending_events"));
+    if let Some(field) = taken {
+        errors.push(syn::Error::new_spanned(
+            field,
+            "#[aggregate] adds a field named `pending_events` for the events this aggregate \
+             records; rename this field",
+        ));
+    }
+    for derive in attr::derives(&input.item.attrs) {
+        let name = attr::last_segment(&derive);
+        if ["Queryable", "Selectable", "QueryableByName"].contains(&name.as_str()) {
+            errors.push(syn::Error::new_spanned(
+                &derive,
+                format!(
+                    "diesel's {name} maps every field to a column, and #[aggregate] adds a \
+                     `pending_events` field that has none; derive {name} on a row struct and \
+                     build the aggregate from it"
+                ),
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_error;
+
+    /// The same table as `outbox_runtime::subject`'s tests: the two rules must agree.
+    #[test]
+    fn token_rule() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("Order", None),
+            ("order-42_x", None),
+            ("Bestellung\u{e4}", None),
+            ("$weird", None),
+            ("", Some("it is empty")),
+            ("a.b", Some("it contains '.', the NATS token separator")),
+            ("a*", Some("it contains the NATS wildcard '*'")),
+            (">", Some("it contains the NATS wildcard '>'")),
+            ("a b", Some("it contains whitespace (' ')")),
+            ("a\tb", Some("it contains whitespace ('\\t')")),
+            ("a\r\n", Some("it contains whitespace ('\\r')")),
+            ("a\u{a0}b", Some("it contains whitespace ('\\u{a0}')")),
+            ("a\0", Some("it contains the control character '\\0'")),
+        ];
+        for (token, expected) in cases {
+            assert_eq!(token_error(token).as_deref(), *expected, "token {token:?}");
+        }
+    }
+}

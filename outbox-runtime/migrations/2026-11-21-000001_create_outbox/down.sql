@@ -1,0 +1,2 @@
+DROP TABLE outbox_aggregates;
+DROP TABLE outbox_events;

@@ -1,0 +1,68 @@
+//! The transactional outbox for Rust services on diesel-async and NATS JetStream.
+//!
+//! A service annotates its events and aggregates, commits a unit of work, and its events
+//! reach JetStream subjects by themselves, never lost and never published for a transaction
+//! that rolled back:
+//!
+//! ```no_run
+//! use outbox_runtime::{DomainEvent, Outbox, PendingEvents, UnitOfWorkError, aggregate};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+//! enum OrderEvent {
+//!     Placed { customer: String },
+//!     Shipped { carrier: String },
+//! }
+//!
+//! #[aggregate(event = OrderEvent)]
+//! struct Order {
+//!     id: String,
+//!     shipped: bool,
+//! }
+//!
+//! # async fn place(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), UnitOfWorkError> {
+//! let mut order = Order { id: "o-1".into(), shipped: false, pending_events: PendingEvents::new() };
+//! order.record(OrderEvent::Placed { customer: "ada".into() });
+//! Outbox::new()
+//!     .transaction(conn, async |uow| {
+//!         // Business writes with diesel on `uow.conn()`, then hand over the aggregate:
+//!         uow.track(&mut order);
+//!         Ok::<_, UnitOfWorkError>(())
+//!     })
+//!     .await?;
+//! // Committed: both the order's rows and its events, or neither.
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The pieces, in the order the data flows:
+//! - [`event`]: `#[derive(DomainEvent)]`, event type names, versions, payloads, partition keys;
+//! - [`aggregate`]: `#[aggregate]`, aggregates and their buffer of pending events;
+//! - [`unit_of_work`]: one transaction for business rows and outbox rows;
+//! - [`outbox`]: the table (a public contract), its migrations and queries;
+//! - [`subject`]: the NATS subject rules every name obeys.
+
+pub mod aggregate;
+pub mod event;
+pub mod outbox;
+pub mod subject;
+pub mod unit_of_work;
+
+pub use aggregate::{Aggregate, PendingEvents};
+pub use event::{DomainEvent, EventType, PayloadError};
+pub use outbox::{MIGRATIONS, MigrationError, Outbox, run_migrations};
+pub use outbox_derive::{DomainEvent, aggregate};
+pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
+
+/// What the macros' generated code names, by absolute path, whatever the user imported.
+/// Not a public API: it changes without notice.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::aggregate::{Aggregate, PendingEvents};
+    pub use crate::event::payload::SerdeEvent;
+    pub use crate::event::{DomainEvent, EventType, PayloadError};
+    pub use serde;
+    pub use std::option::Option;
+    pub use std::result::Result;
+    pub use std::string::{String, ToString};
+}

@@ -1,0 +1,121 @@
+//! The outbox table: its schema, its migrations, the statements that read and write it, and
+//! [`Outbox`], the handle through which a service writes to it.
+//!
+//! # The table (a public contract)
+//!
+//! `outbox_events` holds one row per event. A row is *pending* until `published_at` is set;
+//! the message relay publishes pending rows to their `subject`. Any writer may insert rows:
+//! a row inserted by plain SQL with the columns that have no default (`aggregate_type`,
+//! `aggregate_id`, `aggregate_seq`, `event_type`, `partition_key`, `subject`, `payload`) is
+//! relayed like the unit of work's own. `outbox_aggregates` keeps the last sequence number
+//! handed out per aggregate. The SQL in `outbox-runtime/migrations/` defines both tables
+//! and documents every column; [`schema`] is diesel's view of them.
+
+pub(crate) mod queries;
+pub mod schema;
+
+use std::sync::Arc;
+
+use diesel_async::AsyncPgConnection;
+use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+
+use crate::subject::{InvalidSubjectPrefix, validate_prefix};
+
+/// The migrations that create and evolve the outbox tables, for a migration harness of your
+/// own; [`run_migrations`] applies them.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+
+/// The default subject prefix: events are published to `events.{aggregate_type}.{..}`.
+pub const DEFAULT_SUBJECT_PREFIX: &str = "events";
+
+/// The outbox of one service: where its units of work write events, and how their subjects
+/// are formed.
+///
+/// Cheap to clone. Start units of work with [`Outbox::transaction`].
+#[derive(Clone, Debug)]
+pub struct Outbox {
+    subject_prefix: Arc<str>,
+}
+
+impl Outbox {
+    /// An outbox with the default subject prefix, [`DEFAULT_SUBJECT_PREFIX`].
+    pub fn new() -> Self {
+        Self {
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.into(),
+        }
+    }
+
+    /// Sets the subject prefix: one or more NATS tokens joined by `.`, such as `events` or
+    /// `acme.orders`. The relay's stream must capture `{prefix}.>`.
+    ///
+    /// # Errors
+    /// [`InvalidSubjectPrefix`] when a token is empty or holds `.`, `*`, `>`, whitespace or a
+    /// control character, or when the prefix starts with `$` (reserved by NATS).
+    pub fn with_subject_prefix(self, prefix: &str) -> Result<Self, InvalidSubjectPrefix> {
+        validate_prefix(prefix)?;
+        Ok(Self {
+            subject_prefix: prefix.into(),
+        })
+    }
+
+    /// The subject prefix.
+    pub fn subject_prefix(&self) -> &str {
+        &self.subject_prefix
+    }
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Migrations could not be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// No connection to the database.
+    #[error("cannot connect to the database to run the outbox migrations: {0}")]
+    Connect(#[from] diesel::ConnectionError),
+    /// The advisory lock that serialises concurrent migration runs could not be taken.
+    #[error("cannot take the outbox migration lock: {0}")]
+    Lock(#[from] diesel::result::Error),
+    /// A migration failed; the database keeps the migrations applied before it.
+    #[error("an outbox migration failed: {0}")]
+    Migration(Box<dyn std::error::Error + Send + Sync>),
+    /// The blocking task running the migrations panicked or was cancelled.
+    #[error("the outbox migration task did not finish: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Applies the pending outbox [`MIGRATIONS`] to the database at `database_url` and returns
+/// the versions it applied (empty when the schema is current).
+///
+/// Safe to call from every instance at start-up: a PostgreSQL advisory lock serialises
+/// concurrent runs. The migrations are recorded in diesel's `__diesel_schema_migrations`
+/// table, beside any migrations of your own. Runs on a blocking thread, so it works on both
+/// tokio runtime flavours.
+///
+/// # Errors
+/// [`MigrationError`] naming the step that failed.
+pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
+    use diesel::connection::SimpleConnection as _;
+    use diesel_async::AsyncConnection as _;
+
+    let connection = AsyncPgConnection::establish(database_url).await?;
+    tokio::task::spawn_blocking(move || {
+        let mut connection = AsyncConnectionWrapper::<AsyncPgConnection>::from(connection);
+        // Session-level lock: held across the migrations' own transactions, released when
+        // the connection closes even if a migration fails. The key is "outbox" in ASCII.
+        connection.batch_execute("SELECT pg_advisory_lock(122550254464888)")?;
+        let applied = connection
+            .run_pending_migrations(MIGRATIONS)
+            .map_err(MigrationError::Migration)?
+            .into_iter()
+            .map(|version| version.to_string())
+            .collect();
+        connection.batch_execute("SELECT pg_advisory_unlock(122550254464888)")?;
+        Ok(applied)
+    })
+    .await?
+}

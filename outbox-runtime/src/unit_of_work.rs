@@ -1,0 +1,300 @@
+//! The unit of work: business writes and their events in one database transaction.
+//!
+//! This is the answer to the dual-write problem. A service that writes its database and then
+//! publishes to a broker loses the event when it crashes in between, and publishes a ghost
+//! event when the write rolls back after the publish. Here the events are rows of the
+//! outbox table, inserted by the same transaction as the business rows: both commit or
+//! neither does, and the message relay publishes what committed.
+//!
+//! [`Outbox::transaction`] runs a closure inside one transaction. The closure receives a
+//! [`UnitOfWork`]: its [`conn`](UnitOfWork::conn) for diesel queries as usual,
+//! [`track`](UnitOfWork::track) to hand over an aggregate whose events should be written, and
+//! [`emit`](UnitOfWork::emit) for a standalone event. The handle is borrowed for the closure
+//! only, so events cannot reach the outbox outside a transaction or after its commit.
+
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use uuid::Uuid;
+
+use crate::aggregate::{Aggregate, CommitHandle};
+use crate::event::{DomainEvent, PayloadError};
+use crate::outbox::Outbox;
+use crate::outbox::queries::{self, NewEvent};
+use crate::subject::{InvalidToken, event_subject, validate_token};
+
+/// A unit of work could not commit; the transaction was rolled back and nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum UnitOfWorkError {
+    /// A value that becomes a subject token (or the `ce-subject` header) is not a valid NATS
+    /// subject token.
+    #[error(
+        "{role} {value:?} of {aggregate_type} {aggregate_id:?} (event {event_type}) \
+         is not a valid NATS subject token: {reason}"
+    )]
+    InvalidSubjectToken {
+        /// Which value: aggregate type, aggregate id, partition key or event type.
+        role: TokenRole,
+        /// The rejected value.
+        value: String,
+        /// The aggregate type of the event.
+        aggregate_type: String,
+        /// The aggregate id of the event.
+        aggregate_id: String,
+        /// The event type of the event.
+        event_type: String,
+        /// What is wrong with the value.
+        reason: InvalidToken,
+    },
+    /// An event's payload did not serialize.
+    #[error("event of {aggregate_type} {aggregate_id:?}: {source}")]
+    Payload {
+        /// The aggregate type of the event.
+        aggregate_type: String,
+        /// The aggregate id of the event.
+        aggregate_id: String,
+        /// What serialization reported.
+        #[source]
+        source: PayloadError,
+    },
+    /// The connection was already inside a transaction. A unit of work must own its
+    /// transaction: it drains aggregates after COMMIT, which a savepoint is not.
+    #[error(
+        "Outbox::transaction was called on a connection that is already in a transaction; \
+         a unit of work must own its transaction, so call it outside any other"
+    )]
+    NestedTransaction,
+    /// The database reported an error (including one from the closure's own queries).
+    #[error(transparent)]
+    Database(#[from] diesel::result::Error),
+}
+
+/// The role of a value in an event's subject, for [`UnitOfWorkError::InvalidSubjectToken`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenRole {
+    /// The aggregate type (second subject token).
+    AggregateType,
+    /// The aggregate id (`ce-subject`, and the default partition key).
+    AggregateId,
+    /// The partition key (third subject token).
+    PartitionKey,
+    /// The event type (fourth subject token).
+    EventType,
+}
+
+impl std::fmt::Display for TokenRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::AggregateType => "aggregate type",
+            Self::AggregateId => "aggregate id",
+            Self::PartitionKey => "partition key",
+            Self::EventType => "event type",
+        })
+    }
+}
+
+impl Outbox {
+    /// Runs `f` inside one database transaction and writes the events it hands over to the
+    /// outbox table just before COMMIT.
+    ///
+    /// `f` receives a [`UnitOfWork`]. All events it collected are written in one multi-row
+    /// INSERT at the end of the transaction; then the transaction commits, and only then are
+    /// the tracked aggregates' buffers drained. When `f` returns an error, or writing the
+    /// events fails, or a value is not a valid subject token, the transaction is rolled back:
+    /// no business row and no outbox row is written, and the aggregates keep their pending
+    /// events.
+    ///
+    /// `conn` is a plain [`AsyncPgConnection`] or a pooled one (`&mut pooled` derefs to it);
+    /// it must not already be inside a transaction.
+    ///
+    /// # Errors
+    /// `f`'s own error, or a [`UnitOfWorkError`] converted into `E`.
+    ///
+    /// # Cancellation
+    /// Like diesel-async's `transaction`, dropping the returned future part-way leaves the
+    /// transaction open on `conn`; drop the connection too (a pool discards it when it
+    /// notices the open transaction).
+    pub async fn transaction<T, E, F>(&self, conn: &mut AsyncPgConnection, f: F) -> Result<T, E>
+    where
+        F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c>) -> Result<T, E>,
+        E: From<UnitOfWorkError>,
+    {
+        let depth = AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth()
+            .map_err(UnitOfWorkError::from)?;
+        if depth.is_some() {
+            return Err(UnitOfWorkError::NestedTransaction.into());
+        }
+        AnsiTransactionManager::begin_transaction(conn)
+            .await
+            .map_err(UnitOfWorkError::from)?;
+
+        let outcome = {
+            let mut unit = UnitOfWork {
+                conn,
+                outbox: self,
+                events: Vec::new(),
+                tracked: Vec::new(),
+                error: None,
+            };
+            match f(&mut unit).await {
+                Ok(value) => match unit.flush().await {
+                    Ok(commit_handles) => Ok((value, commit_handles)),
+                    Err(error) => Err(E::from(error)),
+                },
+                Err(error) => Err(error),
+            }
+        };
+        match outcome {
+            Ok((value, commit_handles)) => {
+                AnsiTransactionManager::commit_transaction(conn)
+                    .await
+                    .map_err(UnitOfWorkError::from)?;
+                for (handle, count) in commit_handles {
+                    handle.mark_committed(count);
+                }
+                Ok(value)
+            }
+            Err(error) => match AnsiTransactionManager::rollback_transaction(conn).await {
+                // A broken transaction manager means the rollback could not run; the
+                // original error says more about why.
+                Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
+                Err(rollback_error) => Err(UnitOfWorkError::from(rollback_error).into()),
+            },
+        }
+    }
+}
+
+/// The events of one transaction, collected until COMMIT. Handed to the closure of
+/// [`Outbox::transaction`], and to nothing else.
+pub struct UnitOfWork<'c> {
+    conn: &'c mut AsyncPgConnection,
+    outbox: &'c Outbox,
+    events: Vec<NewEvent>,
+    /// Aggregates whose events were taken, with how many: drained after COMMIT.
+    tracked: Vec<(CommitHandle, usize)>,
+    /// The first invalid event; reported, and the transaction rolled back, at commit.
+    error: Option<UnitOfWorkError>,
+}
+
+impl<'c> UnitOfWork<'c> {
+    /// The transaction's connection, for the business writes.
+    pub fn conn(&mut self) -> &mut AsyncPgConnection {
+        self.conn
+    }
+
+    /// Takes the aggregate's pending events into this unit of work; they are written to the
+    /// outbox at commit and drained from the aggregate once the commit succeeded.
+    ///
+    /// Tracking the same aggregate again takes only the events recorded since. An event that
+    /// cannot be written (an id that is not a valid subject token, a payload that does not
+    /// serialize) fails the commit with a [`UnitOfWorkError`] that names it.
+    pub fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
+        let handle = aggregate.pending().commit_handle();
+        let taken = match self
+            .tracked
+            .iter_mut()
+            .find(|(h, _)| h.same_buffer(&handle))
+        {
+            Some((_, taken)) => taken,
+            None => {
+                self.tracked.push((handle, 0));
+                &mut self.tracked.last_mut().expect("just pushed").1
+            }
+        };
+        let new_events = &aggregate.pending_events()[*taken..];
+        *taken += new_events.len();
+        if new_events.is_empty() {
+            return;
+        }
+        let aggregate_id = aggregate.aggregate_id();
+        for event in new_events {
+            let new_event = prepare(self.outbox, A::AGGREGATE_TYPE, &aggregate_id, event);
+            self.push(new_event);
+        }
+    }
+
+    /// Writes a standalone event for the aggregate `aggregate_type` / `aggregate_id`, with
+    /// no aggregate value behind it (an event about something this service does not model
+    /// as an aggregate). Both must be valid NATS subject tokens; the commit fails otherwise.
+    pub fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E) {
+        let new_event = prepare(self.outbox, aggregate_type, aggregate_id, event);
+        self.push(new_event);
+    }
+
+    /// How many events this unit of work will write at commit.
+    pub fn event_count(&self) -> usize {
+        self.events.len()
+    }
+
+    fn push(&mut self, new_event: Result<NewEvent, UnitOfWorkError>) {
+        match new_event {
+            Ok(new_event) => self.events.push(new_event),
+            Err(error) => {
+                self.error.get_or_insert(error);
+            }
+        }
+    }
+
+    /// Writes the collected events; returns what to drain after COMMIT.
+    async fn flush(self) -> Result<Vec<(CommitHandle, usize)>, UnitOfWorkError> {
+        if let Some(error) = self.error {
+            return Err(error);
+        }
+        if !self.events.is_empty() {
+            queries::insert_events(self.conn, &self.events).await?;
+        }
+        Ok(self.tracked)
+    }
+}
+
+/// Checks an event's subject tokens, serializes its payload and resolves its subject.
+fn prepare<E: DomainEvent>(
+    outbox: &Outbox,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    event: &E,
+) -> Result<NewEvent, UnitOfWorkError> {
+    let event_type = event.event_type();
+    let partition_key = event.partition_key();
+    let invalid = |role, value: &str, reason| UnitOfWorkError::InvalidSubjectToken {
+        role,
+        value: value.to_owned(),
+        aggregate_type: aggregate_type.to_owned(),
+        aggregate_id: aggregate_id.to_owned(),
+        event_type: event_type.to_owned(),
+        reason,
+    };
+    let checks = [
+        (TokenRole::AggregateType, aggregate_type),
+        (TokenRole::AggregateId, aggregate_id),
+        (TokenRole::EventType, event_type),
+    ];
+    for (role, value) in checks {
+        validate_token(value).map_err(|reason| invalid(role, value, reason))?;
+    }
+    if let Some(key) = &partition_key {
+        validate_token(key).map_err(|reason| invalid(TokenRole::PartitionKey, key, reason))?;
+    }
+    let payload = event
+        .to_payload()
+        .map_err(|source| UnitOfWorkError::Payload {
+            aggregate_type: aggregate_type.to_owned(),
+            aggregate_id: aggregate_id.to_owned(),
+            source,
+        })?;
+    let partition_key = partition_key.unwrap_or_else(|| aggregate_id.to_owned());
+    Ok(NewEvent {
+        id: Uuid::now_v7(),
+        subject: event_subject(
+            outbox.subject_prefix(),
+            aggregate_type,
+            &partition_key,
+            event_type,
+        ),
+        aggregate_type: aggregate_type.to_owned(),
+        aggregate_id: aggregate_id.to_owned(),
+        event_type,
+        event_version: event.event_version(),
+        partition_key,
+        payload,
+    })
+}

@@ -1,0 +1,214 @@
+//! What `#[derive(DomainEvent)]` and `#[aggregate]` generate, used as a user would (no
+//! services needed). The compile errors are pinned in `ui-tests/`.
+
+use diesel::query_builder::debug_query;
+use diesel::{Insertable, pg::Pg};
+use outbox_runtime::{Aggregate, DomainEvent, EventType, PendingEvents, aggregate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+pub enum AccountEvent {
+    Opened {
+        owner: String,
+    },
+    #[event(name = "Deposited", version = 2)]
+    DepositedV2 {
+        amount_cents: i64,
+        #[event(partition_key)]
+        branch: String,
+    },
+    #[event(name = "Deposited")]
+    DepositedV1 {
+        amount: f64,
+    },
+    Frozen,
+    Renamed(Rename),
+    #[allow(non_camel_case_types)] // a raw identifier: the event type is `type`
+    r#type {
+        kind: String,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rename {
+    to: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+#[event(version = 3)]
+struct LimitRaised {
+    #[event(partition_key)]
+    region: u16,
+    limit_cents: i64,
+}
+
+#[derive(Debug, PartialEq, DomainEvent)]
+struct Closed;
+
+#[test]
+fn event_types_versions_and_partition_keys() {
+    let types: Vec<(&str, i32)> = AccountEvent::EVENT_TYPES
+        .iter()
+        .map(|t: &EventType| (t.name, t.version))
+        .collect();
+    assert_eq!(
+        types,
+        [
+            ("Opened", 1),
+            ("Deposited", 2),
+            ("Deposited", 1),
+            ("Frozen", 1),
+            ("Renamed", 1),
+            ("type", 1)
+        ]
+    );
+    let deposit = AccountEvent::DepositedV2 {
+        amount_cents: 500,
+        branch: "north".into(),
+    };
+    assert_eq!(
+        (deposit.event_type(), deposit.event_version()),
+        ("Deposited", 2)
+    );
+    assert_eq!(deposit.partition_key().as_deref(), Some("north"));
+    assert_eq!(AccountEvent::Frozen.partition_key(), None);
+
+    let raised = LimitRaised {
+        region: 7,
+        limit_cents: 1,
+    };
+    assert_eq!(
+        (raised.event_type(), raised.event_version()),
+        ("LimitRaised", 3)
+    );
+    assert_eq!(raised.partition_key().as_deref(), Some("7"));
+    assert_eq!(Closed.event_type(), "Closed");
+}
+
+#[test]
+fn payloads_round_trip_and_decode_dispatches_on_type_and_version() {
+    let events = [
+        AccountEvent::Opened {
+            owner: "ada".into(),
+        },
+        AccountEvent::DepositedV2 {
+            amount_cents: 500,
+            branch: "north".into(),
+        },
+        AccountEvent::DepositedV1 { amount: 5.0 },
+        AccountEvent::Frozen,
+        AccountEvent::Renamed(Rename { to: "bob".into() }),
+        AccountEvent::r#type { kind: "x".into() },
+    ];
+    let payloads = [
+        r#"{"owner":"ada"}"#,
+        r#"{"amount_cents":500,"branch":"north"}"#,
+        r#"{"amount":5.0}"#,
+        "{}",
+        r#"{"to":"bob"}"#,
+        r#"{"kind":"x"}"#,
+    ];
+    for (event, payload) in events.iter().zip(payloads) {
+        assert_eq!(event.to_payload().unwrap(), payload);
+        let back = AccountEvent::from_payload(
+            event.event_type(),
+            event.event_version(),
+            payload.as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(&back, event);
+    }
+    // The same name at version 1 decodes the old shape.
+    let old = AccountEvent::from_payload("Deposited", 1, br#"{"amount":1.5}"#).unwrap();
+    assert_eq!(old, AccountEvent::DepositedV1 { amount: 1.5 });
+    assert!(AccountEvent::from_payload("Deposited", 3, b"{}").is_err());
+
+    let raised = LimitRaised {
+        region: 7,
+        limit_cents: 1,
+    };
+    let payload = raised.to_payload().unwrap();
+    assert_eq!(
+        LimitRaised::from_payload("LimitRaised", 3, payload.as_bytes()).unwrap(),
+        raised
+    );
+    let error = LimitRaised::from_payload("LimitRaised", 1, payload.as_bytes()).unwrap_err();
+    assert!(error.to_string().contains("LimitRaised v3"), "{error}");
+
+    assert_eq!(Closed.to_payload().unwrap(), "{}");
+    assert_eq!(Closed::from_payload("Closed", 1, b"{}").unwrap(), Closed);
+}
+
+diesel::table! {
+    accounts (number) {
+        number -> Text,
+        owner -> Text,
+    }
+}
+
+/// An aggregate that is also a serde value and a diesel insertable: the injected buffer
+/// stays out of both.
+#[aggregate(event = AccountEvent, name = "Account")]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Insertable)]
+#[diesel(table_name = accounts)]
+pub struct BankAccount {
+    #[aggregate_id]
+    number: String,
+    owner: String,
+}
+
+#[test]
+fn an_aggregate_has_a_type_an_id_and_a_buffer_that_other_derives_skip() {
+    let mut account = BankAccount {
+        number: "acc-1".into(),
+        owner: "ada".into(),
+        pending_events: PendingEvents::new(),
+    };
+    assert_eq!(BankAccount::AGGREGATE_TYPE, "Account");
+    assert_eq!(account.aggregate_id(), "acc-1");
+    account.record(AccountEvent::Frozen);
+    assert_eq!(account.pending_events(), [AccountEvent::Frozen]);
+
+    let json = serde_json::to_value(&account).unwrap();
+    assert_eq!(json, serde_json::json!({"number": "acc-1", "owner": "ada"}));
+    let back: BankAccount = serde_json::from_value(json).unwrap();
+    assert!(back.pending_events().is_empty());
+
+    let sql =
+        debug_query::<Pg, _>(&diesel::insert_into(accounts::table).values(&account)).to_string();
+    assert!(
+        sql.starts_with("INSERT INTO \"accounts\" (\"number\", \"owner\") VALUES ($1, $2)"),
+        "{sql}"
+    );
+
+    // A clone owns its pending events.
+    let clone = account.clone();
+    assert_eq!(clone, account);
+    assert_eq!(clone.pending_events().len(), 1);
+}
+
+/// An aggregate in another module, generic, with the trait used generically.
+mod generic {
+    use super::*;
+
+    #[aggregate(event = AccountEvent)]
+    pub struct Ledger<T: std::fmt::Display> {
+        pub id: T,
+    }
+
+    pub fn pending<A: Aggregate>(aggregate: &A) -> usize {
+        aggregate.pending_events().len()
+    }
+}
+
+#[test]
+fn aggregates_may_be_generic_and_are_usable_through_the_trait() {
+    let mut ledger = generic::Ledger {
+        id: 42_u64,
+        pending_events: PendingEvents::new(),
+    };
+    ledger.record(AccountEvent::Frozen);
+    assert_eq!(generic::Ledger::<u64>::AGGREGATE_TYPE, "Ledger");
+    assert_eq!(ledger.aggregate_id(), "42");
+    assert_eq!(generic::pending(&ledger), 1);
+}

@@ -1,0 +1,162 @@
+//! The harness every end-to-end test shares: each test gets its own PostgreSQL database
+//! (migrated) and its own JetStream stream and subject prefix, so tests run in parallel and
+//! twice in a row against the machine's real servers. Both are removed when the test ends.
+//!
+//! `OUTBOX_TEST_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`) is the
+//! server to create databases on; `NATS_URL` (default `nats://127.0.0.1:4222`) the broker.
+
+#![allow(dead_code)] // each test binary uses part of the harness
+
+pub mod domain;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{
+    self,
+    consumer::{DeliverPolicy, pull},
+};
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use futures::StreamExt;
+use outbox_runtime::Outbox;
+
+pub struct TestEnv {
+    /// The URL of this test's own database.
+    pub database_url: String,
+    admin_url: String,
+    database: String,
+    pub nats: async_nats::Client,
+    /// This test's subject prefix (one token).
+    pub prefix: String,
+    /// This test's stream, capturing `{prefix}.>`.
+    pub stream: String,
+}
+
+fn admin_url() -> String {
+    std::env::var("OUTBOX_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+impl TestEnv {
+    /// A fresh, migrated database and a unique stream name and subject prefix (the stream
+    /// itself is created by the first relay, as in production).
+    pub async fn new() -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
+        let admin_url = admin_url();
+        let database = format!("outbox_test_{tag}");
+        let mut admin = AsyncPgConnection::establish(&admin_url)
+            .await
+            .expect("PostgreSQL is reachable (see README: the services)");
+        admin
+            .batch_execute(&format!("CREATE DATABASE {database}"))
+            .await
+            .expect("create the test database");
+        let database_url = match admin_url.rsplit_once('/') {
+            Some((server, _)) => format!("{server}/{database}"),
+            None => panic!("OUTBOX_TEST_DATABASE_URL has no database part: {admin_url}"),
+        };
+        outbox_runtime::run_migrations(&database_url)
+            .await
+            .expect("migrations apply");
+        let nats = async_nats::connect(nats_url())
+            .await
+            .expect("NATS is reachable (see README: the services)");
+        Self {
+            database_url,
+            admin_url,
+            database,
+            nats,
+            prefix: format!("t{tag}"),
+            stream: format!("TEST_{}", tag.to_uppercase()),
+        }
+    }
+
+    pub async fn conn(&self) -> AsyncPgConnection {
+        AsyncPgConnection::establish(&self.database_url)
+            .await
+            .expect("connect to the test database")
+    }
+
+    pub fn outbox(&self) -> Outbox {
+        Outbox::new()
+            .with_subject_prefix(&self.prefix)
+            .expect("a valid prefix")
+    }
+
+    pub fn jetstream(&self) -> jetstream::Context {
+        jetstream::new(self.nats.clone())
+    }
+
+    /// Every message in this test's stream, in stream order, read by an ordered consumer
+    /// (the protocol's header parser keeps every value of a multi-valued header; the
+    /// stream's raw-get API, as async-nats 0.51 decodes it, keeps only the last).
+    pub async fn stream_messages(&self) -> Vec<Received> {
+        let mut stream = self
+            .jetstream()
+            .get_stream(&self.stream)
+            .await
+            .expect("the stream exists");
+        let stored = stream.info().await.expect("stream info").state.messages;
+        let consumer = stream
+            .create_consumer(pull::OrderedConfig {
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .expect("an ordered consumer");
+        let mut messages = consumer.messages().await.expect("consume the stream");
+        let mut received = Vec::new();
+        while (received.len() as u64) < stored {
+            let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                .await
+                .expect("a stored message is delivered")
+                .expect("the consumer is open")
+                .expect("a message");
+            received.push(Received {
+                subject: message.subject.to_string(),
+                headers: message.headers.clone().unwrap_or_default(),
+                payload: message.payload.to_vec(),
+            });
+        }
+        received
+    }
+}
+
+/// A message as a consumer received it.
+#[derive(Debug)]
+pub struct Received {
+    pub subject: String,
+    pub headers: async_nats::HeaderMap,
+    pub payload: Vec<u8>,
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let admin_url = self.admin_url.clone();
+        let database = self.database.clone();
+        let stream = self.stream.clone();
+        // Drop cannot await, so the cleanup runs on a thread and runtime of its own, with
+        // connections of its own: the test's NATS client is driven by the test's runtime,
+        // which is blocked in this very drop.
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for cleanup");
+            runtime.block_on(async move {
+                if let Ok(nats) = async_nats::connect(nats_url()).await {
+                    let _ = jetstream::new(nats).delete_stream(&stream).await;
+                }
+                if let Ok(mut admin) = AsyncPgConnection::establish(&admin_url).await {
+                    let _ = admin
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+                        .await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}

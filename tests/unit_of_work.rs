@@ -1,0 +1,454 @@
+//! The unit of work against the real PostgreSQL: atomicity, the checks done at commit, and
+//! per-aggregate sequence numbers under concurrency.
+
+mod support;
+
+use diesel::prelude::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_runtime::outbox::schema::outbox_events;
+use outbox_runtime::{TokenRole, UnitOfWorkError};
+use support::TestEnv;
+use support::domain::{Order, OrderEvent, PaymentCaptured};
+
+diesel::table! {
+    orders (id) {
+        id -> Text,
+        status -> Text,
+    }
+}
+
+async fn create_orders_table(conn: &mut AsyncPgConnection) {
+    conn.batch_execute("CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL)")
+        .await
+        .unwrap();
+}
+
+async fn insert_order(conn: &mut AsyncPgConnection, order: &Order) -> QueryResult<usize> {
+    diesel::insert_into(orders::table)
+        .values((orders::id.eq(&order.id), orders::status.eq(&order.status)))
+        .execute(conn)
+        .await
+}
+
+/// `(aggregate_id, aggregate_seq, event_type)` of every outbox row, in sequence order.
+async fn outbox_rows(conn: &mut AsyncPgConnection) -> Vec<(String, i64, String)> {
+    outbox_events::table
+        .select((
+            outbox_events::aggregate_id,
+            outbox_events::aggregate_seq,
+            outbox_events::event_type,
+        ))
+        .order((outbox_events::aggregate_id, outbox_events::aggregate_seq))
+        .load(conn)
+        .await
+        .unwrap()
+}
+
+async fn order_count(conn: &mut AsyncPgConnection) -> i64 {
+    orders::table.count().get_result(conn).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_rolled_back_unit_of_work_leaves_no_row_and_keeps_the_events_pending() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    let mut order = Order::place("o-1", "ada", 4200);
+    order.record(OrderEvent::Shipped);
+
+    let result = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            insert_order(uow.conn(), &order).await?;
+            uow.track(&mut order);
+            assert_eq!(uow.event_count(), 2);
+            Err::<(), _>(UnitOfWorkError::Database(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+
+    assert!(result.is_err());
+    assert_eq!(order_count(&mut conn).await, 0, "no business row");
+    assert!(outbox_rows(&mut conn).await.is_empty(), "no outbox row");
+    assert_eq!(order.pending_events().len(), 2, "events stay pending");
+
+    // The same aggregate commits on the next attempt, and only then is drained.
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            insert_order(uow.conn(), &order).await?;
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(order_count(&mut conn).await, 1);
+    assert_eq!(
+        outbox_rows(&mut conn).await,
+        [
+            ("o-1".to_owned(), 1, "Placed".to_owned()),
+            ("o-1".to_owned(), 2, "Shipped".to_owned())
+        ]
+    );
+    assert!(order.pending_events().is_empty());
+}
+
+#[tokio::test]
+async fn a_failing_business_write_rolls_back_the_events_too() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    let mut first = Order::place("dup", "ada", 1);
+    let mut second = Order::place("dup", "grace", 2);
+
+    let result = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut first);
+            insert_order(uow.conn(), &first).await?;
+            uow.track(&mut second);
+            insert_order(uow.conn(), &second).await?; // primary key violation
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await;
+
+    assert!(
+        matches!(result, Err(UnitOfWorkError::Database(_))),
+        "{result:?}"
+    );
+    assert_eq!(order_count(&mut conn).await, 0);
+    assert!(outbox_rows(&mut conn).await.is_empty());
+    assert_eq!(first.pending_events().len(), 1);
+}
+
+#[tokio::test]
+async fn an_aggregate_id_that_would_break_a_subject_is_rejected_at_commit_by_name() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    let mut good = Order::place("fine", "ada", 1);
+    let mut bad = Order::place("eu.42", "grace", 2);
+
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            insert_order(uow.conn(), &good).await?;
+            uow.track(&mut good);
+            uow.track(&mut bad);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+
+    match &error {
+        UnitOfWorkError::InvalidSubjectToken { role, value, .. } => {
+            assert_eq!((*role, value.as_str()), (TokenRole::AggregateId, "eu.42"));
+        }
+        other => panic!("expected InvalidSubjectToken, got {other:?}"),
+    }
+    assert_eq!(
+        error.to_string(),
+        "aggregate id \"eu.42\" of Order \"eu.42\" (event Placed) is not a valid NATS subject \
+         token: it contains '.', the NATS token separator"
+    );
+    assert_eq!(
+        order_count(&mut conn).await,
+        0,
+        "the business row is rolled back too"
+    );
+    assert!(outbox_rows(&mut conn).await.is_empty());
+    assert_eq!(good.pending_events().len(), 1);
+}
+
+#[tokio::test]
+async fn a_partition_key_and_a_standalone_aggregate_type_are_checked_too() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            let payment = PaymentCaptured {
+                merchant: "acme shop".into(),
+                amount_cents: 100,
+            };
+            uow.emit("Payment", "p-1", &payment);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        error.to_string().starts_with(
+            "partition key \"acme shop\" of Payment \"p-1\" (event PaymentCaptured) is not a \
+             valid NATS subject token: it contains whitespace"
+        ),
+        "{error}"
+    );
+
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.emit("Pay*", "p-1", &OrderEvent::Shipped);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, UnitOfWorkError::InvalidSubjectToken { role: TokenRole::AggregateType, value, .. } if value == "Pay*"),
+        "{error:?}"
+    );
+    assert!(outbox_rows(&mut conn).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_unit_of_work_refuses_a_connection_already_in_a_transaction() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let outbox = env.outbox();
+    let mut order = Order::place("o-1", "ada", 1);
+
+    let result = conn
+        .transaction::<_, UnitOfWorkError, _>(async |conn| {
+            outbox
+                .transaction(conn, async |uow| {
+                    uow.track(&mut order);
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .await
+        })
+        .await;
+
+    assert!(
+        matches!(result, Err(UnitOfWorkError::NestedTransaction)),
+        "{result:?}"
+    );
+    assert!(outbox_rows(&mut conn).await.is_empty());
+    assert_eq!(order.pending_events().len(), 1);
+}
+
+#[tokio::test]
+async fn events_carry_type_version_partition_key_subject_and_payload() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut order = Order::place("o-7", "ada", 4200);
+
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            // Recorded after the first track: a second track takes only this one.
+            order.record(OrderEvent::ItemAdded {
+                sku: "tea".into(),
+                quantity: 3,
+            });
+            uow.track(&mut order);
+            let payment = PaymentCaptured {
+                merchant: "acme".into(),
+                amount_cents: 4200,
+            };
+            uow.emit("Payment", "pay-9", &payment);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    type Row = (
+        String,
+        String,
+        i64,
+        String,
+        i32,
+        String,
+        String,
+        serde_json::Value,
+    );
+    let rows: Vec<Row> = outbox_events::table
+        .select((
+            outbox_events::aggregate_type,
+            outbox_events::aggregate_id,
+            outbox_events::aggregate_seq,
+            outbox_events::event_type,
+            outbox_events::event_version,
+            outbox_events::partition_key,
+            outbox_events::subject,
+            outbox_events::payload,
+        ))
+        .order(outbox_events::id)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    let p = &env.prefix;
+    let expected: Vec<Row> = vec![
+        (
+            "Order".into(),
+            "o-7".into(),
+            1,
+            "Placed".into(),
+            1,
+            "o-7".into(),
+            format!("{p}.Order.o-7.Placed"),
+            serde_json::json!({"customer": "ada", "total_cents": 4200}),
+        ),
+        (
+            "Order".into(),
+            "o-7".into(),
+            2,
+            "LineAdded".into(),
+            2,
+            "o-7".into(),
+            format!("{p}.Order.o-7.LineAdded"),
+            serde_json::json!({"sku": "tea", "quantity": 3}),
+        ),
+        (
+            "Payment".into(),
+            "pay-9".into(),
+            1,
+            "PaymentCaptured".into(),
+            1,
+            "acme".into(),
+            format!("{p}.Payment.acme.PaymentCaptured"),
+            serde_json::json!({"merchant": "acme", "amount_cents": 4200}),
+        ),
+    ];
+    assert_eq!(rows, expected);
+    assert!(order.pending_events().is_empty());
+}
+
+#[tokio::test]
+async fn sequences_continue_after_rows_inserted_by_hand() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut order = Order::place("o-1", "ada", 1);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    // Another service appends sequence 2 by hand.
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+         partition_key, subject, payload) \
+         VALUES ('Order', 'o-1', 2, 'Shipped', 'o-1', '{}.Order.o-1.Shipped', '{{}}')",
+        env.prefix
+    ))
+    .await
+    .unwrap();
+    order.record(OrderEvent::Shipped);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    let seqs: Vec<i64> = outbox_rows(&mut conn).await.iter().map(|r| r.1).collect();
+    assert_eq!(seqs, [1, 2, 3]);
+}
+
+/// Many concurrent units of work on one aggregate. Commit order is observed with a deferred
+/// constraint trigger on a business table: it runs at COMMIT, after the outbox rows were
+/// written and while the transaction still holds its locks, and logs the transaction id and
+/// the clock. Ordering the transactions by that log, their sequence numbers must be
+/// contiguous ranges, each after the previous one's. (An implementation that drew numbers
+/// from a PostgreSQL SEQUENCE, say, would give numbers in draw order, not commit order, and
+/// fail here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_units_of_work_on_one_aggregate_get_contiguous_sequences_in_commit_order() {
+    const WORKERS: usize = 6;
+    const TRANSACTIONS: usize = 15;
+
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    conn.batch_execute(
+        "CREATE TABLE touches (txid bigint NOT NULL);
+         CREATE TABLE commit_log (txid bigint NOT NULL, committed_at timestamptz NOT NULL);
+         CREATE FUNCTION log_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             INSERT INTO commit_log VALUES (NEW.txid, clock_timestamp());
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER log_commit AFTER INSERT ON touches
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION log_commit();",
+    )
+    .await
+    .unwrap();
+
+    let mut workers = Vec::new();
+    for worker in 0..WORKERS {
+        let outbox = env.outbox();
+        let database_url = env.database_url.clone();
+        workers.push(tokio::spawn(async move {
+            let mut conn = AsyncPgConnection::establish(&database_url).await.unwrap();
+            let mut order = Order::place("hot", "ada", 1);
+            let mut written = 0;
+            for n in 0..TRANSACTIONS {
+                // 1 to 3 events per transaction (the first carries Placed).
+                for _ in 0..(worker + n) % 3 {
+                    order.record(OrderEvent::Shipped);
+                }
+                written += order.pending_events().len();
+                outbox
+                    .transaction(&mut conn, async |uow| {
+                        diesel::sql_query(
+                            "INSERT INTO touches VALUES (txid_current() % 4294967296)",
+                        )
+                        .execute(uow.conn())
+                        .await?;
+                        uow.track(&mut order);
+                        Ok::<_, UnitOfWorkError>(())
+                    })
+                    .await
+                    .unwrap();
+                if order.pending_events().is_empty() {
+                    order.record(OrderEvent::Shipped);
+                }
+            }
+            written
+        }));
+    }
+    let mut total = 0;
+    for worker in workers {
+        total += worker.await.unwrap();
+    }
+
+    // Per transaction, in commit order: the lowest and highest sequence it wrote, and count.
+    #[derive(QueryableByName, Debug)]
+    struct Committed {
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        first: i64,
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        last: i64,
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        events: i64,
+    }
+    let committed: Vec<Committed> = diesel::sql_query(
+        "SELECT min(e.aggregate_seq) AS first, max(e.aggregate_seq) AS last, count(*) AS events
+         FROM outbox_events e JOIN commit_log c ON e.xmin::text::bigint = c.txid
+         GROUP BY c.txid, c.committed_at
+         ORDER BY c.committed_at",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap();
+
+    assert_eq!(committed.len(), WORKERS * TRANSACTIONS);
+    let mut next = 1;
+    for tx in &committed {
+        assert_eq!(
+            tx.first, next,
+            "sequences follow commit order: {committed:?}"
+        );
+        assert_eq!(
+            tx.last - tx.first + 1,
+            tx.events,
+            "contiguous within a transaction"
+        );
+        next = tx.last + 1;
+    }
+    assert_eq!(
+        next - 1,
+        i64::try_from(total).unwrap(),
+        "every event numbered once"
+    );
+}

@@ -1,0 +1,15 @@
+use outbox_runtime::{DomainEvent, aggregate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {
+    Placed,
+}
+
+#[aggregate(event = OrderEvent)]
+struct Order {
+    #[aggregate_id(format = "upper")]
+    order_number: String,
+}
+
+fn main() {}

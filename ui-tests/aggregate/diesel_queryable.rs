@@ -1,0 +1,15 @@
+use outbox_runtime::{DomainEvent, aggregate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {
+    Placed,
+}
+
+#[aggregate(event = OrderEvent)]
+#[derive(diesel::Queryable)]
+struct Order {
+    id: String,
+}
+
+fn main() {}

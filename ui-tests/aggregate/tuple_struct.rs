@@ -1,0 +1,12 @@
+use outbox_runtime::{DomainEvent, aggregate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {
+    Placed,
+}
+
+#[aggregate(event = OrderEvent)]
+struct Order(#[aggregate_id] String);
+
+fn main() {}

@@ -1,0 +1,7 @@
+use outbox_runtime::DomainEvent;
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {}
+
+fn main() {}

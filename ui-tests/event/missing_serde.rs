@@ -1,0 +1,8 @@
+use outbox_runtime::DomainEvent;
+
+#[derive(DomainEvent)]
+struct OrderPlaced {
+    customer: String,
+}
+
+fn main() {}

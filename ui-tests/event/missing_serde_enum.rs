@@ -1,0 +1,8 @@
+use outbox_runtime::DomainEvent;
+
+#[derive(DomainEvent)]
+enum OrderEvent {
+    Placed { customer: String },
+}
+
+fn main() {}
