@@ -30,7 +30,7 @@
 //!         Ok::<_, UnitOfWorkError>(())
 //!     })
 //!     .await?;
-//! // Committed: both the order's rows and its events, or neither.
+//! // Committed: the relay publishes `events.Order.o-1.Placed`.
 //! # Ok(())
 //! # }
 //! ```
@@ -40,11 +40,15 @@
 //! - [`aggregate`]: `#[aggregate]`, aggregates and their buffer of pending events;
 //! - [`unit_of_work`]: one transaction for business rows and outbox rows;
 //! - [`outbox`]: the table (a public contract), its migrations and queries;
+//! - [`relay`]: the message relay that publishes committed rows;
+//! - [`publisher`]: the JetStream side, with the wire contract of every message;
 //! - [`subject`]: the NATS subject rules every name obeys.
 
 pub mod aggregate;
 pub mod event;
 pub mod outbox;
+pub mod publisher;
+pub mod relay;
 pub mod subject;
 pub mod unit_of_work;
 
@@ -52,6 +56,8 @@ pub use aggregate::{Aggregate, PendingEvents};
 pub use event::{DomainEvent, EventType, PayloadError};
 pub use outbox::{MIGRATIONS, MigrationError, Outbox, run_migrations};
 pub use outbox_derive::{DomainEvent, aggregate};
+pub use publisher::{StreamError, StreamSettings};
+pub use relay::{BatchReport, Relay, RelayConfig, RelayError, RelayHandle};
 pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.

@@ -17,7 +17,7 @@ use async_nats::jetstream::{
 };
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use futures::StreamExt;
-use outbox_runtime::Outbox;
+use outbox_runtime::{Outbox, RelayConfig, StreamSettings};
 
 pub struct TestEnv {
     /// The URL of this test's own database.
@@ -84,6 +84,19 @@ impl TestEnv {
         Outbox::new()
             .with_subject_prefix(&self.prefix)
             .expect("a valid prefix")
+    }
+
+    /// A relay configuration for this test's database, prefix and stream, polling fast.
+    pub fn relay_config(&self) -> RelayConfig {
+        let mut config = RelayConfig::new(&self.database_url);
+        config.subject_prefix = self.prefix.clone();
+        config.stream = StreamSettings {
+            name: self.stream.clone(),
+            ..StreamSettings::default()
+        };
+        config.source = "/tests".to_owned();
+        config.poll_interval = std::time::Duration::from_millis(20);
+        config
     }
 
     pub fn jetstream(&self) -> jetstream::Context {

@@ -1,0 +1,376 @@
+//! The relay against the real PostgreSQL and NATS JetStream: what a committed unit of work
+//! becomes on the stream, header for header.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_runtime::outbox::schema::outbox_events;
+use outbox_runtime::{Relay, RelayError, StreamError, UnitOfWorkError};
+use support::domain::{Order, OrderEvent, PaymentCaptured};
+use support::{Received, TestEnv};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+type Row = (
+    uuid::Uuid,
+    String,
+    String,
+    i64,
+    String,
+    i32,
+    String,
+    String,
+    serde_json::Value,
+    OffsetDateTime,
+);
+
+async fn rows(conn: &mut AsyncPgConnection) -> Vec<Row> {
+    outbox_events::table
+        .select((
+            outbox_events::id,
+            outbox_events::aggregate_type,
+            outbox_events::aggregate_id,
+            outbox_events::aggregate_seq,
+            outbox_events::event_type,
+            outbox_events::event_version,
+            outbox_events::partition_key,
+            outbox_events::subject,
+            outbox_events::payload,
+            outbox_events::occurred_at,
+        ))
+        .order(outbox_events::id)
+        .load(conn)
+        .await
+        .unwrap()
+}
+
+fn header(message: &Received, name: &str) -> String {
+    message
+        .headers
+        .get(name)
+        .unwrap_or_else(|| panic!("header {name} on {}", message.subject))
+        .as_str()
+        .to_owned()
+}
+
+fn header_names(message: &Received) -> BTreeSet<String> {
+    message
+        .headers
+        .iter()
+        .map(|(name, _)| name.to_string())
+        .collect()
+}
+
+const CONTRACT_HEADERS: [&str; 13] = [
+    "Nats-Msg-Id",
+    "ce-specversion",
+    "ce-id",
+    "ce-source",
+    "ce-type",
+    "ce-time",
+    "ce-subject",
+    "ce-aggregatetype",
+    "ce-sequence",
+    "ce-partitionkey",
+    "ce-eventversion",
+    "ce-datacontenttype",
+    "content-type",
+];
+
+#[tokio::test]
+async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
+    let env = TestEnv::new().await;
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let mut conn = env.conn().await;
+    let mut first = Order::place("o-1", "ada", 4200);
+    first.record(OrderEvent::ItemAdded {
+        sku: "tea".into(),
+        quantity: 2,
+    });
+    let mut second = Order::place("o-2", "grace", 100);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut first);
+            uow.track(&mut second);
+            let payment = PaymentCaptured {
+                merchant: "acme".into(),
+                amount_cents: 4300,
+            };
+            uow.emit("Payment", "pay-1", &payment);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!((report.claimed, report.published), (4, 4), "{report:?}");
+
+    let messages = env.stream_messages().await;
+    let rows = rows(&mut conn).await;
+    assert_eq!(messages.len(), rows.len(), "one message per row, no more");
+    let by_id: BTreeMap<String, &Received> = messages
+        .iter()
+        .map(|m| (header(m, "Nats-Msg-Id"), m))
+        .collect();
+    assert_eq!(by_id.len(), 4, "every message has its own id");
+
+    let expected_names: BTreeSet<String> = CONTRACT_HEADERS.iter().map(|h| h.to_string()).collect();
+    for (id, agg_type, agg_id, seq, event_type, version, key, subject, payload, occurred) in &rows {
+        let message = by_id[&id.hyphenated().to_string()];
+        assert_eq!(message.subject.as_str(), subject);
+        assert_eq!(
+            header_names(message),
+            expected_names,
+            "no header more or less"
+        );
+        assert_eq!(header(message, "ce-specversion"), "1.0");
+        assert_eq!(header(message, "ce-id"), id.hyphenated().to_string());
+        assert_eq!(header(message, "ce-source"), "/tests");
+        assert_eq!(&header(message, "ce-type"), event_type);
+        assert_eq!(&header(message, "ce-subject"), agg_id);
+        assert_eq!(&header(message, "ce-aggregatetype"), agg_type);
+        assert_eq!(header(message, "ce-sequence"), format!("{seq:019}"));
+        assert_eq!(&header(message, "ce-partitionkey"), key);
+        assert_eq!(header(message, "ce-eventversion"), version.to_string());
+        assert_eq!(header(message, "ce-datacontenttype"), "application/json");
+        assert_eq!(header(message, "content-type"), "application/json");
+        let time = OffsetDateTime::parse(&header(message, "ce-time"), &Rfc3339).unwrap();
+        assert_eq!(time, *occurred);
+        assert!(header(message, "ce-time").ends_with('Z'), "UTC");
+        let sent: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(&sent, payload);
+    }
+    let subjects: Vec<&str> = messages.iter().map(|m| m.subject.as_str()).collect();
+    let p = &env.prefix;
+    let placed = format!("{p}.Order.o-1.Placed");
+    let added = format!("{p}.Order.o-1.LineAdded");
+    let position = |s: &str| subjects.iter().position(|x| *x == s).unwrap();
+    assert!(
+        position(&placed) < position(&added),
+        "o-1 in sequence order"
+    );
+    assert!(subjects.contains(&format!("{p}.Payment.acme.PaymentCaptured").as_str()));
+
+    // Everything is marked: the next batch finds nothing and publishes nothing.
+    assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
+    assert_eq!(env.stream_messages().await.len(), 4);
+    let unpublished: i64 = outbox_events::table
+        .filter(outbox_events::published_at.is_null())
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(unpublished, 0);
+
+    // The payload decodes back into the event type it came from.
+    let added_message = messages
+        .iter()
+        .find(|m| m.subject.as_str() == added)
+        .unwrap();
+    use outbox_runtime::DomainEvent as _;
+    let decoded = OrderEvent::from_payload(
+        &header(added_message, "ce-type"),
+        header(added_message, "ce-eventversion").parse().unwrap(),
+        &added_message.payload,
+    )
+    .unwrap();
+    assert_eq!(
+        decoded,
+        OrderEvent::ItemAdded {
+            sku: "tea".into(),
+            quantity: 2
+        }
+    );
+}
+
+#[tokio::test]
+async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
+    let env = TestEnv::new().await;
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let mut conn = env.conn().await;
+    let subject = format!("{}.Invoice.inv-7.Issued", env.prefix);
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload, headers) \
+         VALUES ('Invoice', 'inv-7', 5, 'Issued', 'inv-7', '{subject}', \
+                 '{{\"amount_cents\": 990}}', \
+                 '{{\"traceparent\": \"00-4bf92f3577b34da6-00f067aa0ba902b7-01\", \"x-tenant\": [\"eu\", \"b2b\"]}}')"
+    ))
+    .await
+    .unwrap();
+
+    assert_eq!(relay.relay_batch().await.unwrap().published, 1);
+
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 1);
+    let message = &messages[0];
+    assert_eq!(message.subject.as_str(), subject);
+    assert_eq!(header(message, "ce-type"), "Issued");
+    assert_eq!(header(message, "ce-sequence"), "0000000000000000005");
+    assert_eq!(header(message, "ce-eventversion"), "1");
+    assert_eq!(
+        header(message, "traceparent"),
+        "00-4bf92f3577b34da6-00f067aa0ba902b7-01"
+    );
+    let tenants: Vec<&str> = message
+        .headers
+        .get_all("x-tenant")
+        .map(|v| v.as_str())
+        .collect();
+    assert_eq!(tenants, ["eu", "b2b"]);
+    let payload: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(payload, serde_json::json!({"amount_cents": 990}));
+}
+
+#[tokio::test]
+async fn the_relay_refuses_a_missing_stream_it_may_not_create_and_a_stream_that_misses_the_prefix()
+{
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.stream.create = false;
+    let error = Relay::connect(config, env.nats.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&error, RelayError::Stream(StreamError::Missing { stream, .. }) if *stream == env.stream),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("does not exist"), "{error}");
+
+    env.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: env.stream.clone(),
+            subjects: vec![format!("{}.Order.>", env.prefix)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let error = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(
+            &error,
+            RelayError::Stream(StreamError::DoesNotCapture { .. })
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains(&format!("does not cover \"{}.>\"", env.prefix)),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_message_the_broker_rejects_counts_an_attempt_while_other_aggregates_flow() {
+    let env = TestEnv::new().await;
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let mut conn = env.conn().await;
+    // No stream captures this subject: JetStream answers "no responders".
+    conn.batch_execute(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         VALUES ('Stray', 's-1', 1, 'Lost', 's-1', 'nowhere.Stray.s-1.Lost', '{}')",
+    )
+    .await
+    .unwrap();
+    let mut order = Order::place("o-1", "ada", 1);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!((report.published, report.rejected), (1, 1), "{report:?}");
+    let (attempts, last_error, waits): (i32, Option<String>, bool) = outbox_events::table
+        .filter(outbox_events::aggregate_id.eq("s-1"))
+        .select((
+            outbox_events::attempts,
+            outbox_events::last_error,
+            diesel::dsl::sql::<diesel::sql_types::Bool>("available_at > now()"),
+        ))
+        .first(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 1);
+    assert!(
+        last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("no stream")),
+        "{last_error:?}"
+    );
+    assert!(waits, "the rejected row waits before its next attempt");
+    assert_eq!(
+        env.stream_messages().await.len(),
+        1,
+        "the order's event went through"
+    );
+}
+
+#[tokio::test]
+async fn a_spawned_relay_publishes_each_aggregate_in_order_across_small_batches() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.batch_size = 3;
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    let outbox = env.outbox();
+    for round in 0..4 {
+        let mut orders: Vec<Order> = (0..3)
+            .map(|n| Order::place(&format!("o-{n}"), "ada", round))
+            .collect();
+        for order in &mut orders {
+            order.record(OrderEvent::Shipped);
+        }
+        outbox
+            .transaction(&mut conn, async |uow| {
+                for order in &mut orders {
+                    uow.track(order);
+                }
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let messages = loop {
+        let messages = env.stream_messages().await;
+        if messages.len() >= 24 || tokio::time::Instant::now() > deadline {
+            break messages;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    relay.shutdown().await.unwrap();
+
+    assert_eq!(messages.len(), 24);
+    let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for message in &messages {
+        sequences
+            .entry(header(message, "ce-subject"))
+            .or_default()
+            .push(header(message, "ce-sequence").parse().unwrap());
+    }
+    for (aggregate, seqs) in &sequences {
+        assert_eq!(*seqs, (1..=8).collect::<Vec<_>>(), "aggregate {aggregate}");
+    }
+}
