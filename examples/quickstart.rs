@@ -1,0 +1,217 @@
+//! Quickstart: orders commit through the unit of work, the relay publishes their events to
+//! JetStream, and a consumer prints each event as it arrives on its subject.
+//!
+//! ```sh
+//! cargo run --example quickstart
+//! ```
+//!
+//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `NATS_URL`
+//! (default `nats://127.0.0.1:4222`) point it elsewhere. It exits 0 once every event it
+//! committed has arrived, and 1 if they have not within 30 seconds.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+use diesel::prelude::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures::StreamExt;
+use outbox_runtime::{
+    DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, UnitOfWork, UnitOfWorkError, aggregate,
+};
+use serde::{Deserialize, Serialize};
+
+/// The events of an order. Each variant is one event type; its fields are the payload.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {
+    Placed {
+        customer: String,
+    },
+    ItemAdded {
+        sku: String,
+        quantity: u32,
+        price_cents: i64,
+    },
+    Shipped {
+        carrier: String,
+    },
+}
+
+/// An order: the aggregate. `#[aggregate]` adds `pending_events`, `record` and the rest.
+#[aggregate(event = OrderEvent)]
+#[derive(Debug)]
+struct Order {
+    id: String,
+    customer: String,
+    total_cents: i64,
+    status: &'static str,
+}
+
+impl Order {
+    fn place(id: &str, customer: &str) -> Self {
+        let mut order = Order {
+            id: id.to_owned(),
+            customer: customer.to_owned(),
+            total_cents: 0,
+            status: "placed",
+            pending_events: PendingEvents::new(),
+        };
+        order.record(OrderEvent::Placed {
+            customer: customer.to_owned(),
+        });
+        order
+    }
+
+    fn add_item(&mut self, sku: &str, quantity: u32, price_cents: i64) {
+        self.total_cents += i64::from(quantity) * price_cents;
+        self.record(OrderEvent::ItemAdded {
+            sku: sku.to_owned(),
+            quantity,
+            price_cents,
+        });
+    }
+
+    fn ship(&mut self, carrier: &str) {
+        self.status = "shipped";
+        self.record(OrderEvent::Shipped {
+            carrier: carrier.to_owned(),
+        });
+    }
+}
+
+diesel::table! {
+    orders (id) {
+        id -> Text,
+        customer -> Text,
+        total_cents -> Int8,
+        status -> Text,
+    }
+}
+
+/// Saves the order's row and hands its events to the unit of work: one transaction.
+async fn save(uow: &mut UnitOfWork<'_>, order: &mut Order) -> Result<(), UnitOfWorkError> {
+    let row = (
+        orders::id.eq(&order.id),
+        orders::customer.eq(&order.customer),
+        orders::total_cents.eq(order.total_cents),
+        orders::status.eq(order.status),
+    );
+    diesel::insert_into(orders::table)
+        .values(row)
+        .on_conflict(orders::id)
+        .do_update()
+        .set(row)
+        .execute(uow.conn())
+        .await?;
+    uow.track(order);
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+
+    outbox_runtime::run_migrations(&database_url).await?;
+    let mut conn = AsyncPgConnection::establish(&database_url).await?;
+    conn.batch_execute(
+        "CREATE TABLE IF NOT EXISTS orders (
+            id text PRIMARY KEY, customer text NOT NULL,
+            total_cents bigint NOT NULL, status text NOT NULL)",
+    )
+    .await?;
+
+    // The relay makes sure the EVENTS stream exists and captures `events.>`.
+    let nats = async_nats::connect(&nats_url).await?;
+    let relay = Relay::connect(RelayConfig::new(&database_url), nats.clone()).await?;
+
+    // A consumer of order events, from now on.
+    let stream = async_nats::jetstream::new(nats)
+        .get_stream("EVENTS")
+        .await?;
+    let consumer = stream
+        .create_consumer(pull::OrderedConfig {
+            filter_subject: "events.Order.>".to_owned(),
+            deliver_policy: DeliverPolicy::New,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+
+    // Business transactions: each order is saved with its events, atomically.
+    let outbox = Outbox::new();
+    let run = uuid::Uuid::now_v7().simple().to_string();
+    let mut expected = 0;
+    let mut ids = HashSet::new();
+    for (n, customer) in ["ada", "grace", "edsger"].into_iter().enumerate() {
+        let mut order = Order::place(&format!("{}-{n}", &run[20..]), customer);
+        order.add_item("tea", 2, 450);
+        expected += order.pending_events().len();
+        outbox
+            .transaction(&mut conn, async |uow| save(uow, &mut order).await)
+            .await?;
+        assert!(order.pending_events().is_empty(), "drained after commit");
+
+        if n != 1 {
+            order.ship("dhl");
+            expected += order.pending_events().len();
+            outbox
+                .transaction(&mut conn, async |uow| save(uow, &mut order).await)
+                .await?;
+        }
+        ids.insert(order.id);
+    }
+
+    // A unit of work that fails rolls back: no order row, no event, ever.
+    let mut ghost = Order::place(&format!("{}-ghost", &run[20..]), "nobody");
+    let failed = outbox
+        .transaction(&mut conn, async |uow| {
+            save(uow, &mut ghost).await?;
+            Err::<(), _>(UnitOfWorkError::Database(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(failed.is_err() && ghost.pending_events().len() == 1);
+    println!(
+        "committed {expected} events for {} orders; one unit of work rolled back",
+        ids.len()
+    );
+
+    let relay = relay.spawn();
+    let arrivals = async {
+        let mut seen = 0;
+        while seen < expected {
+            let message = messages.next().await.ok_or("the consumer stopped")??;
+            let headers = message.headers.clone().unwrap_or_default();
+            let header = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
+            let aggregate = header("ce-subject").unwrap_or_default();
+            if ids.contains(&aggregate) {
+                seen += 1;
+                println!(
+                    "{:<45} ce-sequence={} {}",
+                    message.subject,
+                    header("ce-sequence").unwrap_or_default(),
+                    String::from_utf8_lossy(&message.payload)
+                );
+            } else if aggregate.ends_with("-ghost") {
+                return Err(
+                    format!("a rolled-back event was published: {}", message.subject).into(),
+                );
+            }
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    };
+    let arrived = tokio::time::timeout(Duration::from_secs(30), arrivals).await;
+    relay.shutdown().await?;
+    match arrived {
+        Ok(result) => result?,
+        Err(_) => {
+            eprintln!("not every event arrived within 30 s");
+            std::process::exit(1);
+        }
+    }
+    println!("all {expected} events arrived");
+    Ok(())
+}
