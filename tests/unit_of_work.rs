@@ -452,3 +452,42 @@ async fn concurrent_units_of_work_on_one_aggregate_get_contiguous_sequences_in_c
         "every event numbered once"
     );
 }
+
+#[tokio::test]
+async fn a_pooled_connection_runs_a_unit_of_work_and_goes_back_to_the_pool_clean() {
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use diesel_async::pooled_connection::deadpool::Pool;
+
+    let env = TestEnv::new().await;
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(&env.database_url);
+    let pool = Pool::builder(manager).max_size(1).build().unwrap();
+    let outbox = env.outbox();
+
+    let mut order = Order::place("o-1", "ada", 1);
+    let mut conn = pool.get().await.unwrap();
+    let failed = outbox
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Err::<(), _>(UnitOfWorkError::Database(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(failed.is_err());
+    drop(conn);
+
+    // The one pooled connection is reused, outside any transaction.
+    let mut conn = pool.get().await.unwrap();
+    outbox
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox_rows(&mut conn).await,
+        [("o-1".to_owned(), 1, "Placed".to_owned())]
+    );
+    assert!(order.pending_events().is_empty());
+}
