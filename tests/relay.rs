@@ -107,11 +107,11 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
         .await
         .unwrap();
 
+    let rows = rows(&mut conn).await;
     let report = relay.relay_batch().await.unwrap();
     assert_eq!((report.claimed, report.published), (4, 4), "{report:?}");
 
     let messages = env.stream_messages().await;
-    let rows = rows(&mut conn).await;
     assert_eq!(messages.len(), rows.len(), "one message per row, no more");
     let by_id: BTreeMap<String, &Received> = messages
         .iter()
@@ -156,16 +156,16 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
     );
     assert!(subjects.contains(&format!("{p}.Payment.acme.PaymentCaptured").as_str()));
 
-    // Everything is marked: the next batch finds nothing and publishes nothing.
+    // Every published row is gone (the default deletes them): the next batch finds nothing
+    // and publishes nothing.
     assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
     assert_eq!(env.stream_messages().await.len(), 4);
-    let unpublished: i64 = outbox_events::table
-        .filter(outbox_events::published_at.is_null())
+    let left: i64 = outbox_events::table
         .count()
         .get_result(&mut conn)
         .await
         .unwrap();
-    assert_eq!(unpublished, 0);
+    assert_eq!(left, 0);
 
     // The payload decodes back into the event type it came from.
     let added_message = messages
@@ -373,4 +373,40 @@ async fn a_spawned_relay_publishes_each_aggregate_in_order_across_small_batches(
     for (aggregate, seqs) in &sequences {
         assert_eq!(*seqs, (1..=8).collect::<Vec<_>>(), "aggregate {aggregate}");
     }
+}
+
+#[tokio::test]
+async fn in_mark_mode_published_rows_stay_with_their_time_and_are_not_claimed_again() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.published = outbox_runtime::PublishedRows::Mark;
+    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let mut conn = env.conn().await;
+    let mut order = Order::place("o-1", "ada", 1);
+    order.record(OrderEvent::Shipped);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    assert_eq!(relay.relay_batch().await.unwrap().published, 2);
+    let published: Vec<Option<OffsetDateTime>> = outbox_events::table
+        .select(outbox_events::published_at)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(published.len(), 2, "the rows stay");
+    assert!(published.iter().all(Option::is_some), "{published:?}");
+    assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
+    assert_eq!(env.stream_messages().await.len(), 2);
+
+    let stats = outbox_runtime::outbox::stats(&mut conn).await.unwrap();
+    assert_eq!((stats.queued, stats.dead_letters), (0, 0));
+    let purged = outbox_runtime::outbox::purge_published(&mut conn, std::time::Duration::ZERO, 100)
+        .await
+        .unwrap();
+    assert_eq!(purged, 2);
 }

@@ -41,10 +41,12 @@
 //! - [`unit_of_work`]: one transaction for business rows and outbox rows;
 //! - [`outbox`]: the table (a public contract), its migrations and queries;
 //! - [`relay`]: the message relay that publishes committed rows;
+//! - [`dead_letter`]: rows the broker kept rejecting, and what an operator does with them;
 //! - [`publisher`]: the JetStream side, with the wire contract of every message;
 //! - [`subject`]: the NATS subject rules every name obeys.
 
 pub mod aggregate;
+pub mod dead_letter;
 pub mod event;
 pub mod outbox;
 pub mod publisher;
@@ -54,10 +56,10 @@ pub mod unit_of_work;
 
 pub use aggregate::{Aggregate, PendingEvents};
 pub use event::{DomainEvent, EventType, PayloadError};
-pub use outbox::{MIGRATIONS, MigrationError, Outbox, run_migrations};
+pub use outbox::{MIGRATIONS, MigrationError, Outbox, OutboxStats, PublishedRows, run_migrations};
 pub use outbox_derive::{DomainEvent, aggregate};
 pub use publisher::{StreamError, StreamSettings};
-pub use relay::{BatchReport, Relay, RelayConfig, RelayError, RelayHandle};
+pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
 pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.
@@ -68,6 +70,17 @@ pub mod __private {
     pub use crate::event::payload::SerdeEvent;
     pub use crate::event::{DomainEvent, EventType, PayloadError};
     pub use serde;
+
+    /// Runs the relay's claim query (in the caller's transaction) and returns how many rows
+    /// it claimed. For `examples/relay_bench`, which measures the claim alone.
+    pub async fn claim_probe(
+        conn: &mut diesel_async::AsyncPgConnection,
+        batch_size: i64,
+    ) -> diesel::QueryResult<usize> {
+        crate::outbox::queries::claim_batch(conn, batch_size, &Default::default())
+            .await
+            .map(|rows| rows.len())
+    }
     pub use std::option::Option;
     pub use std::result::Result;
     pub use std::string::{String, ToString};

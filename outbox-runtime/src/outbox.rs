@@ -13,14 +13,22 @@
 
 pub(crate) mod queries;
 pub mod schema;
+pub(crate) mod statement;
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::sql_types::{Int8, Nullable, Timestamptz};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::RunQueryDsl;
 
 use diesel_async::AsyncPgConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::subject::{InvalidSubjectPrefix, validate_prefix};
+
+pub use queries::PublishedRows;
 
 /// The migrations that create and evolve the outbox tables, for a migration harness of your
 /// own; [`run_migrations`] applies them.
@@ -118,4 +126,62 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
         Ok(applied)
     })
     .await?
+}
+
+/// The state of the outbox, for health checks and dashboards.
+#[derive(Clone, Debug, PartialEq, QueryableByName)]
+pub struct OutboxStats {
+    /// Rows waiting to be published (parked ones included, dead letters not).
+    #[diesel(sql_type = Int8)]
+    pub queued: i64,
+    /// Dead letters that still block their aggregate.
+    #[diesel(sql_type = Int8)]
+    pub dead_letters: i64,
+    /// When the oldest waiting row's event occurred: `now - oldest_queued_at` is the outbox
+    /// lag. `None` when nothing waits.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub oldest_queued_at: Option<time::OffsetDateTime>,
+}
+
+/// Counts what waits in the outbox. Reads only queued rows (the `outbox_events_queued`
+/// index), however many published rows are kept.
+///
+/// # Errors
+/// The database's error.
+pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
+    diesel::sql_query(
+        "SELECT count(*) FILTER (WHERE dead_lettered_at IS NULL) AS queued, \
+                count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead_letters, \
+                min(occurred_at) FILTER (WHERE dead_lettered_at IS NULL) AS oldest_queued_at \
+         FROM outbox_events WHERE published_at IS NULL AND skipped_at IS NULL",
+    )
+    .get_result(conn)
+    .await
+}
+
+/// Deletes up to `limit` rows published (or skipped) more than `older_than` ago, oldest id
+/// first, and returns how many. For [`PublishedRows::Mark`], which keeps published rows: run
+/// it periodically, in a loop until it returns less than `limit`, to bound the table.
+///
+/// Rows are found in `id` order, which is time order for the unit of work's UUIDv7 ids, so
+/// each call reads from the oldest end of the primary key instead of the whole table.
+///
+/// # Errors
+/// The database's error.
+pub async fn purge_published(
+    conn: &mut AsyncPgConnection,
+    older_than: Duration,
+    limit: i64,
+) -> QueryResult<usize> {
+    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    diesel::sql_query(
+        "DELETE FROM outbox_events WHERE id IN ( \
+             SELECT id FROM outbox_events \
+             WHERE coalesce(published_at, skipped_at) < now() - $1 * interval '1 millisecond' \
+             ORDER BY id LIMIT $2)",
+    )
+    .bind::<Int8, _>(older_than_ms)
+    .bind::<Int8, _>(limit)
+    .execute(conn)
+    .await
 }

@@ -34,7 +34,6 @@ use async_nats::header::{HeaderName, HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, stream};
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
-use time::format_description::well_known::Rfc3339;
 
 use crate::outbox::queries::ClaimedEvent;
 
@@ -87,23 +86,49 @@ impl PublishFailure {
     }
 }
 
+// The header names of the contract, built once (`from_static` values are free to clone).
+const CE_SPECVERSION: HeaderName = HeaderName::from_static("ce-specversion");
+const CE_ID: HeaderName = HeaderName::from_static("ce-id");
+const CE_SOURCE: HeaderName = HeaderName::from_static("ce-source");
+const CE_TYPE: HeaderName = HeaderName::from_static("ce-type");
+const CE_TIME: HeaderName = HeaderName::from_static("ce-time");
+const CE_SUBJECT: HeaderName = HeaderName::from_static("ce-subject");
+const CE_AGGREGATETYPE: HeaderName = HeaderName::from_static("ce-aggregatetype");
+const CE_SEQUENCE: HeaderName = HeaderName::from_static("ce-sequence");
+const CE_PARTITIONKEY: HeaderName = HeaderName::from_static("ce-partitionkey");
+const CE_EVENTVERSION: HeaderName = HeaderName::from_static("ce-eventversion");
+const CE_DATACONTENTTYPE: HeaderName = HeaderName::from_static("ce-datacontenttype");
+const CONTENT_TYPE: HeaderName = HeaderName::from_static("content-type");
+
 /// Builds messages from claimed rows and publishes them with their acks awaited.
 pub(crate) struct Publisher {
     jetstream: jetstream::Context,
     source: HeaderValue,
+    spec_version: HeaderValue,
+    json: HeaderValue,
 }
 
 impl Publisher {
+    /// A publisher with at most `max_in_flight` publishes awaiting their ack (a publish
+    /// beyond waits for a permit: async-nats's backpressure).
     pub(crate) fn new(
         client: async_nats::Client,
         source: &str,
         ack_timeout: Duration,
+        max_in_flight: usize,
     ) -> Result<Self, InvalidSource> {
         let source = percent_encoded(source).map_err(|_| InvalidSource(source.to_owned()))?;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(ack_timeout)
+            .max_ack_inflight(max_in_flight)
+            .backpressure_on_inflight(true)
             .build(client);
-        Ok(Self { jetstream, source })
+        Ok(Self {
+            jetstream,
+            source,
+            spec_version: HeaderValue::from_static_str("1.0"),
+            json: HeaderValue::from_static_str(JSON),
+        })
     }
 
     pub(crate) fn jetstream(&self) -> &jetstream::Context {
@@ -115,7 +140,7 @@ impl Publisher {
         let headers = self.headers(row)?;
         let ack = self
             .jetstream
-            .publish_with_headers(row.subject.clone(), headers, row.payload.0.clone().into())
+            .publish_with_headers(row.subject.clone(), headers, row.payload.0.clone())
             .await
             .map_err(|e| PublishFailure::from_publish_error(&e))?;
         std::future::IntoFuture::into_future(ack)
@@ -126,36 +151,91 @@ impl Publisher {
 
     /// The headers of a row's message (see the module documentation).
     pub(crate) fn headers(&self, row: &ClaimedEvent) -> Result<HeaderMap, PublishFailure> {
-        let mut headers = row_headers(&row.headers).map_err(PublishFailure::Rejected)?;
-        let id = HeaderValue::from_str(&row.id.hyphenated().to_string())
-            .expect("a UUID is a valid header value");
-        let time = row
-            .occurred_at
-            .to_offset(time::UtcOffset::UTC)
-            .format(&Rfc3339)
-            .map_err(|e| PublishFailure::Rejected(format!("occurred_at: {e}")))?;
+        let mut headers = if row.headers.0.as_slice() == b"{}" {
+            HeaderMap::new()
+        } else {
+            row_headers(&row.headers.0).map_err(PublishFailure::Rejected)?
+        };
         let encoded = |value: &str| {
             percent_encoded(value).map_err(|_| {
                 PublishFailure::Rejected(format!("header value {value:?} cannot be encoded"))
             })
         };
+        let mut id = [0_u8; uuid::fmt::Hyphenated::LENGTH];
+        let id = HeaderValue::from_str(row.id.hyphenated().encode_lower(&mut id))
+            .expect("a UUID is a valid header value");
         headers.insert(NATS_MESSAGE_ID, id.clone());
-        headers.insert("ce-specversion", "1.0");
-        headers.insert("ce-id", id);
-        headers.insert("ce-source", self.source.clone());
-        headers.insert("ce-type", encoded(&row.event_type)?);
-        headers.insert("ce-time", time);
-        headers.insert("ce-subject", encoded(&row.aggregate_id)?);
-        headers.insert("ce-aggregatetype", encoded(&row.aggregate_type)?);
+        headers.insert(CE_SPECVERSION, self.spec_version.clone());
+        headers.insert(CE_ID, id);
+        headers.insert(CE_SOURCE, self.source.clone());
+        headers.insert(CE_TYPE, encoded(&row.event_type)?);
+        headers.insert(CE_TIME, rfc3339_utc(row.occurred_at));
+        headers.insert(CE_SUBJECT, encoded(&row.aggregate_id)?);
+        headers.insert(CE_AGGREGATETYPE, encoded(&row.aggregate_type)?);
+        headers.insert(CE_SEQUENCE, zero_padded(row.aggregate_seq));
+        headers.insert(CE_PARTITIONKEY, encoded(&row.partition_key)?);
         headers.insert(
-            "ce-sequence",
-            format!("{:0width$}", row.aggregate_seq, width = SEQUENCE_WIDTH),
+            CE_EVENTVERSION,
+            itoa::Buffer::new().format(row.event_version).to_owned(),
         );
-        headers.insert("ce-partitionkey", encoded(&row.partition_key)?);
-        headers.insert("ce-eventversion", row.event_version.to_string());
-        headers.insert("ce-datacontenttype", JSON);
-        headers.insert("content-type", JSON);
+        headers.insert(CE_DATACONTENTTYPE, self.json.clone());
+        headers.insert(CONTENT_TYPE, self.json.clone());
         Ok(headers)
+    }
+}
+
+/// `time` in RFC 3339 (section 5.6), in UTC with microseconds, PostgreSQL's precision:
+/// `2026-11-21T12:00:00.123456Z`. Written digit by digit: `format!` costs more than the rest
+/// of a message's headers.
+fn rfc3339_utc(time: time::OffsetDateTime) -> String {
+    let t = time.to_offset(time::UtcOffset::UTC);
+    let mut text = String::with_capacity(28);
+    // A year before 0 or after 9999 is not RFC 3339; PostgreSQL's timestamptz can hold one,
+    // and it is written as ISO 8601's expanded form (a sign, more digits) rather than dropped.
+    if t.year() < 0 {
+        text.push('-');
+    }
+    let mut digits = |value: u32, width: usize, then: Option<char>| {
+        let mut buffer = itoa::Buffer::new();
+        let formatted = buffer.format(value);
+        text.extend(std::iter::repeat_n(
+            '0',
+            width.saturating_sub(formatted.len()),
+        ));
+        text.push_str(formatted);
+        text.extend(then);
+    };
+    digits(t.year().unsigned_abs(), 4, Some('-'));
+    digits(u32::from(u8::from(t.month())), 2, Some('-'));
+    digits(u32::from(t.day()), 2, Some('T'));
+    digits(u32::from(t.hour()), 2, Some(':'));
+    digits(u32::from(t.minute()), 2, Some(':'));
+    digits(u32::from(t.second()), 2, Some('.'));
+    digits(t.microsecond(), 6, Some('Z'));
+    text
+}
+
+/// `aggregate_seq` zero-padded to [`SEQUENCE_WIDTH`] digits.
+fn zero_padded(seq: i64) -> String {
+    let mut buffer = itoa::Buffer::new();
+    let digits = buffer.format(seq);
+    let mut text = String::with_capacity(SEQUENCE_WIDTH.max(digits.len()));
+    text.extend(std::iter::repeat_n(
+        '0',
+        SEQUENCE_WIDTH.saturating_sub(digits.len()),
+    ));
+    text.push_str(digits);
+    text
+}
+
+/// A constant header value.
+trait FromStaticStr {
+    fn from_static_str(value: &'static str) -> Self;
+}
+
+impl FromStaticStr for HeaderValue {
+    fn from_static_str(value: &'static str) -> Self {
+        HeaderValue::from_str(value).expect("a constant header value without CR or LF")
     }
 }
 
@@ -165,13 +245,23 @@ impl Publisher {
 pub struct InvalidSource(String);
 
 fn percent_encoded(value: &str) -> Result<HeaderValue, async_nats::header::ParseHeaderValueError> {
-    HeaderValue::from_str(&utf8_percent_encode(value, HEADER_VALUE).to_string())
+    let plain = value
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'%');
+    if plain {
+        // Printable ASCII other than `"` and `%` is sent as it is: no copy to encode.
+        HeaderValue::from_str(value)
+    } else {
+        HeaderValue::from_str(&utf8_percent_encode(value, HEADER_VALUE).to_string())
+    }
 }
 
-/// The `headers` column as NATS headers: each key a header, each value a string or an array
-/// of strings. Anything else is an error naming the key.
-fn row_headers(column: &serde_json::Value) -> Result<HeaderMap, String> {
+/// The `headers` column (its JSON text) as NATS headers: each key a header, each value a
+/// string or an array of strings. Anything else is an error naming the key.
+fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
     let mut headers = HeaderMap::new();
+    let column: serde_json::Value =
+        serde_json::from_slice(column).map_err(|e| format!("headers column is not JSON: {e}"))?;
     let Some(object) = column.as_object() else {
         return Err(format!("headers column is not a JSON object: {column}"));
     };
@@ -342,6 +432,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ce_time_is_rfc3339_utc_with_microseconds() {
+        let time = time::macros::datetime!(2026-11-21 13:04:05.000042 +01:00);
+        assert_eq!(rfc3339_utc(time), "2026-11-21T12:04:05.000042Z");
+        let time = time::macros::datetime!(0987-01-02 03:04:05 UTC);
+        assert_eq!(rfc3339_utc(time), "0987-01-02T03:04:05.000000Z");
+        let time = time::macros::datetime!(-0044-03-15 12:00 UTC);
+        assert_eq!(rfc3339_utc(time), "-0044-03-15T12:00:00.000000Z");
+    }
+
+    #[test]
+    fn ce_sequence_is_zero_padded_so_string_order_is_numeric_order() {
+        assert_eq!(zero_padded(1), "0000000000000000001");
+        assert_eq!(zero_padded(i64::MAX), "9223372036854775807");
+        assert!(zero_padded(9) < zero_padded(10));
+    }
+
+    #[test]
     fn stream_filters_that_cover_a_prefix() {
         assert!(filter_covers_prefix("events.>", "events"));
         assert!(filter_covers_prefix(">", "events"));
@@ -366,24 +473,25 @@ mod tests {
             "order-42/x"
         );
         assert_eq!(percent_encoded("a\r\nb").unwrap().as_str(), "a%0D%0Ab");
+        assert_eq!(percent_encoded("caf\u{e9}").unwrap().as_str(), "caf%C3%A9");
+        assert_eq!(percent_encoded("a\u{7f}").unwrap().as_str(), "a%7F");
     }
 
     #[test]
     fn row_headers_take_strings_and_string_arrays_and_name_what_is_wrong() {
-        let headers =
-            row_headers(&serde_json::json!({"traceparent": "00-ab", "x-tag": ["a", "b"]})).unwrap();
+        let headers = row_headers(br#"{"traceparent": "00-ab", "x-tag": ["a", "b"]}"#).unwrap();
         assert_eq!(headers.get("traceparent").unwrap().as_str(), "00-ab");
         let tags: Vec<_> = headers.get_all("x-tag").map(|v| v.as_str()).collect();
         assert_eq!(tags, ["a", "b"]);
 
-        let err = row_headers(&serde_json::json!({"x-n": 1})).unwrap_err();
+        let err = row_headers(br#"{"x-n": 1}"#).unwrap_err();
         assert_eq!(
             err,
             "headers column: key \"x-n\": expected a string or an array of strings, found 1"
         );
-        let err = row_headers(&serde_json::json!({"x": "a\nb"})).unwrap_err();
+        let err = row_headers(br#"{"x": "a\nb"}"#).unwrap_err();
         assert!(err.contains("CR or LF"), "{err}");
-        let err = row_headers(&serde_json::json!({"bad name": "v"})).unwrap_err();
+        let err = row_headers(br#"{"bad name": "v"}"#).unwrap_err();
         assert!(err.starts_with("headers column: key \"bad name\""), "{err}");
     }
 }

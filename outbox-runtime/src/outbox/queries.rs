@@ -3,10 +3,16 @@
 //! The ordering and locking guarantees of the whole toolkit live here:
 //! - [`insert_events`] hands out `aggregate_seq` under the lock of the aggregate's
 //!   `outbox_aggregates` row, held until COMMIT: sequences are contiguous and in commit order.
-//! - [`claim_batch`] claims only a row that heads its aggregate's queue (no pending row of the
+//! - [`claim_batch`] claims only a row that heads its aggregate's queue (no queued row of the
 //!   same aggregate with a lower sequence), locked with `FOR UPDATE SKIP LOCKED`, plus the
 //!   rows queued behind it: however many relays race, one aggregate's rows are published by
 //!   one relay at a time, in sequence order.
+//! - [`record_rejection`] keeps a rejected row, and the rows behind it, from overtaking: they
+//!   are parked until the row's retry, or for good behind a dead letter.
+//!
+//! A row is *queued* from insert until it is published or skipped (`published_at IS NULL AND
+//! skipped_at IS NULL`); a queued row is *claimable* unless it is a dead letter or parked
+//! (`available_at` in the future).
 
 use diesel::deserialize::{self, FromSql};
 use diesel::pg::{Pg, PgValue};
@@ -14,6 +20,8 @@ use diesel::sql_types::{Array, Bool, Int4, Int8, Jsonb, Text, Timestamptz, Uuid 
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
+
+use super::statement::statement;
 
 /// An event ready to be inserted, its subject resolved and every token checked.
 #[derive(Debug)]
@@ -36,37 +44,12 @@ pub(crate) struct NewEvent {
 /// numbers its events after ours: sequences are contiguous and follow commit order. The
 /// aggregates are upserted in sorted order, so two units of work touching the same aggregates
 /// cannot deadlock on these rows. The `greatest(..)` continues after rows that another writer
-/// inserted by hand with a higher sequence.
+/// inserted by hand with a higher sequence. Rows of an aggregate whose queue is blocked (see
+/// [`record_rejection`]) are parked until `blocked_until`.
 pub(crate) async fn insert_events(
     conn: &mut AsyncPgConnection,
     events: &[NewEvent],
 ) -> QueryResult<()> {
-    const SQL: &str = "\
-        WITH aggregates AS ( \
-            SELECT * FROM unnest($1::text[], $2::text[], $3::int8[]) AS a(aggregate_type, aggregate_id, n) \
-        ), sequences AS ( \
-            INSERT INTO outbox_aggregates AS s (aggregate_type, aggregate_id, last_seq) \
-            SELECT a.aggregate_type, a.aggregate_id, a.n + coalesce(( \
-                SELECT max(o.aggregate_seq) FROM outbox_events o \
-                WHERE o.aggregate_type = a.aggregate_type AND o.aggregate_id = a.aggregate_id), 0) \
-            FROM aggregates a \
-            ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE \
-                SET last_seq = greatest(s.last_seq + (SELECT a.n FROM aggregates a \
-                    WHERE a.aggregate_type = excluded.aggregate_type \
-                      AND a.aggregate_id = excluded.aggregate_id), excluded.last_seq) \
-            RETURNING s.aggregate_type, s.aggregate_id, s.last_seq \
-        ) \
-        INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                                   event_version, partition_key, subject, payload) \
-        SELECT e.id, e.aggregate_type, e.aggregate_id, s.last_seq - a.n + e.ordinal, e.event_type, \
-               e.event_version, e.partition_key, e.subject, e.payload::jsonb \
-        FROM unnest($4::uuid[], $5::text[], $6::text[], $7::int8[], $8::text[], $9::int4[], \
-                    $10::text[], $11::text[], $12::text[]) \
-             AS e(id, aggregate_type, aggregate_id, ordinal, event_type, event_version, \
-                  partition_key, subject, payload) \
-        JOIN aggregates a USING (aggregate_type, aggregate_id) \
-        JOIN sequences s USING (aggregate_type, aggregate_id)";
-
     // Per aggregate: how many events, and each event's 1-based position among them.
     let mut aggregates: Vec<(&str, &str, i64)> = Vec::new();
     let mut ordinals = Vec::with_capacity(events.len());
@@ -87,22 +70,67 @@ pub(crate) async fn insert_events(
     // Lock order (see above).
     aggregates.sort_unstable();
 
-    diesel::sql_query(SQL)
-        .bind::<Array<Text>, _>(aggregates.iter().map(|a| a.0).collect::<Vec<_>>())
-        .bind::<Array<Text>, _>(aggregates.iter().map(|a| a.1).collect::<Vec<_>>())
-        .bind::<Array<Int8>, _>(aggregates.iter().map(|a| a.2).collect::<Vec<_>>())
-        .bind::<Array<SqlUuid>, _>(events.iter().map(|e| e.id).collect::<Vec<_>>())
-        .bind::<Array<Text>, _>(column(events, |e| &e.aggregate_type))
-        .bind::<Array<Text>, _>(column(events, |e| &e.aggregate_id))
-        .bind::<Array<Int8>, _>(ordinals)
-        .bind::<Array<Text>, _>(column(events, |e| e.event_type))
-        .bind::<Array<Int4>, _>(events.iter().map(|e| e.event_version).collect::<Vec<_>>())
-        .bind::<Array<Text>, _>(column(events, |e| &e.partition_key))
-        .bind::<Array<Text>, _>(column(events, |e| &e.subject))
-        .bind::<Array<Text>, _>(column(events, |e| &e.payload))
-        .execute(conn)
-        .await?;
+    InsertEvents {
+        aggregate_types: aggregates.iter().map(|a| a.0).collect(),
+        aggregate_ids: aggregates.iter().map(|a| a.1).collect(),
+        counts: aggregates.iter().map(|a| a.2).collect(),
+        ids: events.iter().map(|e| e.id).collect(),
+        event_aggregate_types: column(events, |e| &e.aggregate_type),
+        event_aggregate_ids: column(events, |e| &e.aggregate_id),
+        ordinals,
+        event_types: column(events, |e| e.event_type),
+        event_versions: events.iter().map(|e| e.event_version).collect(),
+        partition_keys: column(events, |e| &e.partition_key),
+        subjects: column(events, |e| &e.subject),
+        payloads: column(events, |e| &e.payload),
+    }
+    .execute(conn)
+    .await?;
     Ok(())
+}
+
+statement! {
+    /// The unit of work's INSERT (see [`insert_events`]).
+    struct InsertEvents<'a> {
+        aggregate_types: Vec<&'a str> => Array<Text>,
+        aggregate_ids: Vec<&'a str> => Array<Text>,
+        counts: Vec<i64> => Array<Int8>,
+        ids: Vec<Uuid> => Array<SqlUuid>,
+        event_aggregate_types: Vec<&'a str> => Array<Text>,
+        event_aggregate_ids: Vec<&'a str> => Array<Text>,
+        ordinals: Vec<i64> => Array<Int8>,
+        event_types: Vec<&'a str> => Array<Text>,
+        event_versions: Vec<i32> => Array<Int4>,
+        partition_keys: Vec<&'a str> => Array<Text>,
+        subjects: Vec<&'a str> => Array<Text>,
+        payloads: Vec<&'a str> => Array<Text>,
+    }
+    sql = "\
+        WITH aggregates AS ( \
+            SELECT * FROM unnest($1::text[], $2::text[], $3::int8[]) AS a(aggregate_type, aggregate_id, n) \
+        ), sequences AS ( \
+            INSERT INTO outbox_aggregates AS s (aggregate_type, aggregate_id, last_seq) \
+            SELECT a.aggregate_type, a.aggregate_id, a.n + coalesce(( \
+                SELECT max(o.aggregate_seq) FROM outbox_events o \
+                WHERE o.aggregate_type = a.aggregate_type AND o.aggregate_id = a.aggregate_id), 0) \
+            FROM aggregates a \
+            ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE \
+                SET last_seq = greatest(s.last_seq + (SELECT a.n FROM aggregates a \
+                    WHERE a.aggregate_type = excluded.aggregate_type \
+                      AND a.aggregate_id = excluded.aggregate_id), excluded.last_seq) \
+            RETURNING s.aggregate_type, s.aggregate_id, s.last_seq, s.blocked_until \
+        ) \
+        INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                   event_version, partition_key, subject, payload, available_at) \
+        SELECT e.id, e.aggregate_type, e.aggregate_id, s.last_seq - a.n + e.ordinal, e.event_type, \
+               e.event_version, e.partition_key, e.subject, e.payload::jsonb, \
+               greatest(now(), s.blocked_until) \
+        FROM unnest($4::uuid[], $5::text[], $6::text[], $7::int8[], $8::text[], $9::int4[], \
+                    $10::text[], $11::text[], $12::text[]) \
+             AS e(id, aggregate_type, aggregate_id, ordinal, event_type, event_version, \
+                  partition_key, subject, payload) \
+        JOIN aggregates a USING (aggregate_type, aggregate_id) \
+        JOIN sequences s USING (aggregate_type, aggregate_id)";
 }
 
 fn column<'a>(events: &'a [NewEvent], field: impl Fn(&'a NewEvent) -> &'a str) -> Vec<&'a str> {
@@ -129,9 +157,9 @@ pub(crate) struct ClaimedEvent {
     #[diesel(sql_type = Text)]
     pub subject: String,
     #[diesel(sql_type = Jsonb)]
-    pub payload: JsonText,
+    pub payload: JsonBytes,
     #[diesel(sql_type = Jsonb)]
-    pub headers: serde_json::Value,
+    pub headers: JsonText,
     #[diesel(sql_type = Timestamptz)]
     pub occurred_at: time::OffsetDateTime,
     /// Whether `available_at` has passed. A row queued behind a claimed one may still be
@@ -140,103 +168,333 @@ pub(crate) struct ClaimedEvent {
     pub available: bool,
 }
 
-/// A `jsonb` value as its JSON text, without parsing it: the relay sends it as it is.
+/// A `jsonb` value as its JSON text, without parsing it.
 #[derive(Debug)]
 pub(crate) struct JsonText(pub Vec<u8>);
 
-impl FromSql<Jsonb, Pg> for JsonText {
-    fn from_sql(value: PgValue<'_>) -> deserialize::Result<Self> {
-        // jsonb's binary format is a version byte (1) and the JSON text (PostgreSQL docs,
-        // "jsonb_send" in src/backend/utils/adt/jsonb.c).
-        match value.as_bytes().split_first() {
-            Some((1, json)) => Ok(Self(json.to_vec())),
-            Some((version, _)) => Err(format!("unsupported jsonb format version {version}").into()),
-            None => Err("empty jsonb value".into()),
-        }
+/// The same, as shared bytes: the relay sends a payload as it is, without copying it.
+#[derive(Debug)]
+pub(crate) struct JsonBytes(pub bytes::Bytes);
+
+/// The JSON text of a `jsonb` in binary format: a version byte (1) and the text (PostgreSQL
+/// source, `jsonb_send` in src/backend/utils/adt/jsonb.c).
+fn jsonb_text(value: PgValue<'_>) -> deserialize::Result<&[u8]> {
+    match value.as_bytes().split_first() {
+        Some((1, json)) => Ok(json),
+        Some((version, _)) => Err(format!("unsupported jsonb format version {version}").into()),
+        None => Err("empty jsonb value".into()),
     }
 }
 
-/// Claims up to `heads` pending rows that head their aggregate's queue, each with up to
-/// `per_aggregate - 1` rows queued behind it, oldest head first; the rows of one aggregate are
-/// returned together and in sequence order.
-///
-/// Guarantee: a row is claimed only when no row of its aggregate with a lower sequence is
-/// pending, and the claimed head is locked (`FOR UPDATE SKIP LOCKED`) until the caller's
-/// transaction ends. Another relay skips the locked head, and cannot claim the rows behind
-/// it because the head is still pending to it; so one aggregate's rows are published by one
-/// relay at a time and in order. The rows behind a head are not locked: nothing else claims
-/// them while their head is held.
-///
-/// Cost: the heads come from `outbox_events_pending`, the lookups from
-/// `outbox_events_pending_by_aggregate`; both hold pending rows only, so the cost does not
-/// grow with the number of published rows kept.
-pub(crate) async fn claim_batch(
-    conn: &mut AsyncPgConnection,
-    heads: i64,
-    per_aggregate: i64,
-) -> QueryResult<Vec<ClaimedEvent>> {
-    const SQL: &str = "\
-        WITH heads AS ( \
-            SELECT o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.available_at, o.id \
-            FROM outbox_events o \
-            WHERE o.published_at IS NULL AND o.available_at <= now() \
-              AND NOT EXISTS ( \
-                  SELECT 1 FROM outbox_events p \
-                  WHERE p.published_at IS NULL \
-                    AND p.aggregate_type = o.aggregate_type AND p.aggregate_id = o.aggregate_id \
-                    AND p.aggregate_seq < o.aggregate_seq) \
-            ORDER BY o.available_at, o.id \
-            LIMIT $1 \
-            FOR UPDATE SKIP LOCKED \
-        ) \
-        SELECT e.id, e.aggregate_type, e.aggregate_id, e.aggregate_seq, e.event_type, \
-               e.event_version, e.partition_key, e.subject, e.payload, e.headers, e.occurred_at, \
-               e.available_at <= now() AS available \
-        FROM heads h \
-        CROSS JOIN LATERAL ( \
-            SELECT * FROM outbox_events e \
-            WHERE e.published_at IS NULL \
-              AND e.aggregate_type = h.aggregate_type AND e.aggregate_id = h.aggregate_id \
-              AND e.aggregate_seq >= h.aggregate_seq \
-            ORDER BY e.aggregate_seq \
-            LIMIT $2 \
-        ) e \
-        ORDER BY h.available_at, h.id, e.aggregate_seq";
-
-    diesel::sql_query(SQL)
-        .bind::<Int8, _>(heads)
-        .bind::<Int8, _>(per_aggregate)
-        .load(conn)
-        .await
+impl FromSql<Jsonb, Pg> for JsonText {
+    fn from_sql(value: PgValue<'_>) -> deserialize::Result<Self> {
+        jsonb_text(value).map(|json| Self(json.to_vec()))
+    }
 }
 
-/// Marks the rows `ids` published, in one statement.
-pub(crate) async fn mark_published(conn: &mut AsyncPgConnection, ids: &[Uuid]) -> QueryResult<()> {
-    diesel::sql_query("UPDATE outbox_events SET published_at = now() WHERE id = ANY($1)")
-        .bind::<Array<SqlUuid>, _>(ids)
-        .execute(conn)
-        .await?;
+impl FromSql<Jsonb, Pg> for JsonBytes {
+    fn from_sql(value: PgValue<'_>) -> deserialize::Result<Self> {
+        jsonb_text(value).map(|json| Self(bytes::Bytes::copy_from_slice(json)))
+    }
+}
+
+/// Claims a batch: up to `batch` rows that head their aggregate's queue, oldest first, each
+/// with the rows queued behind it (about `batch` rows in all); the rows of one aggregate are
+/// returned together and in sequence order.
+///
+/// How: take a window of the oldest claimable rows (`outbox_events_claimable`, scanned only
+/// up to `now()`; [`CLAIM_WINDOW_PERCENT`] of the batch), leaving out the aggregates `held`
+/// by this relay's other workers, reduce them to their aggregates, look up each aggregate's
+/// head (its lowest queued row, through `outbox_events_queued`), lock the heads that are
+/// claimable with `FOR UPDATE SKIP LOCKED` (by `ctid`: a row updated since the lookup is
+/// followed to its newest version and rechecked), then, when the batch has room, fetch the
+/// rows behind each locked head. The cost follows the
+/// batch, not the queue: it does not grow with the rows queued behind the heads, with the
+/// published rows kept, or with rows parked behind a blocked one.
+///
+/// Guarantee: a row is claimed only when no row of its aggregate with a lower sequence is
+/// queued (a dead letter included), and the claimed head stays locked until the caller's
+/// transaction ends. Another relay skips the locked head, and cannot claim the rows behind it
+/// because the head is still queued to it; so one aggregate's rows are published by one
+/// relay at a time and in order. A head found in this statement's snapshot that another
+/// relay publishes meanwhile is rechecked when locked and dropped. The rows behind a head are
+/// not locked: nothing else claims them while their head is held.
+/// Aggregates whose heads other workers of this relay hold: the claim's window skips them
+/// instead of looking up heads it could not lock.
+#[derive(Debug, Default)]
+pub(crate) struct Held<'a> {
+    pub types: Vec<&'a str>,
+    pub ids: Vec<&'a str>,
+}
+
+/// The claim's window, as a percentage of the batch size: the oldest claimable rows it reads
+/// to find heads. More finds more heads when other relays hold some (or the oldest rows
+/// share aggregates); each row read costs a head lookup. Chosen by `examples/relay_bench`.
+const CLAIM_WINDOW_PERCENT: i64 = 25;
+
+/// The claim's window for a batch: [`CLAIM_WINDOW_PERCENT`] of it, but never less than the
+/// batch itself up to [`MIN_CLAIM_WINDOW`] rows (a window of 0 would claim nothing).
+fn claim_window(batch: i64) -> i64 {
+    (batch.saturating_mul(CLAIM_WINDOW_PERCENT) / 100).max(batch.min(MIN_CLAIM_WINDOW))
+}
+
+/// Below this, the window is the whole batch: looking up a few hundred heads is cheap.
+const MIN_CLAIM_WINDOW: i64 = 256;
+
+pub(crate) async fn claim_batch(
+    conn: &mut AsyncPgConnection,
+    batch: i64,
+    held: &Held<'_>,
+) -> QueryResult<Vec<ClaimedEvent>> {
+    ClaimBatch {
+        window: claim_window(batch),
+        heads: batch,
+        rows: batch,
+        held_types: &held.types,
+        held_ids: &held.ids,
+    }
+    .load(conn)
+    .await
+}
+
+statement! {
+    /// The relay's claim (see [`claim_batch`]).
+    struct ClaimBatch<'a> {
+        held_types: &'a [&'a str] => Array<Text>,
+        held_ids: &'a [&'a str] => Array<Text>,
+        window: i64 => Int8,
+        heads: i64 => Int8,
+        rows: i64 => Int8,
+    }
+    sql = "\
+        WITH oldest AS ( \
+            SELECT o.aggregate_type, o.aggregate_id, o.available_at, o.id \
+            FROM outbox_events o \
+            WHERE o.published_at IS NULL AND o.skipped_at IS NULL AND o.dead_lettered_at IS NULL \
+              AND o.available_at <= now() \
+              AND (o.aggregate_type, o.aggregate_id) NOT IN ( \
+                  SELECT t, i FROM unnest($1::text[], $2::text[]) AS held(t, i)) \
+            ORDER BY o.available_at, o.id \
+            LIMIT $3 \
+        ), aggregates AS ( \
+            SELECT DISTINCT ON (aggregate_type, aggregate_id) \
+                   aggregate_type, aggregate_id, available_at, id AS first_id \
+            FROM oldest \
+            ORDER BY aggregate_type, aggregate_id, available_at, id \
+        ), heads AS ( \
+            SELECT h.ctid, a.available_at, a.first_id \
+            FROM aggregates a \
+            CROSS JOIN LATERAL ( \
+                SELECT q.ctid, q.dead_lettered_at, q.available_at FROM outbox_events q \
+                WHERE q.published_at IS NULL AND q.skipped_at IS NULL \
+                  AND q.aggregate_type = a.aggregate_type AND q.aggregate_id = a.aggregate_id \
+                ORDER BY q.aggregate_seq \
+                LIMIT 1 \
+            ) h \
+            WHERE h.dead_lettered_at IS NULL AND h.available_at <= now() \
+        ), claimed AS ( \
+            SELECT o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.event_type, \
+                   o.event_version, o.partition_key, o.subject, o.payload, o.headers, o.occurred_at, \
+                   h.available_at AS rank_at, h.first_id AS rank_id \
+            FROM outbox_events o JOIN heads h ON o.ctid = h.ctid \
+            WHERE o.published_at IS NULL AND o.skipped_at IS NULL AND o.dead_lettered_at IS NULL \
+            ORDER BY h.available_at, h.first_id \
+            LIMIT $4 \
+            FOR UPDATE OF o SKIP LOCKED \
+        ) \
+        SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
+               partition_key, subject, payload, headers, occurred_at, true AS available, \
+               rank_at, rank_id \
+        FROM claimed \
+        UNION ALL \
+        SELECT e.id, e.aggregate_type, e.aggregate_id, e.aggregate_seq, e.event_type, \
+               e.event_version, e.partition_key, e.subject, e.payload, e.headers, e.occurred_at, \
+               e.available_at <= now() AND e.dead_lettered_at IS NULL, c.rank_at, c.rank_id \
+        FROM claimed c \
+        CROSS JOIN LATERAL ( \
+            SELECT * FROM outbox_events e \
+            WHERE e.published_at IS NULL AND e.skipped_at IS NULL \
+              AND e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
+              AND e.aggregate_seq > c.aggregate_seq \
+            ORDER BY e.aggregate_seq \
+            LIMIT (SELECT ($5 - count(*)) / greatest(count(*), 1) FROM claimed) \
+        ) e \
+        ORDER BY rank_at, rank_id, aggregate_seq";
+}
+
+/// What becomes of a row once its message is acked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PublishedRows {
+    /// Delete the row: the table holds only what is still queued. The default: a DELETE of
+    /// rows the claim already locked costs about a tenth of the UPDATE that marks them (which
+    /// writes a new row version and two index entries).
+    #[default]
+    Delete,
+    /// Set `published_at` and keep the row, for history and replay; purge old rows with
+    /// [`purge_published`](crate::outbox::purge_published).
+    Mark,
+}
+
+/// Marks (or deletes) the rows `ids`, in one statement.
+pub(crate) async fn finish_published(
+    conn: &mut AsyncPgConnection,
+    ids: &[Uuid],
+    mode: PublishedRows,
+) -> QueryResult<()> {
+    match mode {
+        PublishedRows::Mark => MarkPublished { ids }.execute(conn).await?,
+        PublishedRows::Delete => DeletePublished { ids }.execute(conn).await?,
+    };
     Ok(())
 }
 
-/// Records a publish the broker rejected: one more attempt, the error, and the time before
-/// which the row is not claimed again.
+statement! {
+    struct MarkPublished<'a> {
+        ids: &'a [Uuid] => Array<SqlUuid>,
+    }
+    sql = "UPDATE outbox_events SET published_at = now() WHERE id = ANY($1)";
+}
+
+statement! {
+    struct DeletePublished<'a> {
+        ids: &'a [Uuid] => Array<SqlUuid>,
+    }
+    sql = "DELETE FROM outbox_events WHERE id = ANY($1)";
+}
+
+/// How a rejected row is retried, and when it becomes a dead letter.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RetryPolicy {
+    /// Attempts before the row is dead-lettered.
+    pub max_attempts: i32,
+    /// The delay after the first rejection, in milliseconds; it doubles with each attempt.
+    pub base_delay_ms: i64,
+    /// The longest delay, in milliseconds.
+    pub max_delay_ms: i64,
+    /// Whether a dead letter blocks the later rows of its aggregate (sequenced) or is
+    /// skipped at once so they flow.
+    pub dead_letters_block: bool,
+}
+
+/// What [`record_rejection`] did to the row.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct Rejection {
+    /// The row is now a dead letter.
+    #[diesel(sql_type = Bool)]
+    pub dead_lettered: bool,
+    /// The attempts counted so far.
+    #[diesel(sql_type = Int4)]
+    pub attempts: i32,
+}
+
+/// Records a publish the broker rejected: one more attempt and the error; then either a
+/// retry after an exponential delay with jitter, or, at `max_attempts`, a dead letter.
+///
+/// Guarantee: the later rows of the aggregate cannot overtake the rejected one. They are
+/// parked (their `available_at` moved) until its retry, or, behind a sequenced dead letter,
+/// until an operator retries or skips it; rows the unit of work adds meanwhile are parked
+/// through `outbox_aggregates.blocked_until`. Parking keeps them out of the claim's index
+/// scan, so a long blocked queue costs the other aggregates nothing.
+///
+/// The delay is `base * 2^(attempts - 1)`, capped, with "equal jitter" (half fixed, half
+/// random) so that rows rejected together do not retry together.
 pub(crate) async fn record_rejection(
     conn: &mut AsyncPgConnection,
     id: Uuid,
     error: &str,
-    retry_after_ms: i64,
-) -> QueryResult<()> {
-    diesel::sql_query(
-        "UPDATE outbox_events \
-         SET attempts = attempts + 1, last_error = $2, \
-             available_at = now() + $3 * interval '1 millisecond' \
-         WHERE id = $1",
-    )
-    .bind::<SqlUuid, _>(id)
-    .bind::<Text, _>(error)
-    .bind::<Int8, _>(retry_after_ms)
-    .execute(conn)
-    .await?;
-    Ok(())
+    policy: RetryPolicy,
+) -> QueryResult<Rejection> {
+    const SQL: &str = "\
+        WITH rejected AS ( \
+            UPDATE outbox_events SET \
+                attempts = attempts + 1, \
+                last_error = $2, \
+                dead_lettered_at = CASE WHEN attempts + 1 >= $3 THEN now() END, \
+                skipped_at = CASE WHEN attempts + 1 >= $3 AND NOT $6 THEN now() END, \
+                available_at = CASE WHEN attempts + 1 >= $3 THEN available_at ELSE now() \
+                    + least($5::float8, $4::float8 * 2 ^ attempts) * (0.5 + random() / 2) \
+                      * interval '1 millisecond' END \
+            WHERE id = $1 \
+            RETURNING aggregate_type, aggregate_id, aggregate_seq, attempts, \
+                dead_lettered_at IS NOT NULL AS dead_lettered, \
+                CASE WHEN skipped_at IS NOT NULL THEN NULL \
+                     WHEN dead_lettered_at IS NOT NULL THEN 'infinity'::timestamptz \
+                     ELSE available_at END AS blocked_until \
+        ), parked AS ( \
+            UPDATE outbox_events f SET available_at = r.blocked_until \
+            FROM rejected r \
+            WHERE f.aggregate_type = r.aggregate_type AND f.aggregate_id = r.aggregate_id \
+              AND f.aggregate_seq > r.aggregate_seq \
+              AND f.published_at IS NULL AND f.skipped_at IS NULL \
+              AND f.available_at < r.blocked_until \
+        ), blocked AS ( \
+            UPDATE outbox_aggregates a SET blocked_until = r.blocked_until \
+            FROM rejected r \
+            WHERE a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id \
+        ) \
+        SELECT dead_lettered, attempts FROM rejected";
+
+    diesel::sql_query(SQL)
+        .bind::<SqlUuid, _>(id)
+        .bind::<Text, _>(error)
+        .bind::<Int4, _>(policy.max_attempts)
+        .bind::<Int8, _>(policy.base_delay_ms)
+        .bind::<Int8, _>(policy.max_delay_ms)
+        .bind::<Bool, _>(policy.dead_letters_block)
+        .get_result(conn)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diesel::query_builder::QueryFragment;
+
+    /// Renders a statement's SQL as diesel sends it to PostgreSQL.
+    fn rendered(statement: &impl QueryFragment<diesel::pg::Pg>) -> String {
+        let mut builder = diesel::pg::PgQueryBuilder::default();
+        statement.to_sql(&mut builder, &diesel::pg::Pg).unwrap();
+        diesel::query_builder::QueryBuilder::finish(builder)
+    }
+
+    #[test]
+    fn the_claim_window_is_a_quarter_of_a_large_batch_and_all_of_a_small_one() {
+        assert_eq!(claim_window(2000), 500);
+        assert_eq!(claim_window(3), 3);
+        assert_eq!(claim_window(300), 256);
+        assert_eq!(claim_window(1), 1);
+    }
+
+    #[test]
+    fn every_statement_renders_its_sql_with_the_binds_in_place() {
+        let ids = [Uuid::nil()];
+        let insert = InsertEvents {
+            aggregate_types: vec![],
+            aggregate_ids: vec![],
+            counts: vec![],
+            ids: vec![],
+            event_aggregate_types: vec![],
+            event_aggregate_ids: vec![],
+            ordinals: vec![],
+            event_types: vec![],
+            event_versions: vec![],
+            partition_keys: vec![],
+            subjects: vec![],
+            payloads: vec![],
+        };
+        assert_eq!(rendered(&insert), InsertEvents::SQL);
+        let claim = ClaimBatch {
+            window: 2,
+            heads: 1,
+            rows: 1,
+            held_types: &["Order"],
+            held_ids: &["o-1"],
+        };
+        assert_eq!(rendered(&claim), ClaimBatch::SQL);
+        assert_eq!(rendered(&MarkPublished { ids: &ids }), MarkPublished::SQL);
+        assert_eq!(
+            rendered(&DeletePublished { ids: &ids }),
+            DeletePublished::SQL
+        );
+    }
 }

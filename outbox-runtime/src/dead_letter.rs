@@ -1,0 +1,141 @@
+//! Dead letters: rows the broker rejected `max_attempts` times, and what an operator does
+//! with them.
+//!
+//! A rejection (no stream for the subject, a message over the server's `max_payload`, a
+//! stream limit, invalid headers in the row) counts an attempt and is retried with an
+//! exponential delay; transport failures (broker down, no ack in time) never count. At
+//! `max_attempts` the row becomes a dead letter: it stays in `outbox_events` with
+//! `dead_lettered_at` and `last_error` set.
+//!
+//! By default a dead letter is *sequenced*: the later rows of its aggregate wait behind it,
+//! so the aggregate's order is never broken, while other aggregates keep flowing. An operator
+//! then [`retry`]s it (after fixing the stream, say) or [`skip`]s it, and the aggregate's
+//! queue moves on. The alternative policy,
+//! [`DeadLetterPolicy::Skip`](crate::relay::DeadLetterPolicy::Skip), skips a dead letter at
+//! once: later rows flow, and the aggregate's consumers see a gap in `ce-sequence`.
+//!
+//! The same operations in SQL, for a psql session, are in each function's documentation.
+
+use diesel::sql_types::{Int4, Int8, Nullable, Text, Timestamptz, Uuid as SqlUuid};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use uuid::Uuid;
+
+/// A dead letter, as [`list`] returns it.
+#[derive(Clone, Debug, PartialEq, QueryableByName)]
+pub struct DeadLetter {
+    /// The row id (`ce-id`).
+    #[diesel(sql_type = SqlUuid)]
+    pub id: Uuid,
+    /// The aggregate type.
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    /// The aggregate id.
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    /// The row's sequence in its aggregate.
+    #[diesel(sql_type = Int8)]
+    pub aggregate_seq: i64,
+    /// The event type.
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    /// The subject it was published to.
+    #[diesel(sql_type = Text)]
+    pub subject: String,
+    /// The attempts the broker rejected.
+    #[diesel(sql_type = Int4)]
+    pub attempts: i32,
+    /// The last rejection, as the relay recorded it.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    /// When the row became a dead letter.
+    #[diesel(sql_type = Timestamptz)]
+    pub dead_lettered_at: time::OffsetDateTime,
+    /// How many later rows of the aggregate wait behind it.
+    #[diesel(sql_type = Int8)]
+    pub waiting: i64,
+}
+
+/// The dead letters that still block their aggregate, oldest first, at most `limit`.
+///
+/// # Errors
+/// The database's error.
+pub async fn list(conn: &mut AsyncPgConnection, limit: i64) -> QueryResult<Vec<DeadLetter>> {
+    diesel::sql_query(
+        "SELECT d.id, d.aggregate_type, d.aggregate_id, d.aggregate_seq, d.event_type, \
+                d.subject, d.attempts, d.last_error, d.dead_lettered_at, \
+                (SELECT count(*) FROM outbox_events w \
+                 WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id \
+                   AND w.aggregate_seq > d.aggregate_seq \
+                   AND w.published_at IS NULL AND w.skipped_at IS NULL) AS waiting \
+         FROM outbox_events d \
+         WHERE d.dead_lettered_at IS NOT NULL AND d.skipped_at IS NULL AND d.published_at IS NULL \
+         ORDER BY d.dead_lettered_at \
+         LIMIT $1",
+    )
+    .bind::<Int8, _>(limit)
+    .load(conn)
+    .await
+}
+
+/// Puts the dead letter `id` back in the queue with its attempts reset, releases the rows
+/// waiting behind it, and wakes the relays. Returns whether `id` was a dead letter.
+///
+/// In SQL: `UPDATE outbox_events SET dead_lettered_at = NULL, attempts = 0, available_at =
+/// now() WHERE id = ..`, then `available_at = now()` for the aggregate's later queued rows,
+/// `blocked_until = NULL` in `outbox_aggregates`, and `NOTIFY outbox_events`.
+///
+/// # Errors
+/// The database's error.
+pub async fn retry(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<bool> {
+    release(
+        conn,
+        id,
+        "dead_lettered_at = NULL, attempts = 0, available_at = now()",
+    )
+    .await
+}
+
+/// Drops the dead letter `id` from the queue for good (it stays in the table with
+/// `skipped_at` set, never published), releases the rows waiting behind it, and wakes the
+/// relays. Their consumers see a gap in the aggregate's `ce-sequence`. Returns whether `id`
+/// was a dead letter.
+///
+/// In SQL: `UPDATE outbox_events SET skipped_at = now() WHERE id = ..`, then as [`retry`].
+///
+/// # Errors
+/// The database's error.
+pub async fn skip(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<bool> {
+    release(conn, id, "skipped_at = now()").await
+}
+
+async fn release(conn: &mut AsyncPgConnection, id: Uuid, set: &'static str) -> QueryResult<bool> {
+    #[derive(QueryableByName)]
+    struct Released {
+        #[diesel(sql_type = Int8)]
+        count: i64,
+    }
+    let sql = format!(
+        "WITH released AS ( \
+            UPDATE outbox_events SET {set} \
+            WHERE id = $1 AND dead_lettered_at IS NOT NULL \
+              AND published_at IS NULL AND skipped_at IS NULL \
+            RETURNING aggregate_type, aggregate_id, aggregate_seq \
+        ), unparked AS ( \
+            UPDATE outbox_events f SET available_at = now() FROM released r \
+            WHERE f.aggregate_type = r.aggregate_type AND f.aggregate_id = r.aggregate_id \
+              AND f.aggregate_seq > r.aggregate_seq \
+              AND f.published_at IS NULL AND f.skipped_at IS NULL AND f.available_at > now() \
+        ), unblocked AS ( \
+            UPDATE outbox_aggregates a SET blocked_until = NULL FROM released r \
+            WHERE a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id \
+        ) \
+        SELECT (SELECT count(*) FROM released) AS count \
+        FROM (SELECT pg_notify('outbox_events', '')) AS woken"
+    );
+    let released: Released = diesel::sql_query(sql)
+        .bind::<SqlUuid, _>(id)
+        .get_result(conn)
+        .await?;
+    Ok(released.count == 1)
+}
