@@ -1,0 +1,809 @@
+//! The relay benchmark: one run on the local PostgreSQL and NATS, printing each figure, its
+//! ratio and its target.
+//!
+//! ```sh
+//! cargo run --release --example relay_bench -- --events 100000 --payload 256
+//! ```
+//!
+//! 1. the ceiling: raw async JetStream publishes of the same messages to the same stream;
+//! 2. the naive relay of the well-known articles: batches of 100, one publish awaited at a
+//!    time, one UPDATE per row;
+//! 3. this relay with its defaults, with 2 instances, and deleting instead of marking;
+//! 4. the ratios 3/1 and 3/2;
+//! 5. commit-to-ack latency at a fixed offered load, with notifications and polling only (the
+//!    ack time is the stream's store timestamp of each message);
+//! 6. the unit of work's cost: a business transaction with 1 and 10 events against none;
+//! 7. the claim rate with a million published rows kept against an empty table.
+//!
+//! It works in a database and a stream of its own, removed at the end. `OUTBOX_BENCH_DATABASE_URL`
+//! (default `postgres://postgres@127.0.0.1:5432/postgres`) and `NATS_URL` point it elsewhere.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull};
+use clap::Parser;
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, Int8, Text, Uuid as SqlUuid};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use outbox_runtime::{
+    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, RelayConfig, StreamSettings,
+    UnitOfWorkError, aggregate,
+};
+use serde::{Deserialize, Serialize};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Parser, Clone)]
+#[command(about = "Measures the outbox relay against the JetStream ceiling and a naive relay")]
+struct Args {
+    /// Events in each throughput run.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Size of each event's JSON payload, in bytes.
+    #[arg(long, default_value_t = 256)]
+    payload: usize,
+    /// Aggregates the events are spread over, round robin.
+    #[arg(long, default_value_t = 1_000)]
+    aggregates: usize,
+    /// Offered load of the latency runs, in events per second.
+    #[arg(long, default_value_t = 1_000)]
+    rate: u64,
+    /// Length of each latency run, in seconds.
+    #[arg(long, default_value_t = 10)]
+    latency_secs: u64,
+    /// Units of work per variant in the cost measurement.
+    #[arg(long, default_value_t = 2_000)]
+    transactions: usize,
+    /// Published rows kept in the table for the claim measurement.
+    #[arg(long, default_value_t = 1_000_000)]
+    published_rows: usize,
+    /// The measurements to run, by number (1 to 7); all by default. Ratios are printed when
+    /// both their parts ran.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7])]
+    phases: Vec<u8>,
+}
+
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+struct Ticked {
+    n: u64,
+    pad: String,
+}
+
+#[aggregate(event = Ticked, name = "Probe")]
+struct Probe {
+    id: String,
+}
+
+struct Bench {
+    args: Args,
+    admin_url: String,
+    database: String,
+    database_url: String,
+    nats: async_nats::Client,
+    prefix: String,
+    stream: String,
+    /// The payload of every seeded row: a JSON object of `args.payload` bytes.
+    payload: String,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    let bench = Bench::new(args).await?;
+    let result = bench.run().await;
+    bench.clean_up().await;
+    result
+}
+
+impl Bench {
+    async fn new(args: Args) -> Result<Self, BoxError> {
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let admin_url = std::env::var("OUTBOX_BENCH_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let nats_url =
+            std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+        let database = format!("outbox_bench_{tag}");
+        let mut admin = AsyncPgConnection::establish(&admin_url).await?;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {database}"))
+            .await?;
+        let (server, _) = admin_url.rsplit_once('/').ok_or("no database in the URL")?;
+        let database_url = format!("{server}/{database}");
+        outbox_runtime::run_migrations(&database_url).await?;
+        let nats = async_nats::connect(&nats_url).await?;
+        let prefix = format!("bench{tag}");
+        let stream = format!("BENCH_{}", tag.to_uppercase());
+        jetstream::new(nats.clone())
+            .create_stream(jetstream::stream::Config {
+                name: stream.clone(),
+                subjects: vec![format!("{prefix}.>")],
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await?;
+        let filler = args.payload.saturating_sub(r#"{"data":""}"#.len());
+        let payload = format!(r#"{{"data":"{}"}}"#, "x".repeat(filler));
+        Ok(Self {
+            args,
+            admin_url,
+            database,
+            database_url,
+            nats,
+            prefix,
+            stream,
+            payload,
+        })
+    }
+
+    async fn clean_up(&self) {
+        let _ = jetstream::new(self.nats.clone())
+            .delete_stream(&self.stream)
+            .await;
+        if let Ok(mut admin) = AsyncPgConnection::establish(&self.admin_url).await {
+            let _ = admin
+                .batch_execute(&format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                    self.database
+                ))
+                .await;
+        }
+    }
+
+    fn relay_config(&self) -> RelayConfig {
+        let mut config = RelayConfig::new(&self.database_url);
+        config.subject_prefix = self.prefix.clone();
+        config.stream = StreamSettings {
+            name: self.stream.clone(),
+            create: false,
+            ..StreamSettings::default()
+        };
+        config.source = "/bench".to_owned();
+        config
+    }
+
+    async fn run(&self) -> Result<(), BoxError> {
+        let a = &self.args;
+        let phase = |n: u8| a.phases.contains(&n);
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        println!(
+            "relay_bench: {} events of {} B over {} aggregates; {cores} cores; release build: {}",
+            a.events,
+            self.payload.len(),
+            a.aggregates,
+            !cfg!(debug_assertions)
+        );
+        let defaults = self.relay_config();
+        println!(
+            "relay defaults: workers {}, batch_size {}, max_in_flight {}, poll_interval {:?}, published rows: {:?}\n",
+            defaults.workers,
+            defaults.batch_size,
+            defaults.max_in_flight,
+            defaults.poll_interval,
+            defaults.published
+        );
+
+        let ceiling = if phase(1) {
+            Some(self.ceiling().await?)
+        } else {
+            None
+        };
+        if let Some(ceiling) = ceiling {
+            report(
+                "1. ceiling: raw async JetStream publishes",
+                ceiling,
+                "events/s",
+            );
+        }
+        let naive = if phase(2) {
+            Some(self.naive_relay().await?)
+        } else {
+            None
+        };
+        if let Some(naive) = naive {
+            report(
+                "2. naive relay (batch 100, 1 publish awaited at a time, 1 UPDATE per row)",
+                naive,
+                "events/s",
+            );
+        }
+        if phase(3) {
+            let relay = self.drain("Relay1", 1, self.relay_config()).await?;
+            report("3. this relay, defaults", relay, "events/s");
+            let relay2 = self.drain("Relay2", 2, self.relay_config()).await?;
+            report("3. this relay, 2 instances", relay2, "events/s");
+            let mut other = self.relay_config();
+            other.published = match other.published {
+                PublishedRows::Mark => PublishedRows::Delete,
+                PublishedRows::Delete => PublishedRows::Mark,
+            };
+            let other_rate = self.drain("Relay3", 1, other.clone()).await?;
+            report(
+                &format!("3. this relay, published rows: {:?}", other.published),
+                other_rate,
+                "events/s",
+            );
+            println!();
+            if let Some(ceiling) = ceiling {
+                let r = relay / ceiling;
+                ratio("4. ratio 3/1 (this relay / ceiling)", r, ">= 0.5", r >= 0.5);
+            }
+            if let Some(naive) = naive {
+                let r = relay / naive;
+                ratio(
+                    "4. ratio 3/2 (this relay / naive relay)",
+                    r,
+                    ">= 10",
+                    r >= 10.0,
+                );
+            }
+            println!();
+        }
+
+        if phase(5) {
+            let notified = self.latency("LatencyNotify", self.relay_config()).await?;
+            let mut polling = self.relay_config();
+            polling.listen = false;
+            let polled = self.latency("LatencyPoll", polling.clone()).await?;
+            for (label, l) in [
+                ("notifications".to_owned(), &notified),
+                (
+                    format!("polling only ({:?})", polling.poll_interval),
+                    &polled,
+                ),
+            ] {
+                println!(
+                    "5. commit-to-ack latency, {label}, offered {:.0} events/s: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
+                    l.offered_rate, l.p50_ms, l.p99_ms, l.max_ms, l.count
+                );
+            }
+            ratio(
+                "5. p99 with notifications (ms)",
+                notified.p99_ms,
+                "<= 25",
+                notified.p99_ms <= 25.0,
+            );
+            println!();
+        }
+
+        if phase(6) {
+            let cost = self.unit_of_work_cost().await?;
+            println!(
+                "6. unit of work, mean per transaction: none {:.3} ms, 1 event {:.3} ms, 10 events {:.3} ms (medians {:.3} / {:.3} / {:.3} ms)",
+                cost.mean[0],
+                cost.mean[1],
+                cost.mean[2],
+                cost.median[0],
+                cost.median[1],
+                cost.median[2]
+            );
+            let one = cost.mean[1] / cost.mean[0];
+            ratio("6. 1 event / none", one, "<= 1.3", one <= 1.3);
+            ratio(
+                "6. 10 events / none",
+                cost.mean[2] / cost.mean[0],
+                "(no target)",
+                true,
+            );
+            println!();
+        }
+
+        if phase(7) {
+            let claims = self.claim_rate().await?;
+            println!(
+                "7. claim rate (batch {}, {} queued rows): empty table {:.0} claims/s; {} published rows kept {:.0} claims/s (before VACUUM {:.0})",
+                defaults.batch_size,
+                CLAIM_QUEUED,
+                claims.empty,
+                self.args.published_rows,
+                claims.full,
+                claims.full_before_vacuum
+            );
+            let full = claims.full / claims.empty;
+            ratio("7. claim rate, full / empty", full, ">= 0.9", full >= 0.9);
+        }
+        Ok(())
+    }
+}
+
+fn report(label: &str, value: f64, unit: &str) {
+    println!("{label:<78} {value:>10.0} {unit}");
+}
+
+fn ratio(label: &str, value: f64, target: &str, met: bool) {
+    let verdict = if met { "met" } else { "NOT MET" };
+    println!("{label:<78} {value:>10.2}   target {target}: {verdict}");
+}
+
+/// The headers the relay sends, for the ceiling and the naive relay to send the same.
+fn message_headers(id: uuid::Uuid, kind: &str, aggregate: &str, seq: i64) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let id = id.hyphenated().to_string();
+    headers.insert("Nats-Msg-Id", id.as_str());
+    headers.insert("ce-specversion", "1.0");
+    headers.insert("ce-id", id.as_str());
+    headers.insert("ce-source", "/bench");
+    headers.insert("ce-type", "Ticked");
+    headers.insert("ce-time", "2026-11-21T12:00:00.123456Z");
+    headers.insert("ce-subject", aggregate);
+    headers.insert("ce-aggregatetype", kind);
+    headers.insert("ce-sequence", format!("{seq:019}"));
+    headers.insert("ce-partitionkey", aggregate);
+    headers.insert("ce-eventversion", "1");
+    headers.insert("ce-datacontenttype", "application/json");
+    headers.insert("content-type", "application/json");
+    headers
+}
+
+const CLAIM_QUEUED: usize = 10_000;
+
+/// CPU time spent by this process (the relay runs in it), by `nats-server` and by all
+/// `postgres` processes, from `/proc` (Linux): where the machine's cores went during a run.
+#[derive(Clone, Copy, Default)]
+struct CpuTimes {
+    bench: f64,
+    nats: f64,
+    postgres: f64,
+}
+
+impl CpuTimes {
+    fn now() -> Self {
+        let mut times = CpuTimes::default();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return times;
+        };
+        let me = std::process::id().to_string();
+        for entry in entries.flatten() {
+            let pid = entry.file_name().to_string_lossy().to_string();
+            if !pid.bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // "pid (comm) state ... utime stime": fields 14 and 15, counted after the comm.
+            let Some((comm, rest)) = stat
+                .split_once(") ")
+                .map(|(a, b)| (a.rsplit('(').next().unwrap_or(""), b))
+            else {
+                continue;
+            };
+            let fields: Vec<&str> = rest.split(' ').collect();
+            let ticks: f64 = fields
+                .get(11)
+                .and_then(|u| u.parse::<f64>().ok())
+                .unwrap_or(0.0)
+                + fields
+                    .get(12)
+                    .and_then(|s| s.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+            let seconds = ticks / 100.0; // USER_HZ
+            if pid == me {
+                times.bench += seconds;
+            } else if comm == "nats-server" {
+                times.nats += seconds;
+            } else if comm == "postgres" {
+                times.postgres += seconds;
+            }
+        }
+        times
+    }
+
+    /// CPU microseconds per event since `start`, as "bench+relay / nats / postgres".
+    fn per_event_since(start: CpuTimes, events: usize) -> String {
+        let now = CpuTimes::now();
+        let us = |a: f64, b: f64| (a - b) * 1e6 / events as f64;
+        format!(
+            "CPU per event: bench/relay {:.0} us, nats-server {:.0} us, postgres {:.0} us",
+            us(now.bench, start.bench),
+            us(now.nats, start.nats),
+            us(now.postgres, start.postgres)
+        )
+    }
+}
+
+/// Acks the ceiling keeps outstanding: most of async-nats's default `max_ack_inflight`.
+const CEILING_WINDOW: usize = 4_096;
+
+struct Latency {
+    count: usize,
+    offered_rate: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+struct Cost {
+    mean: [f64; 3],
+    median: [f64; 3],
+}
+
+struct Claims {
+    empty: f64,
+    full: f64,
+    full_before_vacuum: f64,
+}
+
+impl Bench {
+    /// Seeds `count` queued rows of aggregate type `kind`, round robin over the aggregates.
+    async fn seed(
+        &self,
+        conn: &mut AsyncPgConnection,
+        kind: &str,
+        count: usize,
+    ) -> Result<(), BoxError> {
+        const CHUNK: usize = 10_000;
+        let aggregates = self.args.aggregates.max(1);
+        for start in (0..count).step_by(CHUNK) {
+            let end = (start + CHUNK).min(count);
+            let ids: Vec<uuid::Uuid> = (start..end).map(|_| uuid::Uuid::now_v7()).collect();
+            let aggs: Vec<String> = (start..end)
+                .map(|i| format!("a{}", i % aggregates))
+                .collect();
+            let seqs: Vec<i64> = (start..end).map(|i| (i / aggregates) as i64 + 1).collect();
+            diesel::sql_query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, \
+                     event_type, partition_key, subject, payload) \
+                 SELECT id, $1, agg, seq, 'Ticked', agg, $2 || '.' || $1 || '.' || agg || '.Ticked', $3::jsonb \
+                 FROM unnest($4::uuid[], $5::text[], $6::int8[]) AS t(id, agg, seq)",
+            )
+            .bind::<Text, _>(kind)
+            .bind::<Text, _>(&self.prefix)
+            .bind::<Text, _>(&self.payload)
+            .bind::<Array<SqlUuid>, _>(ids)
+            .bind::<Array<Text>, _>(aggs)
+            .bind::<Array<Int8>, _>(seqs)
+            .execute(conn)
+            .await?;
+        }
+        conn.batch_execute("ANALYZE outbox_events").await?;
+        Ok(())
+    }
+
+    async fn queued(conn: &mut AsyncPgConnection, kind: &str) -> Result<bool, BoxError> {
+        #[derive(QueryableByName)]
+        struct Found {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            queued: bool,
+        }
+        let found: Found = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM outbox_events WHERE aggregate_type = $1 \
+                 AND published_at IS NULL AND skipped_at IS NULL) AS queued",
+        )
+        .bind::<Text, _>(kind)
+        .get_result(conn)
+        .await?;
+        Ok(found.queued)
+    }
+
+    /// Figure 1: raw async publishes of the same messages, acks awaited together.
+    async fn ceiling(&self) -> Result<f64, BoxError> {
+        let js = jetstream::new(self.nats.clone());
+        let aggregates = self.args.aggregates.max(1);
+        let messages: Vec<(String, HeaderMap)> = (0..self.args.events)
+            .map(|i| {
+                let aggregate = format!("a{}", i % aggregates);
+                let seq = (i / aggregates) as i64 + 1;
+                let subject = format!("{}.Ceiling.{aggregate}.Ticked", self.prefix);
+                let headers = message_headers(uuid::Uuid::now_v7(), "Ceiling", &aggregate, seq);
+                (subject, headers)
+            })
+            .collect();
+        let payload = bytes::Bytes::from(self.payload.clone());
+        let cpu = CpuTimes::now();
+        let started = Instant::now();
+        let mut acks = FuturesUnordered::new();
+        for (subject, headers) in messages {
+            // Every unawaited ack holds one of async-nats's 5,000 in-flight permits.
+            if acks.len() >= CEILING_WINDOW {
+                acks.next().await.expect("a pending ack")?;
+            }
+            let ack = js
+                .publish_with_headers(subject, headers, payload.clone())
+                .await?;
+            acks.push(std::future::IntoFuture::into_future(ack));
+        }
+        while let Some(ack) = acks.next().await {
+            ack?;
+        }
+        let rate = self.args.events as f64 / started.elapsed().as_secs_f64();
+        println!("   {}", CpuTimes::per_event_since(cpu, self.args.events));
+        Ok(rate)
+    }
+
+    /// Figure 2: the relay of the well-known articles. It reads through the outbox's claimable-rows
+    /// index, so what it measures is its round trips, not a missing index.
+    async fn naive_relay(&self) -> Result<f64, BoxError> {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = SqlUuid)]
+            id: uuid::Uuid,
+            #[diesel(sql_type = Text)]
+            aggregate_id: String,
+            #[diesel(sql_type = Int8)]
+            aggregate_seq: i64,
+            #[diesel(sql_type = Text)]
+            subject: String,
+            #[diesel(sql_type = Text)]
+            payload: String,
+        }
+        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        self.seed(&mut conn, "Naive", self.args.events).await?;
+        let js = jetstream::new(self.nats.clone());
+        let cpu = CpuTimes::now();
+        let started = Instant::now();
+        loop {
+            let js = &js;
+            let relayed = conn
+                .transaction::<_, BoxError, _>(async |conn| {
+                    let rows: Vec<Row> = diesel::sql_query(
+                        "SELECT id, aggregate_id, aggregate_seq, subject, payload::text AS payload \
+                         FROM outbox_events \
+                         WHERE published_at IS NULL AND skipped_at IS NULL \
+                           AND dead_lettered_at IS NULL AND available_at <= now() \
+                           AND aggregate_type = 'Naive' \
+                         ORDER BY available_at, id LIMIT 100 FOR UPDATE SKIP LOCKED",
+                    )
+                    .load(conn)
+                    .await?;
+                    for row in &rows {
+                        let headers =
+                            message_headers(row.id, "Naive", &row.aggregate_id, row.aggregate_seq);
+                        js.publish_with_headers(
+                            row.subject.clone(),
+                            headers,
+                            row.payload.clone().into(),
+                        )
+                        .await?
+                        .await?;
+                        diesel::sql_query(
+                            "UPDATE outbox_events SET published_at = now() WHERE id = $1",
+                        )
+                        .bind::<SqlUuid, _>(row.id)
+                        .execute(conn)
+                        .await?;
+                    }
+                    Ok(rows.len())
+                })
+                .await?;
+            if relayed == 0 {
+                break;
+            }
+        }
+        let rate = self.args.events as f64 / started.elapsed().as_secs_f64();
+        println!("   {}", CpuTimes::per_event_since(cpu, self.args.events));
+        Ok(rate)
+    }
+
+    /// Figure 3: seeds the events, then times `instances` relays until none is queued.
+    async fn drain(
+        &self,
+        kind: &str,
+        instances: usize,
+        config: RelayConfig,
+    ) -> Result<f64, BoxError> {
+        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        self.seed(&mut conn, kind, self.args.events).await?;
+        let mut relays = Vec::new();
+        for _ in 0..instances {
+            relays.push(Relay::connect(config.clone(), self.nats.clone()).await?);
+        }
+        // Progress is watched on the stream (cheap for NATS), then the last marks in the
+        // database: polling the table would load the PostgreSQL being measured.
+        let mut stream = jetstream::new(self.nats.clone())
+            .get_stream(&self.stream)
+            .await?;
+        let done = stream.info().await?.state.messages + self.args.events as u64;
+        let cpu = CpuTimes::now();
+        let started = Instant::now();
+        let handles: Vec<_> = relays.into_iter().map(Relay::spawn).collect();
+        while stream.info().await?.state.messages < done {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        while Self::queued(&mut conn, kind).await? {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let elapsed = started.elapsed();
+        println!("   {}", CpuTimes::per_event_since(cpu, self.args.events));
+        for handle in handles {
+            handle.shutdown().await?;
+        }
+        Ok(self.args.events as f64 / elapsed.as_secs_f64())
+    }
+
+    /// Figure 5: commits one event per unit of work at `rate` for `latency_secs`, with the relay
+    /// running; the latency of an event is its stream store time minus its commit time.
+    async fn latency(&self, kind: &str, config: RelayConfig) -> Result<Latency, BoxError> {
+        const PRODUCERS: u64 = 4;
+        let mut stream = jetstream::new(self.nats.clone())
+            .get_stream(&self.stream)
+            .await?;
+        let first_new = stream.info().await?.state.last_sequence + 1;
+        let relay = Relay::connect(config, self.nats.clone()).await?.spawn();
+        let outbox = Outbox::new().with_subject_prefix(&self.prefix)?;
+        let committed: Arc<Mutex<HashMap<u64, SystemTime>>> = Arc::default();
+        let duration = Duration::from_secs(self.args.latency_secs);
+        let period = Duration::from_secs_f64(PRODUCERS as f64 / self.args.rate as f64);
+        let pad = "x".repeat(self.args.payload.saturating_sub(30));
+        let started = Instant::now();
+        let mut producers = Vec::new();
+        for producer in 0..PRODUCERS {
+            let (outbox, committed, pad) = (outbox.clone(), Arc::clone(&committed), pad.clone());
+            let (url, kind, aggregates) = (
+                self.database_url.clone(),
+                kind.to_owned(),
+                self.args.aggregates as u64,
+            );
+            producers.push(tokio::spawn(async move {
+                let mut conn = AsyncPgConnection::establish(&url).await?;
+                let mut ticks = tokio::time::interval(period);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                let mut n = producer;
+                while started.elapsed() < duration {
+                    ticks.tick().await;
+                    let mut probe = Probe {
+                        id: format!("{kind}-{}", n % aggregates),
+                        pending_events: PendingEvents::new(),
+                    };
+                    probe.record(Ticked {
+                        n,
+                        pad: pad.clone(),
+                    });
+                    outbox
+                        .transaction(&mut conn, async |uow| {
+                            uow.track(&mut probe);
+                            Ok::<_, UnitOfWorkError>(())
+                        })
+                        .await?;
+                    committed
+                        .lock()
+                        .expect("not poisoned")
+                        .insert(n, SystemTime::now());
+                    n += PRODUCERS;
+                }
+                Ok::<_, BoxError>(())
+            }));
+        }
+        for producer in producers {
+            producer.await??;
+        }
+        let produced_in = started.elapsed();
+        let committed = std::mem::take(&mut *committed.lock().expect("not poisoned"));
+
+        // Every committed event, as stored: its store time is its ack time.
+        let consumer = stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: format!("{}.Probe.*.Ticked", self.prefix),
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: first_new,
+                },
+                ..Default::default()
+            })
+            .await?;
+        let mut messages = consumer.messages().await?;
+        let mut latencies = Vec::with_capacity(committed.len());
+        while latencies.len() < committed.len() {
+            let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+                .await?
+                .ok_or("the consumer ended")??;
+            let stored = message.info()?.published;
+            let event: Ticked = serde_json::from_slice(&message.payload)?;
+            let commit = time::OffsetDateTime::from(committed[&event.n]);
+            latencies.push((stored - commit).as_seconds_f64() * 1e3);
+        }
+        relay.shutdown().await?;
+        latencies.sort_by(f64::total_cmp);
+        let percentile = |p: f64| latencies[((latencies.len() - 1) as f64 * p).round() as usize];
+        Ok(Latency {
+            count: latencies.len(),
+            offered_rate: latencies.len() as f64 / produced_in.as_secs_f64(),
+            p50_ms: percentile(0.50),
+            p99_ms: percentile(0.99),
+            max_ms: latencies[latencies.len() - 1],
+        })
+    }
+
+    /// Figure 6: the same business transaction with 0, 1 and 10 events, interleaved.
+    async fn unit_of_work_cost(&self) -> Result<Cost, BoxError> {
+        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        conn.batch_execute(
+            "CREATE TABLE bench_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL)",
+        )
+        .await?;
+        let outbox = Outbox::new().with_subject_prefix(&self.prefix)?;
+        let pad = "x".repeat(self.args.payload.saturating_sub(30));
+        let mut times: [Vec<f64>; 3] = Default::default();
+        let mut order_id = 0_i64;
+        for round in 0..self.args.transactions + 100 {
+            for (variant, events) in [0_usize, 1, 10].into_iter().enumerate() {
+                order_id += 1;
+                let mut probe = Probe {
+                    id: format!("cost-{}", order_id % 1000),
+                    pending_events: PendingEvents::new(),
+                };
+                for n in 0..events {
+                    probe.record(Ticked {
+                        n: n as u64,
+                        pad: pad.clone(),
+                    });
+                }
+                let started = Instant::now();
+                outbox
+                    .transaction(&mut conn, async |uow| {
+                        diesel::sql_query("INSERT INTO bench_orders VALUES ($1, 4200)")
+                            .bind::<Int8, _>(order_id)
+                            .execute(uow.conn())
+                            .await?;
+                        uow.track(&mut probe);
+                        Ok::<_, UnitOfWorkError>(())
+                    })
+                    .await?;
+                // The first 100 rounds warm up caches and prepared statements.
+                if round >= 100 {
+                    times[variant].push(started.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+        }
+        let mut mean = [0.0; 3];
+        let mut median = [0.0; 3];
+        for (variant, samples) in times.iter_mut().enumerate() {
+            mean[variant] = samples.iter().sum::<f64>() / samples.len() as f64;
+            samples.sort_by(f64::total_cmp);
+            median[variant] = samples[samples.len() / 2];
+        }
+        Ok(Cost { mean, median })
+    }
+
+    /// Figure 7: claims per second (claim, roll back) over the same queued rows, first alone, then
+    /// with a million published rows kept.
+    async fn claim_rate(&self) -> Result<Claims, BoxError> {
+        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        let batch = self.relay_config().batch_size as i64;
+        conn.batch_execute("TRUNCATE outbox_events, outbox_aggregates")
+            .await?;
+        self.seed(&mut conn, "Claim", CLAIM_QUEUED).await?;
+        conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
+        let empty = claims_per_second(&mut conn, batch).await?;
+
+        // Published rows as the relay leaves them: inserted queued, then marked.
+        self.seed(&mut conn, "Old", self.args.published_rows)
+            .await?;
+        conn.batch_execute(
+            "UPDATE outbox_events SET published_at = now() WHERE aggregate_type = 'Old'; ANALYZE outbox_events",
+        )
+        .await?;
+        let full_before_vacuum = claims_per_second(&mut conn, batch).await?;
+        conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
+        let full = claims_per_second(&mut conn, batch).await?;
+        Ok(Claims {
+            empty,
+            full,
+            full_before_vacuum,
+        })
+    }
+}
+
+async fn claims_per_second(conn: &mut AsyncPgConnection, batch: i64) -> Result<f64, BoxError> {
+    let window = Duration::from_secs(3);
+    let started = Instant::now();
+    let mut claims = 0_u64;
+    while started.elapsed() < window {
+        let result = conn
+            .transaction::<(), _, _>(async |conn| {
+                let claimed = outbox_runtime::__private::claim_probe(conn, batch).await?;
+                assert_eq!(claimed as i64, batch, "a full batch is claimed");
+                Err(diesel::result::Error::RollbackTransaction)
+            })
+            .await;
+        match result {
+            Err(diesel::result::Error::RollbackTransaction) => claims += 1,
+            Err(error) => return Err(error.into()),
+            Ok(()) => unreachable!("the claim always rolls back"),
+        }
+    }
+    Ok(claims as f64 / started.elapsed().as_secs_f64())
+}
