@@ -24,6 +24,7 @@ pub struct TestEnv {
     pub database_url: String,
     admin_url: String,
     database: String,
+    nats_url: String,
     pub nats: async_nats::Client,
     /// This test's subject prefix (one token).
     pub prefix: String,
@@ -42,8 +43,13 @@ pub fn nats_url() -> String {
 
 impl TestEnv {
     /// A fresh, migrated database and a unique stream name and subject prefix (the stream
-    /// itself is created by the first relay, as in production).
+    /// itself is created by the first relay, as in production), on the shared NATS.
     pub async fn new() -> Self {
+        Self::with_nats(&nats_url()).await
+    }
+
+    /// The same, on the NATS server at `nats_url`.
+    pub async fn with_nats(nats_url: &str) -> Self {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
         let admin_url = admin_url();
         let database = format!("outbox_test_{tag}");
@@ -61,13 +67,14 @@ impl TestEnv {
         outbox_runtime::run_migrations(&database_url)
             .await
             .expect("migrations apply");
-        let nats = async_nats::connect(nats_url())
+        let nats = async_nats::connect(nats_url)
             .await
             .expect("NATS is reachable (see README: the services)");
         Self {
             database_url,
             admin_url,
             database,
+            nats_url: nats_url.to_owned(),
             nats,
             prefix: format!("t{tag}"),
             stream: format!("TEST_{}", tag.to_uppercase()),
@@ -151,6 +158,7 @@ impl Drop for TestEnv {
         let admin_url = self.admin_url.clone();
         let database = self.database.clone();
         let stream = self.stream.clone();
+        let nats_url = self.nats_url.clone();
         // Drop cannot await, so the cleanup runs on a thread and runtime of its own, with
         // connections of its own: the test's NATS client is driven by the test's runtime,
         // which is blocked in this very drop.
@@ -160,7 +168,10 @@ impl Drop for TestEnv {
                 .build()
                 .expect("a runtime for cleanup");
             runtime.block_on(async move {
-                if let Ok(nats) = async_nats::connect(nats_url()).await {
+                let connect = async_nats::ConnectOptions::new()
+                    .connection_timeout(Duration::from_secs(2))
+                    .connect(nats_url);
+                if let Ok(nats) = connect.await {
                     let _ = jetstream::new(nats).delete_stream(&stream).await;
                 }
                 if let Ok(mut admin) = AsyncPgConnection::establish(&admin_url).await {
@@ -171,5 +182,121 @@ impl Drop for TestEnv {
             });
         });
         let _ = cleanup.join();
+    }
+}
+
+/// Waits until `check` returns `Some`, polling every 20 ms, for at most `timeout`; panics
+/// with `what` when it does not.
+pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A nats-server of the test's own, on a free port with a temporary JetStream store, for
+/// tests that stop and restart the broker (they never touch the shared one). The binary is
+/// `NATS_SERVER_BIN`, else `nats-server` on the PATH, else `/usr/sbin/nats-server`.
+pub struct NatsServer {
+    pub port: u16,
+    store: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl NatsServer {
+    pub async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let store = std::env::temp_dir().join(format!("outbox-test-nats-{}", uuid::Uuid::new_v4()));
+        let mut server = Self {
+            port,
+            store,
+            child: None,
+        };
+        server.restart().await;
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn binary() -> std::path::PathBuf {
+        if let Ok(path) = std::env::var("NATS_SERVER_BIN") {
+            return path.into();
+        }
+        let on_path = std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join("nats-server"))
+                .find(|candidate| candidate.is_file())
+        });
+        on_path.unwrap_or_else(|| "/usr/sbin/nats-server".into())
+    }
+
+    /// Starts the server (again, with the same port and store) and waits until it accepts
+    /// connections.
+    pub async fn restart(&mut self) {
+        assert!(
+            self.child.is_none(),
+            "the test's nats-server is already running"
+        );
+        let binary = Self::binary();
+        let child = std::process::Command::new(&binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.store)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {} (set NATS_SERVER_BIN): {e}",
+                    binary.display()
+                )
+            });
+        self.child = Some(child);
+        let address = format!("127.0.0.1:{}", self.port);
+        wait_until(
+            "the test's nats-server to listen",
+            Duration::from_secs(10),
+            || {
+                let address = address.clone();
+                async move { tokio::net::TcpStream::connect(address).await.ok() }
+            },
+        )
+        .await;
+    }
+
+    /// Kills the server, as an outage would.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.store);
     }
 }

@@ -1,0 +1,461 @@
+//! The relay in production conditions, against the real PostgreSQL and NATS: several
+//! instances racing (one of them dying mid-batch), broker rejections and dead letters, a
+//! broker outage (a nats-server of the test's own), terminated database connections, and
+//! graceful shutdown.
+
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_runtime::outbox::schema::outbox_events;
+use outbox_runtime::{
+    DeadLetterPolicy, PublishedRows, Relay, RelayConfig, UnitOfWorkError, dead_letter,
+};
+use support::domain::{Order, OrderEvent};
+use support::{NatsServer, Received, TestEnv, wait_until};
+
+fn header(message: &Received, name: &str) -> String {
+    message
+        .headers
+        .get(name)
+        .unwrap_or_else(|| panic!("header {name} on {}", message.subject))
+        .as_str()
+        .to_owned()
+}
+
+/// The stream's `ce-sequence`s per aggregate, in stream order.
+fn sequences(messages: &[Received]) -> BTreeMap<String, Vec<u64>> {
+    let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for message in messages {
+        sequences
+            .entry(header(message, "ce-subject"))
+            .or_default()
+            .push(header(message, "ce-sequence").parse().unwrap());
+    }
+    sequences
+}
+
+async fn stream_len(env: &TestEnv) -> u64 {
+    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+/// Waits until the stream holds `count` messages.
+async fn until_stream_holds(env: &TestEnv, count: u64, timeout: Duration) {
+    wait_until(
+        &format!("{count} messages in the stream"),
+        timeout,
+        || async { (stream_len(env).await >= count).then_some(()) },
+    )
+    .await;
+}
+
+/// Commits `events` events of aggregate `id` (Placed, then Shipped), one unit of work each.
+async fn commit_events(env: &TestEnv, conn: &mut AsyncPgConnection, id: &str, events: usize) {
+    let mut order = Order::place(id, "ada", 1);
+    for n in 0..events {
+        if n > 0 {
+            order.record(OrderEvent::Shipped);
+        }
+        env.outbox()
+            .transaction(conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_once_in_order() {
+    const PRODUCERS: usize = 4;
+    const AGGREGATES: usize = 100;
+    const PER_AGGREGATE: usize = 100;
+    const TOTAL: u64 = (AGGREGATES * PER_AGGREGATE) as u64;
+
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.batch_size = 200; // many batches, so the instances race for heads
+
+    // Three instances. The first is killed mid-run, as a crash would kill it (its batch is
+    // rolled back with its connection), and a fourth takes its place.
+    let doomed = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap();
+    let doomed = tokio::spawn(doomed.run(std::future::pending()));
+    let second = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let third = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+
+    // Producers commit while the relays run: 1 to 4 events per unit of work.
+    let mut producers = Vec::new();
+    for producer in 0..PRODUCERS {
+        let (outbox, url) = (env.outbox(), env.database_url.clone());
+        producers.push(tokio::spawn(async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            let per_producer = AGGREGATES / PRODUCERS;
+            let mut orders: Vec<(Order, usize)> = (0..per_producer)
+                .map(|i| {
+                    let id = format!("agg-{}", producer * per_producer + i);
+                    (Order::place(&id, "ada", 1), 0)
+                })
+                .collect();
+            let mut round: usize = 0;
+            while orders.iter().any(|(_, written)| *written < PER_AGGREGATE) {
+                for (order, written) in orders.iter_mut().filter(|(_, w)| *w < PER_AGGREGATE) {
+                    let pending = order.pending_events().len();
+                    let more = (1 + round % 4).saturating_sub(pending);
+                    for _ in 0..more.min(PER_AGGREGATE - *written - pending) {
+                        order.record(OrderEvent::Shipped);
+                    }
+                    let count = order.pending_events().len();
+                    outbox
+                        .transaction(&mut conn, async |uow| {
+                            uow.track(order);
+                            Ok::<_, UnitOfWorkError>(())
+                        })
+                        .await
+                        .unwrap();
+                    *written += count;
+                }
+                round += 1;
+            }
+        }));
+    }
+
+    until_stream_holds(&env, TOTAL / 4, Duration::from_secs(60)).await;
+    doomed.abort();
+    assert!(doomed.await.unwrap_err().is_cancelled());
+    let fourth = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    for producer in producers {
+        producer.await.unwrap();
+    }
+    until_stream_holds(&env, TOTAL, Duration::from_secs(120)).await;
+    for relay in [second, third, fourth] {
+        relay.shutdown().await.unwrap();
+    }
+
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len() as u64, TOTAL, "no event stored twice");
+    let ids: HashSet<String> = messages.iter().map(|m| header(m, "ce-id")).collect();
+    assert_eq!(ids.len() as u64, TOTAL, "every event once");
+    let sequences = sequences(&messages);
+    assert_eq!(sequences.len(), AGGREGATES);
+    let in_order: Vec<u64> = (1..=PER_AGGREGATE as u64).collect();
+    for (aggregate, seqs) in &sequences {
+        assert_eq!(seqs, &in_order, "aggregate {aggregate} in sequence order");
+    }
+    let mut conn = env.conn().await;
+    let left: i64 = outbox_events::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "every row published and deleted");
+}
+
+/// A row the broker refuses: its message is over the server's `max_payload` (1 MiB by
+/// default), checked by async-nats before sending.
+async fn insert_oversized(conn: &mut AsyncPgConnection, prefix: &str, aggregate: &str) {
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         VALUES ('Big', '{aggregate}', 1, 'Uploaded', '{aggregate}', \
+                 '{prefix}.Big.{aggregate}.Uploaded', \
+                 jsonb_build_object('blob', repeat('x', 1100000))), \
+                ('Big', '{aggregate}', 2, 'Labelled', '{aggregate}', \
+                 '{prefix}.Big.{aggregate}.Labelled', '{{\"label\": \"after\"}}')"
+    ))
+    .await
+    .unwrap();
+}
+
+fn fast_retries(mut config: RelayConfig) -> RelayConfig {
+    config.max_attempts = 3;
+    config.retry_delay = Duration::from_millis(20);
+    config.max_retry_delay = Duration::from_millis(60);
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_message_is_dead_lettered_after_max_attempts_while_others_flow() {
+    let env = TestEnv::new().await;
+    let relay = Relay::connect(fast_retries(env.relay_config()), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    insert_oversized(&mut conn, &env.prefix, "b-1").await;
+    insert_oversized(&mut conn, &env.prefix, "b-2").await;
+    for n in 0..5 {
+        commit_events(&env, &mut conn, &format!("o-{n}"), 2).await;
+    }
+
+    let dead = wait_until("two dead letters", Duration::from_secs(20), || async {
+        let mut conn = env.conn().await;
+        let dead = dead_letter::list(&mut conn, 10).await.unwrap();
+        (dead.len() == 2).then_some(dead)
+    })
+    .await;
+    for letter in &dead {
+        assert_eq!(
+            (letter.aggregate_seq, letter.attempts, letter.waiting),
+            (1, 3, 1),
+            "{letter:?}"
+        );
+        let error = letter.last_error.as_deref().unwrap_or_default();
+        assert!(error.contains("max payload"), "{error}");
+    }
+    until_stream_holds(&env, 10, Duration::from_secs(10)).await;
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 10, "the orders flowed; nothing of Big did");
+    assert!(messages.iter().all(|m| !m.subject.contains(".Big.")));
+
+    // The operator trims the first one and retries it: it goes out, then the row behind it.
+    let first = dead.iter().find(|d| d.aggregate_id == "b-1").unwrap();
+    conn.batch_execute(&format!(
+        "UPDATE outbox_events SET payload = '{{\"blob\": \"trimmed\"}}' WHERE id = '{}'",
+        first.id
+    ))
+    .await
+    .unwrap();
+    assert!(dead_letter::retry(&mut conn, first.id).await.unwrap());
+    // The second is skipped: the row behind it goes out alone.
+    let second = dead.iter().find(|d| d.aggregate_id == "b-2").unwrap();
+    assert!(dead_letter::skip(&mut conn, second.id).await.unwrap());
+    assert!(
+        !dead_letter::skip(&mut conn, second.id).await.unwrap(),
+        "once"
+    );
+
+    until_stream_holds(&env, 13, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    let sequences = sequences(&env.stream_messages().await);
+    assert_eq!(sequences["b-1"], [1, 2], "retried in order");
+    assert_eq!(sequences["b-2"], [2], "skipped, the gap shows");
+    assert!(dead_letter::list(&mut conn, 10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn with_the_skip_policy_a_dead_letter_does_not_hold_its_aggregate_back() {
+    let env = TestEnv::new().await;
+    let mut config = fast_retries(env.relay_config());
+    config.dead_letters = DeadLetterPolicy::Skip;
+    config.max_attempts = 1;
+    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let mut conn = env.conn().await;
+    insert_oversized(&mut conn, &env.prefix, "b-1").await;
+
+    let first = relay.relay_batch().await.unwrap();
+    assert_eq!((first.rejected, first.dead_lettered), (1, 1), "{first:?}");
+    let second = relay.relay_batch().await.unwrap();
+    assert_eq!(second.published, 1, "{second:?}");
+    assert_eq!(sequences(&env.stream_messages().await)["b-1"], [2]);
+    assert!(
+        dead_letter::list(&mut conn, 10).await.unwrap().is_empty(),
+        "a skipped dead letter no longer blocks"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_loses_nothing_and_dead_letters_nothing() {
+    let mut server = NatsServer::start().await;
+    let env = TestEnv::with_nats(&server.url()).await;
+    let mut config = env.relay_config();
+    config.published = PublishedRows::Mark; // keep the rows, to read their attempts
+    config.ack_timeout = Duration::from_millis(500);
+    config.max_backoff = Duration::from_millis(200);
+    config.max_attempts = 1; // one counted attempt would dead-letter a row at once
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    for n in 0..4 {
+        commit_events(&env, &mut conn, &format!("o-{n}"), 5).await;
+    }
+    until_stream_holds(&env, 20, Duration::from_secs(10)).await;
+
+    server.stop();
+    for n in 0..4 {
+        commit_events(&env, &mut conn, &format!("late-{n}"), 5).await;
+    }
+    // The relay meets the outage for a while: claims fail in transport, or it waits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.restart().await;
+
+    until_stream_holds(&env, 40, Duration::from_secs(30)).await;
+    relay.shutdown().await.unwrap();
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 40, "nothing lost, nothing stored twice");
+    for (aggregate, seqs) in sequences(&messages) {
+        assert_eq!(seqs, [1, 2, 3, 4, 5], "aggregate {aggregate}");
+    }
+    let rows: Vec<(i32, bool, bool)> = outbox_events::table
+        .select((
+            outbox_events::attempts,
+            outbox_events::published_at.is_not_null(),
+            diesel::dsl::sql::<diesel::sql_types::Bool>("dead_lettered_at IS NOT NULL"),
+        ))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 40);
+    assert!(
+        rows.iter().all(|row| *row == (0, true, false)),
+        "no attempt counted, all published, none dead-lettered: {rows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_recovers_when_its_database_connections_are_terminated() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    // Only a notification can get an event out within the test's deadline.
+    config.poll_interval = Duration::from_secs(120);
+    config.max_backoff = Duration::from_millis(200);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    commit_events(&env, &mut conn, "o-1", 1).await;
+    until_stream_holds(&env, 1, Duration::from_secs(5)).await;
+
+    #[derive(QueryableByName)]
+    struct Terminated {
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        count: i64,
+    }
+    let terminated: Terminated = diesel::sql_query(
+        "SELECT count(pg_terminate_backend(pid)) AS count FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'outbox-relay'",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    assert!(
+        terminated.count >= 3,
+        "two workers and the listener: {}",
+        terminated.count
+    );
+
+    // The listener reconnects and LISTENs again; the workers reopen their connections.
+    commit_events(&env, &mut conn, "o-2", 1).await;
+    until_stream_holds(&env, 2, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    commit_events(&env, &mut conn, "o-3", 1).await;
+    until_stream_holds(&env, 3, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_marks_exactly_what_was_acked() {
+    const ROWS: i64 = 20_000;
+    let env = TestEnv::new().await;
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         SELECT 'Load', 'l-' || (g % 500), g / 500 + 1, 'Ticked', 'l-' || (g % 500), \
+                '{}.Load.l-' || (g % 500) || '.Ticked', '{{}}' \
+         FROM generate_series(0, {}) g",
+        env.prefix,
+        ROWS - 1
+    ))
+    .await
+    .unwrap();
+    until_stream_holds(&env, 2_000, Duration::from_secs(20)).await;
+    relay.shutdown().await.unwrap();
+
+    let published: HashSet<String> = env
+        .stream_messages()
+        .await
+        .iter()
+        .map(|m| header(m, "ce-id"))
+        .collect();
+    let left: Vec<uuid::Uuid> = outbox_events::table
+        .select(outbox_events::id)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        left.iter()
+            .all(|id| !published.contains(&id.hyphenated().to_string())),
+        "an acked row was left queued"
+    );
+    assert_eq!(published.len() as i64 + left.len() as i64, ROWS);
+    assert!(
+        !left.is_empty(),
+        "the shutdown came before the end, as intended"
+    );
+}
+
+#[tokio::test]
+async fn the_relay_reads_the_duplicate_window_and_warns_when_it_is_shorter_than_its_horizon() {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::fmt::MakeWriter;
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    impl<'a> MakeWriter<'a> for Captured {
+        type Writer = Captured;
+        fn make_writer(&'a self) -> Self::Writer {
+            self.clone()
+        }
+    }
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let env = TestEnv::new().await;
+    env.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: env.stream.clone(),
+            subjects: vec![format!("{}.>", env.prefix)],
+            duplicate_window: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let config = env.relay_config();
+    let relay = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap();
+
+    assert_eq!(relay.duplicate_window(), Duration::from_secs(1));
+    let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        logged.contains("WARN") && logged.contains("duplicate window is shorter"),
+        "{logged}"
+    );
+    assert!(config.redelivery_horizon() > relay.duplicate_window());
+}
