@@ -64,7 +64,7 @@ pub(super) async fn run(
     let mut backoff = Backoff::new(config.max_backoff);
     while !stop.is_cancelled() {
         let step = step(&shared, me, &mut conn, &stop).await;
-        if matches!(step, Step::Busy | Step::Idle { published: true }) {
+        if matches!(step, Step::Busy) {
             peers.iter().for_each(|peer| peer.notify_one());
         }
         let wait = match step {
@@ -72,7 +72,7 @@ pub(super) async fn run(
                 backoff.reset();
                 continue;
             }
-            Step::Idle { .. } => {
+            Step::Idle => {
                 backoff.reset();
                 Wait::ForWork(config.poll_interval)
             }
@@ -97,10 +97,12 @@ pub(super) async fn run(
 }
 
 enum Step {
-    /// A full batch went through: there may be more at once.
+    /// The batch claimed rows: there may be more at once. (A batch can be smaller than
+    /// `batch_size` with rows still queued: the claim's window bounds how many heads it
+    /// looks at.)
     Busy,
-    /// Less than a full batch: wait for a notification or the poll interval.
-    Idle { published: bool },
+    /// Nothing was claimable: wait for a notification or the poll interval.
+    Idle,
     /// The broker or the database failed: back off.
     Failed,
 }
@@ -133,10 +135,8 @@ async fn step(
     let conn = conn_slot.as_mut().expect("connected above");
     match relay_batch(shared, Some(me), conn, stop).await {
         Ok(report) if report.transport_failures > 0 => Step::Failed,
-        Ok(report) if report.claimed >= shared.config.batch_size => Step::Busy,
-        Ok(report) => Step::Idle {
-            published: report.published > 0,
-        },
+        Ok(report) if report.claimed > 0 => Step::Busy,
+        Ok(_) => Step::Idle,
         Err(error) => {
             tracing::warn!(%error, "relay batch failed; reopening the connection");
             *conn_slot = None;
