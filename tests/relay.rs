@@ -64,7 +64,7 @@ fn header_names(message: &Received) -> BTreeSet<String> {
         .collect()
 }
 
-const CONTRACT_HEADERS: [&str; 13] = [
+const CONTRACT_HEADERS: [&str; 15] = [
     "Nats-Msg-Id",
     "ce-specversion",
     "ce-id",
@@ -76,6 +76,8 @@ const CONTRACT_HEADERS: [&str; 13] = [
     "ce-sequence",
     "ce-partitionkey",
     "ce-eventversion",
+    "ce-correlationid",
+    "ce-causationid",
     "ce-datacontenttype",
     "content-type",
 ];
@@ -145,6 +147,21 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
         let sent: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
         assert_eq!(&sent, payload);
     }
+    // One unit of work, one conversation: its events share a fresh correlation id, which is
+    // also their cause.
+    let correlations: BTreeSet<String> = messages
+        .iter()
+        .map(|m| header(m, "ce-correlationid"))
+        .collect();
+    assert_eq!(correlations.len(), 1, "{correlations:?}");
+    for message in &messages {
+        assert_eq!(
+            header(message, "ce-causationid"),
+            header(message, "ce-correlationid")
+        );
+        assert!(!by_id.contains_key(&header(message, "ce-correlationid")));
+    }
+
     let subjects: Vec<&str> = messages.iter().map(|m| m.subject.as_str()).collect();
     let p = &env.prefix;
     let placed = format!("{p}.Order.o-1.Placed");
@@ -215,6 +232,13 @@ async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
     assert_eq!(header(message, "ce-type"), "Issued");
     assert_eq!(header(message, "ce-sequence"), "0000000000000000005");
     assert_eq!(header(message, "ce-eventversion"), "1");
+    let id = header(message, "ce-id");
+    assert_eq!(
+        header(message, "ce-correlationid"),
+        id,
+        "its own conversation"
+    );
+    assert_eq!(header(message, "ce-causationid"), id);
     assert_eq!(
         header(message, "traceparent"),
         "00-4bf92f3577b34da6-00f067aa0ba902b7-01"

@@ -39,15 +39,19 @@
 //! - [`event`]: `#[derive(DomainEvent)]`, event type names, versions, payloads, partition keys;
 //! - [`aggregate`]: `#[aggregate]`, aggregates and their buffer of pending events;
 //! - [`unit_of_work`]: one transaction for business rows and outbox rows;
+//! - [`causality`]: correlation, causation and trace context of every event;
 //! - [`outbox`]: the table (a public contract), its migrations and queries;
 //! - [`relay`]: the message relay that publishes committed rows;
 //! - [`dead_letter`]: rows the broker kept rejecting, and what an operator does with them;
 //! - [`publisher`]: the JetStream side, with the wire contract of every message;
+//! - [`inbox`]: idempotent consumers, with exactly-once effects;
 //! - [`subject`]: the NATS subject rules every name obeys.
 
 pub mod aggregate;
+pub mod causality;
 pub mod dead_letter;
 pub mod event;
+pub mod inbox;
 pub mod outbox;
 pub mod publisher;
 pub mod relay;
@@ -55,7 +59,12 @@ pub mod subject;
 pub mod unit_of_work;
 
 pub use aggregate::{Aggregate, PendingEvents};
+pub use causality::{InvalidTraceparent, Traceparent};
 pub use event::{DomainEvent, EventType, PayloadError};
+pub use inbox::{
+    Handler, Inbox, InboxConfig, InboxError, InboxHandle, Metadata, Outcome, UnknownEvents,
+    Unreadable,
+};
 pub use outbox::{MIGRATIONS, MigrationError, Outbox, OutboxStats, PublishedRows, run_migrations};
 pub use outbox_derive::{DomainEvent, aggregate};
 pub use publisher::{StreamError, StreamSettings};

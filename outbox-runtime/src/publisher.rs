@@ -20,6 +20,7 @@
 //! | `ce-sequence` | `aggregate_seq`, zero-padded to 19 digits so that string order is numeric order, as the sequence extension requires |
 //! | `ce-partitionkey` | the partition key (partitioning extension) |
 //! | `ce-eventversion` | the event version, for decoding the payload |
+//! | `ce-correlationid`, `ce-causationid` | the conversation and the cause (see [`crate::causality`]) |
 //! | `ce-datacontenttype`, `content-type` | `application/json` |
 //!
 //! The row's `headers` column is added too: each key becomes a header with the string value,
@@ -97,6 +98,8 @@ const CE_AGGREGATETYPE: HeaderName = HeaderName::from_static("ce-aggregatetype")
 const CE_SEQUENCE: HeaderName = HeaderName::from_static("ce-sequence");
 const CE_PARTITIONKEY: HeaderName = HeaderName::from_static("ce-partitionkey");
 const CE_EVENTVERSION: HeaderName = HeaderName::from_static("ce-eventversion");
+const CE_CORRELATIONID: HeaderName = HeaderName::from_static("ce-correlationid");
+const CE_CAUSATIONID: HeaderName = HeaderName::from_static("ce-causationid");
 const CE_DATACONTENTTYPE: HeaderName = HeaderName::from_static("ce-datacontenttype");
 const CONTENT_TYPE: HeaderName = HeaderName::from_static("content-type");
 
@@ -164,6 +167,15 @@ impl Publisher {
         let mut id = [0_u8; uuid::fmt::Hyphenated::LENGTH];
         let id = HeaderValue::from_str(row.id.hyphenated().encode_lower(&mut id))
             .expect("a UUID is a valid header value");
+        // A row inserted without correlation is its own conversation and cause.
+        let correlation = match &row.correlation_id {
+            Some(correlation) => encoded(correlation)?,
+            None => id.clone(),
+        };
+        let causation = match &row.causation_id {
+            Some(causation) => encoded(causation)?,
+            None => id.clone(),
+        };
         headers.insert(NATS_MESSAGE_ID, id.clone());
         headers.insert(CE_SPECVERSION, self.spec_version.clone());
         headers.insert(CE_ID, id);
@@ -178,6 +190,8 @@ impl Publisher {
             CE_EVENTVERSION,
             itoa::Buffer::new().format(row.event_version).to_owned(),
         );
+        headers.insert(CE_CORRELATIONID, correlation);
+        headers.insert(CE_CAUSATIONID, causation);
         headers.insert(CE_DATACONTENTTYPE, self.json.clone());
         headers.insert(CONTENT_TYPE, self.json.clone());
         Ok(headers)

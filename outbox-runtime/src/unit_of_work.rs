@@ -16,6 +16,7 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager
 use uuid::Uuid;
 
 use crate::aggregate::{Aggregate, CommitHandle};
+use crate::causality::{Causality, Traceparent};
 use crate::event::{DomainEvent, PayloadError};
 use crate::outbox::Outbox;
 use crate::outbox::queries::{self, NewEvent};
@@ -117,6 +118,21 @@ impl Outbox {
         F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c>) -> Result<T, E>,
         E: From<UnitOfWorkError>,
     {
+        self.transaction_with(conn, Causality::root(), f).await
+    }
+
+    /// [`transaction`](Self::transaction) for events of an existing conversation (the inbox's
+    /// units of work).
+    pub(crate) async fn transaction_with<T, E, F>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        causality: Causality,
+        f: F,
+    ) -> Result<T, E>
+    where
+        F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c>) -> Result<T, E>,
+        E: From<UnitOfWorkError>,
+    {
         let depth = AnsiTransactionManager::transaction_manager_status_mut(conn)
             .transaction_depth()
             .map_err(UnitOfWorkError::from)?;
@@ -131,6 +147,7 @@ impl Outbox {
             let mut unit = UnitOfWork {
                 conn,
                 outbox: self,
+                causality,
                 events: Vec::new(),
                 tracked: Vec::new(),
                 error: None,
@@ -168,6 +185,8 @@ impl Outbox {
 pub struct UnitOfWork<'c> {
     conn: &'c mut AsyncPgConnection,
     outbox: &'c Outbox,
+    /// The conversation, cause and trace of every event of this unit of work.
+    causality: Causality,
     events: Vec<NewEvent>,
     /// Aggregates whose events were taken, with how many: drained after COMMIT.
     tracked: Vec<(CommitHandle, usize)>,
@@ -220,6 +239,42 @@ impl<'c> UnitOfWork<'c> {
         self.push(new_event);
     }
 
+    /// The correlation id every event of this unit of work carries (`ce-correlationid`): a
+    /// fresh one for a unit of work of [`Outbox::transaction`], the handled message's for the
+    /// inbox's.
+    pub fn correlation_id(&self) -> &str {
+        &self.causality.correlation_id
+    }
+
+    /// The causation id every event of this unit of work carries (`ce-causationid`): the
+    /// correlation id for a new conversation, the handled message's `ce-id` for the inbox's.
+    pub fn causation_id(&self) -> &str {
+        &self.causality.causation_id
+    }
+
+    /// Sets the conversation and cause of this unit of work's events, for a caller that
+    /// carries them in already (an HTTP request's correlation id, a command's id).
+    pub fn set_correlation(
+        &mut self,
+        correlation_id: impl Into<String>,
+        causation_id: impl Into<String>,
+    ) {
+        self.causality.correlation_id = correlation_id.into();
+        self.causality.causation_id = causation_id.into();
+    }
+
+    /// The trace context this unit of work's events carry in their `traceparent` header.
+    pub fn traceparent(&self) -> Option<&Traceparent> {
+        self.causality.traceparent.as_ref()
+    }
+
+    /// Sets the trace context of this unit of work's events: the caller's current span, as a
+    /// W3C `traceparent` (parse one with `str::parse`). The inbox sets it for a handled
+    /// message that has one.
+    pub fn set_traceparent(&mut self, traceparent: Traceparent) {
+        self.causality.traceparent = Some(traceparent);
+    }
+
     /// How many events this unit of work will write at commit.
     pub fn event_count(&self) -> usize {
         self.events.len()
@@ -240,7 +295,7 @@ impl<'c> UnitOfWork<'c> {
             return Err(error);
         }
         if !self.events.is_empty() {
-            queries::insert_events(self.conn, &self.events).await?;
+            queries::insert_events(self.conn, &self.events, &self.causality).await?;
         }
         Ok(self.tracked)
     }

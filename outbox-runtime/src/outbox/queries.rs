@@ -16,12 +16,15 @@
 
 use diesel::deserialize::{self, FromSql};
 use diesel::pg::{Pg, PgValue};
-use diesel::sql_types::{Array, Bool, Int4, Int8, Jsonb, Text, Timestamptz, Uuid as SqlUuid};
+use diesel::sql_types::{
+    Array, Bool, Int4, Int8, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
 
 use super::statement::statement;
+use crate::causality::Causality;
 
 /// An event ready to be inserted, its subject resolved and every token checked.
 #[derive(Debug)]
@@ -49,6 +52,7 @@ pub(crate) struct NewEvent {
 pub(crate) async fn insert_events(
     conn: &mut AsyncPgConnection,
     events: &[NewEvent],
+    causality: &Causality,
 ) -> QueryResult<()> {
     // Per aggregate: how many events, and each event's 1-based position among them.
     let mut aggregates: Vec<(&str, &str, i64)> = Vec::new();
@@ -74,6 +78,9 @@ pub(crate) async fn insert_events(
         aggregate_types: aggregates.iter().map(|a| a.0).collect(),
         aggregate_ids: aggregates.iter().map(|a| a.1).collect(),
         counts: aggregates.iter().map(|a| a.2).collect(),
+        correlation_id: &causality.correlation_id,
+        causation_id: &causality.causation_id,
+        headers: &causality.headers_json(),
         ids: events.iter().map(|e| e.id).collect(),
         event_aggregate_types: column(events, |e| &e.aggregate_type),
         event_aggregate_ids: column(events, |e| &e.aggregate_id),
@@ -95,6 +102,9 @@ statement! {
         aggregate_types: Vec<&'a str> => Array<Text>,
         aggregate_ids: Vec<&'a str> => Array<Text>,
         counts: Vec<i64> => Array<Int8>,
+        correlation_id: &'a str => Text,
+        causation_id: &'a str => Text,
+        headers: &'a str => Text,
         ids: Vec<Uuid> => Array<SqlUuid>,
         event_aggregate_types: Vec<&'a str> => Array<Text>,
         event_aggregate_ids: Vec<&'a str> => Array<Text>,
@@ -121,12 +131,13 @@ statement! {
             RETURNING s.aggregate_type, s.aggregate_id, s.last_seq, s.blocked_until \
         ) \
         INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                                   event_version, partition_key, subject, payload, available_at) \
+                                   event_version, partition_key, subject, payload, available_at, \
+                                   correlation_id, causation_id, headers) \
         SELECT e.id, e.aggregate_type, e.aggregate_id, s.last_seq - a.n + e.ordinal, e.event_type, \
                e.event_version, e.partition_key, e.subject, e.payload::jsonb, \
-               greatest(now(), s.blocked_until) \
-        FROM unnest($4::uuid[], $5::text[], $6::text[], $7::int8[], $8::text[], $9::int4[], \
-                    $10::text[], $11::text[], $12::text[]) \
+               greatest(now(), s.blocked_until), $4, $5, $6::jsonb \
+        FROM unnest($7::uuid[], $8::text[], $9::text[], $10::int8[], $11::text[], $12::int4[], \
+                    $13::text[], $14::text[], $15::text[]) \
              AS e(id, aggregate_type, aggregate_id, ordinal, event_type, event_version, \
                   partition_key, subject, payload) \
         JOIN aggregates a USING (aggregate_type, aggregate_id) \
@@ -162,6 +173,11 @@ pub(crate) struct ClaimedEvent {
     pub headers: JsonText,
     #[diesel(sql_type = Timestamptz)]
     pub occurred_at: time::OffsetDateTime,
+    /// `None` for a row inserted without one: its own id stands in.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub correlation_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub causation_id: Option<String>,
     /// Whether `available_at` has passed. A row queued behind a claimed one may still be
     /// waiting (a delayed row); it then stops its aggregate's chain for this batch.
     #[diesel(sql_type = Bool)]
@@ -295,6 +311,7 @@ statement! {
         ), claimed AS ( \
             SELECT o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq, o.event_type, \
                    o.event_version, o.partition_key, o.subject, o.payload, o.headers, o.occurred_at, \
+                   o.correlation_id, o.causation_id, \
                    h.available_at AS rank_at, h.first_id AS rank_id \
             FROM outbox_events o JOIN heads h ON o.ctid = h.ctid \
             WHERE o.published_at IS NULL AND o.skipped_at IS NULL AND o.dead_lettered_at IS NULL \
@@ -303,12 +320,13 @@ statement! {
             FOR UPDATE OF o SKIP LOCKED \
         ) \
         SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
-               partition_key, subject, payload, headers, occurred_at, true AS available, \
-               rank_at, rank_id \
+               partition_key, subject, payload, headers, occurred_at, correlation_id, \
+               causation_id, true AS available, rank_at, rank_id \
         FROM claimed \
         UNION ALL \
         SELECT e.id, e.aggregate_type, e.aggregate_id, e.aggregate_seq, e.event_type, \
                e.event_version, e.partition_key, e.subject, e.payload, e.headers, e.occurred_at, \
+               e.correlation_id, e.causation_id, \
                e.available_at <= now() AND e.dead_lettered_at IS NULL, c.rank_at, c.rank_id \
         FROM claimed c \
         CROSS JOIN LATERAL ( \
@@ -472,6 +490,9 @@ mod tests {
             aggregate_types: vec![],
             aggregate_ids: vec![],
             counts: vec![],
+            correlation_id: "c",
+            causation_id: "c",
+            headers: "{}",
             ids: vec![],
             event_aggregate_types: vec![],
             event_aggregate_ids: vec![],

@@ -25,6 +25,12 @@ diesel::table! {
         attempts -> Int4,
         last_error -> Nullable<Text>,
         published_at -> Nullable<Timestamptz>,
+        dead_lettered_at -> Nullable<Timestamptz>,
+        skipped_at -> Nullable<Timestamptz>,
+        /// The conversation; `None` for a row inserted without one (its id stands in).
+        correlation_id -> Nullable<Text>,
+        /// The message that caused it; `None` as above.
+        causation_id -> Nullable<Text>,
     }
 }
 
@@ -34,5 +40,30 @@ diesel::table! {
         aggregate_type -> Text,
         aggregate_id -> Text,
         last_seq -> Int8,
+        blocked_until -> Nullable<Timestamptz>,
+    }
+}
+
+diesel::table! {
+    /// The messages each inbox consumer handled.
+    outbox_inbox (consumer, message_id) {
+        consumer -> Text,
+        message_id -> Text,
+        handled_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    /// The messages inbox consumers dead-lettered.
+    outbox_inbox_dead_letters (consumer, message_id) {
+        consumer -> Text,
+        message_id -> Text,
+        subject -> Text,
+        headers -> Jsonb,
+        payload -> Bytea,
+        error -> Text,
+        deliveries -> Int8,
+        stream_sequence -> Int8,
+        dead_lettered_at -> Timestamptz,
     }
 }

@@ -375,6 +375,8 @@ mod tests {
             payload: queries::JsonBytes(bytes::Bytes::from_static(b"{}")),
             headers: queries::JsonText(b"{}".to_vec()),
             occurred_at: time::OffsetDateTime::UNIX_EPOCH,
+            correlation_id: None,
+            causation_id: None,
             available,
         }
     }
