@@ -1,15 +1,18 @@
 //! The outbox table: its schema, its migrations, the statements that read and write it, and
 //! [`Outbox`], the handle through which a service writes to it.
 //!
-//! # The table (a public contract)
+//! # The tables (a public contract)
 //!
-//! `outbox_events` holds one row per event. A row is *pending* until `published_at` is set;
-//! the message relay publishes pending rows to their `subject`. Any writer may insert rows:
-//! a row inserted by plain SQL with the columns that have no default (`aggregate_type`,
-//! `aggregate_id`, `aggregate_seq`, `event_type`, `partition_key`, `subject`, `payload`) is
-//! relayed like the unit of work's own. `outbox_aggregates` keeps the last sequence number
-//! handed out per aggregate. The SQL in `outbox-runtime/migrations/` defines both tables
-//! and documents every column; [`schema`] is diesel's view of them.
+//! `outbox_events` holds one row per event. A row is *queued* until the message relay
+//! publishes it to its `subject` (and deletes it, or sets `published_at`) or an operator
+//! skips it. Any writer may insert rows: a row inserted by plain SQL with the columns that
+//! have no default (`aggregate_type`, `aggregate_id`, `aggregate_seq`, `event_type`,
+//! `partition_key`, `subject`, `payload`) is relayed like the unit of work's own.
+//! `outbox_aggregates` keeps the last sequence number handed out per aggregate, and whether
+//! its queue is blocked; the function `outbox_insert_events` is the unit of work's INSERT.
+//! `outbox_inbox` and `outbox_inbox_dead_letters` belong to the [inbox](crate::inbox). The
+//! SQL in `outbox-runtime/migrations/` defines them all and documents every column;
+//! [`schema`] is diesel's view of the tables.
 
 pub(crate) mod queries;
 pub mod schema;

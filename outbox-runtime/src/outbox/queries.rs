@@ -14,6 +14,8 @@
 //! skipped_at IS NULL`); a queued row is *claimable* unless it is a dead letter or parked
 //! (`available_at` in the future).
 
+use std::collections::HashMap;
+
 use diesel::deserialize::{self, FromSql};
 use diesel::pg::{Pg, PgValue};
 use diesel::sql_types::{
@@ -55,23 +57,20 @@ pub(crate) async fn insert_events(
     causality: &Causality,
 ) -> QueryResult<()> {
     // Per aggregate: how many events, and each event's 1-based position among them.
-    let mut aggregates: Vec<(&str, &str, i64)> = Vec::new();
-    let mut ordinals = Vec::with_capacity(events.len());
-    for event in events {
-        let key = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
-        let ordinal = match aggregates.iter_mut().find(|(t, i, _)| (*t, *i) == key) {
-            Some((_, _, n)) => {
-                *n += 1;
-                *n
-            }
-            None => {
-                aggregates.push((key.0, key.1, 1));
-                1
-            }
-        };
-        ordinals.push(ordinal);
-    }
+    let mut counts: HashMap<(&str, &str), i64> = HashMap::new();
+    let ordinals: Vec<i64> = events
+        .iter()
+        .map(|event| {
+            let n = counts
+                .entry((&event.aggregate_type, &event.aggregate_id))
+                .or_default();
+            *n += 1;
+            *n
+        })
+        .collect();
     // Lock order (see above).
+    let mut aggregates: Vec<(&str, &str, i64)> =
+        counts.into_iter().map(|((t, i), n)| (t, i, n)).collect();
     aggregates.sort_unstable();
 
     InsertEvents {
@@ -97,7 +96,8 @@ pub(crate) async fn insert_events(
 }
 
 statement! {
-    /// The unit of work's INSERT (see [`insert_events`]).
+    /// The unit of work's INSERT (see [`insert_events`]): the function of migration 000004,
+    /// whose plan PostgreSQL caches for the session.
     struct InsertEvents<'a> {
         aggregate_types: Vec<&'a str> => Array<Text>,
         aggregate_ids: Vec<&'a str> => Array<Text>,
@@ -115,33 +115,8 @@ statement! {
         subjects: Vec<&'a str> => Array<Text>,
         payloads: Vec<&'a str> => Array<Text>,
     }
-    sql = "\
-        WITH aggregates AS ( \
-            SELECT * FROM unnest($1::text[], $2::text[], $3::int8[]) AS a(aggregate_type, aggregate_id, n) \
-        ), sequences AS ( \
-            INSERT INTO outbox_aggregates AS s (aggregate_type, aggregate_id, last_seq) \
-            SELECT a.aggregate_type, a.aggregate_id, a.n + coalesce(( \
-                SELECT max(o.aggregate_seq) FROM outbox_events o \
-                WHERE o.aggregate_type = a.aggregate_type AND o.aggregate_id = a.aggregate_id), 0) \
-            FROM aggregates a \
-            ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE \
-                SET last_seq = greatest(s.last_seq + (SELECT a.n FROM aggregates a \
-                    WHERE a.aggregate_type = excluded.aggregate_type \
-                      AND a.aggregate_id = excluded.aggregate_id), excluded.last_seq) \
-            RETURNING s.aggregate_type, s.aggregate_id, s.last_seq, s.blocked_until \
-        ) \
-        INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                                   event_version, partition_key, subject, payload, available_at, \
-                                   correlation_id, causation_id, headers) \
-        SELECT e.id, e.aggregate_type, e.aggregate_id, s.last_seq - a.n + e.ordinal, e.event_type, \
-               e.event_version, e.partition_key, e.subject, e.payload::jsonb, \
-               greatest(now(), s.blocked_until), $4, $5, $6::jsonb \
-        FROM unnest($7::uuid[], $8::text[], $9::text[], $10::int8[], $11::text[], $12::int4[], \
-                    $13::text[], $14::text[], $15::text[]) \
-             AS e(id, aggregate_type, aggregate_id, ordinal, event_type, event_version, \
-                  partition_key, subject, payload) \
-        JOIN aggregates a USING (aggregate_type, aggregate_id) \
-        JOIN sequences s USING (aggregate_type, aggregate_id)";
+    sql = "SELECT outbox_insert_events($1, $2, $3, $4, $5, $6::jsonb, $7, $8, $9, $10, $11, \
+           $12, $13, $14, $15)";
 }
 
 fn column<'a>(events: &'a [NewEvent], field: impl Fn(&'a NewEvent) -> &'a str) -> Vec<&'a str> {
