@@ -13,12 +13,15 @@
 //! 5. commit-to-ack latency at a fixed offered load, with notifications and polling only (the
 //!    ack time is the stream's store timestamp of each message);
 //! 6. the unit of work's cost: a business transaction with 1 and 10 events against none;
-//! 7. the claim rate with a million published rows kept against an empty table.
+//! 7. the claim rate with a million published rows kept against an empty table;
+//! 8. the inbox: messages handled per second with a one-row business write, against a plain
+//!    consumer doing the same write without an inbox; with an emitted event; on one key.
 //!
 //! It works in a database and a stream of its own, removed at the end. `OUTBOX_BENCH_DATABASE_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and `NATS_URL` point it elsewhere.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -27,12 +30,14 @@ use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull};
 use clap::Parser;
 use diesel::QueryableByName;
 use diesel::sql_types::{Array, Int8, Text, Uuid as SqlUuid};
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{StreamExt, TryStreamExt};
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, RelayConfig, StreamSettings,
-    UnitOfWorkError, aggregate,
+    DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, PublishedRows,
+    Relay, RelayConfig, StreamSettings, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -62,9 +67,9 @@ struct Args {
     /// Published rows kept in the table for the claim measurement.
     #[arg(long, default_value_t = 1_000_000)]
     published_rows: usize,
-    /// The measurements to run, by number (1 to 7); all by default. Ratios are printed when
+    /// The measurements to run, by number (1 to 8); all by default. Ratios are printed when
     /// both their parts ran.
-    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7])]
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7, 8])]
     phases: Vec<u8>,
 }
 
@@ -289,6 +294,10 @@ impl Bench {
                 "(no target)",
                 true,
             );
+            println!(
+                "6. one unit of work of {BULK} events over as many aggregates: new {:.0} ms, again {:.0} ms",
+                cost.bulk_ms[0], cost.bulk_ms[1]
+            );
             println!();
         }
 
@@ -305,6 +314,36 @@ impl Bench {
             );
             let full = claims.full / claims.empty;
             ratio("7. claim rate, full / empty", full, ">= 0.9", full >= 0.9);
+            println!();
+        }
+
+        if phase(8) {
+            let inbox = self.inbox_rates().await?;
+            report(
+                "8. plain consumer: the write, commit, ack (no inbox)",
+                inbox.plain,
+                "messages/s",
+            );
+            report("8. inbox: the same write", inbox.inbox, "messages/s");
+            report(
+                "8. inbox: the same write and one emitted event",
+                inbox.emitting,
+                "messages/s",
+            );
+            report(
+                &format!(
+                    "8. inbox: every message on one partition key ({} messages)",
+                    inbox.hot_count
+                ),
+                inbox.hot,
+                "messages/s",
+            );
+            ratio(
+                "8. inbox / plain consumer",
+                inbox.inbox / inbox.plain,
+                "(no target)",
+                true,
+            );
         }
         Ok(())
     }
@@ -420,12 +459,26 @@ struct Latency {
 struct Cost {
     mean: [f64; 3],
     median: [f64; 3],
+    /// Milliseconds for one unit of work of `BULK` events over as many new aggregates, then
+    /// over the same aggregates again.
+    bulk_ms: [f64; 2],
 }
+
+/// Events (one per aggregate) of the large unit of work in figure 6.
+const BULK: usize = 10_000;
 
 struct Claims {
     empty: f64,
     full: f64,
     full_before_vacuum: f64,
+}
+
+struct InboxRates {
+    plain: f64,
+    inbox: f64,
+    emitting: f64,
+    hot: f64,
+    hot_count: usize,
 }
 
 impl Bench {
@@ -496,20 +549,7 @@ impl Bench {
         let payload = bytes::Bytes::from(self.payload.clone());
         let cpu = CpuTimes::now();
         let started = Instant::now();
-        let mut acks = FuturesUnordered::new();
-        for (subject, headers) in messages {
-            // Every unawaited ack holds one of async-nats's 5,000 in-flight permits.
-            if acks.len() >= CEILING_WINDOW {
-                acks.next().await.expect("a pending ack")?;
-            }
-            let ack = js
-                .publish_with_headers(subject, headers, payload.clone())
-                .await?;
-            acks.push(std::future::IntoFuture::into_future(ack));
-        }
-        while let Some(ack) = acks.next().await {
-            ack?;
-        }
+        publish_pipelined(&js, messages, payload).await?;
         let rate = self.args.events as f64 / started.elapsed().as_secs_f64();
         println!("   {}", CpuTimes::per_event_since(cpu, self.args.events));
         Ok(rate)
@@ -755,7 +795,38 @@ impl Bench {
             samples.sort_by(f64::total_cmp);
             median[variant] = samples[samples.len() / 2];
         }
-        Ok(Cost { mean, median })
+
+        // One large unit of work, over new aggregates and then over the same ones again.
+        let mut bulk_ms = [0.0; 2];
+        let mut probes: Vec<Probe> = (0..BULK)
+            .map(|i| Probe {
+                id: format!("bulk-{i}"),
+                pending_events: PendingEvents::new(),
+            })
+            .collect();
+        for ms in &mut bulk_ms {
+            for (n, probe) in probes.iter_mut().enumerate() {
+                probe.record(Ticked {
+                    n: n as u64,
+                    pad: pad.clone(),
+                });
+            }
+            let started = Instant::now();
+            outbox
+                .transaction(&mut conn, async |uow| {
+                    for probe in &mut probes {
+                        uow.track(probe);
+                    }
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .await?;
+            *ms = started.elapsed().as_secs_f64() * 1e3;
+        }
+        Ok(Cost {
+            mean,
+            median,
+            bulk_ms,
+        })
     }
 
     /// Figure 7: claims per second (claim, roll back) over the same queued rows, first alone, then
@@ -784,6 +855,194 @@ impl Bench {
             full,
             full_before_vacuum,
         })
+    }
+
+    /// Figure 8: publishes `events` messages straight to the stream (as the relay would), then
+    /// times a plain consumer and the inbox over them, each with its own durable consumer and
+    /// `max_concurrency` database connections; then the inbox over a tenth as many messages
+    /// that all share one partition key, so are handled one at a time.
+    async fn inbox_rates(&self) -> Result<InboxRates, BoxError> {
+        let js = jetstream::new(self.nats.clone());
+        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        conn.batch_execute(
+            "CREATE TABLE bench_effects (key text PRIMARY KEY, handled bigint NOT NULL)",
+        )
+        .await?;
+        let filler = self
+            .args
+            .payload
+            .saturating_sub(r#"{"n":0,"pad":""}"#.len());
+        let payload = bytes::Bytes::from(serde_json::to_string(&Ticked {
+            n: 0,
+            pad: "x".repeat(filler),
+        })?);
+        let messages = |kind: &str, count: usize, aggregates: usize| {
+            (0..count)
+                .map(|i| {
+                    let aggregate = format!("a{}", i % aggregates);
+                    let seq = (i / aggregates) as i64 + 1;
+                    let subject = format!("{}.{kind}.{aggregate}.Ticked", self.prefix);
+                    let headers = message_headers(uuid::Uuid::now_v7(), kind, &aggregate, seq);
+                    (subject, headers)
+                })
+                .collect::<Vec<_>>()
+        };
+        let events = self.args.events;
+        let hot_count = (events / 10).max(1);
+        publish_pipelined(
+            &js,
+            messages("Inbox", events, self.args.aggregates.max(1)),
+            payload.clone(),
+        )
+        .await?;
+        publish_pipelined(&js, messages("Hot", hot_count, 1), payload).await?;
+        let config = |consumer: &str, kind: &str| {
+            let mut config = InboxConfig::new(consumer, &self.database_url);
+            config.outbox = Outbox::new()
+                .with_subject_prefix(&self.prefix)
+                .expect("a valid prefix");
+            config.stream = self.stream.clone();
+            config.filter_subject = format!("{}.{kind}.>", self.prefix);
+            config
+        };
+
+        // The plain consumer: the same write in its own transaction, then the ack.
+        let plain_config = config("plain", "Inbox");
+        let consumer = js
+            .get_stream(&self.stream)
+            .await?
+            .create_consumer(pull::Config {
+                durable_name: Some("plain".to_owned()),
+                filter_subject: plain_config.filter_subject.clone(),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ..Default::default()
+            })
+            .await?;
+        let pool = Pool::builder(AsyncDieselConnectionManager::<AsyncPgConnection>::new(
+            &self.database_url,
+        ))
+        .max_size(plain_config.max_concurrency)
+        .build()?;
+        let cpu = CpuTimes::now();
+        let started = Instant::now();
+        consumer
+            .messages()
+            .await?
+            .take(events)
+            .map_err(BoxError::from)
+            .try_for_each_concurrent(plain_config.max_concurrency, |message| {
+                let pool = &pool;
+                async move {
+                    let _: Ticked = serde_json::from_slice(&message.payload)?;
+                    let key = message
+                        .headers
+                        .as_ref()
+                        .and_then(|headers| headers.get("ce-partitionkey"))
+                        .ok_or("no ce-partitionkey")?
+                        .to_string();
+                    let mut conn = pool.get().await?;
+                    conn.transaction(async |conn| count_effect(conn, &key).await)
+                        .await?;
+                    message.ack().await?;
+                    Ok(())
+                }
+            })
+            .await?;
+        let plain = events as f64 / started.elapsed().as_secs_f64();
+        println!("   {}", CpuTimes::per_event_since(cpu, events));
+        drop(pool);
+
+        let mut rates = Vec::new();
+        for (consumer, kind, count, emit) in [
+            ("inbox", "Inbox", events, false),
+            ("emitting", "Inbox", events, true),
+            ("hot", "Hot", hot_count, false),
+        ] {
+            let handled = Arc::new(AtomicUsize::new(0));
+            let handler = Effects {
+                handled: Arc::clone(&handled),
+                emit,
+            };
+            let inbox = Inbox::connect(config(consumer, kind), self.nats.clone(), handler).await?;
+            let cpu = CpuTimes::now();
+            let started = Instant::now();
+            let running = inbox.spawn();
+            while AtomicUsize::load(&handled, Ordering::Relaxed) < count {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let elapsed = started.elapsed();
+            println!("   {}", CpuTimes::per_event_since(cpu, count));
+            running.shutdown().await?;
+            rates.push(count as f64 / elapsed.as_secs_f64());
+        }
+        Ok(InboxRates {
+            plain,
+            inbox: rates[0],
+            emitting: rates[1],
+            hot: rates[2],
+            hot_count,
+        })
+    }
+}
+
+/// Publishes `messages`, each with `payload`, keeping up to [`CEILING_WINDOW`] acks
+/// outstanding.
+async fn publish_pipelined(
+    js: &jetstream::Context,
+    messages: Vec<(String, HeaderMap)>,
+    payload: bytes::Bytes,
+) -> Result<(), BoxError> {
+    let mut acks = FuturesUnordered::new();
+    for (subject, headers) in messages {
+        // Every unawaited ack holds one of async-nats's 5,000 in-flight permits.
+        if acks.len() >= CEILING_WINDOW {
+            acks.next().await.expect("a pending ack")?;
+        }
+        let ack = js
+            .publish_with_headers(subject, headers, payload.clone())
+            .await?;
+        acks.push(std::future::IntoFuture::into_future(ack));
+    }
+    while let Some(ack) = acks.next().await {
+        ack?;
+    }
+    Ok(())
+}
+
+/// The business write of figure 8: one upsert per message, keyed by its partition key.
+async fn count_effect(conn: &mut AsyncPgConnection, key: &str) -> diesel::QueryResult<usize> {
+    diesel::sql_query(
+        "INSERT INTO bench_effects (key, handled) VALUES ($1, 1) \
+         ON CONFLICT (key) DO UPDATE SET handled = bench_effects.handled + 1",
+    )
+    .bind::<Text, _>(key)
+    .execute(conn)
+    .await
+}
+
+/// Figure 8's handler: the business write, and when `emit` is set one event back.
+#[derive(Clone)]
+struct Effects {
+    handled: Arc<AtomicUsize>,
+    emit: bool,
+}
+
+impl Handler for Effects {
+    type Event = Ticked;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        event: Ticked,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        count_effect(uow.conn(), &message.partition_key).await?;
+        if self.emit {
+            uow.emit("Counted", &message.partition_key, &event);
+        }
+        self.handled.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
