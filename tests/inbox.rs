@@ -416,11 +416,15 @@ async fn one_key_is_handled_in_stream_order_while_keys_run_in_parallel() {
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "ordered");
     config.max_concurrency = 8;
+    // A window smaller than the stream: keys wait on JetStream as well as on each other.
+    config.max_ack_pending = 6;
     let handler = Timing::default();
-    let running = Inbox::connect(config, producer.nats.clone(), handler.clone())
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
         .await
-        .unwrap()
-        .spawn();
+        .unwrap();
+    let info = inbox.consumer().clone().info().await.unwrap().clone();
+    assert_eq!(info.config.max_ack_pending, 6);
+    let running = inbox.spawn();
     wait_until("every event handled", Duration::from_secs(20), || async {
         (handler.handled.lock().unwrap().len() == KEYS * PER_KEY).then_some(())
     })

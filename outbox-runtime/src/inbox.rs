@@ -28,10 +28,13 @@
 //! Messages with different partition keys (`ce-partitionkey`) are handled in parallel, up to
 //! `max_concurrency`; messages with the same key one at a time, in stream order. A message
 //! that failed holds its key: the later messages of that key wait (kept alive with progress
-//! acks) until it is handled or dead-lettered. Limits: this holds within one running consumer
-//! instance. JetStream (2.9) gives a durable pull consumer's messages to its instances with no
-//! regard to keys, so run one instance per consumer where order matters; and after a restart
-//! a message that waited behind a failing one can be redelivered before it.
+//! acks) until it is handled or dead-lettered. Those waiting messages count against
+//! `max_ack_pending`: a busy key held long enough can fill that window and delay every other
+//! key until its failing message is dead-lettered (after `max_deliver` deliveries). Limits:
+//! order holds within one running consumer instance. JetStream (2.9) gives a durable pull
+//! consumer's messages to its instances with no regard to keys, so run one instance per
+//! consumer where order matters; and after a restart a message that waited behind a failing
+//! one can be redelivered before it.
 //!
 //! # Retention
 //! Inbox rows older than `retention` are deleted in batches. An id must stay recorded as
@@ -146,6 +149,11 @@ pub struct InboxConfig {
     /// Messages handled at once (different partition keys), and database connections.
     /// Default 16.
     pub max_concurrency: usize,
+    /// Messages JetStream delivers before it waits for acks: the consumer's
+    /// `max_ack_pending`, which bounds the messages held in memory (waiting behind their key
+    /// or for a free handler). Default 1,000, the NATS server's own default for a consumer
+    /// (docs.nats.io, JetStream consumers, "MaxAckPending").
+    pub max_ack_pending: usize,
     /// Event types the handler does not carry. Default [`UnknownEvents::Skip`].
     pub unknown_events: UnknownEvents,
     /// Messages that cannot be read. Default [`Unreadable::DeadLetter`].
@@ -171,6 +179,7 @@ impl InboxConfig {
             retry_delay: Duration::from_secs(1),
             max_retry_delay: Duration::from_secs(60),
             max_concurrency: 16,
+            max_ack_pending: 1000,
             unknown_events: UnknownEvents::Skip,
             unreadable: Unreadable::DeadLetter,
             retention: Duration::from_secs(7 * 24 * 3600),
@@ -188,6 +197,7 @@ impl InboxConfig {
         for (name, value) in [
             ("max_deliver", self.max_deliver as usize),
             ("max_concurrency", self.max_concurrency),
+            ("max_ack_pending", self.max_ack_pending),
         ] {
             if value == 0 {
                 return Err(InboxError::Config(format!("{name} must be at least 1")));
@@ -331,7 +341,8 @@ impl<H: Handler> Clone for Inbox<H> {
 
 impl<H: Handler> Inbox<H> {
     /// Checks the configuration, gets or creates the durable pull consumer (explicit acks,
-    /// `ack_wait`, `filter_subject`), and opens the database pool.
+    /// `ack_wait`, `max_ack_pending`, `filter_subject`; an existing consumer keeps its
+    /// settings, and only its filter is checked), and opens the database pool.
     ///
     /// # Errors
     /// [`InboxError::Config`], [`InboxError::Consumer`] (the stream is missing, or an
@@ -359,6 +370,7 @@ impl<H: Handler> Inbox<H> {
                     filter_subject: config.filter_subject.clone(),
                     ack_policy: jetstream::consumer::AckPolicy::Explicit,
                     ack_wait: config.ack_wait,
+                    max_ack_pending: i64::try_from(config.max_ack_pending).unwrap_or(i64::MAX),
                     ..Default::default()
                 },
             )
