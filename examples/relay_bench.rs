@@ -8,11 +8,13 @@
 //! 1. the ceiling: raw async JetStream publishes of the same messages to the same stream;
 //! 2. the naive relay of the well-known articles: batches of 100, one publish awaited at a
 //!    time, one UPDATE per row;
-//! 3. this relay with its defaults, with 2 instances, and deleting instead of marking;
+//! 3. this relay with its defaults, with 2 instances, and marking published rows instead of
+//!    deleting them;
 //! 4. the ratios 3/1 and 3/2;
 //! 5. commit-to-ack latency at a fixed offered load, with notifications and polling only (the
 //!    ack time is the stream's store timestamp of each message);
-//! 6. the unit of work's cost: a business transaction with 1 and 10 events against none;
+//! 6. the unit of work's cost: a business transaction with 1 and 10 events against none, and
+//!    one unit of work of 10,000 events over as many aggregates, new and again;
 //! 7. the claim rate with a million published rows kept against an empty table;
 //! 8. the inbox: messages handled per second with a one-row business write, against a plain
 //!    consumer doing the same write without an inbox; with an emitted event; on one key.
