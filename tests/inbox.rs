@@ -121,10 +121,22 @@ async fn relay_all(producer: &TestEnv) {
     while relay.relay_batch().await.unwrap().claimed > 0 {}
 }
 
-async fn consumer_pending(inbox: &Inbox<impl Handler>) -> (usize, u64) {
-    let mut consumer = inbox.consumer().clone();
-    let info = consumer.info().await.unwrap();
-    (info.num_ack_pending, info.num_pending)
+/// Waits until JetStream has nothing left for the inbox's consumer: every message delivered
+/// and settled.
+async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str) {
+    wait_until(what, Duration::from_secs(10), || async {
+        let info = inbox.consumer().clone().info().await.unwrap().clone();
+        (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+    })
+    .await;
+}
+
+/// Runs the inbox until every message is settled, then shuts it down.
+async fn run_until_settled(inbox: Inbox<impl Handler>, what: &str) {
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, what).await;
+    running.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,13 +241,7 @@ async fn a_consumer_killed_between_commit_and_ack_skips_the_redelivery() {
     let inbox = Inbox::connect(config, producer.nats.clone(), second.clone())
         .await
         .unwrap();
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until("the redelivery acked", Duration::from_secs(10), || async {
-        (consumer_pending(&probe).await == (0, 0)).then_some(())
-    })
-    .await;
-    running.shutdown().await.unwrap();
+    run_until_settled(inbox, "the redelivery acked").await;
 
     assert_eq!(calls(&first.calls), 1);
     assert_eq!(calls(&second.calls), 0, "the handler was not called again");
@@ -306,12 +312,7 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
             .ok()
     })
     .await;
-    wait_until(
-        "the message terminated",
-        Duration::from_secs(10),
-        || async { (consumer_pending(&probe).await == (0, 0)).then_some(()) },
-    )
-    .await;
+    wait_until_settled(&probe, "the message terminated").await;
     running.shutdown().await.unwrap();
 
     assert_eq!(calls(&handler.calls), 3, "tried max_deliver times");
@@ -423,7 +424,10 @@ async fn one_key_is_handled_in_stream_order_while_keys_run_in_parallel() {
         .await
         .unwrap();
     let info = inbox.consumer().clone().info().await.unwrap().clone();
-    assert_eq!(info.config.max_ack_pending, 6);
+    assert_eq!(
+        info.config.max_ack_pending, 6,
+        "the window reaches JetStream"
+    );
     let running = inbox.spawn();
     wait_until("every event handled", Duration::from_secs(20), || async {
         (handler.handled.lock().unwrap().len() == KEYS * PER_KEY).then_some(())
@@ -600,13 +604,7 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
     )
     .await
     .unwrap();
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until("all three settled", Duration::from_secs(10), || async {
-        (consumer_pending(&probe).await == (0, 0)).then_some(())
-    })
-    .await;
-    running.shutdown().await.unwrap();
+    run_until_settled(inbox, "all three settled").await;
 
     assert_eq!(calls(&handler.calls), 0);
     let mut conn = consumer.conn().await;
