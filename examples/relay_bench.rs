@@ -382,13 +382,21 @@ fn message_headers(id: uuid::Uuid, kind: &str, aggregate: &str, seq: i64) -> Hea
 
 const CLAIM_QUEUED: usize = 10_000;
 
-/// CPU time spent by this process (the relay runs in it), by `nats-server` and by all
+/// CPU time spent by this process (the relay runs in it), by `nats-server` and by the
 /// `postgres` processes, from `/proc` (Linux): where the machine's cores went during a run.
-#[derive(Clone, Copy, Default)]
+/// Kept per process, so that a connection opened during a measurement counts from zero; one
+/// closed during it drops out (its last share is lost, never subtracted).
+#[derive(Default)]
 struct CpuTimes {
-    bench: f64,
-    nats: f64,
-    postgres: f64,
+    /// Seconds of user and system time, by pid, with the process's kind.
+    processes: HashMap<u32, (Process, f64)>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Process {
+    Bench,
+    Nats,
+    Postgres,
 }
 
 impl CpuTimes {
@@ -397,12 +405,15 @@ impl CpuTimes {
         let Ok(entries) = std::fs::read_dir("/proc") else {
             return times;
         };
-        let me = std::process::id().to_string();
+        let me = std::process::id();
         for entry in entries.flatten() {
-            let pid = entry.file_name().to_string_lossy().to_string();
-            if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
                 continue;
-            }
+            };
             let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
                 continue;
             };
@@ -413,23 +424,18 @@ impl CpuTimes {
             else {
                 continue;
             };
+            let process = match comm {
+                _ if pid == me => Process::Bench,
+                "nats-server" => Process::Nats,
+                "postgres" => Process::Postgres,
+                _ => continue,
+            };
             let fields: Vec<&str> = rest.split(' ').collect();
-            let ticks: f64 = fields
-                .get(11)
-                .and_then(|u| u.parse::<f64>().ok())
-                .unwrap_or(0.0)
-                + fields
-                    .get(12)
-                    .and_then(|s| s.parse::<f64>().ok())
-                    .unwrap_or(0.0);
-            let seconds = ticks / 100.0; // USER_HZ
-            if pid == me {
-                times.bench += seconds;
-            } else if comm == "nats-server" {
-                times.nats += seconds;
-            } else if comm == "postgres" {
-                times.postgres += seconds;
-            }
+            let ticks: f64 = [11, 12]
+                .iter()
+                .filter_map(|&i| fields.get(i)?.parse::<f64>().ok())
+                .sum();
+            times.processes.insert(pid, (process, ticks / 100.0)); // USER_HZ
         }
         times
     }
@@ -437,12 +443,22 @@ impl CpuTimes {
     /// CPU microseconds per event since `start`, as "bench+relay / nats / postgres".
     fn per_event_since(start: CpuTimes, events: usize) -> String {
         let now = CpuTimes::now();
-        let us = |a: f64, b: f64| (a - b) * 1e6 / events as f64;
+        let us = |kind: Process| {
+            let seconds: f64 = now
+                .processes
+                .iter()
+                .filter(|(_, (process, _))| *process == kind)
+                .map(|(pid, (_, seconds))| {
+                    seconds - start.processes.get(pid).map_or(0.0, |(_, before)| *before)
+                })
+                .sum();
+            seconds * 1e6 / events as f64
+        };
         format!(
             "CPU per event: bench/relay {:.0} us, nats-server {:.0} us, postgres {:.0} us",
-            us(now.bench, start.bench),
-            us(now.nats, start.nats),
-            us(now.postgres, start.postgres)
+            us(Process::Bench),
+            us(Process::Nats),
+            us(Process::Postgres)
         )
     }
 }
