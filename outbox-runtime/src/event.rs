@@ -4,7 +4,7 @@
 //! an optional partition key, and a JSON payload. A struct is one event type; an enum is one
 //! event type per variant, and the payload of a variant is the variant's own JSON: its fields
 //! as an object, not serde's externally tagged `{"Placed": {..}}`, since the type already
-//! travels in the `event_type` column and the `ce-type` header. [`payload`] holds the serde
+//! travels in the `event_type` column and the `ce-type` header. `event/payload.rs` holds the serde
 //! adapters that do this without an intermediate value.
 
 pub(crate) mod payload;

@@ -37,7 +37,7 @@
 //!
 //! The pieces, in the order the data flows:
 //! - [`event`]: `#[derive(DomainEvent)]`, event type names, versions, payloads, partition keys;
-//! - [`aggregate`]: `#[aggregate]`, aggregates and their buffer of pending events;
+//! - [`aggregate`](mod@aggregate): `#[aggregate]`, aggregates and their buffer of pending events;
 //! - [`unit_of_work`]: one transaction for business rows and outbox rows;
 //! - [`causality`]: correlation, causation and trace context of every event;
 //! - [`outbox`]: the table (a public contract), its migrations and queries;

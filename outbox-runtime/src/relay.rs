@@ -2,12 +2,12 @@
 //! committed outbox rows to JetStream.
 //!
 //! A relay runs [`workers`](RelayConfig::workers) batch loops and one listener:
-//! - each worker ([`worker`]) repeats one transaction per batch: claim queued rows (see
+//! - each worker (`relay/worker.rs`) repeats one transaction per batch: claim queued rows (see
 //!   `claim_batch` in `outbox/queries.rs` for the locking and ordering guarantee), publish
 //!   them with their JetStream acks awaited, record what the broker rejected, mark (or delete)
 //!   the acked rows in one statement, commit. Workers overlap one batch's commit with the
 //!   next one's publishes; several relay processes on one outbox behave like more workers.
-//! - the listener ([`listener`]) holds a dedicated connection that `LISTEN`s on
+//! - the listener (`relay/listener.rs`) holds a dedicated connection that `LISTEN`s on
 //!   `outbox_events`; the outbox's insert trigger notifies it at COMMIT, and it wakes the
 //!   workers. Workers also poll every [`poll_interval`](RelayConfig::poll_interval), so a
 //!   lost notification or a dropped listening connection only delays a batch.
