@@ -1,9 +1,9 @@
 //! `#[derive(DomainEvent)]` and `#[aggregate]`, the macros of the outbox toolkit.
 //!
 //! Use them through `outbox_runtime`, which re-exports both and holds the traits they
-//! implement. Each macro runs the same phases, one file each: [`attr`] parses the
-//! attributes, [`ast`] builds the typed model, [`valid`] checks it (every error on the exact
-//! token that is wrong), [`expand`] generates the code.
+//! implement. Each macro runs the same phases, one file each: `attr` parses the
+//! attributes, `ast` builds the typed model, `valid` checks it (every error on the exact
+//! token that is wrong), `expand` generates the code.
 
 mod ast;
 mod attr;
