@@ -57,6 +57,103 @@ async fn bump(conn: &mut AsyncPgConnection, key: &str) -> QueryResult<usize> {
     .await
 }
 
+/// The counters the inbox exported, captured by a recorder installed once for this test
+/// binary. Tests that read it use consumer names of their own, so they can run in parallel.
+#[derive(Clone, Default)]
+struct Counters(Arc<Mutex<BTreeMap<String, u64>>>);
+
+impl Counters {
+    fn installed() -> &'static Counters {
+        static COUNTERS: std::sync::OnceLock<Counters> = std::sync::OnceLock::new();
+        COUNTERS.get_or_init(|| {
+            let counters = Counters::default();
+            metrics::set_global_recorder(counters.clone()).expect("the only recorder");
+            counters
+        })
+    }
+
+    /// `name{label=value,...}`, labels in the order they were given.
+    fn key(key: &metrics::Key) -> String {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|label| format!("{}={}", label.key(), label.value()))
+            .collect();
+        format!("{}{{{}}}", key.name(), labels.join(","))
+    }
+
+    fn get(&self, key: &str) -> u64 {
+        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+}
+
+struct CapturedCounter {
+    key: String,
+    counters: Counters,
+}
+
+impl metrics::CounterFn for CapturedCounter {
+    fn increment(&self, value: u64) {
+        *self
+            .counters
+            .0
+            .lock()
+            .unwrap()
+            .entry(self.key.clone())
+            .or_default() += value;
+    }
+
+    fn absolute(&self, value: u64) {
+        self.counters
+            .0
+            .lock()
+            .unwrap()
+            .insert(self.key.clone(), value);
+    }
+}
+
+impl metrics::Recorder for Counters {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(Arc::new(CapturedCounter {
+            key: Self::key(key),
+            counters: self.clone(),
+        }))
+    }
+
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
 /// How many times a handler was called. (A function: on an `Arc`, `.load` would resolve to
 /// diesel-async's `RunQueryDsl::load`, implemented for every type.)
 fn calls(counter: &AtomicUsize) -> usize {
@@ -176,6 +273,7 @@ async fn the_same_message_stored_twice_after_the_dedup_window_changes_state_once
     assert!(!republish().await.duplicate);
     assert_eq!(producer.stream_messages().await.len(), 2);
 
+    let counters = Counters::installed();
     let consumer = consumer_database().await;
     let handler = Counting::default();
     let inbox = Inbox::connect(
@@ -206,6 +304,9 @@ async fn the_same_message_stored_twice_after_the_dedup_window_changes_state_once
         effects(&consumer).await,
         BTreeMap::from([("o-1".to_owned(), 1)])
     );
+    let messages = "outbox_inbox_messages_total{consumer=dedup,outcome=";
+    assert_eq!(counters.get(&format!("{messages}handled}}")), 1);
+    assert_eq!(counters.get(&format!("{messages}duplicate}}")), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -285,6 +386,7 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
         .get("ce-id")
         .unwrap()
         .to_string();
+    let counters = Counters::installed();
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "failing");
     config.max_deliver = 3;
@@ -342,6 +444,10 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
         .await
         .unwrap();
     assert_eq!(recorded, 1, "recorded, so a late copy is skipped");
+    let messages = "outbox_inbox_messages_total{consumer=failing,outcome=";
+    assert_eq!(counters.get(&format!("{messages}retry}}")), 2);
+    assert_eq!(counters.get(&format!("{messages}dead_lettered}}")), 1);
+    assert_eq!(counters.get(&format!("{messages}handled}}")), 0);
 }
 
 /// When one event was handled.

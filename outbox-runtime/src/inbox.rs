@@ -43,6 +43,14 @@
 //! (`max_deliver` times `ack_wait` plus the nak delays), the producer's relay horizon, and any
 //! replay of the stream from an earlier position. The default, 7 days, is far above the
 //! first two; a stream replayed from further back needs a longer one.
+//!
+//! # Observability
+//! Every delivery is counted in the `metrics` counter `outbox_inbox_messages_total`, labelled
+//! `consumer` and `outcome` ([`Outcome::label`]); the histogram `outbox_inbox_process_seconds`
+//! (per `consumer`) times it from decoding to commit; `outbox_inbox_settle_failures_total`
+//! counts acks, naks and terms that did not reach JetStream. Each is processed in a `tracing`
+//! span, `inbox message`, with its id, type and deliveries. The consumer's backlog is
+//! JetStream's own (`num_pending` and `num_ack_pending` in the consumer's info).
 
 mod dispatch;
 mod message;
@@ -273,6 +281,18 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The outcome's name, as the `outcome` label of `outbox_inbox_messages_total`:
+    /// `handled`, `duplicate`, `skipped`, `retry` or `dead_lettered`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Handled => "handled",
+            Self::Duplicate => "duplicate",
+            Self::Skipped { .. } => "skipped",
+            Self::Retry { .. } => "retry",
+            Self::DeadLettered { .. } => "dead_lettered",
+        }
+    }
+
     /// Acks, naks or terminates the delivery, as the outcome says.
     ///
     /// # Errors

@@ -91,6 +91,7 @@ struct Finished {
 
 async fn handle<H: Handler>(inbox: Inbox<H>, key: String, message: jetstream::Message) -> Finished {
     let sequence = sequence(&message);
+    let started = std::time::Instant::now();
     let outcome = match inbox.process(&message).await {
         Ok(outcome) => outcome,
         Err(error) => Outcome::Retry {
@@ -98,7 +99,18 @@ async fn handle<H: Handler>(inbox: Inbox<H>, key: String, message: jetstream::Me
             error: error.to_string(),
         },
     };
+    let consumer = inbox.shared.config.consumer.clone();
+    metrics::histogram!("outbox_inbox_process_seconds", "consumer" => consumer.clone())
+        .record(started.elapsed());
+    metrics::counter!(
+        "outbox_inbox_messages_total",
+        "consumer" => consumer.clone(),
+        "outcome" => outcome.label(),
+    )
+    .increment(1);
     if let Err(error) = outcome.settle(&message).await {
+        metrics::counter!("outbox_inbox_settle_failures_total", "consumer" => consumer)
+            .increment(1);
         tracing::warn!(%error, "cannot settle a message; JetStream will redeliver it");
     }
     Finished {
