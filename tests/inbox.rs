@@ -195,19 +195,11 @@ fn consumer_config(consumer: &TestEnv, producer: &TestEnv, name: &str) -> InboxC
 
 /// Commits one order (Placed, then `extra` Shipped) through the producer's outbox.
 async fn place(producer: &TestEnv, id: &str, extra: usize) {
-    let mut conn = producer.conn().await;
     let mut order = Order::place(id, "ada", 1);
     for _ in 0..extra {
         order.record(OrderEvent::Shipped);
     }
-    producer
-        .outbox()
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    producer.commit(&mut order).await;
 }
 
 /// Relays everything committed so far, in one batch.
@@ -499,7 +491,6 @@ async fn one_key_is_handled_in_stream_order_while_keys_run_in_parallel() {
     for round in 0..PER_KEY {
         for key in 0..KEYS {
             // One event per unit of work, so the keys interleave in the stream.
-            let mut conn = producer.conn().await;
             let mut order = Order::place(&format!("o-{key}"), "ada", 1);
             if round > 0 {
                 order = Order {
@@ -509,14 +500,7 @@ async fn one_key_is_handled_in_stream_order_while_keys_run_in_parallel() {
                 };
                 order.record(OrderEvent::Shipped);
             }
-            producer
-                .outbox()
-                .transaction(&mut conn, async |uow| {
-                    uow.track(&mut order);
-                    Ok::<_, UnitOfWorkError>(())
-                })
-                .await
-                .unwrap();
+            producer.commit(&mut order).await;
         }
     }
     relay_all(&producer).await;

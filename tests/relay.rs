@@ -312,13 +312,7 @@ async fn a_message_the_broker_rejects_counts_an_attempt_while_other_aggregates_f
     .await
     .unwrap();
     let mut order = Order::place("o-1", "ada", 1);
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    env.commit(&mut order).await;
 
     let report = relay.relay_batch().await.unwrap();
     assert_eq!((report.published, report.rejected), (1, 1), "{report:?}");
@@ -408,13 +402,7 @@ async fn in_mark_mode_published_rows_stay_with_their_time_and_are_not_claimed_ag
     let mut conn = env.conn().await;
     let mut order = Order::place("o-1", "ada", 1);
     order.record(OrderEvent::Shipped);
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    env.commit(&mut order).await;
 
     assert_eq!(relay.relay_batch().await.unwrap().published, 2);
     let published: Vec<Option<OffsetDateTime>> = outbox_events::table

@@ -318,13 +318,7 @@ async fn sequences_continue_after_rows_inserted_by_hand() {
     let env = TestEnv::new().await;
     let mut conn = env.conn().await;
     let mut order = Order::place("o-1", "ada", 1);
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    env.commit(&mut order).await;
     // Another service appends sequence 2 by hand.
     conn.batch_execute(&format!(
         "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
@@ -335,13 +329,7 @@ async fn sequences_continue_after_rows_inserted_by_hand() {
     .await
     .unwrap();
     order.record(OrderEvent::Shipped);
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    env.commit(&mut order).await;
     let seqs: Vec<i64> = outbox_rows(&mut conn).await.iter().map(|r| r.1).collect();
     assert_eq!(seqs, [1, 2, 3]);
 }

@@ -17,7 +17,7 @@ use async_nats::jetstream::{
 };
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use futures::StreamExt;
-use outbox_runtime::{Outbox, RelayConfig, StreamSettings};
+use outbox_runtime::{Aggregate, Outbox, RelayConfig, StreamSettings, UnitOfWorkError};
 
 pub struct TestEnv {
     /// The URL of this test's own database.
@@ -91,6 +91,18 @@ impl TestEnv {
         Outbox::new()
             .with_subject_prefix(&self.prefix)
             .expect("a valid prefix")
+    }
+
+    /// Commits `aggregate`'s pending events through this test's outbox, in a unit of work of
+    /// their own on a fresh connection.
+    pub async fn commit(&self, aggregate: &mut impl Aggregate) {
+        self.outbox()
+            .transaction(&mut self.conn().await, async |uow| {
+                uow.track(aggregate);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .expect("commit the aggregate's events");
     }
 
     /// A relay configuration for this test's database, prefix and stream, polling fast.
