@@ -602,15 +602,10 @@ async fn correlation_causation_and_trace_flow_through_a_chain_of_two_services() 
         .unwrap();
     relay_all(&service_a).await;
     let placed = service_a.stream_messages().await.remove(0);
-    let header = |headers: &HeaderMap, name: &str| headers.get(name).unwrap().to_string();
-    let placed_id = header(&placed.headers, "ce-id");
-    let correlation = header(&placed.headers, "ce-correlationid");
-    assert_eq!(
-        header(&placed.headers, "ce-causationid"),
-        correlation,
-        "a root"
-    );
-    assert_eq!(header(&placed.headers, "traceparent"), TRACE);
+    let placed_id = placed.header("ce-id");
+    let correlation = placed.header("ce-correlationid");
+    assert_eq!(placed.header("ce-causationid"), correlation, "a root");
+    assert_eq!(placed.header("traceparent"), TRACE);
 
     // Service B consumes it and emits StockReserved through its own outbox and relay.
     let service_b = consumer_database().await;
@@ -634,9 +629,9 @@ async fn correlation_causation_and_trace_flow_through_a_chain_of_two_services() 
         reserved.subject,
         format!("{}.Stock.o-7.StockReserved", service_b.prefix)
     );
-    assert_eq!(header(&reserved.headers, "ce-correlationid"), correlation);
-    assert_eq!(header(&reserved.headers, "ce-causationid"), placed_id);
-    let trace: Traceparent = header(&reserved.headers, "traceparent").parse().unwrap();
+    assert_eq!(reserved.header("ce-correlationid"), correlation);
+    assert_eq!(reserved.header("ce-causationid"), placed_id);
+    let trace: Traceparent = reserved.header("traceparent").parse().unwrap();
     let parent: Traceparent = TRACE.parse().unwrap();
     assert_eq!(trace.trace_id(), parent.trace_id(), "the same trace");
     assert_ne!(

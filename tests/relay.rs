@@ -47,15 +47,6 @@ async fn rows(conn: &mut AsyncPgConnection) -> Vec<Row> {
         .unwrap()
 }
 
-fn header(message: &Received, name: &str) -> String {
-    message
-        .headers
-        .get(name)
-        .unwrap_or_else(|| panic!("header {name} on {}", message.subject))
-        .as_str()
-        .to_owned()
-}
-
 fn header_names(message: &Received) -> BTreeSet<String> {
     message
         .headers
@@ -117,7 +108,7 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
     assert_eq!(messages.len(), rows.len(), "one message per row, no more");
     let by_id: BTreeMap<String, &Received> = messages
         .iter()
-        .map(|m| (header(m, "Nats-Msg-Id"), m))
+        .map(|m| (m.header("Nats-Msg-Id"), m))
         .collect();
     assert_eq!(by_id.len(), 4, "every message has its own id");
 
@@ -130,20 +121,20 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
             expected_names,
             "no header more or less"
         );
-        assert_eq!(header(message, "ce-specversion"), "1.0");
-        assert_eq!(header(message, "ce-id"), id.hyphenated().to_string());
-        assert_eq!(header(message, "ce-source"), "/tests");
-        assert_eq!(&header(message, "ce-type"), event_type);
-        assert_eq!(&header(message, "ce-subject"), agg_id);
-        assert_eq!(&header(message, "ce-aggregatetype"), agg_type);
-        assert_eq!(header(message, "ce-sequence"), format!("{seq:019}"));
-        assert_eq!(&header(message, "ce-partitionkey"), key);
-        assert_eq!(header(message, "ce-eventversion"), version.to_string());
-        assert_eq!(header(message, "ce-datacontenttype"), "application/json");
-        assert_eq!(header(message, "content-type"), "application/json");
-        let time = OffsetDateTime::parse(&header(message, "ce-time"), &Rfc3339).unwrap();
+        assert_eq!(message.header("ce-specversion"), "1.0");
+        assert_eq!(message.header("ce-id"), id.hyphenated().to_string());
+        assert_eq!(message.header("ce-source"), "/tests");
+        assert_eq!(&message.header("ce-type"), event_type);
+        assert_eq!(&message.header("ce-subject"), agg_id);
+        assert_eq!(&message.header("ce-aggregatetype"), agg_type);
+        assert_eq!(message.header("ce-sequence"), format!("{seq:019}"));
+        assert_eq!(&message.header("ce-partitionkey"), key);
+        assert_eq!(message.header("ce-eventversion"), version.to_string());
+        assert_eq!(message.header("ce-datacontenttype"), "application/json");
+        assert_eq!(message.header("content-type"), "application/json");
+        let time = OffsetDateTime::parse(&message.header("ce-time"), &Rfc3339).unwrap();
         assert_eq!(time, *occurred);
-        assert!(header(message, "ce-time").ends_with('Z'), "UTC");
+        assert!(message.header("ce-time").ends_with('Z'), "UTC");
         let sent: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
         assert_eq!(&sent, payload);
     }
@@ -151,15 +142,15 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
     // also their cause.
     let correlations: BTreeSet<String> = messages
         .iter()
-        .map(|m| header(m, "ce-correlationid"))
+        .map(|m| m.header("ce-correlationid"))
         .collect();
     assert_eq!(correlations.len(), 1, "{correlations:?}");
     for message in &messages {
         assert_eq!(
-            header(message, "ce-causationid"),
-            header(message, "ce-correlationid")
+            message.header("ce-causationid"),
+            message.header("ce-correlationid")
         );
-        assert!(!by_id.contains_key(&header(message, "ce-correlationid")));
+        assert!(!by_id.contains_key(&message.header("ce-correlationid")));
     }
 
     let subjects: Vec<&str> = messages.iter().map(|m| m.subject.as_str()).collect();
@@ -191,8 +182,8 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
         .unwrap();
     use outbox_runtime::DomainEvent as _;
     let decoded = OrderEvent::from_payload(
-        &header(added_message, "ce-type"),
-        header(added_message, "ce-eventversion").parse().unwrap(),
+        &added_message.header("ce-type"),
+        added_message.header("ce-eventversion").parse().unwrap(),
         &added_message.payload,
     )
     .unwrap();
@@ -229,18 +220,18 @@ async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
     assert_eq!(messages.len(), 1);
     let message = &messages[0];
     assert_eq!(message.subject.as_str(), subject);
-    assert_eq!(header(message, "ce-type"), "Issued");
-    assert_eq!(header(message, "ce-sequence"), "0000000000000000005");
-    assert_eq!(header(message, "ce-eventversion"), "1");
-    let id = header(message, "ce-id");
+    assert_eq!(message.header("ce-type"), "Issued");
+    assert_eq!(message.header("ce-sequence"), "0000000000000000005");
+    assert_eq!(message.header("ce-eventversion"), "1");
+    let id = message.header("ce-id");
     assert_eq!(
-        header(message, "ce-correlationid"),
+        message.header("ce-correlationid"),
         id,
         "its own conversation"
     );
-    assert_eq!(header(message, "ce-causationid"), id);
+    assert_eq!(message.header("ce-causationid"), id);
     assert_eq!(
-        header(message, "traceparent"),
+        message.header("traceparent"),
         "00-4bf92f3577b34da6-00f067aa0ba902b7-01"
     );
     let tenants: Vec<&str> = message
@@ -384,9 +375,9 @@ async fn a_spawned_relay_publishes_each_aggregate_in_order_across_small_batches(
     let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for message in &messages {
         sequences
-            .entry(header(message, "ce-subject"))
+            .entry(message.header("ce-subject"))
             .or_default()
-            .push(header(message, "ce-sequence").parse().unwrap());
+            .push(message.header("ce-sequence").parse().unwrap());
     }
     for (aggregate, seqs) in &sequences {
         assert_eq!(*seqs, (1..=8).collect::<Vec<_>>(), "aggregate {aggregate}");

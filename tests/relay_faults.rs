@@ -17,23 +17,14 @@ use outbox_runtime::{
 use support::domain::{Order, OrderEvent};
 use support::{NatsServer, Received, TestEnv, wait_until};
 
-fn header(message: &Received, name: &str) -> String {
-    message
-        .headers
-        .get(name)
-        .unwrap_or_else(|| panic!("header {name} on {}", message.subject))
-        .as_str()
-        .to_owned()
-}
-
 /// The stream's `ce-sequence`s per aggregate, in stream order.
 fn sequences(messages: &[Received]) -> BTreeMap<String, Vec<u64>> {
     let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for message in messages {
         sequences
-            .entry(header(message, "ce-subject"))
+            .entry(message.header("ce-subject"))
             .or_default()
-            .push(header(message, "ce-sequence").parse().unwrap());
+            .push(message.header("ce-sequence").parse().unwrap());
     }
     sequences
 }
@@ -149,7 +140,7 @@ async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_on
 
     let messages = env.stream_messages().await;
     assert_eq!(messages.len() as u64, TOTAL, "no event stored twice");
-    let ids: HashSet<String> = messages.iter().map(|m| header(m, "ce-id")).collect();
+    let ids: HashSet<String> = messages.iter().map(|m| m.header("ce-id")).collect();
     assert_eq!(ids.len() as u64, TOTAL, "every event once");
     let sequences = sequences(&messages);
     assert_eq!(sequences.len(), AGGREGATES);
@@ -388,7 +379,7 @@ async fn graceful_shutdown_marks_exactly_what_was_acked() {
         .stream_messages()
         .await
         .iter()
-        .map(|m| header(m, "ce-id"))
+        .map(|m| m.header("ce-id"))
         .collect();
     let left: Vec<uuid::Uuid> = outbox_events::table
         .select(outbox_events::id)

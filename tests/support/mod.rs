@@ -165,6 +165,18 @@ pub struct Received {
     pub payload: Vec<u8>,
 }
 
+impl Received {
+    /// The value of header `name`; panics, naming the header and the subject, when it is
+    /// missing.
+    pub fn header(&self, name: &str) -> String {
+        self.headers
+            .get(name)
+            .unwrap_or_else(|| panic!("header {name} on {}", self.subject))
+            .as_str()
+            .to_owned()
+    }
+}
+
 impl Drop for TestEnv {
     fn drop(&mut self) {
         let admin_url = self.admin_url.clone();
