@@ -152,7 +152,7 @@ async fn main() -> Result<(), BoxError> {
                  ON CONFLICT (sku) DO UPDATE SET available = excluded.available;",
         )
         .await?;
-    let nats = async_nats::connect(&nats_url).await?;
+    let nats = outbox_runtime::nats::connect(&nats_url).await?;
     let shop_outbox = Outbox::new().with_subject_prefix("shop")?;
     let inventory_outbox = Outbox::new().with_subject_prefix("inventory")?;
     let relay_config = |url: &str, prefix: &str, stream: &str, source: &str| {

@@ -123,7 +123,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
 
     // The relay makes sure the EVENTS stream exists and captures `events.>`.
-    let nats = async_nats::connect(&nats_url).await?;
+    let nats = outbox_runtime::nats::connect(&nats_url).await?;
     let relay = Relay::connect(RelayConfig::new(&database_url), nats.clone()).await?;
 
     // A consumer of order events, from now on.

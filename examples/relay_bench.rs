@@ -122,7 +122,7 @@ impl Bench {
         let (server, _) = admin_url.rsplit_once('/').ok_or("no database in the URL")?;
         let database_url = format!("{server}/{database}");
         outbox_runtime::run_migrations(&database_url).await?;
-        let nats = async_nats::connect(&nats_url).await?;
+        let nats = outbox_runtime::nats::connect(&nats_url).await?;
         let prefix = format!("bench{tag}");
         let stream = format!("BENCH_{}", tag.to_uppercase());
         jetstream::new(nats.clone())

@@ -381,7 +381,7 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
     let counters = Counters::installed();
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "failing");
-    config.max_deliver = 3;
+    config.max_attempts = 3;
     let handler = Failing::default();
     let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
         .await
@@ -409,7 +409,7 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
     wait_until_settled(&probe, "the message terminated").await;
     running.shutdown().await.unwrap();
 
-    assert_eq!(calls(&handler.calls), 3, "tried max_deliver times");
+    assert_eq!(calls(&handler.calls), 3, "tried max_attempts times");
     assert!(
         effects(&consumer).await.is_empty(),
         "no trace of the failed attempts"
@@ -421,7 +421,10 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
     );
     assert_eq!(
         error,
-        format!("handler failed: stock service unavailable for {message_id}")
+        format!(
+            "handler failed: stock service unavailable for {message_id} (failed 3 times; \
+             max_attempts 3)"
+        )
     );
     let payload: serde_json::Value = serde_json::from_slice(&payload).unwrap();
     assert_eq!(

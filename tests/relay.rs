@@ -288,13 +288,13 @@ async fn the_relay_refuses_a_missing_stream_it_may_not_create_and_a_stream_that_
 }
 
 #[tokio::test]
-async fn a_message_the_broker_rejects_counts_an_attempt_while_other_aggregates_flow() {
+async fn a_row_whose_subject_lies_outside_the_prefix_is_dead_lettered_at_once_while_others_flow() {
     let env = TestEnv::new().await;
     let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
         .await
         .unwrap();
     let mut conn = env.conn().await;
-    // No stream captures this subject: JetStream answers "no responders".
+    // A subject outside the relay's prefix: another stream's, or nobody's.
     conn.batch_execute(
         "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
                                     partition_key, subject, payload) \
@@ -306,14 +306,14 @@ async fn a_message_the_broker_rejects_counts_an_attempt_while_other_aggregates_f
     env.commit(&mut order).await;
 
     let report = relay.relay_batch().await.unwrap();
-    assert_eq!((report.published, report.rejected), (1, 1), "{report:?}");
-    let (attempts, last_error, waits): (i32, Option<String>, bool) = outbox_events::table
+    assert_eq!(
+        (report.published, report.rejected, report.dead_lettered),
+        (1, 1, 1),
+        "{report:?}"
+    );
+    let (attempts, last_error): (i32, Option<String>) = outbox_events::table
         .filter(outbox_events::aggregate_id.eq("s-1"))
-        .select((
-            outbox_events::attempts,
-            outbox_events::last_error,
-            diesel::dsl::sql::<diesel::sql_types::Bool>("available_at > now()"),
-        ))
+        .select((outbox_events::attempts, outbox_events::last_error))
         .first(&mut conn)
         .await
         .unwrap();
@@ -321,10 +321,9 @@ async fn a_message_the_broker_rejects_counts_an_attempt_while_other_aggregates_f
     assert!(
         last_error
             .as_deref()
-            .is_some_and(|e| e.contains("no stream")),
+            .is_some_and(|e| e.contains("does not start with the relay's prefix")),
         "{last_error:?}"
     );
-    assert!(waits, "the rejected row waits before its next attempt");
     assert_eq!(
         env.stream_messages().await.len(),
         1,

@@ -12,8 +12,16 @@ use crate::attr::{self, Errors};
 /// The same rule as `outbox_runtime::subject::validate_token` (this crate cannot depend on
 /// that one); the tests of both pin the same cases.
 pub fn token_error(token: &str) -> Option<String> {
+    /// `outbox_runtime::subject::MAX_TOKEN_BYTES`.
+    const MAX_TOKEN_BYTES: usize = 256;
     if token.is_empty() {
         return Some("it is empty".to_owned());
+    }
+    if token.len() > MAX_TOKEN_BYTES {
+        return Some(format!(
+            "it is {} bytes long, over the limit of {MAX_TOKEN_BYTES} bytes a subject token may hold",
+            token.len()
+        ));
     }
     token.chars().find_map(|c| match c {
         '.' => Some("it contains '.', the NATS token separator".to_owned()),
@@ -208,6 +216,10 @@ mod tests {
             ("a\r\n", Some("it contains whitespace ('\\r')")),
             ("a\u{a0}b", Some("it contains whitespace ('\\u{a0}')")),
             ("a\0", Some("it contains the control character '\\0'")),
+            (
+                &"x".repeat(257),
+                Some("it is 257 bytes long, over the limit of 256 bytes a subject token may hold"),
+            ),
         ];
         for (token, expected) in cases {
             assert_eq!(token_error(token).as_deref(), *expected, "token {token:?}");

@@ -17,6 +17,10 @@ use std::str::FromStr;
 
 use uuid::Uuid;
 
+/// The most bytes a correlation or causation id holds (each travels in a header of every
+/// message, and a consumer keys messages by ids of this size).
+pub const MAX_ID_BYTES: usize = 512;
+
 /// Where an event comes from: its conversation, its cause, and its trace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Causality {

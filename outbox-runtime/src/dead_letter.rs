@@ -14,6 +14,11 @@
 //! [`DeadLetterPolicy::Skip`](crate::relay::DeadLetterPolicy::Skip), skips a dead letter at
 //! once: later rows flow, and the aggregate's consumers see a gap in `ce-sequence`.
 //!
+//! A skipped dead letter is not lost: it stays in the table, [`list`] shows it (with
+//! `skipped_at`), and [`retry`] publishes it. It then arrives after the later events of its
+//! aggregate: an [inbox](crate::inbox) consumer that already applied those records it as a
+//! dead letter of its own (out of order) rather than applying it out of order.
+//!
 //! The same operations in SQL, for a psql session, are in each function's documentation.
 
 use diesel::sql_types::{Int4, Int8, Nullable, Text, Timestamptz, Uuid as SqlUuid};
@@ -51,25 +56,30 @@ pub struct DeadLetter {
     /// When the row became a dead letter.
     #[diesel(sql_type = Timestamptz)]
     pub dead_lettered_at: time::OffsetDateTime,
-    /// How many later rows of the aggregate wait behind it.
+    /// When it was skipped (by the Skip policy or by [`skip`]); `None` while it blocks its
+    /// aggregate.
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    pub skipped_at: Option<time::OffsetDateTime>,
+    /// How many later rows of the aggregate wait behind it (0 for a skipped one).
     #[diesel(sql_type = Int8)]
     pub waiting: i64,
 }
 
-/// The dead letters that still block their aggregate, oldest first, at most `limit`.
+/// The dead letters not published, oldest first, at most `limit`: those that block their
+/// aggregate and those skipped, which [`retry`] can still publish.
 ///
 /// # Errors
 /// The database's error.
 pub async fn list(conn: &mut AsyncPgConnection, limit: i64) -> QueryResult<Vec<DeadLetter>> {
     diesel::sql_query(
         "SELECT d.id, d.aggregate_type, d.aggregate_id, d.aggregate_seq, d.event_type, \
-                d.subject, d.attempts, d.last_error, d.dead_lettered_at, \
-                (SELECT count(*) FROM outbox_events w \
+                d.subject, d.attempts, d.last_error, d.dead_lettered_at, d.skipped_at, \
+                CASE WHEN d.skipped_at IS NOT NULL THEN 0 ELSE (SELECT count(*) FROM outbox_events w \
                  WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id \
                    AND w.aggregate_seq > d.aggregate_seq \
-                   AND w.published_at IS NULL AND w.skipped_at IS NULL) AS waiting \
+                   AND w.published_at IS NULL AND w.skipped_at IS NULL) END AS waiting \
          FROM outbox_events d \
-         WHERE d.dead_lettered_at IS NOT NULL AND d.skipped_at IS NULL AND d.published_at IS NULL \
+         WHERE d.dead_lettered_at IS NOT NULL AND d.published_at IS NULL \
          ORDER BY d.dead_lettered_at \
          LIMIT $1",
     )
@@ -79,11 +89,14 @@ pub async fn list(conn: &mut AsyncPgConnection, limit: i64) -> QueryResult<Vec<D
 }
 
 /// Puts the dead letter `id` back in the queue with its attempts reset, releases the rows
-/// waiting behind it, and wakes the relays. Returns whether `id` was a dead letter.
+/// waiting behind it, and wakes the relays. Returns whether `id` was an unpublished dead
+/// letter. A skipped one is retried too: it is published after the later events of its
+/// aggregate, which went out while it was skipped.
 ///
-/// In SQL: `UPDATE outbox_events SET dead_lettered_at = NULL, attempts = 0, available_at =
-/// now() WHERE id = ..`, then `available_at = now()` for the aggregate's later queued rows,
-/// `blocked_until = NULL` in `outbox_aggregates`, and `NOTIFY outbox_events`.
+/// In SQL: `UPDATE outbox_events SET dead_lettered_at = NULL, skipped_at = NULL, attempts =
+/// 0, available_at = now() WHERE id = ..`, then `available_at = now()` for the aggregate's
+/// later queued rows, `blocked_until = NULL` in `outbox_aggregates`, and `NOTIFY
+/// outbox_events`.
 ///
 /// # Errors
 /// The database's error.
@@ -91,7 +104,8 @@ pub async fn retry(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<bool> 
     release(
         conn,
         id,
-        "dead_lettered_at = NULL, attempts = 0, available_at = now()",
+        "dead_lettered_at = NULL, skipped_at = NULL, attempts = 0, available_at = now()",
+        "",
     )
     .await
 }
@@ -106,10 +120,17 @@ pub async fn retry(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<bool> 
 /// # Errors
 /// The database's error.
 pub async fn skip(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<bool> {
-    release(conn, id, "skipped_at = now()").await
+    release(conn, id, "skipped_at = now()", "AND skipped_at IS NULL").await
 }
 
-async fn release(conn: &mut AsyncPgConnection, id: Uuid, set: &'static str) -> QueryResult<bool> {
+/// Updates the dead letter `id` with `set` (when it also matches `only`), then releases the
+/// rows behind it and wakes the relays.
+async fn release(
+    conn: &mut AsyncPgConnection,
+    id: Uuid,
+    set: &'static str,
+    only: &'static str,
+) -> QueryResult<bool> {
     #[derive(QueryableByName)]
     struct Released {
         #[diesel(sql_type = Int8)]
@@ -118,8 +139,7 @@ async fn release(conn: &mut AsyncPgConnection, id: Uuid, set: &'static str) -> Q
     let sql = format!(
         "WITH released AS ( \
             UPDATE outbox_events SET {set} \
-            WHERE id = $1 AND dead_lettered_at IS NOT NULL \
-              AND published_at IS NULL AND skipped_at IS NULL \
+            WHERE id = $1 AND dead_lettered_at IS NOT NULL AND published_at IS NULL {only} \
             RETURNING aggregate_type, aggregate_id, aggregate_seq \
         ), unparked AS ( \
             UPDATE outbox_events f SET available_at = now() FROM released r \

@@ -4,10 +4,15 @@
 //! an optional partition key, and a JSON payload. A struct is one event type; an enum is one
 //! event type per variant, and the payload of a variant is the variant's own JSON: its fields
 //! as an object, not serde's externally tagged `{"Placed": {..}}`, since the type already
-//! travels in the `event_type` column and the `ce-type` header. `event/payload.rs` holds the serde
-//! adapters that do this without an intermediate value.
+//! travels in the `event_type` column and the `ce-type` header; serde's own derives do all the
+//! field work, so `rename`, `with`, `default` and the rest keep working.
+//!
+//! A payload holds only what JSON and PostgreSQL's `jsonb` carry: a NaN or infinite number
+//! (which serde_json would silently write as `null`) or a string with a NUL character fails
+//! the commit with a [`PayloadError::Json`] that names the value by its path.
 
 pub(crate) mod payload;
+mod storable;
 
 /// A domain event: a fact the domain records, written to the outbox and published.
 ///

@@ -3,80 +3,106 @@
 //! Delivery is at-least-once, so a consumer sees duplicates: a relay that died after a
 //! publish and before its commit, a JetStream redelivery after a missed ack, a republish
 //! after the stream's duplicate window. The inbox gives a consumer exactly-once *effects*:
-//! for each message it opens a database transaction, records the message id (`ce-id`) for
-//! the consumer in `outbox_inbox` (unique on both), runs the handler in the same transaction,
-//! commits, and only then acks. A message already recorded is acked without calling the
-//! handler. The handler gets a [`UnitOfWork`] of that transaction: what it writes, and the
-//! events it records, commit with the inbox row or not at all (consume, change state, emit),
-//! and those events carry the message's correlation id, the message as their cause, and its
-//! trace continued ([`crate::causality`]).
+//! for each message it opens a database transaction, records the message for the consumer
+//! in `outbox_inbox` (unique on consumer, `ce-source` and `ce-id`: CloudEvents makes source
+//! and id together unique), runs the handler in the same transaction, commits, and only then
+//! acks. A message already recorded is acked without calling the handler. The handler gets
+//! a [`UnitOfWork`] of that transaction: what it writes, and the events it records, commit
+//! with the inbox row or not at all (consume, change state, emit), and those events carry the
+//! message's correlation id, the message as their cause, and its trace continued
+//! ([`crate::causality`]).
+//!
+//! # Order
+//! Each aggregate's events are applied in `ce-sequence` order, across restarts and across
+//! several instances of one consumer. The same transaction moves the consumer's position in
+//! the aggregate (`outbox_inbox_positions`) to the event, and only when it is the next one;
+//! an event whose predecessor the consumer has not applied waits for it (a nak with a short
+//! delay, which counts no failure), and one whose predecessor will never come (skipped on the
+//! producer side, cut from the stream) is applied over the gap, which is recorded in
+//! `outbox_inbox_gaps` (see `inbox::order` for how the stream tells the two apart). Within
+//! an instance, the messages of one aggregate are handled one at a time in stream order,
+//! those of different aggregates in parallel, up to `max_concurrency`. A message without an
+//! aggregate (`ce-aggregatetype`, `ce-subject`, `ce-sequence`: a foreign producer's) is
+//! ordered by its partition key within an instance only.
 //!
 //! # Failures
-//! A handler error rolls the transaction back (no inbox row, no write, no event) and naks
-//! the message with a delay (`retry_delay`, doubling, capped at `max_retry_delay`); after
-//! `max_deliver` deliveries the message is terminated (JetStream stops redelivering it) and
-//! kept in `outbox_inbox_dead_letters` with its error, headers and payload. A message the
-//! consumer cannot use follows a policy, never a crash or a silent loss:
+//! A handler error (or panic) rolls the transaction back (no inbox row, no write, no event),
+//! is counted in `outbox_inbox_attempts`, and naks the message with a delay (`retry_delay`,
+//! doubling, capped at `max_retry_delay`); at `max_attempts` failures the message is
+//! dead-lettered in `outbox_inbox_dead_letters` with its error, headers and payload, and its
+//! aggregate moves on. Only handler failures count: JetStream's own delivery count is
+//! unlimited, so a consumer that crashes, restarts or loses its database never uses up a
+//! message's attempts. A message the consumer cannot use follows a policy, never a crash or
+//! a silent loss:
 //! - an event type or version the handler's event type does not carry:
 //!   [`UnknownEvents`], skipped with a warning by default (filter the consumer's subject to
 //!   the types it handles), or dead-lettered;
-//! - a message without `ce-id`/`Nats-Msg-Id` or `ce-type`, with an invalid header, or whose
-//!   payload does not decode: [`Unreadable`], dead-lettered by default, or skipped with a
-//!   warning.
+//! - a message without `ce-id`/`Nats-Msg-Id` or `ce-type`, with an invalid header or an
+//!   identity header over [`MAX_ID_BYTES`](crate::causality::MAX_ID_BYTES), or whose payload does not decode:
+//!   [`Unreadable`], dead-lettered by default, or skipped with a warning.
 //!
-//! # Order and concurrency
-//! Messages with different partition keys (`ce-partitionkey`) are handled in parallel, up to
-//! `max_concurrency`; messages with the same key one at a time, in stream order. A message
-//! that failed holds its key: the later messages of that key wait (kept alive with progress
-//! acks) until it is handled or dead-lettered. Those waiting messages count against
-//! `max_ack_pending`: a busy key held long enough can fill that window and delay every other
-//! key until its failing message is dead-lettered (after `max_deliver` deliveries). Limits:
-//! order holds within one running consumer instance. JetStream (2.9) gives a durable pull
-//! consumer's messages to its instances with no regard to keys, so run one instance per
-//! consumer where order matters; and after a restart a message that waited behind a failing
-//! one can be redelivered before it.
+//! # Restarts
+//! JetStream gives a message that an instance received and did not settle to another after
+//! `ack_wait` (5 s by default); the inbox keeps the messages it works on or holds alive with
+//! progress acks, so a long handler is not redelivered meanwhile. An instance holds at most
+//! `4 x max_concurrency` messages it has not started (64 by default), far below the
+//! consumer's `max_ack_pending` (1,000), so the other instances, or a restarted one, keep
+//! receiving messages while a dead instance's wait out their `ack_wait`. Worst cases: after a
+//! crash, the dead instance's messages, and the later events of their aggregates, wait
+//! `ack_wait`; the rest flow at once. On a graceful stop ([`InboxHandle::shutdown`]) the
+//! instance naks what it has not started, for immediate redelivery, and finishes what it has.
 //!
 //! # Retention
 //! Inbox rows older than `retention` are deleted in batches. An id must stay recorded as
 //! long as a duplicate of its message can still arrive, or that duplicate is handled again:
 //! retention must exceed the longest redelivery time: the consumer's own redeliveries
-//! (`max_deliver` times `ack_wait` plus the nak delays), the producer's relay horizon, and any
-//! replay of the stream from an earlier position. The default, 7 days, is far above the
-//! first two; a stream replayed from further back needs a longer one.
+//! (`max_attempts` times `ack_wait` plus the nak delays), the producer's relay horizon, and
+//! any replay of the stream from an earlier position. The default, 7 days, is far above the
+//! first two; a stream replayed from further back needs a longer one. Positions are kept:
+//! one row per aggregate.
 //!
 //! # Observability
 //! Every delivery is counted in the `metrics` counter `outbox_inbox_messages_total`, labelled
 //! `consumer` and `outcome` ([`Outcome::label`]); the histogram `outbox_inbox_process_seconds`
 //! (per `consumer`) times it from decoding to commit; `outbox_inbox_settle_failures_total`
-//! counts acks, naks and terms that did not reach JetStream. Each is processed in a `tracing`
-//! span, `inbox message`, with its id, type and deliveries. The consumer's backlog is
-//! JetStream's own (`num_pending` and `num_ack_pending` in the consumer's info).
+//! counts acks, naks and terms that did not reach JetStream, and `outbox_inbox_gaps_total`
+//! the events applied over a gap. Each message is processed in a `tracing` span, `inbox
+//! message`, with its id, type and deliveries. The consumer's backlog is JetStream's own
+//! (`num_pending` and `num_ack_pending` in the consumer's info).
 
 mod dispatch;
 mod message;
+mod order;
 mod queries;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
-use diesel_async::pooled_connection::deadpool::Pool;
+use diesel_async::pooled_connection::deadpool::{Object, Pool};
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use futures::FutureExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::causality::Causality;
+use crate::database::{
+    self, Bounded, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted, TimedOut,
+};
 use crate::event::{DomainEvent, PayloadError};
-use crate::outbox::Outbox;
+use crate::outbox::{MissingMigrations, Outbox, require_migrations};
 use crate::publisher::DEFAULT_STREAM;
 use crate::subject::validate_token;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
 
 pub use message::{Metadata, UnreadableMessage};
+use order::Predecessor;
+use queries::{MessageKey, Place, Recorded};
 
 /// What a consumer does with each event.
 ///
@@ -95,11 +121,13 @@ pub trait Handler: Send + Sync + 'static {
     /// The event type it consumes: decoded from each message by `ce-type` and
     /// `ce-eventversion`.
     type Event: DomainEvent;
-    /// Its error; the inbox records the `Display` text (in `last_error` of a dead letter).
+    /// Its error; the inbox records the `Display` text (in the dead letter's `error`).
     type Error: fmt::Display + Send + 'static;
 
     /// Handles one event, inside the transaction that records the message in the inbox.
-    /// Write through `uow.conn()`; record events with `uow.track` or `uow.emit`.
+    /// Write through `uow.conn()`; record events with `uow.track` or `uow.emit`. Do not
+    /// send `COMMIT` or `ROLLBACK` on the connection: return an error to roll back (a
+    /// transaction ended by the handler fails the message, and nothing it did is acked).
     fn handle(
         &self,
         event: Self::Event,
@@ -131,11 +159,11 @@ pub enum Unreadable {
 }
 
 /// How a consumer runs: a plain struct with documented defaults. Start from
-/// [`InboxConfig::new`].
-#[derive(Clone, Debug)]
+/// [`InboxConfig::new`]. Its `Debug` shows the database URL without its password.
+#[derive(Clone)]
 pub struct InboxConfig {
-    /// The consumer's name: the durable JetStream consumer, and its key in the inbox table.
-    /// A valid NATS subject token.
+    /// The consumer's name: the durable JetStream consumer, and its key in the inbox tables.
+    /// A valid NATS subject token, at most 255 bytes (nats-server's limit on names).
     pub consumer: String,
     /// The PostgreSQL URL of the consumer's database (its inbox, its tables, its outbox).
     pub database_url: String,
@@ -146,22 +174,31 @@ pub struct InboxConfig {
     /// The subjects to consume, as one NATS subject filter, e.g. `events.Order.*.Placed`.
     /// Default `events.>`.
     pub filter_subject: String,
-    /// Deliveries before a failing message is dead-lettered. Default 5.
-    pub max_deliver: u32,
-    /// How long JetStream waits for an ack before it redelivers. Default 30 s.
+    /// Handler failures (errors or panics) before a message is dead-lettered. Deliveries do
+    /// not count: a crash or a restart never dead-letters a message. Default 5.
+    pub max_attempts: u32,
+    /// How long JetStream waits for an ack (or a progress ack) before it gives a message to
+    /// another instance: the longest wait, after a crash, for the messages the dead
+    /// instance held. The inbox sends progress acks every third of it for the messages it
+    /// works on or holds. Default 5 s.
     pub ack_wait: Duration,
-    /// The nak delay after the first failure; it doubles with each delivery. Default 1 s.
+    /// The nak delay after the first handler failure; it doubles with each failure.
+    /// Default 1 s.
     pub retry_delay: Duration,
     /// The longest nak delay. Default 60 s.
     pub max_retry_delay: Duration,
-    /// Messages handled at once (different partition keys), and database connections.
+    /// Messages handled at once (different aggregates), and database connections. An
+    /// instance also holds up to four times this many messages it has not started.
     /// Default 16.
     pub max_concurrency: usize,
-    /// Messages JetStream delivers before it waits for acks: the consumer's
-    /// `max_ack_pending`, which bounds the messages held in memory (waiting behind their key
-    /// or for a free handler). Default 1,000, the NATS server's own default for a consumer
-    /// (docs.nats.io, JetStream consumers, "MaxAckPending").
+    /// Messages JetStream delivers, across the consumer's instances, before it waits for
+    /// acks: the consumer's `max_ack_pending`. Default 1,000, the NATS server's own default
+    /// for a consumer (docs.nats.io, JetStream consumers, "MaxAckPending").
     pub max_ack_pending: usize,
+    /// How long an event waits for a predecessor that is in the stream and not applied
+    /// before it is applied over it (the predecessor is then dead-lettered when it comes).
+    /// A safety valve: a predecessor settles within its own retries. Default 5 min.
+    pub gap_timeout: Duration,
     /// Event types the handler does not carry. Default [`UnknownEvents::Skip`].
     pub unknown_events: UnknownEvents,
     /// Messages that cannot be read. Default [`Unreadable::DeadLetter`].
@@ -171,6 +208,38 @@ pub struct InboxConfig {
     pub retention: Duration,
     /// How often expired inbox rows are deleted. Default 1 min.
     pub purge_interval: Duration,
+    /// How long opening a database connection may take. Default
+    /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
+    pub connect_timeout: Duration,
+    /// How long one query may take: set as the sessions' server-side `statement_timeout`
+    /// (the handlers' queries included), and enforced by the inbox on its own queries.
+    /// Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
+    pub statement_timeout: Duration,
+}
+
+impl fmt::Debug for InboxConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InboxConfig")
+            .field("consumer", &self.consumer)
+            .field("database_url", &Redacted(&self.database_url))
+            .field("outbox", &self.outbox)
+            .field("stream", &self.stream)
+            .field("filter_subject", &self.filter_subject)
+            .field("max_attempts", &self.max_attempts)
+            .field("ack_wait", &self.ack_wait)
+            .field("retry_delay", &self.retry_delay)
+            .field("max_retry_delay", &self.max_retry_delay)
+            .field("max_concurrency", &self.max_concurrency)
+            .field("max_ack_pending", &self.max_ack_pending)
+            .field("gap_timeout", &self.gap_timeout)
+            .field("unknown_events", &self.unknown_events)
+            .field("unreadable", &self.unreadable)
+            .field("retention", &self.retention)
+            .field("purge_interval", &self.purge_interval)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .finish()
+    }
 }
 
 impl InboxConfig {
@@ -182,16 +251,19 @@ impl InboxConfig {
             outbox: Outbox::new(),
             stream: DEFAULT_STREAM.to_owned(),
             filter_subject: "events.>".to_owned(),
-            max_deliver: 5,
-            ack_wait: Duration::from_secs(30),
+            max_attempts: 5,
+            ack_wait: Duration::from_secs(5),
             retry_delay: Duration::from_secs(1),
             max_retry_delay: Duration::from_secs(60),
             max_concurrency: 16,
             max_ack_pending: 1000,
+            gap_timeout: Duration::from_secs(300),
             unknown_events: UnknownEvents::Skip,
             unreadable: Unreadable::DeadLetter,
             retention: Duration::from_secs(7 * 24 * 3600),
             purge_interval: Duration::from_secs(60),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 
@@ -199,11 +271,17 @@ impl InboxConfig {
         validate_token(&self.consumer).map_err(|reason| {
             InboxError::Config(format!(
                 "consumer name {:?} is not a valid NATS name: {reason}",
-                self.consumer
+                crate::subject::shortened(&self.consumer, 64)
             ))
         })?;
+        if self.consumer.len() > 255 {
+            return Err(InboxError::Config(format!(
+                "consumer name is {} bytes long, over nats-server's limit of 255",
+                self.consumer.len()
+            )));
+        }
         for (name, value) in [
-            ("max_deliver", self.max_deliver as usize),
+            ("max_attempts", self.max_attempts as usize),
             ("max_concurrency", self.max_concurrency),
             ("max_ack_pending", self.max_ack_pending),
         ] {
@@ -211,16 +289,56 @@ impl InboxConfig {
                 return Err(InboxError::Config(format!("{name} must be at least 1")));
             }
         }
+        if i32::try_from(self.max_attempts).is_err() {
+            return Err(InboxError::Config(format!(
+                "max_attempts {} is larger than the attempts column holds",
+                self.max_attempts
+            )));
+        }
+        for (name, value, least) in [
+            ("ack_wait", self.ack_wait, Duration::from_millis(100)),
+            (
+                "connect_timeout",
+                self.connect_timeout,
+                Duration::from_millis(1),
+            ),
+            (
+                "statement_timeout",
+                self.statement_timeout,
+                Duration::from_millis(1),
+            ),
+        ] {
+            if value < least {
+                return Err(InboxError::Config(format!(
+                    "{name} must be at least {least:?}, not {value:?}"
+                )));
+            }
+        }
         Ok(())
     }
 
-    /// The nak delay after `deliveries` deliveries: `retry_delay * 2^(deliveries - 1)`,
+    /// The nak delay after `failures` handler failures: `retry_delay * 2^(failures - 1)`,
     /// capped at `max_retry_delay`.
-    fn nak_delay(&self, deliveries: u64) -> Duration {
-        let doublings = u32::try_from(deliveries.saturating_sub(1).min(20)).unwrap_or(20);
+    fn nak_delay(&self, failures: u64) -> Duration {
+        let doublings = u32::try_from(failures.saturating_sub(1).min(20)).unwrap_or(20);
         self.retry_delay
             .saturating_mul(2_u32.saturating_pow(doublings))
             .min(self.max_retry_delay)
+    }
+
+    /// The nak delay of a message that waits for its predecessor, at its `deliveries`th
+    /// delivery: 100 ms doubling to 1 s, so it comes back soon after the predecessor is
+    /// applied.
+    fn hold_delay(deliveries: u64) -> Duration {
+        let doublings = u32::try_from(deliveries.saturating_sub(1).min(4)).unwrap_or(4);
+        (Duration::from_millis(100) * 2_u32.pow(doublings)).min(Duration::from_secs(1))
+    }
+
+    fn limits(&self) -> database::Limits {
+        database::Limits {
+            connect_timeout: self.connect_timeout,
+            statement_timeout: self.statement_timeout,
+        }
     }
 }
 
@@ -240,12 +358,18 @@ pub enum InboxError {
         /// What went wrong.
         message: String,
     },
-    /// No connection to the database.
-    #[error("inbox database connection: {0}")]
+    /// No connection to the database (within `connect_timeout`).
+    #[error("inbox: {0}")]
     Connect(String),
+    /// The inbox tables are missing or behind this version of the toolkit.
+    #[error("inbox: {0}")]
+    MissingMigrations(#[from] MissingMigrations),
     /// A query failed.
     #[error("inbox database error: {0}")]
     Database(#[from] diesel::result::Error),
+    /// A query did not finish within `statement_timeout`.
+    #[error("inbox: {0}")]
+    TimedOut(#[from] TimedOut),
     /// An ack, nak or term did not reach JetStream.
     #[error("inbox could not settle a message: {0}")]
     Settle(String),
@@ -266,12 +390,20 @@ pub enum Outcome {
         /// Why.
         reason: String,
     },
-    /// The handler failed: nak, redelivered after `delay`.
+    /// The handler failed, or the database did: nak, redelivered after `delay`.
     Retry {
         /// The nak delay.
         delay: Duration,
-        /// The handler's error.
+        /// What failed.
         error: String,
+    },
+    /// An earlier event of its aggregate has not been applied yet: nak, redelivered after
+    /// `delay`, counting no failure.
+    Held {
+        /// The nak delay.
+        delay: Duration,
+        /// What it waits for.
+        reason: String,
     },
     /// Recorded in the dead-letter table: term, never redelivered.
     DeadLettered {
@@ -282,13 +414,14 @@ pub enum Outcome {
 
 impl Outcome {
     /// The outcome's name, as the `outcome` label of `outbox_inbox_messages_total`:
-    /// `handled`, `duplicate`, `skipped`, `retry` or `dead_lettered`.
+    /// `handled`, `duplicate`, `skipped`, `retry`, `held` or `dead_lettered`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Handled => "handled",
             Self::Duplicate => "duplicate",
             Self::Skipped { .. } => "skipped",
             Self::Retry { .. } => "retry",
+            Self::Held { .. } => "held",
             Self::DeadLettered { .. } => "dead_lettered",
         }
     }
@@ -301,7 +434,7 @@ impl Outcome {
     pub async fn settle(&self, message: &jetstream::Message) -> Result<(), InboxError> {
         let kind = match self {
             Self::Handled | Self::Duplicate | Self::Skipped { .. } => AckKind::Ack,
-            Self::Retry { delay, .. } => AckKind::Nak(Some(*delay)),
+            Self::Retry { delay, .. } | Self::Held { delay, .. } => AckKind::Nak(Some(*delay)),
             Self::DeadLettered { .. } => AckKind::Term,
         };
         message
@@ -311,10 +444,44 @@ impl Outcome {
     }
 }
 
-/// Why a transaction of the inbox did not commit.
+/// A processed delivery: its outcome, and whether to settle it (a test's crash point
+/// leaves a message unsettled, as a process that died there would).
+pub(crate) struct Processed {
+    pub outcome: Outcome,
+    pub settle: bool,
+}
+
+impl From<Outcome> for Processed {
+    fn from(outcome: Outcome) -> Self {
+        Self {
+            outcome,
+            settle: true,
+        }
+    }
+}
+
+/// What the transaction that applies a message does after recording it.
+enum Body<E> {
+    Handle(E),
+    Skip(String),
+    DeadLetter(String),
+}
+
+/// Why the transaction that applies a message did not commit.
 enum Failure {
+    /// The handler returned an error or panicked: counts toward `max_attempts`.
     Handler(String),
+    /// The database (or the outbox's checks of the handler's events) failed.
     Outbox(UnitOfWorkError),
+    /// The inbox's own query did not answer in time.
+    TimedOut(TimedOut),
+    /// An earlier event of the aggregate has not been applied.
+    Gap { last_seq: i64, stream_sequence: i64 },
+    /// A later event of the aggregate was applied already.
+    Late { last_seq: i64 },
+    /// A test's crash point.
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
+    Crash,
 }
 
 impl From<UnitOfWorkError> for Failure {
@@ -325,7 +492,16 @@ impl From<UnitOfWorkError> for Failure {
 
 impl From<diesel::result::Error> for Failure {
     fn from(error: diesel::result::Error) -> Self {
-        Self::Outbox(error.into())
+        Self::Outbox(UnitOfWorkError::from_database(error))
+    }
+}
+
+impl From<Bounded<diesel::result::Error>> for Failure {
+    fn from(error: Bounded<diesel::result::Error>) -> Self {
+        match error {
+            Bounded::Failed(error) => error.into(),
+            Bounded::TimedOut(timed_out) => Self::TimedOut(timed_out),
+        }
     }
 }
 
@@ -334,15 +510,50 @@ impl fmt::Display for Failure {
         match self {
             Self::Handler(error) => write!(f, "handler failed: {error}"),
             Self::Outbox(error) => write!(f, "{error}"),
+            Self::TimedOut(timed_out) => write!(f, "{timed_out}"),
+            Self::Gap { last_seq, .. } => {
+                write!(
+                    f,
+                    "an earlier event of its aggregate (after {last_seq}) is not applied"
+                )
+            }
+            Self::Late { last_seq } => write!(
+                f,
+                "it arrived after event {last_seq} of its aggregate was applied; applying it \
+                 now would break the aggregate's order"
+            ),
+            Self::Crash => f.write_str("simulated crash (a test's crash point)"),
+        }
+    }
+}
+
+impl Failure {
+    /// Whether the failure is the handler's (its error, its panic, its events that the
+    /// outbox refused, or its ending the transaction): those count toward `max_attempts`.
+    /// The database's failures and timeouts do not.
+    fn is_handlers(&self) -> bool {
+        match self {
+            Self::Handler(_) => true,
+            Self::Outbox(error) => !matches!(
+                error,
+                UnitOfWorkError::Database(_) | UnitOfWorkError::MissingMigrations(_)
+            ),
+            _ => false,
         }
     }
 }
 
 struct Shared<H> {
     config: InboxConfig,
+    /// The database URL without its password.
+    target: String,
     handler: H,
     pool: Pool<AsyncPgConnection>,
+    stream: jetstream::stream::Stream,
     consumer: jetstream::consumer::PullConsumer,
+    /// The consumer's ack floor (stream sequence) when last read, and when: every message
+    /// at or below it is settled, so a predecessor lookup starts above it.
+    ack_floor: Mutex<(u64, Option<Instant>)>,
 }
 
 /// An idempotent consumer: a handler behind the inbox. Create it with
@@ -361,12 +572,15 @@ impl<H: Handler> Clone for Inbox<H> {
 
 impl<H: Handler> Inbox<H> {
     /// Checks the configuration, gets or creates the durable pull consumer (explicit acks,
-    /// `ack_wait`, `max_ack_pending`, `filter_subject`; an existing consumer keeps its
-    /// settings, and only its filter is checked), and opens the database pool.
+    /// `ack_wait`, `max_ack_pending`, `filter_subject`, unlimited deliveries: the inbox
+    /// counts handler failures itself; an existing consumer's filter is checked, and its
+    /// other settings are updated to these), opens the database pool and checks that the
+    /// inbox tables are migrated.
     ///
     /// # Errors
     /// [`InboxError::Config`], [`InboxError::Consumer`] (the stream is missing, or an
-    /// existing consumer of that name filters another subject) or [`InboxError::Connect`].
+    /// existing consumer of that name filters another subject), [`InboxError::Connect`],
+    /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,
         nats: async_nats::Client,
@@ -382,18 +596,17 @@ impl<H: Handler> Inbox<H> {
             .get_stream(&config.stream)
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
+        let wanted = pull::Config {
+            durable_name: Some(config.consumer.clone()),
+            filter_subject: config.filter_subject.clone(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: config.ack_wait,
+            max_deliver: -1,
+            max_ack_pending: i64::try_from(config.max_ack_pending).unwrap_or(i64::MAX),
+            ..Default::default()
+        };
         let mut consumer: jetstream::consumer::PullConsumer = stream
-            .get_or_create_consumer(
-                &config.consumer,
-                pull::Config {
-                    durable_name: Some(config.consumer.clone()),
-                    filter_subject: config.filter_subject.clone(),
-                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                    ack_wait: config.ack_wait,
-                    max_ack_pending: i64::try_from(config.max_ack_pending).unwrap_or(i64::MAX),
-                    ..Default::default()
-                },
-            )
+            .get_or_create_consumer(&config.consumer, wanted.clone())
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
         let existing = consumer
@@ -401,25 +614,41 @@ impl<H: Handler> Inbox<H> {
             .await
             .map_err(|e| consumer_error(e.to_string()))?
             .config
-            .filter_subject
             .clone();
-        if existing != config.filter_subject {
+        if existing.filter_subject != config.filter_subject {
             return Err(consumer_error(format!(
-                "the consumer exists with filter subject {existing:?}, not {:?}; delete it or \
+                "the consumer exists with filter subject {:?}, not {:?}; delete it or \
                  choose another consumer name",
-                config.filter_subject
+                existing.filter_subject, config.filter_subject
             )));
         }
+        let outdated = existing.ack_wait != wanted.ack_wait
+            || existing.max_deliver != wanted.max_deliver
+            || existing.max_ack_pending != wanted.max_ack_pending;
+        if outdated {
+            let mut updated = existing.clone();
+            updated.ack_wait = wanted.ack_wait;
+            updated.max_deliver = wanted.max_deliver;
+            updated.max_ack_pending = wanted.max_ack_pending;
+            consumer = stream
+                .update_consumer(pull::Config {
+                    durable_name: updated.durable_name.clone(),
+                    ..updated_pull_config(&updated)
+                })
+                .await
+                .map_err(|e| consumer_error(format!("updating its settings: {e}")))?;
+        }
+        let ack_floor = consumer.cached_info().ack_floor.stream_sequence;
 
+        let target = database::redacted(&config.database_url);
+        let limits = config.limits();
         let mut manager = ManagerConfig::default();
-        manager.custom_setup = Box::new(|url| {
+        manager.custom_setup = Box::new(move |url| {
             let url = url.to_owned();
             Box::pin(async move {
-                let mut conn = AsyncPgConnection::establish(&url).await?;
-                conn.batch_execute("SET application_name TO 'outbox-inbox'")
+                database::connect(&url, "outbox-inbox", limits)
                     .await
-                    .map_err(|e| diesel::ConnectionError::BadConnection(e.to_string()))?;
-                Ok(conn)
+                    .map_err(|e| diesel::ConnectionError::BadConnection(e.to_string()))
             })
         });
         let pool = Pool::builder(AsyncDieselConnectionManager::new_with_config(
@@ -429,18 +658,34 @@ impl<H: Handler> Inbox<H> {
         .max_size(config.max_concurrency)
         .build()
         .map_err(|e| InboxError::Connect(e.to_string()))?;
-        drop(
-            pool.get()
-                .await
-                .map_err(|e| InboxError::Connect(e.to_string()))?,
-        );
+        let mut conn = pool
+            .get()
+            .await
+            .map_err(|e| InboxError::Connect(e.to_string()))?;
+        match database::bounded(
+            config.statement_timeout,
+            &target,
+            "the migrations check",
+            require_migrations(&mut conn),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(missing)) => return Err(missing.into()),
+            Err(Bounded::Failed(error)) => return Err(error.into()),
+            Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
+        drop(conn);
 
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
+                target,
                 handler,
                 pool,
+                stream,
                 consumer,
+                ack_floor: Mutex::new((ack_floor, Some(Instant::now()))),
             }),
         })
     }
@@ -458,9 +703,9 @@ impl<H: Handler> Inbox<H> {
         InboxHandle { shutdown, task }
     }
 
-    /// Consumes until `shutdown` completes, then stops pulling, lets the messages in
-    /// progress finish and settle, and returns. Messages received and not yet started stay
-    /// unacked and are redelivered to the next instance.
+    /// Consumes until `shutdown` completes, then stops pulling, naks the messages it holds
+    /// and has not started (JetStream redelivers them at once, to another instance or the
+    /// next one), lets the messages in progress finish and settle, and returns.
     ///
     /// # Errors
     /// [`InboxError::Task`] when a task of the inbox panicked. Failures of the broker or
@@ -474,16 +719,28 @@ impl<H: Handler> Inbox<H> {
     ///
     /// # Errors
     /// None for a failure of the handler or the database: those are [`Outcome::Retry`] (or
-    /// [`Outcome::DeadLettered`] at the last delivery).
+    /// [`Outcome::DeadLettered`] at the last attempt).
     pub async fn process(&self, message: &jetstream::Message) -> Result<Outcome, InboxError> {
+        Ok(self.process_held(message, Duration::ZERO).await.outcome)
+    }
+
+    /// [`process`](Self::process), for a message that has waited `held_for` for its
+    /// predecessor so far.
+    pub(crate) async fn process_held(
+        &self,
+        message: &jetstream::Message,
+        held_for: Duration,
+    ) -> Processed {
         let config = &self.shared.config;
         let metadata = match Metadata::read(message) {
             Ok(metadata) => metadata,
             Err(unreadable) => {
                 let error = unreadable.to_string();
-                return Ok(self
-                    .by_policy(message, None, config.unreadable == Unreadable::Skip, error)
-                    .await);
+                if config.unreadable == Unreadable::Skip {
+                    tracing::warn!(subject = %message.subject, %error, "skipping an unreadable message");
+                    return Outcome::Skipped { reason: error }.into();
+                }
+                return self.dead_letter_unread(message, error).await.into();
             }
         };
         let span = tracing::debug_span!(
@@ -493,67 +750,226 @@ impl<H: Handler> Inbox<H> {
             event_type = %metadata.event_type,
             deliveries = metadata.deliveries,
         );
-        Ok(self.process_read(message, metadata).instrument(span).await)
+        self.process_read(message, &metadata, held_for)
+            .instrument(span)
+            .await
     }
 
-    /// [`process`](Self::process), once the metadata is read.
-    async fn process_read(&self, message: &jetstream::Message, metadata: Metadata) -> Outcome {
+    /// What the transaction does with the message: decoded again for each attempt (a
+    /// transaction that found a gap rolled back before the handler took the event).
+    fn body(&self, message: &jetstream::Message, metadata: &Metadata) -> Body<H::Event> {
         let config = &self.shared.config;
-        if metadata.deliveries > u64::from(config.max_deliver) {
-            // Failed every time, or the consumer died handling it: give up before the
-            // handler runs once more.
-            let error = format!(
-                "delivered {} times without being handled (max_deliver {})",
-                metadata.deliveries, config.max_deliver
-            );
-            return self.dead_letter_or_retry(message, &metadata, error).await;
-        }
-        let event = match H::Event::from_payload(
+        match H::Event::from_payload(
             &metadata.event_type,
             metadata.event_version,
             &message.payload,
         ) {
-            Ok(event) => event,
+            Ok(event) => Body::Handle(event),
             Err(error @ PayloadError::UnknownEventType { .. }) => {
-                let skip = config.unknown_events == UnknownEvents::Skip;
-                return self
-                    .by_policy(message, Some(&metadata), skip, error.to_string())
-                    .await;
+                if config.unknown_events == UnknownEvents::Skip {
+                    Body::Skip(error.to_string())
+                } else {
+                    Body::DeadLetter(error.to_string())
+                }
             }
             Err(error @ PayloadError::Json { .. }) => {
-                let skip = config.unreadable == Unreadable::Skip;
-                return self
-                    .by_policy(message, Some(&metadata), skip, error.to_string())
-                    .await;
-            }
-        };
-
-        match self.handle(event, &metadata).await {
-            Ok(outcome) => outcome,
-            Err(failure) if metadata.deliveries >= u64::from(config.max_deliver) => {
-                self.dead_letter_or_retry(message, &metadata, failure.to_string())
-                    .await
-            }
-            Err(failure) => {
-                let delay = config.nak_delay(metadata.deliveries);
-                tracing::warn!(error = %failure, ?delay, "handling failed; the message will be redelivered");
-                Outcome::Retry {
-                    delay,
-                    error: failure.to_string(),
+                if config.unreadable == Unreadable::Skip {
+                    Body::Skip(error.to_string())
+                } else {
+                    Body::DeadLetter(error.to_string())
                 }
             }
         }
     }
 
-    /// The transaction: record the message, handle it, commit. A recorded message is a
-    /// duplicate and the handler is not called.
-    async fn handle(&self, event: H::Event, metadata: &Metadata) -> Result<Outcome, Failure> {
-        let shared = &*self.shared;
-        let mut conn = shared
+    /// [`process`](Self::process), once the metadata is read.
+    async fn process_read(
+        &self,
+        message: &jetstream::Message,
+        metadata: &Metadata,
+        held_for: Duration,
+    ) -> Processed {
+        let config = &self.shared.config;
+        let mut result = self
+            .apply(message, metadata, self.body(message, metadata), None)
+            .await;
+        if let Err(Failure::Gap {
+            last_seq,
+            stream_sequence,
+        }) = result
+        {
+            let gap = match self
+                .look_for_predecessor(metadata, last_seq, stream_sequence)
+                .await
+            {
+                Ok(gap) => gap,
+                Err(predecessor) if held_for < config.gap_timeout => {
+                    let delay = InboxConfig::hold_delay(metadata.deliveries);
+                    tracing::debug!(%predecessor, ?delay, "waiting for an earlier event of the aggregate");
+                    return Outcome::Held {
+                        delay,
+                        reason: predecessor,
+                    }
+                    .into();
+                }
+                Err(predecessor) => Gap {
+                    last_seq,
+                    reason: format!(
+                        "{predecessor}, and it did not settle within gap_timeout ({:?})",
+                        config.gap_timeout
+                    ),
+                    record: true,
+                },
+            };
+            if gap.record {
+                tracing::warn!(
+                    aggregate_type = ?metadata.aggregate_type, aggregate_id = ?metadata.aggregate_id,
+                    after = gap.last_seq, next = ?metadata.sequence, reason = %gap.reason,
+                    "applying an event over a gap in its aggregate's sequence"
+                );
+                metrics::counter!("outbox_inbox_gaps_total", "consumer" => config.consumer.clone())
+                    .increment(1);
+            }
+            result = self
+                .apply(message, metadata, self.body(message, metadata), Some(&gap))
+                .await;
+        }
+        let failure = match result {
+            Ok(outcome) => return outcome.into(),
+            Err(failure) => failure,
+        };
+        match failure {
+            Failure::Crash => Processed {
+                outcome: Outcome::Retry {
+                    delay: Duration::ZERO,
+                    error: failure.to_string(),
+                },
+                settle: false,
+            },
+            Failure::Late { .. } => self
+                .dead_letter_unordered(message, Some(metadata), failure.to_string())
+                .await
+                .into(),
+            Failure::Gap { .. } => Outcome::Held {
+                delay: InboxConfig::hold_delay(metadata.deliveries),
+                reason: failure.to_string(),
+            }
+            .into(),
+            failure if failure.is_handlers() => self
+                .handler_failed(message, metadata, failure.to_string())
+                .await
+                .into(),
+            failure => {
+                let delay = config.retry_delay;
+                tracing::warn!(error = %failure, ?delay, "the inbox's database failed; the message will be redelivered");
+                Outcome::Retry {
+                    delay,
+                    error: failure.to_string(),
+                }
+                .into()
+            }
+        }
+    }
+
+    /// Counts a handler failure; dead-letters the message at `max_attempts`, else retries it.
+    async fn handler_failed(
+        &self,
+        message: &jetstream::Message,
+        metadata: &Metadata,
+        error: String,
+    ) -> Outcome {
+        let config = &self.shared.config;
+        let key = self.key(metadata);
+        let counted = async {
+            let mut conn = self.connection().await?;
+            database::bounded(
+                config.statement_timeout,
+                &self.shared.target,
+                "counting a handler failure",
+                queries::count_failure(&mut conn, key, &error),
+            )
+            .await
+            .map_err(Failure::from)
+        };
+        let failures = match counted.await {
+            Ok(failures) => failures,
+            Err(count_error) => {
+                tracing::warn!(%error, %count_error, "a handler failed, and counting it failed too; retrying");
+                return Outcome::Retry {
+                    delay: config.retry_delay,
+                    error,
+                };
+            }
+        };
+        if failures < config.max_attempts {
+            let delay = config.nak_delay(u64::from(failures));
+            tracing::warn!(%error, failures, ?delay, "handling failed; the message will be redelivered");
+            return Outcome::Retry { delay, error };
+        }
+        let error = format!(
+            "{error} (failed {failures} times; max_attempts {})",
+            config.max_attempts
+        );
+        match self
+            .apply(message, metadata, Body::DeadLetter(error.clone()), None)
+            .await
+        {
+            Ok(outcome) => outcome,
+            Err(failure @ Failure::Late { .. }) => {
+                self.dead_letter_unordered(message, Some(metadata), failure.to_string())
+                    .await
+            }
+            Err(failure) => {
+                tracing::warn!(%failure, "cannot record a dead letter; retrying the message");
+                Outcome::Retry {
+                    delay: config.retry_delay,
+                    error: format!("{error}; and recording it as a dead letter failed: {failure}"),
+                }
+            }
+        }
+    }
+
+    fn key<'m>(&'m self, metadata: &'m Metadata) -> MessageKey<'m> {
+        MessageKey {
+            consumer: &self.shared.config.consumer,
+            source: metadata.source.as_deref().unwrap_or_default(),
+            message_id: &metadata.id,
+        }
+    }
+
+    fn place<'m>(metadata: &'m Metadata) -> Option<Place<'m>> {
+        let (aggregate_type, aggregate_id, seq) = metadata.place()?;
+        Some(Place {
+            aggregate_type,
+            aggregate_id,
+            seq,
+            stream_sequence: i64::try_from(metadata.stream_sequence).unwrap_or(i64::MAX),
+        })
+    }
+
+    async fn connection(&self) -> Result<Object<AsyncPgConnection>, Failure> {
+        self.shared
             .pool
             .get()
             .await
-            .map_err(|e| Failure::Outbox(UnitOfWorkError::Database(pool_error(e))))?;
+            .map_err(|e| Failure::Outbox(UnitOfWorkError::Database(pool_error(e))))
+    }
+
+    /// The transaction that applies a message: record it (and move its aggregate's
+    /// position, or find that it is not the next one), then handle, skip or dead-letter it,
+    /// and commit. `gap`: the caller found that the events before it will not come.
+    async fn apply(
+        &self,
+        message: &jetstream::Message,
+        metadata: &Metadata,
+        body: Body<H::Event>,
+        gap: Option<&Gap>,
+    ) -> Result<Outcome, Failure> {
+        let shared = &*self.shared;
+        let (limit, target) = (shared.config.statement_timeout, shared.target.as_str());
+        let key = self.key(metadata);
+        let place = Self::place(metadata);
+        let mut conn = self.connection().await?;
         let causality = Causality::caused_by(
             &metadata.id,
             metadata.correlation_id.as_deref(),
@@ -563,87 +979,247 @@ impl<H: Handler> Inbox<H> {
             .config
             .outbox
             .transaction_with(&mut conn, causality, async |uow| {
-                if !queries::record_handled(uow.conn(), &shared.config.consumer, &metadata.id)
-                    .await?
-                {
-                    return Ok(Outcome::Duplicate);
+                let recorded = database::bounded(
+                    limit,
+                    target,
+                    "recording a message in the inbox",
+                    queries::record(uow.conn(), key, place, gap.is_some()),
+                )
+                .await?;
+                match recorded {
+                    Recorded::Duplicate => return Ok(Outcome::Duplicate),
+                    Recorded::Gap {
+                        last_seq,
+                        stream_sequence,
+                    } => {
+                        return Err(Failure::Gap {
+                            last_seq,
+                            stream_sequence,
+                        });
+                    }
+                    Recorded::Late { last_seq } => return Err(Failure::Late { last_seq }),
+                    Recorded::Next => {}
                 }
-                shared
-                    .handler
-                    .handle(event, metadata, uow)
-                    .await
-                    .map_err(|e| Failure::Handler(e.to_string()))?;
-                Ok(Outcome::Handled)
+                if let (Some(gap), Some(place)) = (gap.filter(|gap| gap.record), place) {
+                    database::bounded(
+                        limit,
+                        target,
+                        "recording a gap",
+                        queries::insert_gap(uow.conn(), key, place, gap.last_seq, &gap.reason),
+                    )
+                    .await?;
+                }
+                match body {
+                    Body::Handle(event) => {
+                        let handled = AssertUnwindSafe(shared.handler.handle(event, metadata, uow))
+                            .catch_unwind()
+                            .await;
+                        match handled {
+                            Ok(Ok(())) => {}
+                            Ok(Err(error)) => return Err(Failure::Handler(error.to_string())),
+                            Err(panic) => {
+                                return Err(Failure::Handler(format!(
+                                    "the handler panicked: {}",
+                                    panic_message(&panic)
+                                )));
+                            }
+                        }
+                        crash_point!("inbox::before_commit", |_| Err(Failure::Crash));
+                        // The outbox's flush checks the transaction too; without events, or
+                        // with failed attempts to forget, this statement does.
+                        let retried = metadata.deliveries > 1;
+                        if uow.event_count() == 0 || retried {
+                            database::bounded(
+                                limit,
+                                target,
+                                "finishing a handled message",
+                                queries::finish(uow.conn(), key, retried),
+                            )
+                            .await?;
+                        }
+                        Ok(Outcome::Handled)
+                    }
+                    Body::Skip(reason) => {
+                        tracing::warn!(%reason, "skipping a message by policy");
+                        Ok(Outcome::Skipped { reason })
+                    }
+                    Body::DeadLetter(error) => {
+                        let headers = message::headers_json(message);
+                        let subject = message::storable_text(&message.subject);
+                        let letter = queries::DeadLetter {
+                            key,
+                            subject: &subject,
+                            headers: &headers,
+                            payload: &message.payload,
+                            error: &message::storable_text(&error),
+                            deliveries: i64::try_from(metadata.deliveries).unwrap_or(i64::MAX),
+                            stream_sequence: i64::try_from(metadata.stream_sequence)
+                                .unwrap_or(i64::MAX),
+                        };
+                        database::bounded(
+                            limit,
+                            target,
+                            "recording a dead letter",
+                            queries::insert_dead_letter(uow.conn(), &letter),
+                        )
+                        .await?;
+                        tracing::error!(message_id = %metadata.id, %error, "dead-lettered a message");
+                        Ok(Outcome::DeadLettered { error })
+                    }
+                }
             })
             .await
     }
 
-    /// Skips, or dead-letters, a message the handler cannot take.
-    async fn by_policy(
+    /// Looks in the stream for the unapplied predecessor of an event whose aggregate's last
+    /// applied event is `last_seq` (at `stream_sequence`). `Ok`: there is none, apply over the
+    /// gap; `Err`: what it waits for.
+    async fn look_for_predecessor(
+        &self,
+        metadata: &Metadata,
+        last_seq: i64,
+        stream_sequence: i64,
+    ) -> Result<Gap, String> {
+        let shared = &*self.shared;
+        let config = &shared.config;
+        let ack_floor = self.ack_floor().await;
+        let mut from = u64::try_from(stream_sequence).unwrap_or(0);
+        loop {
+            let found = order::predecessor(
+                &shared.stream,
+                &config.filter_subject,
+                metadata,
+                last_seq,
+                from,
+                ack_floor,
+                config.statement_timeout,
+            )
+            .await;
+            match found {
+                Predecessor::Missing { filtered } => {
+                    return Ok(Gap {
+                        last_seq,
+                        reason: format!(
+                            "events {} to {} of the aggregate are not in the stream",
+                            last_seq + 1,
+                            metadata.sequence.unwrap_or_default() - 1
+                        ),
+                        record: !filtered,
+                    });
+                }
+                Predecessor::Unknown(error) => {
+                    return Err(format!("the stream cannot tell: {error}"));
+                }
+                Predecessor::Pending {
+                    seq,
+                    stream_sequence,
+                    id,
+                } => {
+                    let mut conn = self.connection().await.map_err(|e| e.to_string())?;
+                    let settled = database::bounded(
+                        config.statement_timeout,
+                        &shared.target,
+                        "checking a predecessor",
+                        queries::settled(
+                            &mut conn,
+                            &config.consumer,
+                            metadata.source.as_deref().unwrap_or_default(),
+                            id.as_deref(),
+                            stream_sequence,
+                        ),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    if !settled {
+                        return Err(format!(
+                            "event {seq} of the aggregate (stream sequence {stream_sequence}) is \
+                             not applied yet"
+                        ));
+                    }
+                    from = stream_sequence;
+                }
+            }
+        }
+    }
+
+    /// The consumer's ack floor, read again when the last reading is over a second old.
+    async fn ack_floor(&self) -> u64 {
+        let (floor, read_at) = *self
+            .shared
+            .ack_floor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if read_at.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
+            return floor;
+        }
+        let mut consumer = self.shared.consumer.clone();
+        let read =
+            tokio::time::timeout(self.shared.config.statement_timeout, consumer.info()).await;
+        match read {
+            Ok(Ok(info)) => {
+                let floor = info.ack_floor.stream_sequence;
+                *self
+                    .shared
+                    .ack_floor
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    (floor, Some(Instant::now()));
+                floor
+            }
+            _ => floor,
+        }
+    }
+
+    /// Dead-letters a message outside its aggregate's order: one that arrived late, or whose
+    /// metadata could not be read (keyed by its stream sequence).
+    async fn dead_letter_unordered(
         &self,
         message: &jetstream::Message,
         metadata: Option<&Metadata>,
-        skip: bool,
-        reason: String,
-    ) -> Outcome {
-        if skip {
-            tracing::warn!(subject = %message.subject, %reason, "skipping a message by policy");
-            return Outcome::Skipped { reason };
-        }
-        match metadata {
-            Some(metadata) => self.dead_letter_or_retry(message, metadata, reason).await,
-            None => self.dead_letter_unread(message, reason).await,
-        }
-    }
-
-    async fn dead_letter_or_retry(
-        &self,
-        message: &jetstream::Message,
-        metadata: &Metadata,
         error: String,
     ) -> Outcome {
-        let letter = queries::DeadLetter {
-            consumer: &self.shared.config.consumer,
-            message_id: &metadata.id,
-            subject: &metadata.subject,
-            headers: &message::headers_json(message),
-            payload: &message.payload,
-            error: &error,
-            deliveries: i64::try_from(metadata.deliveries).unwrap_or(i64::MAX),
-            stream_sequence: i64::try_from(metadata.stream_sequence).unwrap_or(i64::MAX),
-        };
-        self.record(letter, error.clone()).await
-    }
-
-    /// Dead-letters a message whose metadata could not be read: keyed by its stream
-    /// sequence.
-    async fn dead_letter_unread(&self, message: &jetstream::Message, error: String) -> Outcome {
         let info = message.info().ok();
         let stream_sequence = info.as_ref().map_or(0, |info| info.stream_sequence);
-        let id = format!("stream-sequence-{stream_sequence}");
+        let unread_id = queries::unread_id(stream_sequence);
+        let key = match metadata {
+            Some(metadata) => self.key(metadata),
+            None => MessageKey {
+                consumer: &self.shared.config.consumer,
+                source: "",
+                message_id: &unread_id,
+            },
+        };
+        let headers = message::headers_json(message);
+        let subject = message::storable_text(&message.subject);
+        let stored_error = message::storable_text(&error);
         let letter = queries::DeadLetter {
-            consumer: &self.shared.config.consumer,
-            message_id: &id,
-            subject: &message.subject,
-            headers: &message::headers_json(message),
+            key,
+            subject: &subject,
+            headers: &headers,
             payload: &message.payload,
-            error: &error,
+            error: &stored_error,
             deliveries: info.as_ref().map_or(1, |info| info.delivered),
             stream_sequence: i64::try_from(stream_sequence).unwrap_or(i64::MAX),
         };
-        self.record(letter, error.clone()).await
-    }
-
-    /// Writes a dead letter; when the database cannot take it, the message is retried
-    /// instead of lost.
-    async fn record(&self, letter: queries::DeadLetter<'_>, error: String) -> Outcome {
+        let (limit, target) = (
+            self.shared.config.statement_timeout,
+            self.shared.target.as_str(),
+        );
         let written = async {
-            let mut conn = self.shared.pool.get().await.map_err(pool_error)?;
-            queries::record_dead_letter(&mut conn, &letter).await
+            let mut conn = self.connection().await?;
+            database::bounded(limit, target, "recording a dead letter", async {
+                conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+                    queries::record(conn, key, None, false).await?;
+                    queries::insert_dead_letter(conn, &letter).await
+                })
+                .await
+            })
+            .await
+            .map_err(Failure::from)
         };
         match written.await {
             Ok(()) => {
-                tracing::error!(message_id = letter.message_id, %error, "dead-lettered a message");
+                tracing::error!(message_id = key.message_id, %error, "dead-lettered a message");
                 Outcome::DeadLettered { error }
             }
             Err(db_error) => {
@@ -654,6 +1230,60 @@ impl<H: Handler> Inbox<H> {
                 }
             }
         }
+    }
+
+    /// Dead-letters a message whose metadata could not be read.
+    async fn dead_letter_unread(&self, message: &jetstream::Message, error: String) -> Outcome {
+        self.dead_letter_unordered(message, None, error).await
+    }
+}
+
+/// A gap the inbox applies an event over.
+pub(crate) struct Gap {
+    /// The aggregate's last applied sequence.
+    last_seq: i64,
+    /// Why the events in between will not be applied.
+    reason: String,
+    /// Whether to record it: not when the consumer's filter leaves those events out.
+    record: bool,
+}
+
+/// A consumer's settings on the server, as a pull consumer's configuration for an update.
+fn updated_pull_config(info: &jetstream::consumer::Config) -> pull::Config {
+    pull::Config {
+        durable_name: info.durable_name.clone(),
+        name: info.name.clone(),
+        description: info.description.clone(),
+        deliver_policy: info.deliver_policy,
+        ack_policy: info.ack_policy,
+        ack_wait: info.ack_wait,
+        max_deliver: info.max_deliver,
+        filter_subject: info.filter_subject.clone(),
+        replay_policy: info.replay_policy,
+        rate_limit: info.rate_limit,
+        sample_frequency: info.sample_frequency,
+        max_waiting: info.max_waiting,
+        max_ack_pending: info.max_ack_pending,
+        headers_only: info.headers_only,
+        max_batch: info.max_batch,
+        max_bytes: info.max_bytes,
+        max_expires: info.max_expires,
+        inactive_threshold: info.inactive_threshold,
+        num_replicas: info.num_replicas,
+        memory_storage: info.memory_storage,
+        backoff: info.backoff.clone(),
+        ..Default::default()
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(text) = panic.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = panic.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }
 
@@ -682,8 +1312,8 @@ impl InboxHandle {
 }
 
 /// Deletes up to `limit` of `consumer`'s inbox rows handled more than `older_than` ago,
-/// oldest first, and returns how many. A running [`Inbox`] does this every
-/// `purge_interval` with its `retention`.
+/// oldest first, and failed attempts as old; returns how many inbox rows. A running
+/// [`Inbox`] does this every `purge_interval` with its `retention`.
 ///
 /// # Errors
 /// The database's error.
@@ -700,6 +1330,22 @@ pub async fn purge(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holds_come_back_soon() {
+        let delays: Vec<u128> = (1..=7)
+            .map(|d| InboxConfig::hold_delay(d).as_millis())
+            .collect();
+        assert_eq!(delays, [100, 200, 400, 800, 1000, 1000, 1000]);
+    }
+
+    #[test]
+    fn the_debug_form_hides_the_database_password() {
+        let config = InboxConfig::new("c", "postgres://inbox:s3cret@db/orders");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("postgres://inbox@db/orders"), "{shown}");
+    }
 
     #[test]
     fn nak_delays_double_from_the_first_and_are_capped() {

@@ -45,13 +45,31 @@
 //! - [`dead_letter`]: rows the broker kept rejecting, and what an operator does with them;
 //! - [`publisher`]: the JetStream side, with the wire contract of every message;
 //! - [`inbox`]: idempotent consumers, with exactly-once effects;
-//! - [`subject`]: the NATS subject rules every name obeys.
+//! - [`subject`]: the NATS subject rules every name obeys;
+//! - [`database`] and [`nats`]: the toolkit's connections, bounded by timeouts and shown
+//!   without their secrets.
+
+/// A crash point: with the `failpoints` feature, a test can make the code return `$e` here,
+/// as if the process died at this point (the `fail` crate's `return` action); without the
+/// feature it compiles to nothing.
+#[cfg(feature = "failpoints")]
+macro_rules! crash_point {
+    ($name:literal, $e:expr) => {
+        fail::fail_point!($name, $e)
+    };
+}
+#[cfg(not(feature = "failpoints"))]
+macro_rules! crash_point {
+    ($name:literal, $e:expr) => {};
+}
 
 pub mod aggregate;
 pub mod causality;
+pub mod database;
 pub mod dead_letter;
 pub mod event;
 pub mod inbox;
+pub mod nats;
 pub mod outbox;
 pub mod publisher;
 pub mod relay;
@@ -60,12 +78,16 @@ pub mod unit_of_work;
 
 pub use aggregate::{Aggregate, PendingEvents};
 pub use causality::{InvalidTraceparent, Traceparent};
+pub use database::{ConnectError, TimedOut};
 pub use event::{DomainEvent, EventType, PayloadError};
 pub use inbox::{
     Handler, Inbox, InboxConfig, InboxError, InboxHandle, Metadata, Outcome, UnknownEvents,
     Unreadable,
 };
-pub use outbox::{MIGRATIONS, MigrationError, Outbox, OutboxStats, PublishedRows, run_migrations};
+pub use outbox::{
+    MIGRATIONS, MigrationError, MissingMigrations, Outbox, OutboxStats, PublishedRows,
+    pending_migrations, run_migrations,
+};
 pub use outbox_derive::{DomainEvent, aggregate};
 pub use publisher::{StreamError, StreamSettings};
 pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};

@@ -29,6 +29,7 @@ use diesel_async::AsyncPgConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
+use crate::database::{self, ConnectError, DEFAULT_CONNECT_TIMEOUT};
 use crate::subject::{InvalidSubjectPrefix, validate_prefix};
 
 pub use queries::PublishedRows;
@@ -85,9 +86,9 @@ impl Default for Outbox {
 /// Migrations could not be applied.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationError {
-    /// No connection to the database.
-    #[error("cannot connect to the database to run the outbox migrations: {0}")]
-    Connect(#[from] diesel::ConnectionError),
+    /// No connection to the database (within [`DEFAULT_CONNECT_TIMEOUT`]).
+    #[error("cannot run the outbox migrations: {0}")]
+    Connect(#[from] ConnectError),
     /// The advisory lock that serialises concurrent migration runs could not be taken.
     #[error("cannot take the outbox migration lock: {0}")]
     Lock(#[from] diesel::result::Error),
@@ -102,6 +103,9 @@ pub enum MigrationError {
 /// Applies the pending outbox [`MIGRATIONS`] to the database at `database_url` and returns
 /// the versions it applied (empty when the schema is current).
 ///
+/// The connection is opened within [`DEFAULT_CONNECT_TIMEOUT`]; the migrations themselves
+/// are not bounded (a migration of a large table may take long).
+///
 /// Safe to call from every instance at start-up: a PostgreSQL advisory lock serialises
 /// concurrent runs. The migrations are recorded in diesel's `__diesel_schema_migrations`
 /// table, beside any migrations of your own. Runs on a blocking thread, so it works on both
@@ -111,9 +115,13 @@ pub enum MigrationError {
 /// [`MigrationError`] naming the step that failed.
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
     use diesel::connection::SimpleConnection as _;
-    use diesel_async::AsyncConnection as _;
 
-    let connection = AsyncPgConnection::establish(database_url).await?;
+    let limits = database::Limits {
+        connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+        // A migration may rewrite a large table: no server-side statement timeout.
+        statement_timeout: Duration::ZERO,
+    };
+    let connection = database::connect(database_url, "outbox-migrations", limits).await?;
     tokio::task::spawn_blocking(move || {
         let mut connection = AsyncConnectionWrapper::<AsyncPgConnection>::from(connection);
         // Session-level lock: held across the migrations' own transactions, released when
@@ -131,6 +139,80 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
     .await?
 }
 
+/// The versions of [`MIGRATIONS`] that the database at the other end of `conn` has not applied,
+/// oldest first: empty when the outbox schema is current. The relay and the inbox check this
+/// when they connect, and refuse to start on a database that needs [`run_migrations`].
+///
+/// # Errors
+/// The database's error.
+pub async fn pending_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
+    use diesel::migration::MigrationSource;
+    use diesel::sql_types::{Array, Bool, Text};
+
+    #[derive(QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = Bool)]
+        exists: bool,
+    }
+    #[derive(QueryableByName)]
+    struct Version {
+        #[diesel(sql_type = Text)]
+        version: String,
+    }
+    let embedded: Vec<String> = MigrationSource::<diesel::pg::Pg>::migrations(&MIGRATIONS)
+        .map_err(diesel::result::Error::QueryBuilderError)?
+        .iter()
+        .map(|migration| migration.name().version().to_string())
+        .collect();
+    let table: Exists =
+        diesel::sql_query("SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS exists")
+            .get_result(conn)
+            .await?;
+    if !table.exists {
+        return Ok(embedded);
+    }
+    let pending: Vec<Version> = diesel::sql_query(
+        "SELECT v AS version FROM unnest($1::text[]) WITH ORDINALITY AS e(v, n) \
+         WHERE v NOT IN (SELECT version FROM __diesel_schema_migrations) ORDER BY n",
+    )
+    .bind::<Array<Text>, _>(&embedded)
+    .load(conn)
+    .await?;
+    Ok(pending.into_iter().map(|v| v.version).collect())
+}
+
+/// The outbox schema is behind this version of the toolkit.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the outbox tables are not migrated: {} not applied; run the outbox migrations first \
+     (outbox_runtime::run_migrations(database_url), or outbox_runtime::MIGRATIONS with your \
+     own diesel migration harness)",
+    describe_pending(.pending)
+)]
+pub struct MissingMigrations {
+    /// The versions not applied, oldest first.
+    pub pending: Vec<String>,
+}
+
+fn describe_pending(pending: &[String]) -> String {
+    match pending {
+        [one] => format!("migration {one} is"),
+        many => format!("migrations {} are", many.join(", ")),
+    }
+}
+
+/// Fails with [`MissingMigrations`] when the database lacks some of [`MIGRATIONS`].
+pub(crate) async fn require_migrations(
+    conn: &mut AsyncPgConnection,
+) -> Result<Result<(), MissingMigrations>, diesel::result::Error> {
+    let pending = pending_migrations(conn).await?;
+    Ok(if pending.is_empty() {
+        Ok(())
+    } else {
+        Err(MissingMigrations { pending })
+    })
+}
+
 /// The state of the outbox, for health checks and dashboards.
 #[derive(Clone, Debug, PartialEq, QueryableByName)]
 pub struct OutboxStats {
@@ -140,6 +222,11 @@ pub struct OutboxStats {
     /// Dead letters that still block their aggregate.
     #[diesel(sql_type = Int8)]
     pub dead_letters: i64,
+    /// Dead letters skipped (by [`DeadLetterPolicy::Skip`](crate::DeadLetterPolicy::Skip) or
+    /// by an operator) and never published: [`crate::dead_letter::retry`] can still publish
+    /// them.
+    #[diesel(sql_type = Int8)]
+    pub skipped_dead_letters: i64,
     /// When the oldest waiting row's event occurred: `now - oldest_queued_at` is the outbox
     /// lag. `None` when nothing waits.
     #[diesel(sql_type = Nullable<Timestamptz>)]
@@ -147,7 +234,8 @@ pub struct OutboxStats {
 }
 
 /// Counts what waits in the outbox. Reads only queued rows (the `outbox_events_queued`
-/// index), however many published rows are kept.
+/// index) and dead letters (`outbox_events_dead_letters`), however many published rows are
+/// kept.
 ///
 /// # Errors
 /// The database's error.
@@ -155,16 +243,21 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
     diesel::sql_query(
         "SELECT count(*) FILTER (WHERE dead_lettered_at IS NULL) AS queued, \
                 count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead_letters, \
-                min(occurred_at) FILTER (WHERE dead_lettered_at IS NULL) AS oldest_queued_at \
+                min(occurred_at) FILTER (WHERE dead_lettered_at IS NULL) AS oldest_queued_at, \
+                (SELECT count(*) FROM outbox_events \
+                 WHERE dead_lettered_at IS NOT NULL AND skipped_at IS NOT NULL \
+                   AND published_at IS NULL) AS skipped_dead_letters \
          FROM outbox_events WHERE published_at IS NULL AND skipped_at IS NULL",
     )
     .get_result(conn)
     .await
 }
 
-/// Deletes up to `limit` rows published (or skipped) more than `older_than` ago, oldest id
-/// first, and returns how many. For [`PublishedRows::Mark`], which keeps published rows: run
-/// it periodically, in a loop until it returns less than `limit`, to bound the table.
+/// Deletes up to `limit` rows published more than `older_than` ago, oldest id first, and
+/// returns how many. For [`PublishedRows::Mark`], which keeps published rows: run it
+/// periodically, in a loop until it returns less than `limit`, to bound the table. Queued
+/// rows and dead letters (skipped ones included: they can still be retried) are never
+/// deleted.
 ///
 /// Rows are found in `id` order, which is time order for the unit of work's UUIDv7 ids, so
 /// each call reads from the oldest end of the primary key instead of the whole table.
@@ -180,7 +273,7 @@ pub async fn purge_published(
     diesel::sql_query(
         "DELETE FROM outbox_events WHERE id IN ( \
              SELECT id FROM outbox_events \
-             WHERE coalesce(published_at, skipped_at) < now() - $1 * interval '1 millisecond' \
+             WHERE published_at < now() - $1 * interval '1 millisecond' \
              ORDER BY id LIMIT $2)",
     )
     .bind::<Int8, _>(older_than_ms)

@@ -37,6 +37,7 @@ use async_nats::jetstream::{self, stream};
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
 
 use crate::outbox::queries::ClaimedEvent;
+use crate::subject::validate_subject;
 
 /// Characters the CloudEvents NATS binding (section 3.1.3.2) requires to be percent-encoded
 /// in header values: space, `"`, `%`, and everything outside printable ASCII (`CONTROLS`
@@ -52,40 +53,105 @@ const JSON: &str = "application/json";
 /// Why one message was not published.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum PublishFailure {
-    /// The broker could not be reached or did not answer in time: nothing is known to be
-    /// wrong with the message. Retried without counting an attempt.
-    Transport(String),
-    /// The message cannot be published as it is: the broker refused it (no stream for its
-    /// subject, over `max_payload`, a stream limit) or its row holds invalid headers. Counts
-    /// an attempt.
+    /// The row cannot become a message as it stands: a subject outside the relay's prefix or
+    /// with an invalid token or length, a `headers` column that is not headers, or a header
+    /// that would steer the server (a `Nats-` name). Never sent; dead-lettered at once, for
+    /// an operator to fix and retry.
+    Invalid(String),
+    /// The broker refused the message (over its `max_payload`, a stream limit, a reply that
+    /// is not a publish ack): counts an attempt.
     Rejected(String),
+    /// The broker could not be reached, or JetStream did not answer (stopping, no stream
+    /// leader, the stream missing): nothing is known to be wrong with the message. Retried
+    /// without counting an attempt.
+    Transport(String),
+    /// No ack within the ack timeout while the connection stayed up. Either the broker is
+    /// slow or stopping (transport), or it dropped the message on purpose (a publish
+    /// permission that denies the subject: the server tells only the connection's error
+    /// callback). The relay asks the stream whether it answers, and decides.
+    Unacknowledged {
+        /// What async-nats reported.
+        error: String,
+        /// The client's connect count when the publish was sent: a reconnect since then
+        /// makes the missing ack a transport failure.
+        connects: u64,
+    },
 }
 
+/// JetStream API errors that say JetStream or the stream is unavailable for now, not that
+/// the message is wrong (nats-server `server/errors.json`).
+const UNAVAILABLE: &[jetstream::ErrorCode] = &[
+    jetstream::ErrorCode::CLUSTER_INCOMPLETE,
+    jetstream::ErrorCode::CLUSTER_NO_PEERS,
+    jetstream::ErrorCode::CLUSTER_NOT_ACTIVE,
+    jetstream::ErrorCode::CLUSTER_NOT_AVAILABLE,
+    jetstream::ErrorCode::CLUSTER_NOT_LEADER,
+    jetstream::ErrorCode::INSUFFICIENT_RESOURCES,
+    jetstream::ErrorCode::JETSTREAM_NOT_ENABLED,
+    jetstream::ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+    jetstream::ErrorCode::RAFT_GENERAL,
+    jetstream::ErrorCode::STREAM_NOT_FOUND,
+    jetstream::ErrorCode::TEMP_STORAGE_FAILED,
+];
+
 impl PublishFailure {
-    fn from_publish_error(error: &PublishError) -> Self {
+    /// Classifies an error of async-nats's publish or of its ack; `connects` is the client's
+    /// connect count when the publish was sent.
+    fn from_publish_error(error: &PublishError, connects: u64) -> Self {
         let text = error.to_string();
         match error.kind() {
-            PublishErrorKind::TimedOut
-            | PublishErrorKind::BrokenPipe
-            | PublishErrorKind::MaxAckPending => Self::Transport(text),
-            PublishErrorKind::StreamNotFound
-            | PublishErrorKind::MaxPayloadExceeded
+            PublishErrorKind::TimedOut => Self::Unacknowledged {
+                error: text,
+                connects,
+            },
+            PublishErrorKind::BrokenPipe | PublishErrorKind::MaxAckPending => Self::Transport(text),
+            // "No responders": no stream listens on the subject. The relay checked at
+            // connect that its stream captures the prefix, and publishes nothing outside it,
+            // so this is JetStream stopping (a graceful shutdown disables JetStream before
+            // it closes connections) or the stream deleted: the broker's trouble, not the
+            // message's.
+            PublishErrorKind::StreamNotFound => Self::Transport(format!(
+                "{text}: JetStream is unavailable or the stream is gone (no stream answered \
+                 for the subject)"
+            )),
+            PublishErrorKind::MaxPayloadExceeded
             | PublishErrorKind::WrongLastMessageId
             | PublishErrorKind::WrongLastSequence => Self::Rejected(text),
-            // `Other` is a JetStream API error when the server answered (a rejection), and a
-            // client-side failure (the connection's command channel) otherwise.
-            PublishErrorKind::Other => {
-                let from_server = std::error::Error::source(error)
-                    .is_some_and(|source| source.is::<jetstream::Error>());
-                if from_server {
-                    Self::Rejected(text)
-                } else {
-                    Self::Transport(text)
-                }
-            }
+            PublishErrorKind::Other => Self::from_other(error, text),
         }
     }
+
+    /// `Other` is a JetStream API error when the server answered, a reply that is not a
+    /// publish ack, a subject the client refused, or the client's own channel failing.
+    fn from_other(error: &PublishError, text: String) -> Self {
+        let Some(source) = std::error::Error::source(error) else {
+            return Self::Transport(text);
+        };
+        if let Some(api) = source.downcast_ref::<jetstream::Error>() {
+            return if UNAVAILABLE.contains(&api.error_code()) {
+                Self::Transport(text)
+            } else {
+                Self::Rejected(text)
+            };
+        }
+        if source.is::<serde_json::Error>() {
+            return Self::Rejected(format!(
+                "the reply to the publish is not a publish ack: {text}"
+            ));
+        }
+        if source.is::<async_nats::subject::SubjectError>() {
+            return Self::Invalid(text);
+        }
+        Self::Transport(text)
+    }
 }
+
+/// The header the server reads the dedup id from. nats-server 2.9 takes the *first*
+/// occurrence of these bytes anywhere in the header block for it (and finds none when that
+/// occurrence is not a header name); later servers take the first that is a header name.
+/// Either way the bytes must not appear in any other header, name or value, or data could
+/// switch JetStream's dedup off (nats-server `server/client.go`, `getHeader`).
+const MSG_ID_BYTES: &str = "Nats-Msg-Id";
 
 // The header names of the contract, built once (`from_static` values are free to clone).
 const CE_SPECVERSION: HeaderName = HeaderName::from_static("ce-specversion");
@@ -105,6 +171,9 @@ const CONTENT_TYPE: HeaderName = HeaderName::from_static("content-type");
 
 /// Builds messages from claimed rows and publishes them with their acks awaited.
 pub(crate) struct Publisher {
+    client: async_nats::Client,
+    /// Only subjects under `{prefix}.` are published.
+    prefix: String,
     jetstream: jetstream::Context,
     source: HeaderValue,
     spec_version: HeaderValue,
@@ -116,17 +185,36 @@ impl Publisher {
     /// beyond waits for a permit: async-nats's backpressure).
     pub(crate) fn new(
         client: async_nats::Client,
+        prefix: &str,
         source: &str,
         ack_timeout: Duration,
         max_in_flight: usize,
     ) -> Result<Self, InvalidSource> {
-        let source = percent_encoded(source).map_err(|_| InvalidSource(source.to_owned()))?;
+        let invalid = |reason: &str| InvalidSource {
+            value: crate::subject::shortened(source, 128),
+            reason: reason.to_owned(),
+        };
+        // CloudEvents 1.0, section 3.1.1: source is a non-empty URI-reference.
+        if source.is_empty() {
+            return Err(invalid("CloudEvents requires a non-empty source"));
+        }
+        if source.len() > crate::causality::MAX_ID_BYTES {
+            return Err(invalid(&format!(
+                "it is {} bytes long, over the limit of {} bytes a consumer keys messages by",
+                source.len(),
+                crate::causality::MAX_ID_BYTES
+            )));
+        }
+        let source =
+            percent_encoded(source).map_err(|_| invalid("it cannot be a NATS header value"))?;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(ack_timeout)
             .max_ack_inflight(max_in_flight)
             .backpressure_on_inflight(true)
-            .build(client);
+            .build(client.clone());
         Ok(Self {
+            client,
+            prefix: prefix.to_owned(),
             jetstream,
             source,
             spec_version: HeaderValue::from_static_str("1.0"),
@@ -138,18 +226,35 @@ impl Publisher {
         &self.jetstream
     }
 
-    /// Publishes one row and waits for its JetStream ack.
-    pub(crate) async fn publish(&self, row: &ClaimedEvent) -> Result<(), PublishFailure> {
+    /// Publishes one row and waits for its JetStream ack; returns whether JetStream found it
+    /// a duplicate (stored already, inside the duplicate window).
+    pub(crate) async fn publish(&self, row: &ClaimedEvent) -> Result<bool, PublishFailure> {
+        validate_subject(&row.subject, &self.prefix)
+            .map_err(|e| PublishFailure::Invalid(e.to_string()))?;
         let headers = self.headers(row)?;
+        let connects = self.connects();
         let ack = self
             .jetstream
             .publish_with_headers(row.subject.clone(), headers, row.payload.0.clone())
             .await
-            .map_err(|e| PublishFailure::from_publish_error(&e))?;
-        std::future::IntoFuture::into_future(ack)
+            .map_err(|e| PublishFailure::from_publish_error(&e, connects))?;
+        let ack = std::future::IntoFuture::into_future(ack)
             .await
-            .map_err(|e| PublishFailure::from_publish_error(&e))?;
-        Ok(())
+            .map_err(|e| PublishFailure::from_publish_error(&e, connects))?;
+        Ok(ack.duplicate)
+    }
+
+    /// How many times the client has connected (the first connect included).
+    pub(crate) fn connects(&self) -> u64 {
+        self.client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The client.
+    pub(crate) fn client(&self) -> &async_nats::Client {
+        &self.client
     }
 
     /// The headers of a row's message (see the module documentation).
@@ -157,11 +262,11 @@ impl Publisher {
         let mut headers = if row.headers.0.as_slice() == b"{}" {
             HeaderMap::new()
         } else {
-            row_headers(&row.headers.0).map_err(PublishFailure::Rejected)?
+            row_headers(&row.headers.0).map_err(PublishFailure::Invalid)?
         };
         let encoded = |value: &str| {
             percent_encoded(value).map_err(|_| {
-                PublishFailure::Rejected(format!("header value {value:?} cannot be encoded"))
+                PublishFailure::Invalid(format!("header value {value:?} cannot be encoded"))
             })
         };
         let mut id = [0_u8; uuid::fmt::Hyphenated::LENGTH];
@@ -253,21 +358,34 @@ impl FromStaticStr for HeaderValue {
     }
 }
 
-/// The relay's `source` cannot be a header value.
+/// The relay's `source` cannot be its messages' `ce-source`.
 #[derive(Debug, thiserror::Error)]
-#[error("ce-source {0:?} cannot be sent as a NATS header value")]
-pub struct InvalidSource(String);
+#[error("ce-source {value:?} is not usable: {reason}")]
+pub struct InvalidSource {
+    /// The configured source, cut to 128 bytes.
+    pub value: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
 
+/// A `ce-` header value, percent-encoded as the CloudEvents NATS binding requires, and with
+/// the `N` of any `Nats-Msg-Id` in it encoded too (`%4E`, which every binding-conformant
+/// reader decodes back), so that the value cannot pass for the dedup header (see
+/// [`MSG_ID_BYTES`]).
 fn percent_encoded(value: &str) -> Result<HeaderValue, async_nats::header::ParseHeaderValueError> {
     let plain = value
         .bytes()
         .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'%');
-    if plain {
+    let steers = value.contains(MSG_ID_BYTES);
+    if plain && !steers {
         // Printable ASCII other than `"` and `%` is sent as it is: no copy to encode.
-        HeaderValue::from_str(value)
-    } else {
-        HeaderValue::from_str(&utf8_percent_encode(value, HEADER_VALUE).to_string())
+        return HeaderValue::from_str(value);
     }
+    let mut encoded = utf8_percent_encode(value, HEADER_VALUE).to_string();
+    if steers {
+        encoded = encoded.replace(MSG_ID_BYTES, "%4Eats-Msg-Id");
+    }
+    HeaderValue::from_str(&encoded)
 }
 
 /// The `headers` column (its JSON text) as NATS headers: each key a header, each value a
@@ -280,6 +398,17 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
         return Err(format!("headers column is not a JSON object: {column}"));
     };
     for (name, value) in object {
+        // The server acts on `Nats-` headers (dedup, expected sequences, rollups that purge a
+        // subject, TTLs, batches): a row must not carry one.
+        let server_header = name
+            .get(..5)
+            .is_some_and(|start| start.eq_ignore_ascii_case("nats-"));
+        if server_header || name.contains(MSG_ID_BYTES) {
+            return Err(format!(
+                "headers column: key {name:?}: Nats- headers are the server's (dedup, expected \
+                 sequences, rollups); a row may not set one"
+            ));
+        }
         let header =
             HeaderName::from_str(name).map_err(|e| format!("headers column: key {name:?}: {e}"))?;
         let values = match value {
@@ -298,6 +427,12 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
             }
         };
         for value in values {
+            if value.contains(MSG_ID_BYTES) {
+                return Err(format!(
+                    "headers column: key {name:?}: the value contains \"{MSG_ID_BYTES}\", which \
+                     nats-server 2.9 would take for the dedup header"
+                ));
+            }
             let value = HeaderValue::from_str(value).map_err(|_| {
                 format!("headers column: key {name:?}: value {value:?} contains CR or LF")
             })?;
@@ -489,6 +624,69 @@ mod tests {
         assert_eq!(percent_encoded("a\r\nb").unwrap().as_str(), "a%0D%0Ab");
         assert_eq!(percent_encoded("caf\u{e9}").unwrap().as_str(), "caf%C3%A9");
         assert_eq!(percent_encoded("a\u{7f}").unwrap().as_str(), "a%7F");
+    }
+
+    #[test]
+    fn no_value_can_pass_for_the_dedup_header() {
+        let value = percent_encoded("Nats-Msg-Id-1").unwrap();
+        assert_eq!(value.as_str(), "%4Eats-Msg-Id-1");
+        let value = percent_encoded("Nats-Msg-Id:x Nats-Msg-Id").unwrap();
+        assert_eq!(value.as_str(), "%4Eats-Msg-Id:x%20%4Eats-Msg-Id");
+        let decoded = percent_encoding::percent_decode_str(value.as_str())
+            .decode_utf8()
+            .unwrap();
+        assert_eq!(
+            decoded, "Nats-Msg-Id:x Nats-Msg-Id",
+            "a reader decodes it back"
+        );
+
+        for (column, wanted) in [
+            (
+                r#"{"Nats-Rollup": "all"}"#,
+                "Nats- headers are the server's",
+            ),
+            (r#"{"nats-msg-id": "x"}"#, "Nats- headers are the server's"),
+            (
+                r#"{"X-Nats-Msg-Id": "x"}"#,
+                "Nats- headers are the server's",
+            ),
+            (
+                r#"{"x-tag": "Nats-Msg-Id: 1"}"#,
+                "take for the dedup header",
+            ),
+        ] {
+            let error = row_headers(column.as_bytes()).unwrap_err();
+            assert!(error.contains(wanted), "{column}: {error}");
+        }
+    }
+
+    #[test]
+    fn publish_errors_are_classified_by_what_they_say_about_the_message() {
+        use async_nats::jetstream::context::PublishError;
+        let not_an_ack = serde_json::from_str::<u8>("x").unwrap_err();
+        let error = PublishError::with_source(PublishErrorKind::Other, not_an_ack);
+        assert!(matches!(
+            PublishFailure::from_publish_error(&error, 1),
+            PublishFailure::Rejected(text) if text.contains("not a publish ack")
+        ));
+        let error = PublishError::new(PublishErrorKind::TimedOut);
+        assert_eq!(
+            PublishFailure::from_publish_error(&error, 3),
+            PublishFailure::Unacknowledged {
+                error: error.to_string(),
+                connects: 3
+            }
+        );
+        let error = PublishError::new(PublishErrorKind::StreamNotFound);
+        assert!(matches!(
+            PublishFailure::from_publish_error(&error, 1),
+            PublishFailure::Transport(_)
+        ));
+        let error = PublishError::new(PublishErrorKind::MaxPayloadExceeded);
+        assert!(matches!(
+            PublishFailure::from_publish_error(&error, 1),
+            PublishFailure::Rejected(_)
+        ));
     }
 
     #[test]

@@ -34,8 +34,12 @@ use tokio::sync::Notify;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use crate::database::{
+    self, Bounded, ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted,
+    TimedOut,
+};
 use crate::outbox::queries::RetryPolicy;
-use crate::outbox::{DEFAULT_SUBJECT_PREFIX, PublishedRows};
+use crate::outbox::{DEFAULT_SUBJECT_PREFIX, MissingMigrations, PublishedRows, require_migrations};
 use crate::publisher::{InvalidSource, Publisher, StreamError, StreamSettings, ensure_stream};
 use crate::subject::{InvalidSubjectPrefix, validate_prefix};
 
@@ -54,8 +58,9 @@ pub enum DeadLetterPolicy {
 }
 
 /// How the relay runs: a plain struct with documented defaults. Start from
-/// [`RelayConfig::new`] and set fields.
-#[derive(Clone, Debug)]
+/// [`RelayConfig::new`] and set fields. Its `Debug` shows the database URL without its
+/// password.
+#[derive(Clone)]
 pub struct RelayConfig {
     /// The PostgreSQL URL of the database holding the outbox table.
     pub database_url: String,
@@ -100,8 +105,42 @@ pub struct RelayConfig {
     /// [`DeadLetterPolicy::Block`].
     pub dead_letters: DeadLetterPolicy,
     /// The longest pause after a transport failure or a database error; pauses start at
-    /// 100 ms and double up to this. Default 30 s.
+    /// 100 ms and double up to this. A pause ends early when the NATS client reconnects.
+    /// Default 30 s.
     pub max_backoff: Duration,
+    /// How long opening a database connection may take, server answer included. Default
+    /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
+    pub connect_timeout: Duration,
+    /// How long one of the relay's queries may take: set as the session's server-side
+    /// `statement_timeout`, and enforced by the relay itself, which drops a connection whose
+    /// server does not answer in time (its transaction is rolled back, its rows claimed
+    /// again). Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
+    pub statement_timeout: Duration,
+}
+
+impl std::fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayConfig")
+            .field("database_url", &Redacted(&self.database_url))
+            .field("subject_prefix", &self.subject_prefix)
+            .field("stream", &self.stream)
+            .field("source", &self.source)
+            .field("workers", &self.workers)
+            .field("batch_size", &self.batch_size)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("listen", &self.listen)
+            .field("poll_interval", &self.poll_interval)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("published", &self.published)
+            .field("max_attempts", &self.max_attempts)
+            .field("retry_delay", &self.retry_delay)
+            .field("max_retry_delay", &self.max_retry_delay)
+            .field("dead_letters", &self.dead_letters)
+            .field("max_backoff", &self.max_backoff)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .finish()
+    }
 }
 
 impl RelayConfig {
@@ -124,20 +163,36 @@ impl RelayConfig {
             max_retry_delay: Duration::from_secs(300),
             dead_letters: DeadLetterPolicy::Block,
             max_backoff: Duration::from_secs(30),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 
     /// The longest time between a publish whose mark was lost and the publish of the same
-    /// row again: the ack may time out (`ack_timeout`), the worker pauses (up to
-    /// `max_backoff`), then it claims again (within `poll_interval`). A relay process that
-    /// dies is redelivered sooner: PostgreSQL releases its locks when its connection closes.
-    /// The stream's duplicate window must be longer for JetStream to drop such a duplicate.
+    /// row again, while the database answers: the ack may time out (`ack_timeout`), the mark
+    /// may time out (`statement_timeout`), the worker pauses (up to `max_backoff`), then it
+    /// claims again (within `poll_interval`). A relay process that dies is redelivered
+    /// sooner: PostgreSQL releases its locks when its connection closes. The stream's
+    /// duplicate window must be longer for JetStream to drop such a duplicate. (A database
+    /// that freezes holds the rows until it notices the closed connection, which may be
+    /// later: the inbox's dedup covers what falls outside the window.)
     pub fn redelivery_horizon(&self) -> Duration {
-        self.ack_timeout + self.max_backoff + self.poll_interval
+        self.ack_timeout + self.statement_timeout + self.max_backoff + self.poll_interval
     }
 
     fn validate(&self) -> Result<(), RelayError> {
         validate_prefix(&self.subject_prefix)?;
+        for (name, value) in [
+            ("connect_timeout", self.connect_timeout),
+            ("statement_timeout", self.statement_timeout),
+            ("ack_timeout", self.ack_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(RelayError::Config(format!(
+                    "{name} must be longer than zero"
+                )));
+            }
+        }
         let positive = [
             ("workers", self.workers),
             ("batch_size", self.batch_size),
@@ -181,12 +236,18 @@ pub enum RelayError {
     /// The stream is missing or does not capture the outbox's subjects.
     #[error(transparent)]
     Stream(#[from] StreamError),
-    /// No connection to the database.
-    #[error("relay cannot connect to the database: {0}")]
-    Connect(#[from] diesel::ConnectionError),
+    /// No connection to the database (within `connect_timeout`).
+    #[error("relay: {0}")]
+    Connect(#[from] ConnectError),
+    /// The outbox tables are missing or behind this version of the toolkit.
+    #[error("relay: {0}")]
+    MissingMigrations(#[from] MissingMigrations),
     /// A query failed.
     #[error("relay database error: {0}")]
     Database(#[from] diesel::result::Error),
+    /// A query did not finish within `statement_timeout`; its connection was dropped.
+    #[error("relay: {0}")]
+    TimedOut(#[from] TimedOut),
     /// A relay task panicked or was aborted.
     #[error("relay task did not finish: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -207,10 +268,125 @@ impl From<InvalidSource> for RelayError {
 /// What the workers share.
 struct Shared {
     config: RelayConfig,
+    /// The database URL without its password, for errors and logs.
+    target: String,
     retry: RetryPolicy,
     publisher: Publisher,
     nats: async_nats::Client,
     held: worker::HeldAggregates,
+    health: Health,
+}
+
+impl Shared {
+    fn limits(&self) -> database::Limits {
+        database::Limits {
+            connect_timeout: self.config.connect_timeout,
+            statement_timeout: self.config.statement_timeout,
+        }
+    }
+}
+
+/// What the relay logs about its broker and its database: a warning when a failure starts,
+/// a reminder every [`Health::REMIND`] while it lasts, and a note when it ends, however many
+/// workers meet it. A failure is never silent, and never a line per batch.
+struct Health {
+    broker: Streak,
+    transport: Streak,
+    database: Streak,
+}
+
+impl Health {
+    const REMIND: Duration = Duration::from_secs(30);
+
+    fn new() -> Self {
+        Self {
+            broker: Streak::default(),
+            transport: Streak::default(),
+            database: Streak::default(),
+        }
+    }
+
+    fn broker_down(&self) {
+        if let Some(repeat) = self.broker.failed() {
+            tracing::warn!(
+                down_for = ?repeat,
+                "the NATS client is disconnected; the relay publishes nothing until it \
+                 reconnects (no attempt is counted, nothing is lost)"
+            );
+        }
+    }
+
+    fn broker_up(&self) {
+        if let Some(lasted) = self.broker.ended() {
+            tracing::info!(after = ?lasted, "the NATS client is connected again; relaying");
+        }
+    }
+
+    fn transport_failed(&self, error: &str) {
+        if let Some(repeat) = self.transport.failed() {
+            tracing::warn!(
+                %error, failing_for = ?repeat,
+                "publishes fail in transport (broker unreachable, slow or stopping); the \
+                 relay backs off and retries without counting attempts"
+            );
+        }
+    }
+
+    fn transport_ok(&self) {
+        if let Some(lasted) = self.transport.ended() {
+            tracing::info!(after = ?lasted, "publishes are acked again");
+        }
+    }
+
+    fn database_failed(&self, error: &str) {
+        if let Some(repeat) = self.database.failed() {
+            tracing::warn!(
+                %error, failing_for = ?repeat,
+                "the relay's database fails; it reconnects with backoff"
+            );
+        }
+    }
+
+    fn database_ok(&self) {
+        if let Some(lasted) = self.database.ended() {
+            tracing::info!(after = ?lasted, "the relay's database answers again");
+        }
+    }
+}
+
+/// A run of failures of one kind: when it started and when it was last logged.
+#[derive(Default)]
+struct Streak(std::sync::Mutex<Option<(std::time::Instant, std::time::Instant)>>);
+
+impl Streak {
+    /// Records a failure; returns how long the run has lasted when it is time to log it.
+    fn failed(&self) -> Option<Duration> {
+        let now = std::time::Instant::now();
+        let mut run = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &mut *run {
+            None => {
+                *run = Some((now, now));
+                Some(Duration::ZERO)
+            }
+            Some((started, logged)) if now.duration_since(*logged) >= Health::REMIND => {
+                *logged = now;
+                Some(now.duration_since(*started))
+            }
+            Some(_) => None,
+        }
+    }
+
+    /// Records a success; returns how long the run lasted when one ended.
+    fn ended(&self) -> Option<Duration> {
+        let mut run = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        run.take().map(|(started, _)| started.elapsed())
+    }
 }
 
 /// The message relay. Create it with [`Relay::connect`], then [`spawn`](Relay::spawn) it,
@@ -238,6 +414,7 @@ impl Relay {
         config.validate()?;
         let publisher = Publisher::new(
             nats.clone(),
+            &config.subject_prefix,
             &config.source,
             config.ack_timeout,
             config.max_in_flight,
@@ -259,15 +436,32 @@ impl Relay {
                  mark may be stored twice; widen the stream's duplicate_window"
             );
         }
-        let conn = worker::connect(&config.database_url).await?;
+        let shared = Arc::new(Shared {
+            retry: config.retry_policy(),
+            held: worker::HeldAggregates::new(config.workers),
+            target: database::redacted(&config.database_url),
+            config,
+            publisher,
+            nats,
+            health: Health::new(),
+        });
+        let mut conn = worker::connect(&shared).await?;
+        let limit = shared.config.statement_timeout;
+        let checked = database::bounded(
+            limit,
+            &shared.target,
+            "the migrations check",
+            require_migrations(&mut conn),
+        )
+        .await;
+        match checked {
+            Ok(Ok(())) => {}
+            Ok(Err(missing)) => return Err(missing.into()),
+            Err(Bounded::Failed(error)) => return Err(error.into()),
+            Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
         Ok(Self {
-            shared: Arc::new(Shared {
-                retry: config.retry_policy(),
-                held: worker::HeldAggregates::new(config.workers),
-                config,
-                publisher,
-                nats,
-            }),
+            shared,
             duplicate_window: stream.duplicate_window,
             conn: Some(conn),
         })
@@ -315,9 +509,8 @@ impl Relay {
             workers.spawn(async move { worker::run(shared, index, conn, wake, peers, stop).await });
         }
         let listener = self.shared.config.listen.then(|| {
-            let (url, stop) = (self.shared.config.database_url.clone(), stop.clone());
-            let backoff = self.shared.config.max_backoff;
-            tokio::spawn(listener::run(url, wakers, backoff, stop))
+            let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
+            tokio::spawn(async move { listener::run(&shared, wakers, stop).await })
         });
 
         tokio::pin!(shutdown);
@@ -346,19 +539,26 @@ impl Relay {
     /// how a relay normally works.
     ///
     /// # Errors
-    /// [`RelayError::Connect`] or [`RelayError::Database`]; the transaction is rolled back,
-    /// and rows published before the error are published again by a later batch (JetStream
-    /// drops them as duplicates inside its window).
+    /// [`RelayError::Connect`], [`RelayError::Database`] or [`RelayError::TimedOut`]; the
+    /// transaction is rolled back (or dropped with its connection), and rows published before
+    /// the error are published again by a later batch (JetStream drops them as duplicates
+    /// inside its window).
     pub async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
-            conn => conn.insert(worker::connect(&self.shared.config.database_url).await?),
+            conn => conn.insert(worker::connect(&self.shared).await?),
         };
         let result = worker::relay_batch(&self.shared, None, conn, &CancellationToken::new()).await;
-        if result.is_err() {
-            self.conn = None;
+        match result {
+            Ok(outcome) => Ok(outcome.report),
+            Err(error) => {
+                self.conn = None;
+                Err(match error {
+                    Bounded::Failed(error) => error.into(),
+                    Bounded::TimedOut(timed_out) => timed_out.into(),
+                })
+            }
         }
-        Ok(result?)
     }
 }
 
@@ -422,8 +622,19 @@ mod tests {
     #[test]
     fn the_redelivery_horizon_of_the_defaults_fits_jetstreams_default_window() {
         let config = RelayConfig::new("postgres://");
-        assert_eq!(config.redelivery_horizon(), Duration::from_millis(35_500));
+        assert_eq!(config.redelivery_horizon(), Duration::from_millis(65_500));
         assert!(config.redelivery_horizon() < StreamSettings::default().duplicate_window);
+    }
+
+    #[test]
+    fn the_debug_form_hides_the_database_password() {
+        let config = RelayConfig::new("postgres://relay:s3cret@db.internal:5433/orders");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(
+            shown.contains("postgres://relay@db.internal:5433/orders"),
+            "{shown}"
+        );
     }
 
     #[test]

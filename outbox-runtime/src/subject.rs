@@ -9,19 +9,38 @@
 //! therefore checked before its row is written: at compile time by the macros for the names
 //! they generate, here for everything dynamic.
 //!
-//! `outbox-derive/src/valid.rs` applies the same rule at compile time (a proc-macro crate
-//! cannot call this one); the tests of both pin the same cases.
+//! The macros apply the same rule at compile time to the names they generate (a proc-macro
+//! crate cannot call this one); the tests of both pin the same cases.
+//!
+//! Lengths are bounded too. nats-server reads a message's subject in its protocol control
+//! line, which it holds to 4,096 bytes and closes the client's connection over
+//! (`MAX_CONTROL_LINE_SIZE`, nats-server `server/const.go`): an unbounded aggregate id would
+//! cost the relay its connection at every retry. A token holds at most [`MAX_TOKEN_BYTES`]
+//! and a subject at most [`MAX_SUBJECT_BYTES`], which leaves the control line room for the
+//! reply inbox and the sizes it also carries.
 
 use std::fmt;
 
+/// The most bytes a subject token holds: an aggregate type, an aggregate id, a partition key
+/// or an event type. Checked at compile time for generated names and at commit for dynamic
+/// ones.
+pub const MAX_TOKEN_BYTES: usize = 256;
+
+/// The most bytes a published subject holds, a quarter of nats-server's 4,096-byte control
+/// line (see the module documentation). The relay refuses a row whose subject is longer.
+pub const MAX_SUBJECT_BYTES: usize = 1024;
+
 /// Why a string is not a valid NATS subject token.
 ///
-/// A token is non-empty and contains none of `.` (the separator), `*` and `>` (wildcards),
-/// whitespace, or other control characters (NUL among them).
+/// A token is non-empty, at most [`MAX_TOKEN_BYTES`] long, and contains none of `.` (the
+/// separator), `*` and `>` (wildcards), whitespace, or other control characters (NUL among
+/// them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InvalidToken {
     /// The token is the empty string.
     Empty,
+    /// The token is longer than [`MAX_TOKEN_BYTES`]; the field holds its length in bytes.
+    TooLong(usize),
     /// The token contains `.`, which would split it into two tokens.
     Separator,
     /// The token contains the wildcard `*` or `>`.
@@ -36,6 +55,11 @@ impl fmt::Display for InvalidToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Empty => f.write_str("it is empty"),
+            Self::TooLong(len) => write!(
+                f,
+                "it is {len} bytes long, over the limit of {MAX_TOKEN_BYTES} bytes a subject \
+                 token may hold"
+            ),
             Self::Separator => f.write_str("it contains '.', the NATS token separator"),
             Self::Wildcard(c) => write!(f, "it contains the NATS wildcard '{c}'"),
             Self::Whitespace(c) => write!(f, "it contains whitespace ({c:?})"),
@@ -52,6 +76,9 @@ pub fn validate_token(token: &str) -> Result<(), InvalidToken> {
     if token.is_empty() {
         return Err(InvalidToken::Empty);
     }
+    if token.len() > MAX_TOKEN_BYTES {
+        return Err(InvalidToken::TooLong(token.len()));
+    }
     for c in token.chars() {
         match c {
             '.' => return Err(InvalidToken::Separator),
@@ -65,7 +92,8 @@ pub fn validate_token(token: &str) -> Result<(), InvalidToken> {
 }
 
 /// A subject prefix that is not usable: the prefix is one or more valid tokens joined by `.`,
-/// and its first token does not start with `$` (NATS reserves `$JS`, `$SYS`, `$KV`, ...).
+/// at most [`MAX_TOKEN_BYTES`] in all; its first token does not start with `$` (NATS reserves
+/// `$JS`, `$SYS`, `$KV`, ...) and is not `_INBOX` (where clients receive replies).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("subject prefix {prefix:?} is not valid: {reason}")]
 pub struct InvalidSubjectPrefix {
@@ -89,11 +117,87 @@ pub fn validate_prefix(prefix: &str) -> Result<(), InvalidSubjectPrefix> {
             "subjects starting with '$' are reserved by NATS".to_owned(),
         ));
     }
+    if prefix.split('.').next() == Some("_INBOX") {
+        return Err(invalid(
+            "_INBOX is where NATS clients receive replies; a stream capturing it would store \
+             every request's reply"
+                .to_owned(),
+        ));
+    }
+    if prefix.len() > MAX_TOKEN_BYTES {
+        return Err(invalid(format!(
+            "it is {} bytes long, over the limit of {MAX_TOKEN_BYTES} bytes",
+            prefix.len()
+        )));
+    }
     for (index, token) in prefix.split('.').enumerate() {
         validate_token(token)
             .map_err(|reason| invalid(format!("token {} ({token:?}): {reason}", index + 1)))?;
     }
     Ok(())
+}
+
+/// A subject the relay will not publish: a row's `subject` must lie under the relay's own
+/// `{prefix}.`, with valid tokens, within [`MAX_SUBJECT_BYTES`]. Anything else (a JetStream
+/// API subject such as `$JS.API.STREAM.PURGE.X`, a wildcard, a space) would reach another
+/// stream, the server's API or nowhere.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("subject {subject:?} is not publishable: {reason}")]
+pub struct InvalidSubject {
+    /// The rejected subject, cut to its first 128 bytes.
+    pub subject: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// Checks that the relay may publish `subject` for an outbox whose prefix is `prefix`
+/// (itself valid): `{prefix}.` followed by one or more valid tokens, at most
+/// [`MAX_SUBJECT_BYTES`] in all.
+///
+/// # Errors
+/// [`InvalidSubject`] naming the first thing wrong.
+pub fn validate_subject(subject: &str, prefix: &str) -> Result<(), InvalidSubject> {
+    let invalid = |reason: String| InvalidSubject {
+        subject: shortened(subject, 128),
+        reason,
+    };
+    if subject.len() > MAX_SUBJECT_BYTES {
+        return Err(invalid(format!(
+            "it is {} bytes long, over the limit of {MAX_SUBJECT_BYTES} bytes (nats-server \
+             closes the connection of a client whose control line exceeds 4,096 bytes)",
+            subject.len()
+        )));
+    }
+    let rest = subject
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .ok_or_else(|| {
+            invalid(format!(
+                "it does not start with the relay's prefix \"{prefix}.\""
+            ))
+        })?;
+    for (index, token) in rest.split('.').enumerate() {
+        validate_token(token).map_err(|reason| {
+            invalid(format!(
+                "token {} after the prefix ({:?}): {reason}",
+                index + 1,
+                shortened(token, 64)
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+/// At most `max` bytes of `text`, cut at a character boundary, with `...` when cut.
+pub(crate) fn shortened(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
 }
 
 /// The default subject of an event: `{prefix}.{aggregate_type}.{partition_key}.{event_type}`.
@@ -142,6 +246,10 @@ mod tests {
             ("a\r\n", Some("it contains whitespace ('\\r')")),
             ("a\u{a0}b", Some("it contains whitespace ('\\u{a0}')")),
             ("a\0", Some("it contains the control character '\\0'")),
+            (
+                &"x".repeat(257),
+                Some("it is 257 bytes long, over the limit of 256 bytes a subject token may hold"),
+            ),
         ];
         for (token, expected) in cases {
             let reason = validate_token(token).err().map(|e| e.to_string());
@@ -158,10 +266,53 @@ mod tests {
         assert_eq!(err.reason, "token 2 (\"\"): it is empty");
         let err = validate_prefix("$JS.events").unwrap_err();
         assert!(err.reason.contains("reserved"), "{err}");
+        let err = validate_prefix("_INBOX.orders").unwrap_err();
+        assert!(err.reason.contains("replies"), "{err}");
+        assert!(validate_prefix("_INBOXES").is_ok());
+        let err = validate_prefix(&"p".repeat(257)).unwrap_err();
+        assert!(err.reason.contains("257 bytes"), "{err}");
         let err = validate_prefix("events.>").unwrap_err();
         assert_eq!(
             err.to_string(),
             "subject prefix \"events.>\" is not valid: token 2 (\">\"): it contains the NATS wildcard '>'"
+        );
+    }
+
+    #[test]
+    fn only_subjects_under_the_prefix_with_valid_tokens_are_publishable() {
+        assert!(validate_subject("events.Order.o-1.Placed", "events").is_ok());
+        assert!(validate_subject("acme.orders.Order.o-1.Placed", "acme.orders").is_ok());
+        for (subject, reason) in [
+            (
+                "$JS.API.STREAM.PURGE.OTHER",
+                "does not start with the relay's prefix",
+            ),
+            ("eventsX.Order", "does not start with the relay's prefix"),
+            ("events", "does not start with the relay's prefix"),
+            ("events.", "token 1 after the prefix (\"\"): it is empty"),
+            (
+                "events.Order.a b.Placed",
+                "token 2 after the prefix (\"a b\"): it contains whitespace",
+            ),
+            ("events.Order.*.Placed", "wildcard '*'"),
+            (
+                "events.Order..Placed",
+                "token 2 after the prefix (\"\"): it is empty",
+            ),
+        ] {
+            let error = validate_subject(subject, "events").unwrap_err();
+            assert!(error.reason.contains(reason), "{subject}: {error}");
+        }
+        let long = format!("events.Order.{}.Placed", "x".repeat(1100));
+        let error = validate_subject(&long, "events").unwrap_err();
+        assert!(
+            error.reason.contains("over the limit of 1024 bytes"),
+            "{error}"
+        );
+        assert_eq!(
+            error.subject.len(),
+            128 + 3,
+            "the error carries a shortened subject"
         );
     }
 

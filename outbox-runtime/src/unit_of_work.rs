@@ -16,11 +16,20 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager
 use uuid::Uuid;
 
 use crate::aggregate::{Aggregate, CommitHandle};
-use crate::causality::{Causality, Traceparent};
+use crate::causality::{Causality, MAX_ID_BYTES, Traceparent};
 use crate::event::{DomainEvent, PayloadError};
-use crate::outbox::Outbox;
 use crate::outbox::queries::{self, NewEvent};
-use crate::subject::{InvalidToken, event_subject, validate_token};
+use crate::outbox::{MissingMigrations, Outbox, require_migrations};
+use crate::subject::{InvalidToken, MAX_SUBJECT_BYTES, event_subject, validate_token};
+
+/// How a unit of work opens its transaction: the setting marks it as the unit of work's, so
+/// that the outbox's writes can tell when a COMMIT or ROLLBACK sent inside the closure ended
+/// it (the `outbox_assert_unit_of_work` function of the migrations). One round trip, as a
+/// plain BEGIN.
+pub(crate) const BEGIN: &str = "BEGIN; SET LOCAL outbox.unit_of_work = 'on'";
+
+/// The start of the message `outbox_assert_unit_of_work` raises.
+const TRANSACTION_ENDED: &str = "outbox: the unit of work's transaction was ended";
 
 /// A unit of work could not commit; the transaction was rolled back and nothing was written.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +54,45 @@ pub enum UnitOfWorkError {
         /// What is wrong with the value.
         reason: InvalidToken,
     },
+    /// An event's subject, which joins the prefix, the aggregate type, the partition key and
+    /// the event type, is longer than [`MAX_SUBJECT_BYTES`].
+    #[error(
+        "the subject of {aggregate_type} {aggregate_id:?} (event {event_type}) would be {len} \
+         bytes long, over the limit of {MAX_SUBJECT_BYTES} bytes a published subject may hold"
+    )]
+    SubjectTooLong {
+        /// The subject's length in bytes.
+        len: usize,
+        /// The aggregate type of the event.
+        aggregate_type: String,
+        /// The aggregate id of the event.
+        aggregate_id: String,
+        /// The event type of the event.
+        event_type: String,
+    },
+    /// A correlation or causation id is longer than [`MAX_ID_BYTES`].
+    #[error(
+        "the {what} is {len} bytes long, over the limit of {MAX_ID_BYTES} bytes an id may hold"
+    )]
+    IdTooLong {
+        /// Which id: `correlation id` or `causation id`.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The closure ended the unit of work's transaction itself (a `COMMIT` or `ROLLBACK` sent
+    /// on [`UnitOfWork::conn`]): its events are not written, so none is published without the
+    /// business rows it describes. What the closure wrote after ending the transaction was
+    /// committed on its own, outside the unit of work.
+    #[error(
+        "the unit of work's transaction was ended inside its closure (a COMMIT or ROLLBACK sent \
+         on uow.conn()); its events were not written. Return an error from the closure to roll \
+         back instead"
+    )]
+    TransactionEnded,
+    /// The outbox tables are missing or older than this version of the toolkit.
+    #[error(transparent)]
+    MissingMigrations(#[from] MissingMigrations),
     /// An event's payload did not serialize.
     #[error("event of {aggregate_type} {aggregate_id:?}: {source}")]
     Payload {
@@ -66,6 +114,22 @@ pub enum UnitOfWorkError {
     /// The database reported an error (including one from the closure's own queries).
     #[error(transparent)]
     Database(#[from] diesel::result::Error),
+}
+
+impl UnitOfWorkError {
+    /// The error of a statement of the outbox or the inbox: [`Self::TransactionEnded`] when
+    /// the statement found that the closure had ended the transaction, else
+    /// [`Self::Database`].
+    pub(crate) fn from_database(error: diesel::result::Error) -> Self {
+        match &error {
+            diesel::result::Error::DatabaseError(_, info)
+                if info.message().starts_with(TRANSACTION_ENDED) =>
+            {
+                Self::TransactionEnded
+            }
+            _ => Self::Database(error),
+        }
+    }
 }
 
 /// The role of a value in an event's subject, for [`UnitOfWorkError::InvalidSubjectToken`].
@@ -139,7 +203,7 @@ impl Outbox {
         if depth.is_some() {
             return Err(UnitOfWorkError::NestedTransaction.into());
         }
-        AnsiTransactionManager::begin_transaction(conn)
+        AnsiTransactionManager::begin_transaction_sql(conn, BEGIN)
             .await
             .map_err(UnitOfWorkError::from)?;
 
@@ -155,9 +219,9 @@ impl Outbox {
             match f(&mut unit).await {
                 Ok(value) => match unit.flush().await {
                     Ok(commit_handles) => Ok((value, commit_handles)),
-                    Err(error) => Err(E::from(error)),
+                    Err(error) => Err(Failed::Flush(error)),
                 },
-                Err(error) => Err(error),
+                Err(error) => Err(Failed::Closure(error)),
             }
         };
         match outcome {
@@ -165,19 +229,68 @@ impl Outbox {
                 AnsiTransactionManager::commit_transaction(conn)
                     .await
                     .map_err(UnitOfWorkError::from)?;
+                crash_point!("unit_of_work::after_commit", |_| Err(
+                    UnitOfWorkError::from(simulated_crash()).into()
+                ));
                 for (handle, count) in commit_handles {
                     handle.mark_committed(count);
                 }
                 Ok(value)
             }
-            Err(error) => match AnsiTransactionManager::rollback_transaction(conn).await {
-                // A broken transaction manager means the rollback could not run; the
-                // original error says more about why.
-                Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
-                Err(rollback_error) => Err(UnitOfWorkError::from(rollback_error).into()),
-            },
+            Err(failed) => {
+                let rolled_back = AnsiTransactionManager::rollback_transaction(conn).await;
+                let error = match failed {
+                    Failed::Closure(error) => return rolled_back_with(rolled_back, error),
+                    Failed::Flush(error) => error,
+                };
+                // A database error from the outbox's own statement may mean that the schema
+                // is missing or behind: say so, rather than "function ... does not exist".
+                let error = match error {
+                    UnitOfWorkError::Database(error) => UnitOfWorkError::from_database(error),
+                    other => other,
+                };
+                let error = match error {
+                    UnitOfWorkError::Database(
+                        database_error @ diesel::result::Error::DatabaseError(..),
+                    ) if rolled_back.is_ok() => match require_migrations(conn).await {
+                        Ok(Err(missing)) => UnitOfWorkError::MissingMigrations(missing),
+                        _ => UnitOfWorkError::Database(database_error),
+                    },
+                    other => other,
+                };
+                rolled_back_with(rolled_back, E::from(error))
+            }
         }
     }
+}
+
+/// Why a unit of work rolls back.
+enum Failed<E> {
+    /// The closure returned its error.
+    Closure(E),
+    /// Writing the events failed.
+    Flush(UnitOfWorkError),
+}
+
+/// `error`, unless the rollback itself failed in a way that says more.
+fn rolled_back_with<T, E: From<UnitOfWorkError>>(
+    rolled_back: diesel::QueryResult<()>,
+    error: E,
+) -> Result<T, E> {
+    match rolled_back {
+        // A broken transaction manager means the rollback could not run; the original error
+        // says more about why.
+        Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
+        Err(rollback_error) => Err(UnitOfWorkError::from(rollback_error).into()),
+    }
+}
+
+/// The error a crash point returns in tests: the process "dies" there.
+pub(crate) fn simulated_crash() -> diesel::result::Error {
+    diesel::result::Error::DatabaseError(
+        diesel::result::DatabaseErrorKind::ClosedConnection,
+        Box::new("simulated crash (a test's crash point)".to_owned()),
+    )
 }
 
 /// The events of one transaction, collected until COMMIT. Handed to the closure of
@@ -254,13 +367,28 @@ impl<'c> UnitOfWork<'c> {
 
     /// Sets the conversation and cause of this unit of work's events, for a caller that
     /// carries them in already (an HTTP request's correlation id, a command's id).
+    ///
+    /// Each id holds at most [`MAX_ID_BYTES`]; a longer one fails the commit with
+    /// [`UnitOfWorkError::IdTooLong`].
     pub fn set_correlation(
         &mut self,
         correlation_id: impl Into<String>,
         causation_id: impl Into<String>,
     ) {
-        self.causality.correlation_id = correlation_id.into();
-        self.causality.causation_id = causation_id.into();
+        let (correlation_id, causation_id) = (correlation_id.into(), causation_id.into());
+        for (what, id) in [
+            ("correlation id", &correlation_id),
+            ("causation id", &causation_id),
+        ] {
+            if id.len() > MAX_ID_BYTES {
+                self.error.get_or_insert(UnitOfWorkError::IdTooLong {
+                    what,
+                    len: id.len(),
+                });
+            }
+        }
+        self.causality.correlation_id = correlation_id;
+        self.causality.causation_id = causation_id;
     }
 
     /// The trace context this unit of work's events carry in their `traceparent` header.
@@ -337,14 +465,23 @@ fn prepare<E: DomainEvent>(
             source,
         })?;
     let partition_key = partition_key.unwrap_or_else(|| aggregate_id.to_owned());
+    let subject = event_subject(
+        outbox.subject_prefix(),
+        aggregate_type,
+        &partition_key,
+        event_type,
+    );
+    if subject.len() > MAX_SUBJECT_BYTES {
+        return Err(UnitOfWorkError::SubjectTooLong {
+            len: subject.len(),
+            aggregate_type: aggregate_type.to_owned(),
+            aggregate_id: aggregate_id.to_owned(),
+            event_type: event_type.to_owned(),
+        });
+    }
     Ok(NewEvent {
         id: Uuid::now_v7(),
-        subject: event_subject(
-            outbox.subject_prefix(),
-            aggregate_type,
-            &partition_key,
-            event_type,
-        ),
+        subject,
         aggregate_type: aggregate_type.to_owned(),
         aggregate_id: aggregate_id.to_owned(),
         event_type,

@@ -7,6 +7,7 @@
 
 #![allow(dead_code)] // each test binary uses part of the harness
 
+pub mod consumer;
 pub mod domain;
 
 use std::time::Duration;
@@ -50,6 +51,15 @@ impl TestEnv {
 
     /// The same, on the NATS server at `nats_url`.
     pub async fn with_nats(nats_url: &str) -> Self {
+        let env = Self::unmigrated(nats_url).await;
+        outbox_runtime::run_migrations(&env.database_url)
+            .await
+            .expect("migrations apply");
+        env
+    }
+
+    /// A fresh database without the outbox tables, on the NATS server at `nats_url`.
+    pub async fn unmigrated(nats_url: &str) -> Self {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
         let admin_url = admin_url();
         let database = format!("outbox_test_{tag}");
@@ -64,10 +74,7 @@ impl TestEnv {
             Some((server, _)) => format!("{server}/{database}"),
             None => panic!("OUTBOX_TEST_DATABASE_URL has no database part: {admin_url}"),
         };
-        outbox_runtime::run_migrations(&database_url)
-            .await
-            .expect("migrations apply");
-        let nats = async_nats::connect(nats_url)
+        let nats = outbox_runtime::nats::connect(nats_url)
             .await
             .expect("NATS is reachable (see README: the services)");
         Self {
@@ -192,10 +199,15 @@ impl Drop for TestEnv {
                 .build()
                 .expect("a runtime for cleanup");
             runtime.block_on(async move {
-                let connect = async_nats::ConnectOptions::new()
-                    .connection_timeout(Duration::from_secs(2))
-                    .connect(nats_url);
-                if let Ok(nats) = connect.await {
+                let connect = async {
+                    let (options, servers) = outbox_runtime::nats::options(&nats_url).ok()?;
+                    options
+                        .connection_timeout(Duration::from_secs(2))
+                        .connect(servers)
+                        .await
+                        .ok()
+                };
+                if let Some(nats) = connect.await {
                     let _ = jetstream::new(nats).delete_stream(&stream).await;
                 }
                 if let Ok(mut admin) = AsyncPgConnection::establish(&admin_url).await {
@@ -234,23 +246,40 @@ where
 pub struct NatsServer {
     pub port: u16,
     store: std::path::PathBuf,
+    /// Arguments beyond the address, port and store (authentication, say).
+    extra: Vec<String>,
     child: Option<std::process::Child>,
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
 }
 
 impl NatsServer {
     pub async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        Self::start_with(&[]).await
+    }
+
+    /// A server started with `extra` arguments too (e.g. `--config`, `--user`).
+    pub async fn start_with(extra: &[&str]) -> Self {
         let store = std::env::temp_dir().join(format!("outbox-test-nats-{}", uuid::Uuid::new_v4()));
         let mut server = Self {
-            port,
+            port: free_port(),
             store,
+            extra: extra.iter().map(|arg| (*arg).to_owned()).collect(),
             child: None,
         };
         server.restart().await;
         server
+    }
+
+    /// Where the server keeps its JetStream store (a test may put a config file beside it).
+    pub fn store(&self) -> &std::path::Path {
+        &self.store
     }
 
     pub fn url(&self) -> String {
@@ -287,6 +316,7 @@ impl NatsServer {
                 "-sd",
             ])
             .arg(&self.store)
+            .args(&self.extra)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -315,6 +345,178 @@ impl NatsServer {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Stops the server gracefully (SIGTERM: nats-server shuts JetStream down, then closes
+    /// its connections), and waits until it has exited.
+    pub async fn terminate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "TERM");
+            tokio::task::spawn_blocking(move || child.wait())
+                .await
+                .expect("wait for the server")
+                .expect("the server exits");
+        }
+    }
+}
+
+/// Sends `signal` (`TERM`, `KILL`, ...) to the process `pid`, with the system's `kill`.
+pub fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// A TCP server on loopback that accepts connections and never answers: a database host
+/// that hangs.
+pub struct BlackHole {
+    pub port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BlackHole {
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        Self { port, task }
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A TCP proxy on loopback to another address, which a test can freeze: while frozen, it
+/// forwards nothing in either direction (a database host that stops answering mid-query).
+pub struct Proxy {
+    pub port: u16,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(target: std::net::SocketAddr) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = frozen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                for (mut from, mut to) in [(client_read, server_write), (server_read, client_write)]
+                {
+                    let flag = flag.clone();
+                    tokio::spawn(async move {
+                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                        let mut buffer = vec![0_u8; 16 * 1024];
+                        loop {
+                            let Ok(read) = from.read(&mut buffer).await else {
+                                return;
+                            };
+                            if read == 0 {
+                                return;
+                            }
+                            while flag.load(Ordering::SeqCst) {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            if to.write_all(&buffer[..read]).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Self { port, frozen, task }
+    }
+
+    pub fn freeze(&self, frozen: bool) {
+        self.frozen
+            .store(frozen, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Everything `tracing` writes, at any level, from the moment [`Logs::capture`] is called.
+///
+/// One subscriber for the whole test binary, installed as the global default on first use:
+/// `tracing` caches per call site whether anyone listens, and a subscriber set for one
+/// thread only can miss the events of call sites that another test's threads reached first.
+/// The tests that read logs take turns (the guard), so that what they read is theirs and
+/// the other tests' only.
+#[derive(Clone, Default)]
+pub struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+/// What one test captured: the global log from its start.
+pub struct Captured {
+    logs: Logs,
+    from: usize,
+}
+
+impl Logs {
+    pub async fn capture() -> (Captured, tokio::sync::MutexGuard<'static, ()>) {
+        static GLOBAL: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+        static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let turn = TURN.lock().await;
+        let logs = GLOBAL
+            .get_or_init(|| {
+                let logs = Logs::default();
+                let subscriber = tracing_subscriber::fmt()
+                    .with_writer(logs.clone())
+                    .with_max_level(tracing::Level::TRACE)
+                    .with_ansi(false)
+                    .finish();
+                tracing::subscriber::set_global_default(subscriber)
+                    .expect("the only global subscriber of this test binary");
+                logs
+            })
+            .clone();
+        let from = logs.0.lock().unwrap().len();
+        (Captured { logs, from }, turn)
+    }
+}
+
+impl Captured {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.logs.0.lock().unwrap()[self.from..]).into_owned()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
     }
 }
 

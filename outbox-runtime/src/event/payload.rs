@@ -17,6 +17,7 @@ use serde::de::{
 use serde::ser::{self, Impossible, Serialize, SerializeStruct, Serializer};
 
 use super::PayloadError;
+use super::storable::{may_hold_unstorable, unstorable};
 
 /// How `#[derive(DomainEvent)]` encodes and decodes payloads: through the type's own serde
 /// derives. Implemented for every `Serialize + DeserializeOwned` type; a trait of its own so
@@ -65,8 +66,9 @@ impl<T: Serialize + DeserializeOwned> SerdeEvent for T {
         event_type: &str,
         event_version: i32,
     ) -> Result<String, PayloadError> {
-        serde_json::to_string(self)
-            .map_err(|e| PayloadError::json::<T>(event_type, event_version, e))
+        let json = serde_json::to_string(self)
+            .map_err(|e| PayloadError::json::<T>(event_type, event_version, e))?;
+        refuse_unstorable(self, json, event_type, event_version)
     }
 
     fn struct_from_payload(
@@ -88,7 +90,8 @@ impl<T: Serialize + DeserializeOwned> SerdeEvent for T {
         self.serialize(VariantContent(&mut serde_json::Serializer::new(&mut json)))
             .map_err(error)?;
         // serde_json writes UTF-8 only; the check is a cheap guard, not an expected path.
-        String::from_utf8(json).map_err(|e| error(ser::Error::custom(e)))
+        let json = String::from_utf8(json).map_err(|e| error(ser::Error::custom(e)))?;
+        refuse_unstorable(self, json, event_type, event_version)
     }
 
     fn variant_from_payload(
@@ -108,6 +111,26 @@ impl<T: Serialize + DeserializeOwned> SerdeEvent for T {
         };
         decode().map_err(|e| PayloadError::json::<T>(event_type, event_version, e))
     }
+}
+
+/// `json`, unless `value` holds a number or string that JSON or `jsonb` cannot carry (see
+/// [`super::storable`]): then an error that names it by its path.
+fn refuse_unstorable<T: Serialize>(
+    value: &T,
+    json: String,
+    event_type: &str,
+    event_version: i32,
+) -> Result<String, PayloadError> {
+    if may_hold_unstorable(&json)
+        && let Some(what) = unstorable(value)
+    {
+        return Err(PayloadError::json::<T>(
+            event_type,
+            event_version,
+            ser::Error::custom(what),
+        ));
+    }
+    Ok(json)
 }
 
 const NOT_A_VARIANT: &str = "a DomainEvent enum must serialize as one of its variants \

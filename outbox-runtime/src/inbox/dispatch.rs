@@ -1,25 +1,40 @@
-//! The consumer loop: pulls messages, queues them by partition key in stream order, and
-//! handles them with bounded concurrency, one at a time per key.
+//! The consumer loop: pulls messages, queues them by ordering key (their aggregate) in
+//! stream order, and handles them with bounded concurrency, one at a time per key.
 //!
-//! A message whose handling failed (nak'd with a delay) holds its key: the later messages
-//! of the key wait until it is redelivered and handled or dead-lettered, so they cannot
-//! overtake it. Waiting messages are kept from redelivery with progress acks. A key held by a
-//! message that never comes back (another instance of the consumer took it) is released
-//! after the nak delay plus `ack_wait`.
+//! An instance holds at most `4 x max_concurrency` messages it has not started: it stops
+//! reading from its pull subscription when that many wait, so that what a crashed instance
+//! leaves unacked is small beside the consumer's `max_ack_pending`, and another instance
+//! keeps receiving messages meanwhile.
+//!
+//! A message that must wait (its handler failed, or an earlier event of its aggregate is not
+//! applied) is nak'd with a delay and holds its key: the later messages of that key that
+//! arrive meanwhile are nak'd back too, rather than kept, so the buffer holds only messages
+//! that can run. The key is released when the held message comes back and is processed, or,
+//! if it went to another instance, after its delay plus `ack_wait`. The database's order
+//! check (see `inbox::order`) makes this an economy, not the guarantee: a message that
+//! overtakes its predecessor anyway is held when it reaches the database.
+//!
+//! Messages waiting in the buffer and messages being handled are kept from redelivery with
+//! progress acks every third of `ack_wait`. On a graceful stop the waiting ones, and the ones
+//! the client has received and the loop has not read, are nak'd for immediate redelivery.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
+use futures::FutureExt;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::message::partition_key;
+use super::message::ordering_key;
 use super::{Handler, Inbox, InboxError, Outcome};
+
+/// How many messages an instance holds that it has not started, per handler it runs.
+const BUFFERED_PER_HANDLER: usize = 4;
 
 pub(super) async fn run<H: Handler>(
     inbox: Inbox<H>,
@@ -28,87 +43,158 @@ pub(super) async fn run<H: Handler>(
     let config = inbox.shared.config.clone();
     let stop = CancellationToken::new();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
+    let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
     let mut queues = Queues::new(config.max_concurrency, config.ack_wait);
     let mut jobs: FuturesUnordered<BoxFuture<'static, Finished>> = FuturesUnordered::new();
     let mut messages = None;
     let mut reconnect = Duration::from_millis(100);
-    let mut heartbeat =
-        tokio::time::interval((config.ack_wait / 3).max(Duration::from_millis(100)));
+    let mut heartbeat = tokio::time::interval(progress_interval(config.ack_wait));
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     tokio::pin!(shutdown);
 
     loop {
         let stream = match &mut messages {
             Some(stream) => stream,
-            None => match inbox.consumer().messages().await {
-                Ok(stream) => {
-                    reconnect = Duration::from_millis(100);
-                    messages.insert(stream)
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "the inbox cannot pull messages; retrying");
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => break,
-                        () = tokio::time::sleep(reconnect) => {}
+            None => {
+                let subscribed = inbox
+                    .consumer()
+                    .stream()
+                    .max_messages_per_batch(max_buffered)
+                    .heartbeat(Duration::from_secs(15))
+                    .messages()
+                    .await;
+                match subscribed {
+                    Ok(stream) => {
+                        reconnect = Duration::from_millis(100);
+                        messages.insert(stream)
                     }
-                    reconnect = (reconnect * 2).min(Duration::from_secs(10));
-                    continue;
+                    Err(error) => {
+                        tracing::warn!(%error, "the inbox cannot pull messages; retrying");
+                        tokio::select! {
+                            biased;
+                            () = &mut shutdown => break,
+                            () = tokio::time::sleep(reconnect) => {}
+                        }
+                        reconnect = (reconnect * 2).min(Duration::from_secs(10));
+                        continue;
+                    }
                 }
-            },
+            }
         };
-        tokio::select! {
+        let room = queues.buffered() < max_buffered;
+        let naks = tokio::select! {
             biased;
             () = &mut shutdown => break,
             Some(finished) = jobs.next(), if !jobs.is_empty() => queues.finished(finished),
-            next = stream.next() => match next {
+            next = stream.next(), if room => match next {
                 Some(Ok(message)) => queues.route(message),
-                Some(Err(error)) => tracing::warn!(%error, "the inbox's message stream reported an error"),
-                None => messages = None,
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "the inbox's message stream reported an error");
+                    Vec::new()
+                }
+                None => {
+                    messages = None;
+                    Vec::new()
+                }
             },
             _ = heartbeat.tick() => queues.heartbeat().await,
-        }
-        while let Some((key, message)) = queues.next_to_start() {
-            jobs.push(Box::pin(handle(inbox.clone(), key, message)));
+        };
+        nak_all(naks).await;
+        while let Some(job) = queues.next_to_start() {
+            jobs.push(Box::pin(handle(inbox.clone(), job)));
         }
     }
 
-    // Stop pulling; let the messages in progress finish and settle. Queued ones stay
-    // unacked and are redelivered after ack_wait.
+    // Hand back what this instance holds and has not started, for immediate redelivery;
+    // let the messages in progress finish and settle.
+    let mut handed_back = queues.release_waiting();
+    if let Some(stream) = messages.as_mut() {
+        while let Some(Some(Ok(message))) = stream.next().now_or_never() {
+            handed_back.push((message, Duration::ZERO));
+        }
+    }
     drop(messages);
+    nak_all(handed_back).await;
     while jobs.next().await.is_some() {}
     stop.cancel();
     purging.await?;
     Ok(())
 }
 
-/// A message handled: its key, its stream sequence, and what came of it.
+/// Progress acks (and the heartbeat) come every third of `ack_wait`, so two may be lost
+/// before JetStream redelivers.
+fn progress_interval(ack_wait: Duration) -> Duration {
+    (ack_wait / 3).max(Duration::from_millis(30))
+}
+
+async fn nak_all(messages: Vec<(jetstream::Message, Duration)>) {
+    for (message, delay) in messages {
+        let delay = (!delay.is_zero()).then_some(delay);
+        if let Err(error) = message.ack_with(AckKind::Nak(delay)).await {
+            tracing::debug!(%error, "a nak did not reach JetStream; it comes back after ack_wait");
+        }
+    }
+}
+
+/// A message to handle, with how long it has waited for its predecessor so far.
+struct Job {
+    key: String,
+    message: jetstream::Message,
+    held_for: Duration,
+}
+
+/// A message handled: its key, its stream sequence, what came of it, and whether it was
+/// settled (a test's crash point leaves it unsettled).
 struct Finished {
     key: String,
     sequence: u64,
     outcome: Outcome,
+    settled: bool,
 }
 
-async fn handle<H: Handler>(inbox: Inbox<H>, key: String, message: jetstream::Message) -> Finished {
+async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
+    let Job {
+        key,
+        message,
+        held_for,
+    } = job;
     let sequence = sequence(&message);
+    let config = &inbox.shared.config;
     let started = std::time::Instant::now();
-    let outcome = match inbox.process(&message).await {
-        Ok(outcome) => outcome,
-        Err(error) => Outcome::Retry {
-            delay: inbox.shared.config.retry_delay,
-            error: error.to_string(),
-        },
+    let processed = {
+        // A long handler keeps its message: progress acks while it runs.
+        let processing = inbox.process_held(&message, held_for);
+        tokio::pin!(processing);
+        let mut progress = tokio::time::interval(progress_interval(config.ack_wait));
+        progress.tick().await;
+        loop {
+            tokio::select! {
+                processed = &mut processing => break processed,
+                _ = progress.tick() => {
+                    if let Err(error) = message.ack_with(AckKind::Progress).await {
+                        tracing::debug!(%error, "progress ack failed");
+                    }
+                }
+            }
+        }
     };
-    let consumer = inbox.shared.config.consumer.clone();
+    let consumer = config.consumer.clone();
     metrics::histogram!("outbox_inbox_process_seconds", "consumer" => consumer.clone())
         .record(started.elapsed());
     metrics::counter!(
         "outbox_inbox_messages_total",
         "consumer" => consumer.clone(),
-        "outcome" => outcome.label(),
+        "outcome" => processed.outcome.label(),
     )
     .increment(1);
-    if let Err(error) = outcome.settle(&message).await {
+    let settle = processed.settle;
+    crash_point!("inbox::after_commit", |_| Finished {
+        key: key.clone(),
+        sequence,
+        outcome: processed.outcome.clone(),
+        settled: false,
+    });
+    if settle && let Err(error) = processed.outcome.settle(&message).await {
         metrics::counter!("outbox_inbox_settle_failures_total", "consumer" => consumer)
             .increment(1);
         tracing::warn!(%error, "cannot settle a message; JetStream will redeliver it");
@@ -116,7 +202,8 @@ async fn handle<H: Handler>(inbox: Inbox<H>, key: String, message: jetstream::Me
     Finished {
         key,
         sequence,
-        outcome,
+        outcome: processed.outcome,
+        settled: settle,
     }
 }
 
@@ -124,7 +211,7 @@ fn sequence(message: &jetstream::Message) -> u64 {
     message.info().map_or(u64::MAX, |info| info.stream_sequence)
 }
 
-/// The messages of one partition key.
+/// The messages of one ordering key.
 #[derive(Default)]
 struct Key {
     /// Received and not started, by stream sequence.
@@ -138,14 +225,18 @@ struct Key {
 }
 
 impl Key {
+    fn held(&self, now: Instant) -> Option<(u64, Instant)> {
+        self.held_for.filter(|(_, until)| now < *until)
+    }
+
     fn can_start(&self, now: Instant) -> bool {
         let Some(&first) = self.waiting.keys().next() else {
             return false;
         };
         self.running.is_none()
-            && match self.held_for {
+            && match self.held(now) {
                 None => true,
-                Some((sequence, until)) => first == sequence || now >= until,
+                Some((sequence, _)) => first <= sequence,
             }
     }
 
@@ -158,8 +249,11 @@ struct Queues {
     keys: HashMap<String, Key>,
     ready: VecDeque<String>,
     running: usize,
+    buffered: usize,
     max_running: usize,
     ack_wait: Duration,
+    /// Since when each message (by stream sequence) has waited for its predecessor.
+    held_since: HashMap<u64, Instant>,
 }
 
 impl Queues {
@@ -168,30 +262,45 @@ impl Queues {
             keys: HashMap::new(),
             ready: VecDeque::new(),
             running: 0,
+            buffered: 0,
             max_running,
             ack_wait,
+            held_since: HashMap::new(),
         }
     }
 
-    fn route(&mut self, message: jetstream::Message) {
-        let key_name = partition_key(&message);
+    /// Messages received and not started.
+    fn buffered(&self) -> usize {
+        self.buffered
+    }
+
+    /// Queues a received message; returns what to nak (a later message of a held key).
+    fn route(&mut self, message: jetstream::Message) -> Vec<(jetstream::Message, Duration)> {
+        let now = Instant::now();
+        let key_name = ordering_key(&message);
         let sequence = sequence(&message);
         let key = self.keys.entry(key_name.clone()).or_default();
         if key.running == Some(sequence) {
             // Redelivered while being handled: the handling settles it.
-            return;
+            return Vec::new();
         }
-        if key.held_for.is_some_and(|(held, _)| held == sequence) {
-            key.held_for = None;
+        if let Some((held, until)) = key.held(now)
+            && sequence > held
+        {
+            // It would only wait here: let JetStream keep it until the held one is back.
+            return vec![(message, (until - now).min(Duration::from_secs(1)))];
         }
-        key.waiting.insert(sequence, message);
+        if key.waiting.insert(sequence, message).is_none() {
+            self.buffered += 1;
+        }
         if !key.ready {
             key.ready = true;
             self.ready.push_back(key_name);
         }
+        Vec::new()
     }
 
-    fn next_to_start(&mut self) -> Option<(String, jetstream::Message)> {
+    fn next_to_start(&mut self) -> Option<Job> {
         let now = Instant::now();
         while self.running < self.max_running {
             let key_name = self.ready.pop_front()?;
@@ -203,22 +312,53 @@ impl Queues {
                 continue;
             }
             let (sequence, message) = key.waiting.pop_first().expect("can_start saw one");
+            self.buffered -= 1;
             key.held_for = None;
             key.running = Some(sequence);
             self.running += 1;
-            return Some((key_name, message));
+            let held_for = self
+                .held_since
+                .get(&sequence)
+                .map_or(Duration::ZERO, |since| now - *since);
+            return Some(Job {
+                key: key_name,
+                message,
+                held_for,
+            });
         }
         None
     }
 
-    fn finished(&mut self, finished: Finished) {
+    /// Records a finished message; returns what to nak (the later messages of a key that is
+    /// now held).
+    fn finished(&mut self, finished: Finished) -> Vec<(jetstream::Message, Duration)> {
         self.running -= 1;
+        let now = Instant::now();
+        let wait = match &finished.outcome {
+            Outcome::Retry { delay, .. } | Outcome::Held { delay, .. } if finished.settled => {
+                Some(*delay)
+            }
+            // Unsettled: it comes back after ack_wait.
+            _ if !finished.settled => Some(Duration::ZERO),
+            _ => None,
+        };
+        if matches!(finished.outcome, Outcome::Held { .. }) {
+            self.held_since.entry(finished.sequence).or_insert(now);
+        } else {
+            self.held_since.remove(&finished.sequence);
+        }
         let Some(key) = self.keys.get_mut(&finished.key) else {
-            return;
+            return Vec::new();
         };
         key.running = None;
-        if let Outcome::Retry { delay, .. } = finished.outcome {
-            key.held_for = Some((finished.sequence, Instant::now() + delay + self.ack_wait));
+        let mut naks = Vec::new();
+        if let Some(delay) = wait {
+            let until = now + delay + self.ack_wait;
+            key.held_for = Some((finished.sequence, until));
+            let later = key.waiting.split_off(&finished.sequence);
+            self.buffered -= later.len();
+            let back_in = delay.min(Duration::from_secs(1));
+            naks.extend(later.into_values().map(|message| (message, back_in)));
         }
         if key.idle() {
             self.keys.remove(&finished.key);
@@ -226,11 +366,12 @@ impl Queues {
             key.ready = true;
             self.ready.push_back(finished.key);
         }
+        naks
     }
 
-    /// Keeps waiting messages from redelivery, and releases keys whose held message did not
-    /// come back in time.
-    async fn heartbeat(&mut self) {
+    /// Keeps waiting messages from redelivery, releases keys whose held message did not
+    /// come back in time, and forgets holds of messages long gone to other instances.
+    async fn heartbeat(&mut self) -> Vec<(jetstream::Message, Duration)> {
         let now = Instant::now();
         let mut released = Vec::new();
         for (name, key) in &mut self.keys {
@@ -254,6 +395,24 @@ impl Queues {
                 }
             }
         }
+        let forget_after = Duration::from_secs(3600);
+        self.held_since
+            .retain(|_, since| now.duration_since(*since) < forget_after);
+        Vec::new()
+    }
+
+    /// Takes every message received and not started, to hand back on a graceful stop.
+    fn release_waiting(&mut self) -> Vec<(jetstream::Message, Duration)> {
+        let mut messages = Vec::with_capacity(self.buffered);
+        for key in self.keys.values_mut() {
+            messages.extend(
+                std::mem::take(&mut key.waiting)
+                    .into_values()
+                    .map(|message| (message, Duration::ZERO)),
+            );
+        }
+        self.buffered = 0;
+        messages
     }
 }
 
@@ -270,11 +429,20 @@ async fn purge_loop<H: Handler>(inbox: Inbox<H>, stop: CancellationToken) {
             continue;
         };
         loop {
-            match super::purge(&mut conn, &config.consumer, config.retention, BATCH).await {
-                Ok(deleted) if deleted < BATCH as usize => break,
-                Ok(_) => {}
-                Err(error) => {
+            let purged = tokio::time::timeout(
+                config.statement_timeout,
+                super::purge(&mut conn, &config.consumer, config.retention, BATCH),
+            )
+            .await;
+            match purged {
+                Ok(Ok(deleted)) if deleted < BATCH as usize => break,
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
                     tracing::warn!(%error, "inbox retention failed");
+                    break;
+                }
+                Err(_) => {
+                    tracing::warn!("inbox retention did not finish within the statement timeout");
                     break;
                 }
             }

@@ -7,13 +7,15 @@ use async_nats::HeaderMap;
 use async_nats::jetstream;
 use percent_encoding::percent_decode_str;
 
-use crate::causality::Traceparent;
+use crate::causality::{MAX_ID_BYTES, Traceparent};
 
 /// A message as the handler sees it, beside its decoded event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Metadata {
-    /// The message id: `ce-id`, else `Nats-Msg-Id`. The inbox records it.
+    /// The message id: `ce-id`, else `Nats-Msg-Id`. The inbox records it with `source`.
     pub id: String,
+    /// `ce-source`, when present: CloudEvents makes `source` and `id` together unique.
+    pub source: Option<String>,
     /// `ce-type`.
     pub event_type: String,
     /// `ce-eventversion`; 1 when absent.
@@ -62,6 +64,21 @@ pub enum UnreadableMessage {
         /// Its value, as received.
         value: String,
     },
+    /// A header that identifies the message or its aggregate is longer than
+    /// [`MAX_ID_BYTES`]: the inbox keys its tables by these, and a database index holds
+    /// about 2,700 bytes a row (PostgreSQL docs, section 67.4, B-tree "index row size").
+    #[error(
+        "message on {subject}: header {header} is {len} bytes long, over the limit of \
+         {MAX_ID_BYTES} bytes"
+    )]
+    TooLong {
+        /// The subject it came on.
+        subject: String,
+        /// The header.
+        header: &'static str,
+        /// Its length in bytes, decoded.
+        len: usize,
+    },
     /// It did not come from a JetStream consumer (no delivery information).
     #[error("message on {subject} carries no JetStream delivery information: {reason}")]
     NotJetStream {
@@ -89,15 +106,46 @@ impl Metadata {
         let headers = message.headers.as_ref().unwrap_or(&empty);
         let text = |name: &'static str| decoded(headers, &subject, name);
 
-        let id = match text("ce-id")? {
-            Some(id) => id,
-            None => decoded(headers, &subject, "Nats-Msg-Id")?.ok_or_else(|| {
-                UnreadableMessage::MissingHeader {
-                    subject: subject.clone(),
-                    header: "ce-id",
-                }
-            })?,
+        let (id, id_header) = match text("ce-id")? {
+            Some(id) => (id, "ce-id"),
+            None => (
+                decoded(headers, &subject, "Nats-Msg-Id")?.ok_or_else(|| {
+                    UnreadableMessage::MissingHeader {
+                        subject: subject.clone(),
+                        header: "ce-id",
+                    }
+                })?,
+                "Nats-Msg-Id",
+            ),
         };
+        let source = text("ce-source")?;
+        let aggregate_type = text("ce-aggregatetype")?;
+        let aggregate_id = text("ce-subject")?;
+        // CloudEvents 1.0, section 3.1.1: id and source are non-empty strings.
+        for (header, value) in [(id_header, Some(&id)), ("ce-source", source.as_ref())] {
+            if value.is_some_and(String::is_empty) {
+                return Err(UnreadableMessage::InvalidHeader {
+                    subject: subject.clone(),
+                    header,
+                    value: String::new(),
+                });
+            }
+        }
+        let identities = [
+            (id_header, Some(&id)),
+            ("ce-source", source.as_ref()),
+            ("ce-aggregatetype", aggregate_type.as_ref()),
+            ("ce-subject", aggregate_id.as_ref()),
+        ];
+        for (header, value) in identities {
+            if let Some(value) = value.filter(|value| value.len() > MAX_ID_BYTES) {
+                return Err(UnreadableMessage::TooLong {
+                    subject: subject.clone(),
+                    header,
+                    len: value.len(),
+                });
+            }
+        }
         let event_type = text("ce-type")?.ok_or_else(|| UnreadableMessage::MissingHeader {
             subject: subject.clone(),
             header: "ce-type",
@@ -134,10 +182,11 @@ impl Metadata {
         });
         Ok(Self {
             id,
+            source,
             event_type,
             event_version,
-            aggregate_type: text("ce-aggregatetype")?,
-            aggregate_id: text("ce-subject")?,
+            aggregate_type,
+            aggregate_id,
             sequence,
             partition_key: text("ce-partitionkey")?.unwrap_or_else(|| subject.clone()),
             correlation_id: text("ce-correlationid")?,
@@ -150,14 +199,35 @@ impl Metadata {
     }
 }
 
-/// The partition key of a message, for routing before it is read in full.
-pub(super) fn partition_key(message: &jetstream::Message) -> String {
-    let subject = message.subject.to_string();
-    message
-        .headers
-        .as_ref()
-        .and_then(|headers| decoded(headers, &subject, "ce-partitionkey").ok().flatten())
-        .unwrap_or(subject)
+impl Metadata {
+    /// The event's place in its aggregate: aggregate type, id and `ce-sequence`, when the
+    /// message carries all three (every message of the relay does).
+    pub(super) fn place(&self) -> Option<(&str, &str, i64)> {
+        Some((
+            self.aggregate_type.as_deref()?,
+            self.aggregate_id.as_deref()?,
+            self.sequence?,
+        ))
+    }
+}
+
+/// What a message is ordered by, read before it is read in full: its aggregate (source, type
+/// and id) when it names one, else its partition key, else its subject. The consumer
+/// handles the messages of one ordering key one at a time, in stream order.
+pub(super) fn ordering_key(message: &jetstream::Message) -> String {
+    let subject = message.subject.as_str();
+    let Some(headers) = message.headers.as_ref() else {
+        return subject.to_owned();
+    };
+    let raw = |name: &str| headers.get(name).map(|value| value.as_str());
+    match (raw("ce-aggregatetype"), raw("ce-subject")) {
+        // The raw (encoded) values: equal values encode equally.
+        (Some(aggregate_type), Some(aggregate_id)) => format!(
+            "{}\u{0}{aggregate_type}\u{0}{aggregate_id}",
+            raw("ce-source").unwrap_or_default()
+        ),
+        _ => raw("ce-partitionkey").unwrap_or(subject).to_owned(),
+    }
 }
 
 /// A header's value, percent-decoded; `None` when absent.
@@ -180,17 +250,27 @@ fn decoded(
 }
 
 /// The headers of a message as JSON (name to the array of its values), for the dead-letter
-/// table.
+/// table. A NUL character, which `jsonb` cannot store, is written as U+FFFD; the message
+/// itself stays in the stream at its stream sequence.
 pub(super) fn headers_json(message: &jetstream::Message) -> serde_json::Value {
     let mut object = serde_json::Map::new();
     if let Some(headers) = &message.headers {
         for (name, values) in headers.iter() {
             let values = values
                 .iter()
-                .map(|value| serde_json::Value::String(value.as_str().to_owned()))
+                .map(|value| serde_json::Value::String(storable_text(value.as_str())))
                 .collect();
-            object.insert(name.to_string(), serde_json::Value::Array(values));
+            object.insert(
+                storable_text(name.as_ref()),
+                serde_json::Value::Array(values),
+            );
         }
     }
     serde_json::Value::Object(object)
+}
+
+/// `text` without NUL characters (PostgreSQL's `text` and `jsonb` refuse them): each becomes
+/// U+FFFD.
+pub(super) fn storable_text(text: &str) -> String {
+    text.replace('\0', "\u{fffd}")
 }

@@ -1,43 +1,199 @@
-//! The inbox's statements.
+//! The inbox's statements, and the guarantee each one carries.
+//!
+//! - [`record`] runs first in the transaction that applies a message: it records the
+//!   message for the consumer (unique on consumer, `ce-source` and `ce-id`: a second delivery
+//!   finds the row and changes nothing) and, for an event of an aggregate, moves the
+//!   consumer's position in that aggregate to the event only when it is the next one. The
+//!   position row stays locked until the transaction ends, so the instances of a consumer
+//!   apply one aggregate's events one at a time and in `ce-sequence` order.
+//! - [`finish`] runs last, after the handler: it fails when the handler ended the
+//!   transaction itself, so no effect is acked without its inbox row.
+//! - [`count_failure`] runs after a handler failure rolled back: handler failures, not
+//!   deliveries, decide when a message is dead-lettered.
 
-use diesel::QueryResult;
-use diesel::sql_types::{Bytea, Int8, Jsonb, Text};
+use diesel::sql_types::{Bool, Bytea, Int4, Int8, Jsonb, Nullable, Text};
+use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::outbox::statement::statement;
 
-statement! {
-    /// Records a message as handled by a consumer, unless it already was.
-    struct RecordHandled<'a> {
-        consumer: &'a str => Text,
-        message_id: &'a str => Text,
-    }
-    sql = "INSERT INTO outbox_inbox (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+/// The message a statement is about: the consumer and the message's identity.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MessageKey<'a> {
+    pub consumer: &'a str,
+    /// `ce-source`, or empty.
+    pub source: &'a str,
+    /// `ce-id` (or `Nats-Msg-Id`), or a stand-in for a message without one.
+    pub message_id: &'a str,
 }
 
-/// Records the message `message_id` as handled by `consumer`; `false` when it already was.
-///
-/// Guarantee: run in the transaction that handles the message, the primary key on
-/// `(consumer, message_id)` lets one transaction only record it. A concurrent second
-/// delivery waits on the first transaction's insert and then finds the row.
-pub(crate) async fn record_handled(
+/// An event's place in its aggregate, for [`record`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place<'a> {
+    pub aggregate_type: &'a str,
+    pub aggregate_id: &'a str,
+    /// `ce-sequence`.
+    pub seq: i64,
+    /// The message's sequence in the stream.
+    pub stream_sequence: i64,
+}
+
+/// What [`record`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// The message was recorded already: a duplicate.
+    Duplicate,
+    /// Recorded, and (for an event of an aggregate) it is the next one: the consumer's
+    /// position moved to it.
+    Next,
+    /// Recorded, but an earlier event of the aggregate has not been applied: `last_seq` is
+    /// the last applied (0 for none), at stream sequence `stream_sequence`.
+    Gap { last_seq: i64, stream_sequence: i64 },
+    /// Recorded, but a later event of the aggregate was applied already (`last_seq`).
+    Late { last_seq: i64 },
+}
+
+statement! {
+    /// The inbox's first statement (see [`record`]): the function `outbox_inbox_record` of
+    /// the migrations, planned once per session.
+    struct RecordMessage<'a> {
+        consumer: &'a str => Text,
+        source: &'a str => Text,
+        message_id: &'a str => Text,
+        aggregate_type: Option<&'a str> => Nullable<Text>,
+        aggregate_id: Option<&'a str> => Nullable<Text>,
+        seq: Option<i64> => Nullable<Int8>,
+        stream_sequence: Option<i64> => Nullable<Int8>,
+        accept_gap: bool => Bool,
+    }
+    sql = "SELECT recorded, applied_seq, applied_stream_sequence \
+           FROM outbox_inbox_record($1, $2, $3, $4, $5, $6, $7, $8)";
+}
+
+#[derive(QueryableByName)]
+struct RecordRow {
+    #[diesel(sql_type = Bool)]
+    recorded: bool,
+    #[diesel(sql_type = Nullable<Int8>)]
+    applied_seq: Option<i64>,
+    #[diesel(sql_type = Nullable<Int8>)]
+    applied_stream_sequence: Option<i64>,
+}
+
+/// Records the message and, when `place` is given, moves the consumer's position in the
+/// aggregate to it if it is the next one (or if `accept_gap`, when the caller has found that
+/// the events in between will not come).
+pub(crate) async fn record(
     conn: &mut AsyncPgConnection,
-    consumer: &str,
-    message_id: &str,
-) -> QueryResult<bool> {
-    let inserted = RecordHandled {
-        consumer,
-        message_id,
+    key: MessageKey<'_>,
+    place: Option<Place<'_>>,
+    accept_gap: bool,
+) -> QueryResult<Recorded> {
+    let row: RecordRow = RecordMessage {
+        consumer: key.consumer,
+        source: key.source,
+        message_id: key.message_id,
+        aggregate_type: place.map(|p| p.aggregate_type),
+        aggregate_id: place.map(|p| p.aggregate_id),
+        seq: place.map(|p| p.seq),
+        stream_sequence: place.map(|p| p.stream_sequence),
+        accept_gap,
+    }
+    .get_result(conn)
+    .await?;
+    if !row.recorded {
+        return Ok(Recorded::Duplicate);
+    }
+    let (Some(place), Some(last_seq), Some(stream_sequence)) =
+        (place, row.applied_seq, row.applied_stream_sequence)
+    else {
+        return Ok(Recorded::Next);
+    };
+    Ok(
+        if stream_sequence == place.stream_sequence && last_seq == place.seq {
+            Recorded::Next
+        } else if last_seq >= place.seq {
+            Recorded::Late { last_seq }
+        } else {
+            Recorded::Gap {
+                last_seq,
+                stream_sequence,
+            }
+        },
+    )
+}
+
+statement! {
+    /// The inbox's last statement before COMMIT (see [`finish`]).
+    struct Finish<'a> {
+        consumer: &'a str => Text,
+        source: &'a str => Text,
+        message_id: &'a str => Text,
+        clear_attempts: bool => Bool,
+    }
+    sql = "SELECT outbox_inbox_finish($1, $2, $3, $4)";
+}
+
+/// Checks that the transaction is still the inbox's own (the handler did not end it), and
+/// forgets the message's failed attempts when `clear_attempts`.
+pub(crate) async fn finish(
+    conn: &mut AsyncPgConnection,
+    key: MessageKey<'_>,
+    clear_attempts: bool,
+) -> QueryResult<()> {
+    Finish {
+        consumer: key.consumer,
+        source: key.source,
+        message_id: key.message_id,
+        clear_attempts,
     }
     .execute(conn)
     .await?;
-    Ok(inserted == 1)
+    Ok(())
+}
+
+statement! {
+    /// One more handler failure of a message (see [`count_failure`]).
+    struct CountFailure<'a> {
+        consumer: &'a str => Text,
+        source: &'a str => Text,
+        message_id: &'a str => Text,
+        error: &'a str => Text,
+    }
+    sql = "INSERT INTO outbox_inbox_attempts AS a (consumer, source, message_id, failures, last_error) \
+           VALUES ($1, $2, $3, 1, $4) \
+           ON CONFLICT (consumer, source, message_id) DO UPDATE \
+           SET failures = a.failures + 1, last_error = excluded.last_error, failed_at = now() \
+           RETURNING failures";
+}
+
+#[derive(QueryableByName)]
+struct Failures {
+    #[diesel(sql_type = Int4)]
+    failures: i32,
+}
+
+/// Counts a handler failure of the message, outside any transaction of it; returns the
+/// failures so far.
+pub(crate) async fn count_failure(
+    conn: &mut AsyncPgConnection,
+    key: MessageKey<'_>,
+    error: &str,
+) -> QueryResult<u32> {
+    let row: Failures = CountFailure {
+        consumer: key.consumer,
+        source: key.source,
+        message_id: key.message_id,
+        error,
+    }
+    .get_result(conn)
+    .await?;
+    Ok(u32::try_from(row.failures).unwrap_or(1))
 }
 
 /// A message to dead-letter, whole.
 pub(crate) struct DeadLetter<'a> {
-    pub consumer: &'a str,
-    pub message_id: &'a str,
+    pub key: MessageKey<'a>,
     pub subject: &'a str,
     pub headers: &'a serde_json::Value,
     pub payload: &'a [u8],
@@ -46,21 +202,20 @@ pub(crate) struct DeadLetter<'a> {
     pub stream_sequence: i64,
 }
 
-/// Records a dead letter, and the message as handled so that a later delivery of it is
-/// skipped, in one statement.
-pub(crate) async fn record_dead_letter(
+/// Writes a dead letter, in the caller's transaction (which also records the message, so a
+/// later delivery of it is skipped).
+pub(crate) async fn insert_dead_letter(
     conn: &mut AsyncPgConnection,
     letter: &DeadLetter<'_>,
 ) -> QueryResult<()> {
     diesel::sql_query(
-        "WITH letter AS ( \
-             INSERT INTO outbox_inbox_dead_letters (consumer, message_id, subject, headers, \
-                 payload, error, deliveries, stream_sequence) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING) \
-         INSERT INTO outbox_inbox (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        "INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, headers, \
+             payload, error, deliveries, stream_sequence) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
     )
-    .bind::<Text, _>(letter.consumer)
-    .bind::<Text, _>(letter.message_id)
+    .bind::<Text, _>(letter.key.consumer)
+    .bind::<Text, _>(letter.key.source)
+    .bind::<Text, _>(letter.key.message_id)
     .bind::<Text, _>(letter.subject)
     .bind::<Jsonb, _>(letter.headers)
     .bind::<Bytea, _>(letter.payload)
@@ -72,8 +227,67 @@ pub(crate) async fn record_dead_letter(
     Ok(())
 }
 
+/// Records that the consumer applied an event over a gap in its aggregate's sequence.
+pub(crate) async fn insert_gap(
+    conn: &mut AsyncPgConnection,
+    key: MessageKey<'_>,
+    place: Place<'_>,
+    after_seq: i64,
+    reason: &str,
+) -> QueryResult<()> {
+    diesel::sql_query(
+        "INSERT INTO outbox_inbox_gaps (consumer, source, aggregate_type, aggregate_id, \
+             after_seq, next_seq, stream_sequence, reason) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind::<Text, _>(key.consumer)
+    .bind::<Text, _>(key.source)
+    .bind::<Text, _>(place.aggregate_type)
+    .bind::<Text, _>(place.aggregate_id)
+    .bind::<Int8, _>(after_seq)
+    .bind::<Int8, _>(place.seq)
+    .bind::<Int8, _>(place.stream_sequence)
+    .bind::<Text, _>(reason)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Whether the consumer settled a message (applied, skipped or dead-lettered it): by its
+/// `source` and `message_id`, or, for one it could not read, by its stream sequence.
+pub(crate) async fn settled(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    source: &str,
+    message_id: Option<&str>,
+    stream_sequence: u64,
+) -> QueryResult<bool> {
+    #[derive(QueryableByName)]
+    struct Settled {
+        #[diesel(sql_type = Bool)]
+        settled: bool,
+    }
+    let row: Settled = diesel::sql_query(
+        "SELECT EXISTS (SELECT 1 FROM outbox_inbox WHERE consumer = $1 \
+             AND ((source = $2 AND message_id = $3) OR (source = '' AND message_id = $4))) \
+         AS settled",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<Text, _>(source)
+    .bind::<Nullable<Text>, _>(message_id)
+    .bind::<Text, _>(unread_id(stream_sequence))
+    .get_result(conn)
+    .await?;
+    Ok(row.settled)
+}
+
+/// The id under which the inbox records a message it could not read: its stream sequence.
+pub(crate) fn unread_id(stream_sequence: u64) -> String {
+    format!("stream-sequence-{stream_sequence}")
+}
+
 /// Deletes up to `limit` of `consumer`'s inbox rows handled more than `older_than_ms` ago,
-/// oldest first; returns how many.
+/// oldest first, and failed attempts as old; returns how many inbox rows.
 pub(crate) async fn purge(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -81,8 +295,13 @@ pub(crate) async fn purge(
     limit: i64,
 ) -> QueryResult<usize> {
     diesel::sql_query(
-        "DELETE FROM outbox_inbox WHERE (consumer, message_id) IN ( \
-             SELECT consumer, message_id FROM outbox_inbox \
+        "WITH attempts AS ( \
+             DELETE FROM outbox_inbox_attempts WHERE (consumer, source, message_id) IN ( \
+                 SELECT consumer, source, message_id FROM outbox_inbox_attempts \
+                 WHERE consumer = $1 AND failed_at < now() - $2 * interval '1 millisecond' \
+                 LIMIT $3)) \
+         DELETE FROM outbox_inbox WHERE (consumer, source, message_id) IN ( \
+             SELECT consumer, source, message_id FROM outbox_inbox \
              WHERE consumer = $1 AND handled_at < now() - $2 * interval '1 millisecond' \
              ORDER BY handled_at LIMIT $3)",
     )
@@ -98,17 +317,38 @@ mod tests {
     use super::*;
     use diesel::query_builder::QueryFragment;
 
-    #[test]
-    fn record_handled_renders_its_sql() {
+    fn rendered(statement: &impl QueryFragment<diesel::pg::Pg>) -> String {
         let mut builder = diesel::pg::PgQueryBuilder::default();
-        let statement = RecordHandled {
-            consumer: "c",
-            message_id: "m",
-        };
         statement.to_sql(&mut builder, &diesel::pg::Pg).unwrap();
-        assert_eq!(
-            diesel::query_builder::QueryBuilder::finish(builder),
-            RecordHandled::SQL
-        );
+        diesel::query_builder::QueryBuilder::finish(builder)
+    }
+
+    #[test]
+    fn the_statements_render_their_sql() {
+        let record = RecordMessage {
+            consumer: "c",
+            source: "s",
+            message_id: "m",
+            aggregate_type: None,
+            aggregate_id: None,
+            seq: None,
+            stream_sequence: None,
+            accept_gap: false,
+        };
+        assert_eq!(rendered(&record), RecordMessage::SQL);
+        let finish = Finish {
+            consumer: "c",
+            source: "s",
+            message_id: "m",
+            clear_attempts: true,
+        };
+        assert_eq!(rendered(&finish), Finish::SQL);
+        let failure = CountFailure {
+            consumer: "c",
+            source: "s",
+            message_id: "m",
+            error: "e",
+        };
+        assert_eq!(rendered(&failure), CountFailure::SQL);
     }
 }

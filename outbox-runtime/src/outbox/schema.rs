@@ -45,9 +45,12 @@ diesel::table! {
 }
 
 diesel::table! {
-    /// The messages each inbox consumer handled.
-    outbox_inbox (consumer, message_id) {
+    /// The messages each inbox consumer handled (applied, skipped or dead-lettered).
+    outbox_inbox (consumer, source, message_id) {
         consumer -> Text,
+        /// `ce-source`; empty for a message without one.
+        source -> Text,
+        /// `ce-id` (or `Nats-Msg-Id`); `stream-sequence-N` for a message that could not be read.
         message_id -> Text,
         handled_at -> Timestamptz,
     }
@@ -55,8 +58,9 @@ diesel::table! {
 
 diesel::table! {
     /// The messages inbox consumers dead-lettered.
-    outbox_inbox_dead_letters (consumer, message_id) {
+    outbox_inbox_dead_letters (consumer, source, message_id) {
         consumer -> Text,
+        source -> Text,
         message_id -> Text,
         subject -> Text,
         headers -> Jsonb,
@@ -65,5 +69,49 @@ diesel::table! {
         deliveries -> Int8,
         stream_sequence -> Int8,
         dead_lettered_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    /// Each consumer's position in each aggregate: the last `ce-sequence` it applied.
+    outbox_inbox_positions (consumer, source, aggregate_type, aggregate_id) {
+        consumer -> Text,
+        source -> Text,
+        aggregate_type -> Text,
+        aggregate_id -> Text,
+        /// 0 before the first event.
+        last_seq -> Int8,
+        /// The stream sequence of that event's message.
+        stream_sequence -> Int8,
+        updated_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    /// Handler failures per message: these alone count toward dead-lettering.
+    outbox_inbox_attempts (consumer, source, message_id) {
+        consumer -> Text,
+        source -> Text,
+        message_id -> Text,
+        failures -> Int4,
+        last_error -> Text,
+        failed_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    /// Events a consumer applied over a gap in their aggregate's sequence.
+    outbox_inbox_gaps (consumer, source, aggregate_type, aggregate_id, recorded_at) {
+        consumer -> Text,
+        source -> Text,
+        aggregate_type -> Text,
+        aggregate_id -> Text,
+        /// The last sequence applied before the gap.
+        after_seq -> Int8,
+        /// The sequence applied over it.
+        next_seq -> Int8,
+        stream_sequence -> Int8,
+        reason -> Text,
+        recorded_at -> Timestamptz,
     }
 }

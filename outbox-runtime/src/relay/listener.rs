@@ -11,28 +11,22 @@
 //! have committed while nobody listened). Meanwhile the workers poll.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use diesel_async::RunQueryDsl;
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::Backoff;
+use super::{Backoff, Shared};
 
 /// The channel the outbox's insert trigger notifies.
 pub(crate) const CHANNEL: &str = "outbox_events";
 
-pub(super) async fn run(
-    database_url: String,
-    wakers: Vec<Arc<Notify>>,
-    max_backoff: Duration,
-    stop: CancellationToken,
-) {
+pub(super) async fn run(shared: &Shared, wakers: Vec<Arc<Notify>>, stop: CancellationToken) {
     let wake_all = || wakers.iter().for_each(|wake| wake.notify_one());
-    let mut backoff = Backoff::new(max_backoff);
+    let mut backoff = Backoff::new(shared.config.max_backoff);
     while !stop.is_cancelled() {
-        match listen(&database_url).await {
+        match listen(shared).await {
             Ok(mut conn) => {
                 backoff.reset();
                 wake_all();
@@ -70,13 +64,19 @@ pub(super) async fn run(
     }
 }
 
-async fn listen(database_url: &str) -> Result<diesel_async::AsyncPgConnection, String> {
-    let mut conn = super::worker::connect(database_url)
+async fn listen(shared: &Shared) -> Result<diesel_async::AsyncPgConnection, String> {
+    let mut conn = super::worker::connect(shared)
         .await
         .map_err(|e| e.to_string())?;
-    diesel::sql_query(format!("LISTEN {CHANNEL}"))
-        .execute(&mut conn)
+    let listening = diesel::sql_query(format!("LISTEN {CHANNEL}")).execute(&mut conn);
+    tokio::time::timeout(shared.config.statement_timeout, listening)
         .await
+        .map_err(|_| {
+            format!(
+                "LISTEN did not answer within {:?}",
+                shared.config.statement_timeout
+            )
+        })?
         .map_err(|e| e.to_string())?;
     Ok(conn)
 }

@@ -4,19 +4,25 @@
 //! Within a batch, rows of different aggregates are published concurrently (bounded by the
 //! relay's in-flight window) and the rows of one aggregate one after another, each after the
 //! previous one's ack: a failure ends that aggregate's chain, so no later event overtakes it.
+//!
+//! Every query of a batch is bounded by the statement timeout, and every publish by the ack
+//! timeout, so a database or a broker that stops answering costs a batch, never the worker:
+//! the connection is dropped (PostgreSQL rolls its transaction back when it notices) and the
+//! worker starts again on a new one.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{Backoff, Shared};
-use crate::outbox::queries::{self, ClaimedEvent, Held};
+use crate::database::{self, Bounded};
+use crate::outbox::queries::{self, ClaimedEvent, Held, RetryPolicy};
 use crate::publisher::{PublishFailure, Publisher};
 
 /// What one batch did.
@@ -27,7 +33,11 @@ pub struct BatchReport {
     pub claimed: usize,
     /// Rows acked and marked (or deleted).
     pub published: usize,
-    /// Rows the broker rejected; each counted an attempt.
+    /// Of the published rows, those JetStream already held: a row published again after a
+    /// relay died between the ack and its commit, dropped by the stream's dedup.
+    pub duplicates: usize,
+    /// Rows the broker rejected, or that cannot be published as they stand; each counted an
+    /// attempt.
     pub rejected: usize,
     /// Of the rejected rows, those that became dead letters.
     pub dead_lettered: usize,
@@ -36,15 +46,10 @@ pub struct BatchReport {
     pub transport_failures: usize,
 }
 
-/// Opens a relay connection: named in `pg_stat_activity`.
-pub(super) async fn connect(
-    database_url: &str,
-) -> Result<AsyncPgConnection, diesel::ConnectionError> {
-    let mut conn = AsyncPgConnection::establish(database_url).await?;
-    conn.batch_execute("SET application_name TO 'outbox-relay'")
-        .await
-        .map_err(|e| diesel::ConnectionError::BadConnection(e.to_string()))?;
-    Ok(conn)
+/// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
+/// connect timeout, with its statement timeout.
+pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, database::ConnectError> {
+    database::connect(&shared.config.database_url, "outbox-relay", shared.limits()).await
 }
 
 /// The worker loop: batches until `stop`, then returns after the batch in progress.
@@ -67,31 +72,53 @@ pub(super) async fn run(
         if matches!(step, Step::Busy) {
             peers.iter().for_each(|peer| peer.notify_one());
         }
-        let wait = match step {
-            Step::Busy => {
-                backoff.reset();
-                continue;
-            }
+        match step {
+            Step::Busy => backoff.reset(),
+            // Woken by a notification, or after the poll interval.
             Step::Idle => {
                 backoff.reset();
-                Wait::ForWork(config.poll_interval)
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => {}
+                    () = wake.notified() => {}
+                    () = tokio::time::sleep(config.poll_interval) => {}
+                }
             }
-            Step::Failed => Wait::Backoff(backoff.next()),
-        };
-        match wait {
-            // Woken by a notification, or after the poll interval.
-            Wait::ForWork(poll) => tokio::select! {
-                biased;
-                () = stop.cancelled() => {}
-                () = wake.notified() => {}
-                () = tokio::time::sleep(poll) => {}
-            },
-            // Notifications do not shorten a backoff: they would hammer a broker that is down.
-            Wait::Backoff(pause) => tokio::select! {
-                biased;
-                () = stop.cancelled() => {}
-                () = tokio::time::sleep(pause) => {}
-            },
+            // Nothing to do until the client is connected again: look every 100 ms, so the
+            // relay resumes as soon as the broker is back, however long it was away.
+            Step::BrokerDown => {
+                backoff.reset();
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(BROKER_POLL) => {}
+                }
+            }
+            // Notifications do not shorten a backoff: they would hammer a broker that is
+            // failing. A reconnect does: the failure was the connection's.
+            Step::Failed { connects } => {
+                let pause = backoff.next();
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(pause) => {}
+                    () = reconnected(&shared.publisher, connects) => backoff.reset(),
+                }
+            }
+        }
+    }
+}
+
+/// How often a worker looks whether the broker is back.
+const BROKER_POLL: Duration = Duration::from_millis(100);
+
+/// Completes once the client has connected again since it had connected `connects` times.
+async fn reconnected(publisher: &Publisher, connects: u64) {
+    loop {
+        tokio::time::sleep(BROKER_POLL).await;
+        let state = publisher.client().connection_state();
+        if state == State::Connected && publisher.connects() > connects {
+            return;
         }
     }
 }
@@ -103,13 +130,12 @@ enum Step {
     Busy,
     /// Nothing was claimable: wait for a notification or the poll interval.
     Idle,
-    /// The broker or the database failed: back off.
-    Failed,
-}
-
-enum Wait {
-    ForWork(Duration),
-    Backoff(Duration),
+    /// The client is not connected to the broker: claiming would only lock rows to fail
+    /// them. Wait until it is.
+    BrokerDown,
+    /// A publish failed in transport, or the database failed: back off. `connects` is the
+    /// client's connect count at the failure.
+    Failed { connects: u64 },
 }
 
 async fn step(
@@ -118,44 +144,72 @@ async fn step(
     conn_slot: &mut Option<AsyncPgConnection>,
     stop: &CancellationToken,
 ) -> Step {
-    // While the broker is unreachable, claiming would only lock rows to fail them.
+    let connects = shared.publisher.connects();
     if shared.nats.connection_state() != State::Connected {
         metrics::counter!("outbox_relay_broker_unavailable_total").increment(1);
-        return Step::Failed;
+        shared.health.broker_down();
+        return Step::BrokerDown;
     }
+    shared.health.broker_up();
     if conn_slot.is_none() {
-        match connect(&shared.config.database_url).await {
+        match connect(shared).await {
             Ok(conn) => *conn_slot = Some(conn),
             Err(error) => {
-                tracing::warn!(%error, "relay cannot connect to the database; retrying");
-                return Step::Failed;
+                shared.health.database_failed(&error.to_string());
+                return Step::Failed { connects };
             }
         }
     }
     let conn = conn_slot.as_mut().expect("connected above");
     match relay_batch(shared, Some(me), conn, stop).await {
-        Ok(report) if report.transport_failures > 0 => Step::Failed,
-        Ok(report) if report.claimed > 0 => Step::Busy,
-        Ok(_) => Step::Idle,
+        Ok(outcome) => {
+            shared.health.database_ok();
+            match outcome.transport_error {
+                Some(error) => {
+                    shared.health.transport_failed(&error);
+                    Step::Failed { connects }
+                }
+                None => {
+                    shared.health.transport_ok();
+                    if outcome.report.claimed > 0 {
+                        Step::Busy
+                    } else {
+                        Step::Idle
+                    }
+                }
+            }
+        }
         Err(error) => {
-            tracing::warn!(%error, "relay batch failed; reopening the connection");
+            shared.health.database_failed(&error.to_string());
+            // The transaction's state is unknown (a timeout) or failed: a new connection
+            // starts clean, and PostgreSQL rolls back what this one left.
             *conn_slot = None;
-            Step::Failed
+            Step::Failed { connects }
         }
     }
 }
 
+/// A batch's report, with the first transport failure it met.
+pub(super) struct BatchOutcome {
+    pub report: BatchReport,
+    pub transport_error: Option<String>,
+}
+
+/// Why a batch failed: a query failed or did not answer in time.
+pub(super) type BatchError = Bounded<diesel::result::Error>;
+
 /// Claims, publishes and records one batch in one transaction. `me` is the worker's index
-/// in [`HeldAggregates`] (`None` outside the worker loop).
+/// in [`HeldAggregates`] (`None` outside the worker loop). On an error the transaction is
+/// rolled back, or, when the database did not answer, left for the caller to drop with the
+/// connection.
 pub(super) async fn relay_batch(
     shared: &Shared,
     me: Option<usize>,
     conn: &mut AsyncPgConnection,
     stop: &CancellationToken,
-) -> Result<BatchReport, diesel::result::Error> {
-    let config = &shared.config;
+) -> Result<BatchOutcome, BatchError> {
+    let (limit, target) = (shared.config.statement_timeout, shared.target.as_str());
     let started = Instant::now();
-    let batch_size = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
     let peers_hold = shared.held.others(me);
     let held = Held {
         types: peers_hold.iter().map(|(t, _)| t.as_str()).collect(),
@@ -163,73 +217,38 @@ pub(super) async fn relay_batch(
     };
     // Released whether the transaction commits, rolls back or fails.
     let _holding = shared.held.holding(me);
-    let report = conn
-        .transaction::<_, diesel::result::Error, _>(async |conn| {
-            let claimed = queries::claim_batch(conn, batch_size, &held).await?;
-            let chains = chains(&claimed, config.batch_size);
-            shared.held.hold(
-                me,
-                chains.iter().map(|chain| {
-                    (
-                        chain[0].aggregate_type.clone(),
-                        chain[0].aggregate_id.clone(),
-                    )
-                }),
-            );
-            let mut report = BatchReport {
-                claimed: chains.iter().map(|chain| chain.len()).sum(),
-                ..BatchReport::default()
-            };
-            if let Some(oldest) = chains.iter().map(|chain| chain[0].occurred_at).min() {
-                let lag = time::OffsetDateTime::now_utc() - oldest;
-                metrics::gauge!("outbox_relay_lag_seconds").set(lag.as_seconds_f64());
-            }
-            // Unordered: the outcomes are independent, and polling them in any order is
-            // cheaper than join_all's ordered bookkeeping.
-            let outcomes: Vec<ChainOutcome<'_>> = chains
-                .iter()
-                .map(|chain| publish_chain(&shared.publisher, chain, stop))
-                .collect::<futures::stream::FuturesUnordered<_>>()
-                .collect()
-                .await;
+    database::bounded(
+        limit,
+        target,
+        "the BEGIN of a relay batch",
+        AnsiTransactionManager::begin_transaction(conn),
+    )
+    .await?;
+    let outcome = match batch(shared, me, conn, &held, stop).await {
+        Ok(outcome) => outcome,
+        Err(error @ Bounded::TimedOut(_)) => return Err(error),
+        Err(error) => {
+            let _ = database::bounded(
+                limit,
+                target,
+                "the ROLLBACK of a relay batch",
+                AnsiTransactionManager::rollback_transaction(conn),
+            )
+            .await;
+            return Err(error);
+        }
+    };
+    database::bounded(
+        limit,
+        target,
+        "the COMMIT of a relay batch",
+        AnsiTransactionManager::commit_transaction(conn),
+    )
+    .await?;
 
-            let mut published: Vec<Uuid> = Vec::with_capacity(report.claimed);
-            for outcome in outcomes {
-                published.extend(outcome.published);
-                match outcome.failure {
-                    Some((row, PublishFailure::Rejected(error))) => {
-                        let rejection =
-                            queries::record_rejection(conn, row.id, &error, shared.retry).await?;
-                        report.rejected += 1;
-                        if rejection.dead_lettered {
-                            report.dead_lettered += 1;
-                            tracing::error!(
-                                id = %row.id, subject = %row.subject, attempts = rejection.attempts,
-                                %error, "dead-lettered an event the broker kept rejecting"
-                            );
-                        } else {
-                            tracing::warn!(
-                                id = %row.id, subject = %row.subject, attempts = rejection.attempts,
-                                %error, "the broker rejected an event; it will be retried"
-                            );
-                        }
-                    }
-                    Some((row, PublishFailure::Transport(error))) => {
-                        report.transport_failures += 1;
-                        tracing::debug!(id = %row.id, %error, "publish failed in transport");
-                    }
-                    None => {}
-                }
-            }
-            report.published = published.len();
-            if !published.is_empty() {
-                queries::finish_published(conn, &published, config.published).await?;
-            }
-            Ok(report)
-        })
-        .await?;
-
+    let report = &outcome.report;
     metrics::counter!("outbox_relay_published_total").increment(report.published as u64);
+    metrics::counter!("outbox_relay_duplicates_total").increment(report.duplicates as u64);
     metrics::counter!("outbox_relay_rejected_total").increment(report.rejected as u64);
     metrics::counter!("outbox_relay_dead_lettered_total").increment(report.dead_lettered as u64);
     metrics::counter!("outbox_relay_transport_failures_total")
@@ -239,6 +258,7 @@ pub(super) async fn relay_batch(
         tracing::debug!(
             claimed = report.claimed,
             published = report.published,
+            duplicates = report.duplicates,
             rejected = report.rejected,
             dead_lettered = report.dead_lettered,
             transport_failures = report.transport_failures,
@@ -248,7 +268,164 @@ pub(super) async fn relay_batch(
     } else {
         metrics::gauge!("outbox_relay_lag_seconds").set(0.0);
     }
-    Ok(report)
+    Ok(outcome)
+}
+
+/// The batch's work inside its transaction.
+async fn batch(
+    shared: &Shared,
+    me: Option<usize>,
+    conn: &mut AsyncPgConnection,
+    held: &Held<'_>,
+    stop: &CancellationToken,
+) -> Result<BatchOutcome, BatchError> {
+    let config = &shared.config;
+    let (limit, target) = (config.statement_timeout, shared.target.as_str());
+    let batch_size = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
+    let claimed = database::bounded(
+        limit,
+        target,
+        "the relay's claim",
+        queries::claim_batch(conn, batch_size, held),
+    )
+    .await?;
+    let chains = chains(&claimed, config.batch_size);
+    shared.held.hold(
+        me,
+        chains.iter().map(|chain| {
+            (
+                chain[0].aggregate_type.clone(),
+                chain[0].aggregate_id.clone(),
+            )
+        }),
+    );
+    let mut report = BatchReport {
+        claimed: chains.iter().map(|chain| chain.len()).sum(),
+        ..BatchReport::default()
+    };
+    if let Some(oldest) = chains.iter().map(|chain| chain[0].occurred_at).min() {
+        let lag = time::OffsetDateTime::now_utc() - oldest;
+        metrics::gauge!("outbox_relay_lag_seconds").set(lag.as_seconds_f64());
+    }
+    crash_point!("relay::before_publish", |_| Err(Bounded::Failed(
+        crate::unit_of_work::simulated_crash()
+    )));
+    // Unordered: the outcomes are independent, and polling them in any order is cheaper than
+    // join_all's ordered bookkeeping.
+    let outcomes: Vec<ChainOutcome<'_>> = chains
+        .iter()
+        .map(|chain| publish_chain(&shared.publisher, chain, stop))
+        .collect::<futures::stream::FuturesUnordered<_>>()
+        .collect()
+        .await;
+    if outcomes.iter().any(|outcome| outcome.crashed) {
+        return Err(Bounded::Failed(crate::unit_of_work::simulated_crash()));
+    }
+
+    // A missing ack while the connection stayed up: ask the stream, once per batch, whether
+    // it answers. If it does, the server dropped that message on purpose.
+    let mut stream_answers = None;
+    let mut transport_error = None;
+    let mut published: Vec<Uuid> = Vec::with_capacity(report.claimed);
+    for outcome in outcomes {
+        published.extend(outcome.published);
+        report.duplicates += outcome.duplicates;
+        let Some((row, failure)) = outcome.failure else {
+            continue;
+        };
+        let failure = match failure {
+            PublishFailure::Unacknowledged { error, connects } => {
+                let answers = match stream_answers {
+                    Some(answers) => answers,
+                    None => *stream_answers.insert(stream_answers_now(shared, connects).await),
+                };
+                if answers {
+                    PublishFailure::Rejected(format!(
+                        "{error}: no publish ack within {:?} while the stream {:?} answered; the \
+                         server dropped the message (a publish permission that denies the \
+                         subject is the usual cause; see the server's log)",
+                        config.ack_timeout, config.stream.name
+                    ))
+                } else {
+                    PublishFailure::Transport(error)
+                }
+            }
+            other => other,
+        };
+        let (error, policy) = match failure {
+            PublishFailure::Transport(error) => {
+                report.transport_failures += 1;
+                tracing::debug!(id = %row.id, %error, "publish failed in transport");
+                transport_error.get_or_insert(error);
+                continue;
+            }
+            // A row that cannot be published as it stands will not be publishable at the
+            // next attempt either: it is a dead letter at once, for an operator to fix.
+            PublishFailure::Invalid(error) => (
+                error,
+                RetryPolicy {
+                    max_attempts: 1,
+                    ..shared.retry
+                },
+            ),
+            PublishFailure::Rejected(error) => (error, shared.retry),
+            PublishFailure::Unacknowledged { .. } => unreachable!("resolved above"),
+        };
+        let rejection = database::bounded(
+            limit,
+            target,
+            "recording a rejected row",
+            queries::record_rejection(conn, row.id, &error, policy),
+        )
+        .await?;
+        report.rejected += 1;
+        if rejection.dead_lettered {
+            report.dead_lettered += 1;
+            tracing::error!(
+                id = %row.id, subject = %crate::subject::shortened(&row.subject, 128),
+                attempts = rejection.attempts, %error,
+                "dead-lettered an event that cannot be published"
+            );
+        } else {
+            tracing::warn!(
+                id = %row.id, subject = %crate::subject::shortened(&row.subject, 128),
+                attempts = rejection.attempts, %error,
+                "the broker rejected an event; it will be retried"
+            );
+        }
+    }
+    report.published = published.len();
+    crash_point!("relay::after_publish", |_| Err(Bounded::Failed(
+        crate::unit_of_work::simulated_crash()
+    )));
+    if !published.is_empty() {
+        database::bounded(
+            limit,
+            target,
+            "marking published rows",
+            queries::finish_published(conn, &published, config.published),
+        )
+        .await?;
+    }
+    Ok(BatchOutcome {
+        report,
+        transport_error,
+    })
+}
+
+/// Whether the relay's stream answers now, on the connection that sent a publish when the
+/// client had connected `connects` times: no reconnect since, and a stream info request
+/// answered within the ack timeout.
+async fn stream_answers_now(shared: &Shared, connects: u64) -> bool {
+    let publisher = &shared.publisher;
+    if publisher.connects() != connects || shared.nats.connection_state() != State::Connected {
+        return false;
+    }
+    let info = publisher.jetstream().get_stream(&shared.config.stream.name);
+    matches!(
+        tokio::time::timeout(shared.config.ack_timeout, info).await,
+        Ok(Ok(_))
+    )
 }
 
 /// The aggregates each worker of a relay holds (claimed heads, until its transaction ends),
@@ -328,7 +505,11 @@ fn chains(rows: &[ClaimedEvent], batch_size: usize) -> Vec<Chain<'_>> {
 
 struct ChainOutcome<'a> {
     published: Vec<Uuid>,
+    /// Of the published, those JetStream held already.
+    duplicates: usize,
     failure: Option<(&'a ClaimedEvent, PublishFailure)>,
+    /// A test's crash point stopped the chain (never set without the `failpoints` feature).
+    crashed: bool,
 }
 
 /// Publishes one aggregate's rows in order, each after the previous one's ack; stops at the
@@ -339,23 +520,39 @@ async fn publish_chain<'a>(
     chain: Chain<'a>,
     stop: &CancellationToken,
 ) -> ChainOutcome<'a> {
-    let mut published = Vec::with_capacity(chain.len());
+    let mut outcome = ChainOutcome {
+        published: Vec::with_capacity(chain.len()),
+        duplicates: 0,
+        failure: None,
+        crashed: false,
+    };
     for row in chain {
         if stop.is_cancelled() {
             break;
         }
-        if let Err(failure) = publisher.publish(row).await {
-            return ChainOutcome {
-                published,
-                failure: Some((row, failure)),
-            };
+        match publisher.publish(row).await {
+            Ok(duplicate) => {
+                outcome.published.push(row.id);
+                outcome.duplicates += usize::from(duplicate);
+            }
+            Err(failure) => {
+                outcome.failure = Some((row, failure));
+                break;
+            }
         }
-        published.push(row.id);
+        if crashes_mid_batch() {
+            outcome.crashed = true;
+            break;
+        }
     }
-    ChainOutcome {
-        published,
-        failure: None,
-    }
+    outcome
+}
+
+/// Whether a test's crash point stops the batch after this publish, as a relay that died
+/// mid-batch would (always `false` without the `failpoints` feature).
+fn crashes_mid_batch() -> bool {
+    crash_point!("relay::mid_batch", |_| true);
+    false
 }
 
 #[cfg(test)]

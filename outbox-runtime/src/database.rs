@@ -1,0 +1,231 @@
+//! The toolkit's own database connections (the relay's, the inbox's, the migrations'):
+//! opened with a connect timeout, bounded by a statement timeout, and named in errors and
+//! logs without their password.
+//!
+//! A server that accepts connections and never answers (a frozen host, a proxy in front of a
+//! dead database) would otherwise hang a connect or a query for ever: tokio-postgres sets no
+//! timeout of its own. Every connection here is opened within a connect timeout, sets the
+//! server-side `statement_timeout` (PostgreSQL docs, section 20.11.1) so that a query stuck
+//! on a lock is cancelled by the server, and each query of the relay and the inbox is also
+//! bounded on the client side, which is what ends a wait on a server that does not answer
+//! at all.
+
+use std::fmt;
+use std::future::Future;
+use std::str::FromStr;
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+
+/// The default connect timeout of the relay, the inbox and [`crate::run_migrations`]: 10 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The default statement timeout of the relay's and the inbox's queries: 30 s.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A connection to the database could not be opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot connect to the database at {target}: {reason}")]
+pub struct ConnectError {
+    /// Where: the URL without its password (see [`redacted`]).
+    pub target: String,
+    /// What went wrong: the server's or the driver's message, or the timeout.
+    pub reason: String,
+}
+
+/// A query of the toolkit's own did not finish in time; its connection is closed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the database at {target} did not answer {operation} within {after:?}")]
+pub struct TimedOut {
+    /// Where: the URL without its password.
+    pub target: String,
+    /// The query that did not finish, in words ("the relay's claim").
+    pub operation: &'static str,
+    /// The statement timeout that ran out.
+    pub after: Duration,
+}
+
+/// `database_url` as it may be shown: the user, hosts, ports and database of a
+/// `postgres://` URL or of a `key=value` connection string, never the password. A string
+/// that does not parse is not shown at all.
+///
+/// ```
+/// use outbox_runtime::database::redacted;
+/// assert_eq!(
+///     redacted("postgres://app:s3cret@db.internal:5433/orders"),
+///     "postgres://app@db.internal:5433/orders"
+/// );
+/// assert_eq!(redacted("host=db password=s3cret dbname=orders"), "postgres://db/orders");
+/// ```
+pub fn redacted(database_url: &str) -> String {
+    let Ok(config) = tokio_postgres::Config::from_str(database_url) else {
+        return "<a database URL that does not parse>".to_owned();
+    };
+    let mut text = String::from("postgres://");
+    if let Some(user) = config.get_user() {
+        text.push_str(user);
+        text.push('@');
+    }
+    let ports = config.get_ports();
+    for (index, host) in config.get_hosts().iter().enumerate() {
+        if index > 0 {
+            text.push(',');
+        }
+        match host {
+            tokio_postgres::config::Host::Tcp(name) => text.push_str(name),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(path) => text.push_str(&path.to_string_lossy()),
+        }
+        let port = ports.get(index).or(ports.first());
+        if let Some(port) = port.filter(|port| **port != 5432) {
+            text.push(':');
+            text.push_str(&port.to_string());
+        }
+    }
+    if let Some(dbname) = config.get_dbname() {
+        text.push('/');
+        text.push_str(dbname);
+    }
+    text
+}
+
+/// A database URL that shows itself redacted in `Debug` and `Display`.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Redacted<'a>(pub &'a str);
+
+impl fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&redacted(self.0), f)
+    }
+}
+
+impl fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&redacted(self.0))
+    }
+}
+
+/// How the toolkit opens and bounds a connection.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub connect_timeout: Duration,
+    pub statement_timeout: Duration,
+}
+
+/// Opens a connection within `limits.connect_timeout`, names it `application_name` in
+/// `pg_stat_activity`, and sets its server-side `statement_timeout` (none when zero).
+pub(crate) async fn connect(
+    database_url: &str,
+    application_name: &str,
+    limits: Limits,
+) -> Result<AsyncPgConnection, ConnectError> {
+    let error = |reason: String| ConnectError {
+        target: redacted(database_url),
+        reason,
+    };
+    let setup = async {
+        let mut conn = AsyncPgConnection::establish(database_url)
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        // 0 switches the server-side timeout off (the migrations' connection).
+        let statement_ms = limits.statement_timeout.as_millis();
+        conn.batch_execute(&format!(
+            "SET application_name TO '{application_name}'; \
+             SET statement_timeout TO {statement_ms}"
+        ))
+        .await
+        .map_err(|e| error(e.to_string()))?;
+        Ok(conn)
+    };
+    tokio::time::timeout(limits.connect_timeout, setup)
+        .await
+        .map_err(|_| {
+            error(format!(
+                "no answer within the connect timeout of {:?}",
+                limits.connect_timeout
+            ))
+        })?
+}
+
+/// Runs `query` within `limit`; on timeout the caller must drop the connection, whose state
+/// is unknown.
+pub(crate) async fn bounded<T, E>(
+    limit: Duration,
+    target: &str,
+    operation: &'static str,
+    query: impl Future<Output = Result<T, E>>,
+) -> Result<T, Bounded<E>> {
+    match tokio::time::timeout(limit, query).await {
+        Ok(result) => result.map_err(Bounded::Failed),
+        Err(_) => Err(Bounded::TimedOut(TimedOut {
+            target: target.to_owned(),
+            operation,
+            after: limit,
+        })),
+    }
+}
+
+/// A bounded query's failure.
+#[derive(Debug)]
+pub(crate) enum Bounded<E> {
+    /// The query failed.
+    Failed(E),
+    /// It did not finish in time.
+    TimedOut(TimedOut),
+}
+
+impl<E: fmt::Display> fmt::Display for Bounded<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Failed(error) => error.fmt(f),
+            Self::TimedOut(timed_out) => timed_out.fmt(f),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_connection_strings_lose_their_password() {
+        for (url, shown) in [
+            (
+                "postgres://app:s3cret@db:5433/orders",
+                "postgres://app@db:5433/orders",
+            ),
+            (
+                "postgresql://app:s3cret@db/orders",
+                "postgres://app@db/orders",
+            ),
+            (
+                "postgres://postgres@127.0.0.1:5432/test",
+                "postgres://postgres@127.0.0.1/test",
+            ),
+            (
+                "postgres://a:p%40ss@h1:1,h2:2/d",
+                "postgres://a@h1:1,h2:2/d",
+            ),
+            (
+                "host=db port=6000 user=app password=s3cret dbname=orders",
+                "postgres://app@db:6000/orders",
+            ),
+            ("postgres://a:s3cret@h/d?password=other", "postgres://a@h/d"),
+            (
+                "postgres://[not a url",
+                "<a database URL that does not parse>",
+            ),
+        ] {
+            let text = redacted(url);
+            assert_eq!(text, shown, "{url}");
+            assert!(
+                !text.contains("s3cret") && !text.contains("p%40ss"),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            format!("{:?}", Redacted("postgres://a:s3cret@h/d")),
+            "\"postgres://a@h/d\""
+        );
+    }
+}
