@@ -6,7 +6,8 @@ mod support;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
-use outbox_runtime::{TokenRole, UnitOfWorkError};
+use outbox_runtime::{DomainEvent, TokenRole, UnitOfWorkError};
+use serde::{Deserialize, Serialize};
 use support::TestEnv;
 use support::domain::{Order, OrderEvent, PaymentCaptured};
 
@@ -478,4 +479,205 @@ async fn a_pooled_connection_runs_a_unit_of_work_and_goes_back_to_the_pool_clean
         [("o-1".to_owned(), 1, "Placed".to_owned())]
     );
     assert!(order.pending_events().is_empty());
+}
+
+/// An event with values JSON and `jsonb` may not carry.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+enum Reading {
+    Measured {
+        sensor: String,
+        celsius: f64,
+        notes: Vec<String>,
+    },
+}
+
+/// An event whose name is as long as a token may be.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+#[event(
+    name = "EEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEE"
+)]
+struct Long {}
+
+#[tokio::test]
+async fn a_nan_or_a_nul_in_a_payload_fails_the_commit_naming_the_field() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    for (reading, wanted) in [
+        (
+            Reading::Measured {
+                sensor: "s-1".into(),
+                celsius: f64::NAN,
+                notes: vec![],
+            },
+            "the number at $.celsius is NaN",
+        ),
+        (
+            Reading::Measured {
+                sensor: "s-1".into(),
+                celsius: 21.5,
+                notes: vec!["ok".into(), "bad\0byte".into()],
+            },
+            "the string at $.notes[1] contains a NUL character",
+        ),
+    ] {
+        let error = env
+            .outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.emit("Sensor", "s-1", &reading);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, UnitOfWorkError::Payload { .. }),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains(wanted), "{error}");
+    }
+    let fine = Reading::Measured {
+        sensor: "s-1".into(),
+        celsius: 21.5,
+        notes: vec!["null".into()],
+    };
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.emit("Sensor", "s-1", &fine);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox_rows(&mut conn).await.len(),
+        1,
+        "only the storable one"
+    );
+}
+
+#[tokio::test]
+async fn ids_keys_and_subjects_are_bounded_at_commit_with_the_limit_named() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut huge = Order::place(&"x".repeat(10_000), "ada", 1);
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut huge);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        error.to_string().contains(
+            "it is 10000 bytes long, over the limit of 256 bytes a subject token may hold"
+        ),
+        "{error}"
+    );
+
+    // Every token at its limit: the subject would pass the control line's quarter.
+    let prefix = "p".repeat(256);
+    let outbox = outbox_runtime::Outbox::new()
+        .with_subject_prefix(&prefix)
+        .unwrap();
+    let (aggregate_type, aggregate_id) = ("T".repeat(256), "i".repeat(256));
+    let error = outbox
+        .transaction(&mut conn, async |uow| {
+            uow.emit(&aggregate_type, &aggregate_id, &Long {});
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, UnitOfWorkError::SubjectTooLong { len: 1027, .. }),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("over the limit of 1024 bytes"),
+        "{error}"
+    );
+
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.set_correlation("c".repeat(600), "cause");
+            uow.emit("Sensor", "s-1", &Long {});
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "the correlation id is 600 bytes long, over the limit of 512 bytes an id may hold"
+    );
+    assert!(outbox_rows(&mut conn).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_transaction_ended_inside_the_closure_writes_no_ghost_event() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    for statement in ["ROLLBACK", "COMMIT"] {
+        let mut order = Order::place(&format!("o-{statement}"), "ada", 1);
+        let error = env
+            .outbox()
+            .transaction(&mut conn, async |uow| {
+                insert_order(uow.conn(), &order).await?;
+                uow.conn().batch_execute(statement).await?;
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, UnitOfWorkError::TransactionEnded),
+            "{statement}: {error:?}"
+        );
+        assert!(
+            outbox_rows(&mut conn).await.is_empty(),
+            "{statement}: no event without its transaction"
+        );
+        assert_eq!(order.pending_events().len(), 1, "the events stay pending");
+    }
+    // The ROLLBACK undid the business row; the COMMIT was the closure's own.
+    let ids: Vec<String> = orders::table
+        .select(orders::id)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(ids, ["o-COMMIT"]);
+    // The connection is usable again.
+    let mut next = Order::place("o-next", "ada", 1);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut next);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(outbox_rows(&mut conn).await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_commit_on_a_database_without_the_outbox_tables_says_to_run_the_migrations() {
+    let env = TestEnv::unmigrated(&support::nats_url()).await;
+    let mut conn = env.conn().await;
+    let mut order = Order::place("o-1", "ada", 1);
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, UnitOfWorkError::MissingMigrations(missing) if <[String]>::first(&missing.pending).map(String::as_str) == Some("20261121000001")),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("run the outbox migrations first"),
+        "{error}"
+    );
 }

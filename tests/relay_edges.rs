@@ -1,0 +1,495 @@
+//! The relay at its edges, against the real PostgreSQL and NATS: hostile rows (subjects
+//! outside the prefix, subjects the server cannot read, data that would switch JetStream's
+//! dedup off), a publish the server's permissions deny, a broker that stops gracefully or
+//! stays away, and the warnings an operator sees meanwhile.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_runtime::outbox::schema::outbox_events;
+use outbox_runtime::{PublishedRows, Relay, UnitOfWorkError, dead_letter};
+use support::domain::{Order, OrderEvent};
+use support::{Logs, NatsServer, Received, TestEnv, wait_until};
+
+async fn stream_len(env: &TestEnv) -> u64 {
+    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+async fn until_stream_holds(env: &TestEnv, count: u64, timeout: Duration) {
+    wait_until(
+        &format!("{count} messages in the stream"),
+        timeout,
+        || async { (stream_len(env).await >= count).then_some(()) },
+    )
+    .await;
+}
+
+/// `ce-sequence`s per aggregate id, in stream order.
+fn sequences(messages: &[Received]) -> BTreeMap<String, Vec<u64>> {
+    let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for message in messages {
+        let id = percent_encoding::percent_decode_str(&message.header("ce-subject"))
+            .decode_utf8()
+            .unwrap()
+            .into_owned();
+        sequences
+            .entry(id)
+            .or_default()
+            .push(message.header("ce-sequence").parse().unwrap());
+    }
+    sequences
+}
+
+/// Inserts a row by plain SQL, as another writer would: aggregate `Raw`, sequence 1.
+async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subject: &str) {
+    diesel::sql_query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         VALUES ('Raw', $1, 1, 'Written', $1, $2, '{}')",
+    )
+    .bind::<diesel::sql_types::Text, _>(aggregate_id)
+    .bind::<diesel::sql_types::Text, _>(subject)
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+/// The `last_error` and dead-letter state of the `Raw` row of `aggregate_id`.
+async fn raw_row(conn: &mut AsyncPgConnection, aggregate_id: &str) -> (i32, Option<String>, bool) {
+    outbox_events::table
+        .filter(outbox_events::aggregate_id.eq(aggregate_id))
+        .select((
+            outbox_events::attempts,
+            outbox_events::last_error,
+            outbox_events::dead_lettered_at.is_not_null(),
+        ))
+        .first(conn)
+        .await
+        .unwrap()
+}
+
+/// How many times the client has connected. (In a module of its own: with diesel-async's
+/// `RunQueryDsl` in scope, `.load` on the counter resolves to a query.)
+mod client {
+    pub fn connects(client: &async_nats::Client) -> u64 {
+        client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+use client::connects;
+
+#[tokio::test]
+async fn a_row_cannot_publish_to_the_jetstream_api_or_another_stream() {
+    let env = TestEnv::new().await;
+    let other = format!("{}_OTHER", env.stream);
+    let js = env.jetstream();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: other.clone(),
+        subjects: vec![format!("{}other.>", env.prefix)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    js.publish(format!("{}other.kept", env.prefix), "precious".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let mut conn = env.conn().await;
+    insert_raw(&mut conn, "purge", &format!("$JS.API.STREAM.PURGE.{other}")).await;
+    insert_raw(&mut conn, "sideways", &format!("{}other.kept", env.prefix)).await;
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!(
+        (report.rejected, report.dead_lettered, report.published),
+        (2, 2, 0)
+    );
+
+    let mut other_stream = js.get_stream(&other).await.unwrap();
+    assert_eq!(
+        other_stream.info().await.unwrap().state.messages,
+        1,
+        "the other stream was neither purged nor written"
+    );
+    for id in ["purge", "sideways"] {
+        let (attempts, error, dead) = raw_row(&mut conn, id).await;
+        assert!(dead && attempts == 1, "{id}: dead-lettered at once");
+        let error = error.unwrap();
+        assert!(
+            error.contains("does not start with the relay's prefix"),
+            "{error}"
+        );
+    }
+    let _ = js.delete_stream(&other).await;
+}
+
+#[tokio::test]
+async fn unreadable_subjects_are_dead_lettered_at_once_and_never_cost_the_connection() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.ack_timeout = Duration::from_secs(2);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let before = connects(&env.nats);
+    let mut conn = env.conn().await;
+    let p = &env.prefix;
+    insert_raw(&mut conn, "space", &format!("{p}.Raw.a b.Written")).await;
+    insert_raw(&mut conn, "empty", &format!("{p}.Raw..Written")).await;
+    insert_raw(&mut conn, "blank", "").await;
+    let huge = "x".repeat(10_000);
+    insert_raw(&mut conn, &huge, &format!("{p}.Raw.{huge}.Written")).await;
+    let started = Instant::now();
+    let mut order = Order::place("o-1", "ada", 1);
+    env.commit(&mut order).await;
+    until_stream_holds(&env, 1, Duration::from_secs(10)).await;
+    let dead = wait_until("four dead letters", Duration::from_secs(10), || async {
+        let dead = dead_letter::list(&mut env.conn().await, 10).await.unwrap();
+        (dead.len() == 4).then_some(dead)
+    })
+    .await;
+    let flowed_after = started.elapsed();
+    relay.shutdown().await.unwrap();
+
+    for letter in &dead {
+        let error = letter.last_error.as_deref().unwrap_or_default();
+        let wanted = match letter.aggregate_id.as_str() {
+            "space" => "contains whitespace",
+            "empty" => "it is empty",
+            "blank" => "does not start with the relay's prefix",
+            _ => "over the limit of 1024 bytes",
+        };
+        assert!(
+            error.contains(wanted),
+            "{}: {error}",
+            letter.aggregate_id.len()
+        );
+        assert_eq!(letter.attempts, 1);
+    }
+    assert_eq!(
+        connects(&env.nats),
+        before,
+        "the server never dropped the relay's connection"
+    );
+    assert!(
+        flowed_after < Duration::from_secs(5),
+        "the other aggregate flowed at once: {flowed_after:?}"
+    );
+    assert_eq!(stream_len(&env).await, 1);
+}
+
+#[tokio::test]
+async fn data_cannot_switch_off_jetstream_dedup() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.published = PublishedRows::Mark;
+    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let mut conn = env.conn().await;
+    const AGGREGATES: u64 = 8;
+    for n in 0..AGGREGATES {
+        let mut order = Order::place(&format!("Nats-Msg-Id-{n}"), "ada", 1);
+        env.outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.set_correlation(format!("Nats-Msg-Id:{n}"), "Nats-Msg-Id");
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+    while relay.relay_batch().await.unwrap().claimed > 0 {}
+    assert_eq!(stream_len(&env).await, AGGREGATES);
+
+    // Every mark lost: the relay publishes every row again, inside the duplicate window.
+    conn.batch_execute("UPDATE outbox_events SET published_at = NULL")
+        .await
+        .unwrap();
+    let mut duplicates = 0;
+    loop {
+        let report = relay.relay_batch().await.unwrap();
+        if report.claimed == 0 {
+            break;
+        }
+        duplicates += report.duplicates;
+    }
+    assert_eq!(stream_len(&env).await, AGGREGATES, "stored once each");
+    assert_eq!(
+        duplicates as u64, AGGREGATES,
+        "JetStream found each a duplicate"
+    );
+
+    let messages = env.stream_messages().await;
+    let first = &messages[0];
+    let decode = |name: &str| {
+        percent_encoding::percent_decode_str(&first.header(name))
+            .decode_utf8()
+            .unwrap()
+            .into_owned()
+    };
+    assert!(
+        decode("ce-subject").starts_with("Nats-Msg-Id-"),
+        "decodes back"
+    );
+    assert!(decode("ce-correlationid").starts_with("Nats-Msg-Id:"));
+    assert_eq!(first.header("Nats-Msg-Id"), first.header("ce-id"));
+}
+
+/// A nats-server whose user `relay` may publish the test's events except `Secret` ones.
+async fn server_denying_secrets(prefix: &str) -> NatsServer {
+    let dir = std::env::temp_dir().join(format!("outbox-test-auth-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("server.conf");
+    std::fs::write(
+        &config,
+        format!(
+            "authorization {{\n  users = [\n    {{ user: relay, password: relay-pw, permissions: {{\n      \
+             publish: {{ allow: [\"$JS.API.>\", \"_INBOX.>\", \"{prefix}.>\"], deny: [\"{prefix}.Secret.>\"] }}\n      \
+             subscribe: {{ allow: [\">\"] }}\n    }} }}\n  ]\n}}\n"
+        ),
+    )
+    .unwrap();
+    NatsServer::start_with(&["--config", config.to_str().unwrap()]).await
+}
+
+#[tokio::test]
+async fn a_publish_the_servers_permissions_deny_is_a_rejection_with_its_error() {
+    let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let server = server_denying_secrets(&prefix).await;
+    let url = format!("nats://relay:relay-pw@127.0.0.1:{}", server.port);
+    let env = TestEnv::with_nats(&url).await;
+    let nats = env.nats.clone();
+    let mut config = env.relay_config();
+    config.subject_prefix = prefix.clone();
+    config.ack_timeout = Duration::from_millis(500);
+    let outbox = outbox_runtime::Outbox::new()
+        .with_subject_prefix(&prefix)
+        .unwrap();
+    let mut relay = Relay::connect(config, nats.clone()).await.unwrap();
+    let mut conn = env.conn().await;
+    insert_raw(&mut conn, "s-1", &format!("{prefix}.Secret.s-1.Leaked")).await;
+    let mut order = Order::place("o-1", "ada", 1);
+    outbox
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!(
+        (report.published, report.rejected, report.transport_failures),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    let (attempts, error, dead) = raw_row(&mut conn, "s-1").await;
+    assert_eq!(
+        (attempts, dead),
+        (1, false),
+        "an attempt, then a retry later"
+    );
+    let error = error.unwrap();
+    assert!(error.contains("publish permission"), "{error}");
+    assert_eq!(connects(&nats), 1);
+}
+
+#[tokio::test]
+async fn a_broker_back_from_a_long_outage_is_used_at_once_and_the_outage_is_logged() {
+    let (logs, _guard) = Logs::capture().await;
+    let mut server = NatsServer::start().await;
+    let env = TestEnv::with_nats(&server.url()).await;
+    // The defaults: backoff up to 30 s.
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    let mut first = Order::place("o-1", "ada", 1);
+    env.commit(&mut first).await;
+    until_stream_holds(&env, 1, Duration::from_secs(10)).await;
+
+    server.stop();
+    let mut second = Order::place("o-2", "ada", 1);
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut second);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    // Long enough that a doubling backoff would be in a pause of 12.8 s.
+    tokio::time::sleep(Duration::from_secs(14)).await;
+    server.restart().await;
+    let restarted = Instant::now();
+    wait_until(
+        "the client to reconnect",
+        Duration::from_secs(15),
+        || async {
+            (env.nats.connection_state() == async_nats::connection::State::Connected).then_some(())
+        },
+    )
+    .await;
+    let reconnected = restarted.elapsed();
+    until_stream_holds(&env, 2, Duration::from_secs(30)).await;
+    let resumed = restarted.elapsed() - reconnected;
+    relay.shutdown().await.unwrap();
+
+    assert!(
+        resumed < Duration::from_secs(2),
+        "published {resumed:?} after the client reconnected"
+    );
+    let text = logs.text();
+    assert!(
+        text.contains("WARN") && text.contains("the NATS client is disconnected"),
+        "the outage was logged as a warning"
+    );
+    assert!(
+        text.contains("the NATS client is connected again"),
+        "and its end: {}",
+        text.lines()
+            .filter(|line| !line.contains("TRACE"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_broker_shutdown_counts_no_attempt_and_dead_letters_nothing() {
+    let mut server = NatsServer::start().await;
+    let env = TestEnv::with_nats(&server.url()).await;
+    let mut config = env.relay_config();
+    config.published = PublishedRows::Mark; // keep the rows, to read their attempts
+    config.max_attempts = 1; // one counted attempt would dead-letter a row at once
+    config.ack_timeout = Duration::from_millis(500);
+    config.max_backoff = Duration::from_millis(200);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+
+    // Writers commit all along, so publishes are in flight when JetStream stops.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let writer = {
+        let (outbox, url, stop) = (env.outbox(), env.database_url.clone(), stop.clone());
+        tokio::spawn(async move {
+            use diesel_async::AsyncConnection;
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            let mut orders: Vec<Order> = (0..20)
+                .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+                .collect();
+            let mut committed = 0_u64;
+            while !stop.is_cancelled() {
+                for order in &mut orders {
+                    if order.pending_events().is_empty() {
+                        order.record(OrderEvent::Shipped);
+                    }
+                    outbox
+                        .transaction(&mut conn, async |uow| {
+                            uow.track(order);
+                            Ok::<_, UnitOfWorkError>(())
+                        })
+                        .await
+                        .unwrap();
+                    committed += 1;
+                }
+            }
+            committed
+        })
+    };
+    // Three graceful stops, each while publishes flow.
+    for _ in 0..3 {
+        until_stream_holds(&env, stream_len(&env).await + 200, Duration::from_secs(30)).await;
+        server.terminate().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        server.restart().await;
+    }
+    until_stream_holds(&env, stream_len(&env).await + 200, Duration::from_secs(30)).await;
+    stop.cancel();
+    let committed = writer.await.unwrap();
+    until_stream_holds(&env, committed, Duration::from_secs(30)).await;
+    relay.shutdown().await.unwrap();
+
+    let mut conn = env.conn().await;
+    let counted: Vec<(String, i32, Option<String>)> = outbox_events::table
+        .filter(outbox_events::attempts.gt(0))
+        .select((
+            outbox_events::aggregate_id,
+            outbox_events::attempts,
+            outbox_events::last_error,
+        ))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert!(counted.is_empty(), "attempts counted: {counted:?}");
+    let messages = env.stream_messages().await;
+    assert_eq!(
+        messages.len() as u64,
+        committed,
+        "nothing lost, nothing twice"
+    );
+    for (aggregate, seqs) in sequences(&messages) {
+        let expected: Vec<u64> = (1..=seqs.len() as u64).collect();
+        assert_eq!(seqs, expected, "{aggregate} in order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stops_answering_counts_no_attempt() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.published = PublishedRows::Mark;
+    config.max_attempts = 1;
+    config.max_backoff = Duration::from_millis(200);
+    let mut relay = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap();
+    let info = env
+        .jetstream()
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    // JetStream stops serving the stream (what a graceful server shutdown does first, for
+    // the moment before it closes the connections): "no responders" to every publish.
+    env.jetstream().delete_stream(&env.stream).await.unwrap();
+    let mut orders: Vec<Order> = (0..5)
+        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+        .collect();
+    for order in &mut orders {
+        env.commit(order).await;
+    }
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!(
+        (report.published, report.rejected, report.transport_failures),
+        (0, 0, 5),
+        "{report:?}"
+    );
+    env.jetstream().create_stream(info).await.unwrap();
+    while relay.relay_batch().await.unwrap().claimed > 0 {}
+
+    let mut conn = env.conn().await;
+    let rows: Vec<(i32, bool, bool)> = outbox_events::table
+        .select((
+            outbox_events::attempts,
+            outbox_events::published_at.is_not_null(),
+            outbox_events::dead_lettered_at.is_not_null(),
+        ))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(rows, vec![(0, true, false); 5], "no attempt, all published");
+    assert_eq!(stream_len(&env).await, 5);
+}

@@ -1,0 +1,273 @@
+//! Starting and stopping against servers that misbehave: a database host that accepts and
+//! never answers, one that freezes under a running relay, a database without the outbox
+//! tables, a NATS server that requires credentials; and no secret in any error, `Debug` or
+//! log line meanwhile.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use outbox_runtime::{
+    Handler, Inbox, InboxConfig, InboxError, Metadata, Relay, RelayConfig, RelayError, UnitOfWork,
+};
+use support::domain::{Order, OrderEvent};
+use support::{BlackHole, Logs, NatsServer, Proxy, TestEnv, wait_until};
+
+/// Does nothing with the events it gets.
+struct Nothing;
+
+impl Handler for Nothing {
+    type Event = OrderEvent;
+    type Error = String;
+
+    async fn handle(
+        &self,
+        _event: OrderEvent,
+        _message: &Metadata,
+        _uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+async fn stream_len(env: &TestEnv) -> u64 {
+    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+#[tokio::test]
+async fn connecting_to_a_database_that_never_answers_fails_in_time_naming_the_host() {
+    let hole = BlackHole::start().await;
+    let env = TestEnv::new().await;
+    let url = format!("postgres://app:s3cret-db@127.0.0.1:{}/orders", hole.port);
+    let host = format!("postgres://app@127.0.0.1:{}/orders", hole.port);
+
+    let mut config = env.relay_config();
+    config.database_url = url.clone();
+    config.connect_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let error = Relay::connect(config, env.nats.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(matches!(error, RelayError::Connect(_)), "{error:?}");
+    let text = error.to_string();
+    assert!(
+        text.contains(&host) && text.contains("connect timeout"),
+        "{text}"
+    );
+    assert!(!text.contains("s3cret") && !format!("{error:?}").contains("s3cret"));
+
+    // The inbox, on the relay's stream.
+    env.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: env.stream.clone(),
+            subjects: vec![format!("{}.>", env.prefix)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut config = InboxConfig::new("hanging", &url);
+    config.stream = env.stream.clone();
+    config.filter_subject = format!("{}.>", env.prefix);
+    config.connect_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let error = Inbox::connect(config, env.nats.clone(), Nothing)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(matches!(error, InboxError::Connect(_)), "{error:?}");
+    let text = error.to_string();
+    assert!(text.contains(&host), "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+
+    // The migrations, within their default connect timeout (10 s).
+    let started = Instant::now();
+    let error = outbox_runtime::run_migrations(&url).await.unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    let text = error.to_string();
+    assert!(text.contains(&host) && !text.contains("s3cret"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_database_freezes_drops_the_connection_and_stops_in_bounded_time() {
+    let env = TestEnv::new().await;
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let mut config = env.relay_config();
+    config.database_url = env
+        .database_url
+        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    config.statement_timeout = Duration::from_secs(1);
+    config.connect_timeout = Duration::from_secs(1);
+    config.ack_timeout = Duration::from_secs(1);
+    config.max_backoff = Duration::from_millis(200);
+    let bound = config.ack_timeout + config.statement_timeout * 2 + Duration::from_secs(2);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut first = Order::place("o-1", "ada", 1);
+    env.commit(&mut first).await;
+    wait_until("the first event", Duration::from_secs(10), || async {
+        (stream_len(&env).await == 1).then_some(())
+    })
+    .await;
+
+    proxy.freeze(true);
+    let mut second = Order::place("o-2", "ada", 1);
+    env.commit(&mut second).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started = Instant::now();
+    tokio::time::timeout(bound, relay.shutdown())
+        .await
+        .expect("shutdown within ack_timeout + 2 x statement_timeout")
+        .unwrap();
+    let stopped = started.elapsed();
+    proxy.freeze(false);
+
+    // A new relay, straight to the database, publishes what the frozen one could not.
+    let mut config = env.relay_config();
+    config.statement_timeout = Duration::from_secs(5);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    wait_until("the second event", Duration::from_secs(20), || async {
+        (stream_len(&env).await == 2).then_some(())
+    })
+    .await;
+    relay.shutdown().await.unwrap();
+    assert!(stopped < bound, "{stopped:?}");
+}
+
+#[tokio::test]
+async fn the_relay_and_the_inbox_refuse_a_database_without_the_outbox_tables() {
+    let env = TestEnv::unmigrated(&support::nats_url()).await;
+    let error = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(error, RelayError::MissingMigrations(_)),
+        "{error:?}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("run the outbox migrations first"),
+        "{error}"
+    );
+
+    env.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: env.stream.clone(),
+            subjects: vec![format!("{}.>", env.prefix)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut config = InboxConfig::new("unmigrated", &env.database_url);
+    config.stream = env.stream.clone();
+    config.filter_subject = format!("{}.>", env.prefix);
+    let error = Inbox::connect(config, env.nats.clone(), Nothing)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(error, InboxError::MissingMigrations(_)),
+        "{error:?}"
+    );
+
+    outbox_runtime::run_migrations(&env.database_url)
+        .await
+        .unwrap();
+    Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .expect("migrated, the relay starts");
+}
+
+#[tokio::test]
+async fn credentials_in_a_nats_url_work_and_no_secret_reaches_a_log_an_error_or_a_debug() {
+    const SECRET: &str = "n4ts-s3cret";
+    let server = NatsServer::start_with(&["--user", "relay", "--pass", SECRET]).await;
+    let url = format!("nats://relay:{SECRET}@127.0.0.1:{}", server.port);
+
+    // async-nats alone ignores the URL's credentials (and logs the URL at DEBUG).
+    let plain = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(2))
+        .connect(url.as_str())
+        .await;
+    assert!(plain.is_err(), "the server requires credentials");
+
+    let (logs, _guard) = Logs::capture().await;
+    let env = TestEnv::with_nats(&url).await;
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut order = Order::place("o-1", "ada", 1);
+    env.commit(&mut order).await;
+    wait_until("the event", Duration::from_secs(10), || async {
+        (stream_len(&env).await == 1).then_some(())
+    })
+    .await;
+    relay.shutdown().await.unwrap();
+
+    let wrong = format!("nats://relay:wrong-{SECRET}@127.0.0.1:{}", server.port);
+    let error = outbox_runtime::nats::connect(&wrong).await.unwrap_err();
+    let db_url = env
+        .database_url
+        .replace("postgres@", &format!("postgres:{SECRET}@"));
+    let shown = [
+        error.to_string(),
+        format!("{error:?}"),
+        format!("{:?}", RelayConfig::new(&db_url)),
+        format!("{:?}", InboxConfig::new("c", &db_url)),
+        outbox_runtime::nats::redacted(&url),
+    ];
+    for text in shown {
+        assert!(!text.contains(SECRET), "{text}");
+    }
+    assert!(error.to_string().contains("authorization"), "{error}");
+    let logged = logs.text();
+    assert!(
+        logged.contains("connected successfully"),
+        "async-nats logged its connect"
+    );
+    let leaks: Vec<&str> = logged
+        .lines()
+        .filter(|line| line.contains(SECRET))
+        .collect();
+    assert!(leaks.is_empty(), "a secret in the logs: {leaks:?}");
+}
+
+#[tokio::test]
+async fn an_empty_source_is_refused() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.source = String::new();
+    let error = Relay::connect(config, env.nats.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        error
+            .to_string()
+            .contains("CloudEvents requires a non-empty source"),
+        "{error}"
+    );
+}
