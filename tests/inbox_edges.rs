@@ -1,0 +1,542 @@
+//! The inbox at its edges, against the real PostgreSQL and NATS: per-aggregate order across a
+//! crash, a graceful restart and several instances; a restarted consumer that must not sit
+//! idle; crashes that must not use up attempts; hostile ids; CloudEvents sources; a handler
+//! that ends its transaction; and gaps in an aggregate's sequence.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use diesel::prelude::*;
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use futures::StreamExt;
+use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gaps};
+use outbox_runtime::{Handler, Inbox, Metadata, UnitOfWork};
+use support::consumer::{
+    Recording, applied, applied_count, assert_applied_in_order, commit_rounds, consumer_config,
+    consumer_database, relay_all, wait_until_settled,
+};
+use support::domain::OrderEvent;
+use support::{TestEnv, wait_until};
+
+/// Fetches `count` messages for the consumer and drops them unacked: an instance that
+/// received them and was killed.
+async fn receive_and_die(inbox: &Inbox<impl Handler>, count: usize) -> usize {
+    let mut batch = inbox
+        .consumer()
+        .fetch()
+        .max_messages(count)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .unwrap();
+    let mut received = 0;
+    while let Some(message) = batch.next().await {
+        message.unwrap();
+        received += 1;
+    }
+    received
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_crash_each_aggregate_is_applied_in_order() {
+    const AGGREGATES: usize = 20;
+    const EVENTS: usize = 5;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "crash-order");
+
+    // An instance receives the first 25 messages (the first event of every aggregate, and
+    // the second of five) and dies with them unacked.
+    let dying = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    assert_eq!(receive_and_die(&dying, 25).await, 25);
+    drop(dying);
+
+    // The next instance gets the rest at once, and those 25 after ack_wait.
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    let mut conn = consumer.conn().await;
+    wait_until("every event applied", Duration::from_secs(30), || async {
+        (applied_count(&mut consumer.conn().await).await == AGGREGATES * EVENTS).then_some(())
+    })
+    .await;
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    running.shutdown().await.unwrap();
+    assert_applied_in_order(&applied(&mut conn).await, AGGREGATES, EVENTS as i64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_hands_its_messages_to_the_next_instance_at_once() {
+    const AGGREGATES: usize = 30;
+    const EVENTS: usize = 4;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "graceful");
+    // Anything left unacked would wait 30 s: the test's deadline is shorter.
+    config.ack_wait = Duration::from_secs(30);
+    config.max_concurrency = 2;
+    let slow = Recording {
+        delay: Duration::from_millis(20),
+    };
+    let first = Inbox::connect(config.clone(), producer.nats.clone(), slow.clone())
+        .await
+        .unwrap()
+        .spawn();
+    wait_until("a few applied", Duration::from_secs(10), || async {
+        (applied_count(&mut consumer.conn().await).await >= 10).then_some(())
+    })
+    .await;
+    first.shutdown().await.unwrap();
+
+    let started = Instant::now();
+    let second = Inbox::connect(config, producer.nats.clone(), slow)
+        .await
+        .unwrap()
+        .spawn();
+    wait_until("the rest applied", Duration::from_secs(15), || async {
+        (applied_count(&mut consumer.conn().await).await == AGGREGATES * EVENTS).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    second.shutdown().await.unwrap();
+    assert_applied_in_order(
+        &applied(&mut consumer.conn().await).await,
+        AGGREGATES,
+        EVENTS as i64,
+    );
+    assert!(took < Duration::from_secs(15), "{took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_of_one_consumer_apply_each_aggregate_in_order() {
+    const AGGREGATES: usize = 40;
+    const EVENTS: usize = 10;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, EVENTS).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "pair");
+    config.max_concurrency = 4;
+    relay_all(&producer).await;
+    let handler = Recording {
+        delay: Duration::from_millis(2),
+    };
+    let one = Inbox::connect(config.clone(), producer.nats.clone(), handler.clone())
+        .await
+        .unwrap();
+    let probe = one.clone();
+    let one = one.spawn();
+    let two = Inbox::connect(config, producer.nats.clone(), handler)
+        .await
+        .unwrap()
+        .spawn();
+    wait_until("every event applied", Duration::from_secs(60), || async {
+        (applied_count(&mut consumer.conn().await).await == AGGREGATES * EVENTS).then_some(())
+    })
+    .await;
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    one.shutdown().await.unwrap();
+    two.shutdown().await.unwrap();
+    assert_applied_in_order(
+        &applied(&mut consumer.conn().await).await,
+        AGGREGATES,
+        EVENTS as i64,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_consumer_does_not_wait_for_what_a_killed_one_held() {
+    const AGGREGATES: usize = 1500;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, 1).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "restarted");
+    config.ack_wait = Duration::from_secs(10);
+    let slow = Recording {
+        delay: Duration::from_millis(50),
+    };
+    let killed = Inbox::connect(config.clone(), producer.nats.clone(), slow.clone())
+        .await
+        .unwrap();
+    let killed = tokio::spawn(killed.run(std::future::pending()));
+    // Long enough for an instance to pull all it may.
+    wait_until(
+        "the first instance at work",
+        Duration::from_secs(10),
+        || async { (applied_count(&mut consumer.conn().await).await >= 32).then_some(()) },
+    )
+    .await;
+    killed.abort();
+    let _ = killed.await;
+    let before = applied_count(&mut consumer.conn().await).await;
+
+    let started = Instant::now();
+    let restarted = Inbox::connect(config, producer.nats.clone(), slow)
+        .await
+        .unwrap()
+        .spawn();
+    wait_until(
+        "the restarted instance at work",
+        Duration::from_secs(20),
+        || async { (applied_count(&mut consumer.conn().await).await > before).then_some(()) },
+    )
+    .await;
+    let idle = started.elapsed();
+    restarted.shutdown().await.unwrap();
+    assert!(
+        idle < Duration::from_secs(3),
+        "the restarted instance waited {idle:?} (ack_wait is 10 s)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashes_do_not_use_up_a_messages_attempts() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, 1).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "crashing");
+    config.max_attempts = 2;
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    // Three instances receive the message and die before they handle it.
+    for _ in 0..3 {
+        let received = wait_until("a redelivery", Duration::from_secs(10), || async {
+            let received = receive_and_die(&inbox, 1).await;
+            (received == 1).then_some(received)
+        })
+        .await;
+        assert_eq!(received, 1);
+    }
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "the message settled", Duration::from_secs(15)).await;
+    running.shutdown().await.unwrap();
+
+    let mut conn = consumer.conn().await;
+    assert_eq!(
+        applied(&mut conn).await.get("o-0"),
+        Some(&vec![1]),
+        "handled"
+    );
+    let letters: i64 = outbox_inbox_dead_letters::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(letters, 0, "not dead-lettered");
+    #[derive(QueryableByName)]
+    struct Deliveries {
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        deliveries: i64,
+    }
+    let handled: Deliveries = diesel::sql_query("SELECT deliveries FROM applied")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(handled.deliveries, 4, "handled at its fourth delivery");
+}
+
+/// Publishes a message straight to the stream, as another producer would.
+async fn publish_raw(
+    producer: &TestEnv,
+    subject: String,
+    headers: &[(&str, &str)],
+    payload: &'static [u8],
+) {
+    let mut map = HeaderMap::new();
+    for (name, value) in headers {
+        map.insert(*name, *value);
+    }
+    producer
+        .jetstream()
+        .publish_with_headers(subject, map, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+const PLACED: &[u8] = br#"{"customer": "ada", "total_cents": 1}"#;
+const SHIPPED: &[u8] = b"{}";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_with_an_oversized_id_is_dead_lettered_and_its_aggregate_moves_on() {
+    let producer = TestEnv::new().await;
+    relay_all(&producer).await; // creates the stream
+    let p = &producer.prefix;
+    let poison = "x".repeat(8000);
+    let aggregate = |id: &'static str, seq: &'static str| {
+        [
+            ("ce-type", if seq == "1" { "Placed" } else { "Shipped" }),
+            ("ce-source", "/tests"),
+            ("ce-aggregatetype", "Order"),
+            ("ce-subject", "o-1"),
+            ("ce-sequence", seq),
+            ("ce-id", id),
+        ]
+    };
+    let mut first = aggregate("", "1").to_vec();
+    first.pop();
+    first.push(("ce-id", poison.as_str()));
+    publish_raw(&producer, format!("{p}.Order.o-1.Placed"), &first, PLACED).await;
+    publish_raw(
+        &producer,
+        format!("{p}.Order.o-1.Shipped"),
+        &aggregate("m-2", "2"),
+        SHIPPED,
+    )
+    .await;
+
+    let consumer = consumer_database().await;
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "poison"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "both settled", Duration::from_secs(15)).await;
+    running.shutdown().await.unwrap();
+
+    let mut conn = consumer.conn().await;
+    let letters: Vec<(String, String)> = outbox_inbox_dead_letters::table
+        .select((
+            outbox_inbox_dead_letters::message_id,
+            outbox_inbox_dead_letters::error,
+        ))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].0, "stream-sequence-1");
+    assert!(
+        letters[0]
+            .1
+            .contains("header ce-id is 8000 bytes long, over the limit of 512 bytes"),
+        "{}",
+        letters[0].1
+    );
+    assert_eq!(
+        applied(&mut conn).await.get("o-1"),
+        Some(&vec![2]),
+        "o-1 moved on"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_id_from_two_sources_is_two_messages() {
+    let producer = TestEnv::new().await;
+    relay_all(&producer).await;
+    let p = &producer.prefix;
+    for (source, order) in [("/a", "o-a"), ("/b", "o-b")] {
+        publish_raw(
+            &producer,
+            format!("{p}.Order.{order}.Placed"),
+            &[
+                ("ce-id", "42"),
+                ("ce-source", source),
+                ("ce-type", "Placed"),
+                ("ce-aggregatetype", "Order"),
+                ("ce-subject", order),
+                ("ce-sequence", "1"),
+            ],
+            PLACED,
+        )
+        .await;
+    }
+    let consumer = consumer_database().await;
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "sources"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "both settled", Duration::from_secs(10)).await;
+    running.shutdown().await.unwrap();
+    let applied = applied(&mut consumer.conn().await).await;
+    assert_eq!(applied.len(), 2, "both handled: {applied:?}");
+}
+
+/// Ends the inbox's transaction itself, then writes: what an inbox must not ack as handled.
+#[derive(Clone, Default)]
+struct EndsItsTransaction {
+    calls: Arc<AtomicUsize>,
+}
+
+impl Handler for EndsItsTransaction {
+    type Event = OrderEvent;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        _event: OrderEvent,
+        _message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        uow.conn().batch_execute("ROLLBACK").await?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_ends_its_transaction_fails_instead_of_being_acked() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, 1).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "rollback");
+    config.max_attempts = 2;
+    let handler = EndsItsTransaction::default();
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "the message settled", Duration::from_secs(15)).await;
+    running.shutdown().await.unwrap();
+    assert_eq!(
+        AtomicUsize::load(&handler.calls, Ordering::SeqCst),
+        2,
+        "failed, retried, failed"
+    );
+    let letters: Vec<String> = outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(&mut consumer.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1);
+    assert!(
+        letters[0].contains("ended inside its closure"),
+        "{}",
+        letters[0]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_producer_skipped_leaves_a_recorded_gap_and_comes_late_as_a_dead_letter() {
+    let producer = TestEnv::new().await;
+    let mut conn = producer.conn().await;
+    let p = producer.prefix.clone();
+    let insert = |seq: i64, event: &'static str| {
+        format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+             partition_key, subject, payload) VALUES ('Order', 'o-1', {seq}, '{event}', 'o-1', \
+             '{p}.Order.o-1.{event}', '{}')",
+            if event == "Placed" {
+                r#"{"customer": "ada", "total_cents": 1}"#
+            } else {
+                "{}"
+            }
+        )
+    };
+    // Events 1 and 3 of o-1; 2 was skipped on the producer side.
+    conn.batch_execute(&insert(1, "Placed")).await.unwrap();
+    conn.batch_execute(&insert(3, "Shipped")).await.unwrap();
+    relay_all(&producer).await;
+
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "gaps");
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "1 and 3 settled", Duration::from_secs(10)).await;
+    let mut consumer_conn = consumer.conn().await;
+    assert_eq!(
+        applied(&mut consumer_conn).await.get("o-1"),
+        Some(&vec![1, 3])
+    );
+    let gaps: Vec<(i64, i64, String)> = outbox_inbox_gaps::table
+        .select((
+            outbox_inbox_gaps::after_seq,
+            outbox_inbox_gaps::next_seq,
+            outbox_inbox_gaps::reason,
+        ))
+        .load(&mut consumer_conn)
+        .await
+        .unwrap();
+    assert_eq!(gaps.len(), 1, "{gaps:?}");
+    assert_eq!((gaps[0].0, gaps[0].1), (1, 3));
+    assert!(
+        gaps[0]
+            .2
+            .contains("events 2 to 2 of the aggregate are not in the stream")
+    );
+
+    // The skipped event comes after all: too late to apply in order.
+    conn.batch_execute(&insert(2, "Shipped")).await.unwrap();
+    relay_all(&producer).await;
+    wait_until_settled(&probe, "2 settled", Duration::from_secs(10)).await;
+    running.shutdown().await.unwrap();
+    assert_eq!(
+        applied(&mut consumer_conn).await.get("o-1"),
+        Some(&vec![1, 3])
+    );
+    let letters: Vec<String> = outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(&mut consumer_conn)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1);
+    assert!(
+        letters[0].contains("arrived after event 3 of its aggregate"),
+        "{}",
+        letters[0]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_of_some_event_types_applies_them_without_waiting_for_the_others() {
+    const AGGREGATES: usize = 5;
+    const EVENTS: usize = 4;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "shipments");
+    config.filter_subject = format!("{}.Order.*.Shipped", producer.prefix);
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let started = Instant::now();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "every Shipped settled", Duration::from_secs(10)).await;
+    let took = started.elapsed();
+    running.shutdown().await.unwrap();
+    let mut conn = consumer.conn().await;
+    let applied = applied(&mut conn).await;
+    assert_eq!(applied.len(), AGGREGATES);
+    assert!(
+        applied.values().all(|seqs| *seqs == [2, 3, 4]),
+        "{applied:?}"
+    );
+    let gaps: i64 = outbox_inbox_gaps::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(gaps, 0, "a filtered-out event is no gap");
+    assert!(took < Duration::from_secs(5), "no waiting: {took:?}");
+}

@@ -1,0 +1,161 @@
+//! What the consumer tests share: a consumer's database with a record of what its handler
+//! applied, in the order it applied it, and the steps that bring a producer's events to it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_runtime::{Handler, Inbox, InboxConfig, Metadata, Relay, UnitOfWork};
+
+use super::domain::{Order, OrderEvent};
+use super::{TestEnv, wait_until};
+
+/// A consumer's database: its own test database, with the table `applied` where
+/// [`Recording`] writes each event it applies, numbered in commit order per aggregate (the
+/// inbox applies one aggregate's events one transaction after another).
+pub async fn consumer_database() -> TestEnv {
+    let env = TestEnv::new().await;
+    env.conn()
+        .await
+        .batch_execute(
+            "CREATE TABLE applied (n bigserial PRIMARY KEY, aggregate text NOT NULL, \
+             seq bigint NOT NULL, message_id text NOT NULL, deliveries bigint NOT NULL)",
+        )
+        .await
+        .unwrap();
+    env
+}
+
+/// The configuration of a consumer `name` of `producer`'s stream, on `consumer`'s database:
+/// fast redeliveries, for tests.
+pub fn consumer_config(consumer: &TestEnv, producer: &TestEnv, name: &str) -> InboxConfig {
+    let mut config = InboxConfig::new(name, &consumer.database_url);
+    config.outbox = consumer.outbox();
+    config.stream = producer.stream.clone();
+    config.filter_subject = format!("{}.>", producer.prefix);
+    config.ack_wait = Duration::from_secs(1);
+    config.retry_delay = Duration::from_millis(50);
+    config.max_retry_delay = Duration::from_millis(200);
+    config
+}
+
+/// Relays everything the producer committed so far.
+pub async fn relay_all(producer: &TestEnv) {
+    let mut relay = Relay::connect(producer.relay_config(), producer.nats.clone())
+        .await
+        .unwrap();
+    while relay.relay_batch().await.unwrap().claimed > 0 {}
+}
+
+/// Waits until JetStream has nothing left for the inbox's consumer: every message delivered
+/// and settled.
+pub async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str, timeout: Duration) {
+    wait_until(what, timeout, || async {
+        let info = inbox.consumer().clone().info().await.unwrap().clone();
+        (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+    })
+    .await;
+}
+
+/// Writes each event it applies into `applied`, in the inbox's transaction; sleeps
+/// `delay` first (a slow handler).
+#[derive(Clone, Default)]
+pub struct Recording {
+    pub delay: Duration,
+}
+
+impl Handler for Recording {
+    type Event = OrderEvent;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        _event: OrderEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        diesel::sql_query(
+            "INSERT INTO applied (aggregate, seq, message_id, deliveries) VALUES ($1, $2, $3, $4)",
+        )
+        .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_deref().unwrap_or("?"))
+        .bind::<diesel::sql_types::Int8, _>(message.sequence.unwrap_or(0))
+        .bind::<diesel::sql_types::Text, _>(&message.id)
+        .bind::<diesel::sql_types::Int8, _>(i64::try_from(message.deliveries).unwrap())
+        .execute(uow.conn())
+        .await?;
+        Ok(())
+    }
+}
+
+/// What was applied: each aggregate's sequences in the order they were applied.
+pub async fn applied(conn: &mut AsyncPgConnection) -> BTreeMap<String, Vec<i64>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        aggregate: String,
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        seq: i64,
+    }
+    let rows: Vec<Row> = diesel::sql_query("SELECT aggregate, seq FROM applied ORDER BY n")
+        .load(conn)
+        .await
+        .unwrap();
+    let mut applied: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for row in rows {
+        applied.entry(row.aggregate).or_default().push(row.seq);
+    }
+    applied
+}
+
+/// How many events were applied.
+pub async fn applied_count(conn: &mut AsyncPgConnection) -> usize {
+    applied(conn).await.values().map(Vec::len).sum()
+}
+
+/// Asserts that every one of `aggregates` aggregates had its `events` events applied once
+/// each, in sequence order.
+pub fn assert_applied_in_order(
+    applied: &BTreeMap<String, Vec<i64>>,
+    aggregates: usize,
+    events: i64,
+) {
+    assert_eq!(applied.len(), aggregates, "every aggregate");
+    let expected: Vec<i64> = (1..=events).collect();
+    let broken: Vec<(&String, &Vec<i64>)> = applied
+        .iter()
+        .filter(|(_, seqs)| **seqs != expected)
+        .collect();
+    assert!(
+        broken.is_empty(),
+        "applied out of order or not exactly once: {broken:?}"
+    );
+}
+
+/// Commits `events` events for each of `aggregates` orders (`o-0`, `o-1`, ...): `Placed`,
+/// then `Shipped`s, one unit of work per event and round by round, so that the aggregates
+/// interleave in the stream.
+pub async fn commit_rounds(producer: &TestEnv, aggregates: usize, events: usize) {
+    let mut conn = producer.conn().await;
+    let mut orders: Vec<Order> = (0..aggregates)
+        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+        .collect();
+    for round in 0..events {
+        for order in &mut orders {
+            if round > 0 {
+                order.record(OrderEvent::Shipped);
+            }
+            producer
+                .outbox()
+                .transaction(&mut conn, async |uow| {
+                    uow.track(order);
+                    Ok::<_, outbox_runtime::UnitOfWorkError>(())
+                })
+                .await
+                .unwrap();
+        }
+    }
+}
