@@ -813,7 +813,6 @@ impl<H: Handler> Inbox<H> {
                     .into();
                 }
                 Err(predecessor) => Gap {
-                    last_seq,
                     reason: format!(
                         "{predecessor}, and it did not settle within gap_timeout ({:?})",
                         config.gap_timeout
@@ -821,15 +820,6 @@ impl<H: Handler> Inbox<H> {
                     record: true,
                 },
             };
-            if gap.record {
-                tracing::warn!(
-                    aggregate_type = ?metadata.aggregate_type, aggregate_id = ?metadata.aggregate_id,
-                    after = gap.last_seq, next = ?metadata.sequence, reason = %gap.reason,
-                    "applying an event over a gap in its aggregate's sequence"
-                );
-                metrics::counter!("outbox_inbox_gaps_total", "consumer" => config.consumer.clone())
-                    .increment(1);
-            }
             result = self
                 .apply(message, metadata, self.body(message, metadata), Some(&gap))
                 .await;
@@ -998,16 +988,35 @@ impl<H: Handler> Inbox<H> {
                         });
                     }
                     Recorded::Late { last_seq } => return Err(Failure::Late { last_seq }),
-                    Recorded::Next => {}
-                }
-                if let (Some(gap), Some(place)) = (gap.filter(|gap| gap.record), place) {
-                    database::bounded(
-                        limit,
-                        target,
-                        "recording a gap",
-                        queries::insert_gap(uow.conn(), key, place, gap.last_seq, &gap.reason),
-                    )
-                    .await?;
+                    Recorded::Next { previous_seq } => {
+                        // Recorded only when the position did jump: the predecessor may have
+                        // been applied since the lookup.
+                        let jumped = previous_seq.zip(place).and_then(|(previous, place)| {
+                            (previous < place.seq - 1).then_some((previous, place))
+                        });
+                        if let (Some(gap), Some((previous, place))) =
+                            (gap.filter(|gap| gap.record), jumped)
+                        {
+                            tracing::warn!(
+                                aggregate_type = place.aggregate_type,
+                                aggregate_id = place.aggregate_id,
+                                after = previous, next = place.seq, reason = %gap.reason,
+                                "applying an event over a gap in its aggregate's sequence"
+                            );
+                            metrics::counter!(
+                                "outbox_inbox_gaps_total",
+                                "consumer" => shared.config.consumer.clone()
+                            )
+                            .increment(1);
+                            database::bounded(
+                                limit,
+                                target,
+                                "recording a gap",
+                                queries::insert_gap(uow.conn(), key, place, previous, &gap.reason),
+                            )
+                            .await?;
+                        }
+                    }
                 }
                 match body {
                     Body::Handle(event) => {
@@ -1098,7 +1107,6 @@ impl<H: Handler> Inbox<H> {
             match found {
                 Predecessor::Missing { filtered } => {
                     return Ok(Gap {
-                        last_seq,
                         reason: format!(
                             "events {} to {} of the aggregate are not in the stream",
                             last_seq + 1,
@@ -1240,8 +1248,6 @@ impl<H: Handler> Inbox<H> {
 
 /// A gap the inbox applies an event over.
 pub(crate) struct Gap {
-    /// The aggregate's last applied sequence.
-    last_seq: i64,
     /// Why the events in between will not be applied.
     reason: String,
     /// Whether to record it: not when the consumer's filter leaves those events out.

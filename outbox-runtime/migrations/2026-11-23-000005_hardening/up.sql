@@ -129,21 +129,23 @@ CREATE INDEX outbox_inbox_gaps_recorded_at ON outbox_inbox_gaps (consumer, recor
 
 -- Records that a consumer received a message, and, for an event of an aggregate, moves the
 -- consumer's position in that aggregate to it when it is the next one, in the transaction
--- that applies it. Returns whether the message was new, and the position after the call:
--- when it is not the message's own (applied_stream_sequence <> p_stream_sequence), the
--- message is not the next one (a gap, or late) and the caller rolls back.
+-- that applies it. Returns whether the message was new, the position before the call, and
+-- whether it moved: when it did not, the message is not the next one (an earlier one is
+-- missing, or a later one was applied) and the caller rolls back.
 --
--- Guarantee: the upsert locks the aggregate's position row until the transaction ends, so
--- two instances applying one aggregate's events take turns, and the second sees the first's
--- position once it commits (INSERT ... ON CONFLICT DO UPDATE reads the latest committed
--- version: PostgreSQL docs, INSERT, "ON CONFLICT Clause"). The first event of an aggregate
--- the consumer meets is the next one only when its sequence is 1, or when the caller has
--- established that nothing before it will come (p_accept_gap). A position never moves back.
+-- Guarantee: the position row is locked (FOR UPDATE) until the transaction ends, so two
+-- instances applying one aggregate's events take turns, and the second reads the first's
+-- position once it commits (in READ COMMITTED each statement of the function reads the
+-- latest committed rows, and a locked row is read again when its lock is released:
+-- PostgreSQL docs, section 13.2.1). The first event of an aggregate the consumer meets is
+-- the next one only when its sequence is 1, or when the caller has established that nothing
+-- before it will come (p_accept_gap). A position never moves back.
 CREATE FUNCTION outbox_inbox_record(
     p_consumer text, p_source text, p_message_id text,
     p_aggregate_type text, p_aggregate_id text, p_seq bigint, p_stream_sequence bigint,
     p_accept_gap boolean,
-    OUT recorded boolean, OUT applied_seq bigint, OUT applied_stream_sequence bigint)
+    OUT recorded boolean, OUT previous_seq bigint, OUT previous_stream_sequence bigint,
+    OUT moved boolean)
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 AS $$
@@ -155,18 +157,23 @@ BEGIN
     IF NOT recorded OR p_aggregate_type IS NULL THEN
         RETURN;
     END IF;
-    INSERT INTO outbox_inbox_positions AS p
+    -- The aggregate's row, created at "nothing applied" on first sight, then locked.
+    INSERT INTO outbox_inbox_positions
         (consumer, source, aggregate_type, aggregate_id, last_seq, stream_sequence)
-    VALUES (p_consumer, p_source, p_aggregate_type, p_aggregate_id,
-            CASE WHEN p_seq = 1 OR p_accept_gap THEN p_seq ELSE 0 END,
-            CASE WHEN p_seq = 1 OR p_accept_gap THEN p_stream_sequence ELSE 0 END)
-    ON CONFLICT (consumer, source, aggregate_type, aggregate_id) DO UPDATE SET
-        last_seq = CASE WHEN p.last_seq = p_seq - 1 OR (p_accept_gap AND p.last_seq < p_seq)
-                        THEN p_seq ELSE p.last_seq END,
-        stream_sequence = CASE WHEN p.last_seq = p_seq - 1 OR (p_accept_gap AND p.last_seq < p_seq)
-                               THEN p_stream_sequence ELSE p.stream_sequence END,
-        updated_at = now()
-    RETURNING p.last_seq, p.stream_sequence INTO applied_seq, applied_stream_sequence;
+    VALUES (p_consumer, p_source, p_aggregate_type, p_aggregate_id, 0, 0)
+    ON CONFLICT DO NOTHING;
+    SELECT p.last_seq, p.stream_sequence INTO previous_seq, previous_stream_sequence
+    FROM outbox_inbox_positions p
+    WHERE p.consumer = p_consumer AND p.source = p_source
+      AND p.aggregate_type = p_aggregate_type AND p.aggregate_id = p_aggregate_id
+    FOR UPDATE;
+    moved := previous_seq = p_seq - 1 OR (p_accept_gap AND previous_seq < p_seq);
+    IF moved THEN
+        UPDATE outbox_inbox_positions p
+        SET last_seq = p_seq, stream_sequence = p_stream_sequence, updated_at = now()
+        WHERE p.consumer = p_consumer AND p.source = p_source
+          AND p.aggregate_type = p_aggregate_type AND p.aggregate_id = p_aggregate_id;
+    END IF;
 END
 $$;
 

@@ -43,9 +43,10 @@ pub(crate) struct Place<'a> {
 pub(crate) enum Recorded {
     /// The message was recorded already: a duplicate.
     Duplicate,
-    /// Recorded, and (for an event of an aggregate) it is the next one: the consumer's
-    /// position moved to it.
-    Next,
+    /// Recorded, and (for an event of an aggregate) it is the next one, or the caller
+    /// accepted a gap: the consumer's position moved to it from `previous_seq` (`None` for
+    /// a message without an aggregate).
+    Next { previous_seq: Option<i64> },
     /// Recorded, but an earlier event of the aggregate has not been applied: `last_seq` is
     /// the last applied (0 for none), at stream sequence `stream_sequence`.
     Gap { last_seq: i64, stream_sequence: i64 },
@@ -66,7 +67,7 @@ statement! {
         stream_sequence: Option<i64> => Nullable<Int8>,
         accept_gap: bool => Bool,
     }
-    sql = "SELECT recorded, applied_seq, applied_stream_sequence \
+    sql = "SELECT recorded, previous_seq, previous_stream_sequence, moved \
            FROM outbox_inbox_record($1, $2, $3, $4, $5, $6, $7, $8)";
 }
 
@@ -75,9 +76,11 @@ struct RecordRow {
     #[diesel(sql_type = Bool)]
     recorded: bool,
     #[diesel(sql_type = Nullable<Int8>)]
-    applied_seq: Option<i64>,
+    previous_seq: Option<i64>,
     #[diesel(sql_type = Nullable<Int8>)]
-    applied_stream_sequence: Option<i64>,
+    previous_stream_sequence: Option<i64>,
+    #[diesel(sql_type = Nullable<Bool>)]
+    moved: Option<bool>,
 }
 
 /// Records the message and, when `place` is given, moves the consumer's position in the
@@ -104,23 +107,26 @@ pub(crate) async fn record(
     if !row.recorded {
         return Ok(Recorded::Duplicate);
     }
-    let (Some(place), Some(last_seq), Some(stream_sequence)) =
-        (place, row.applied_seq, row.applied_stream_sequence)
-    else {
-        return Ok(Recorded::Next);
+    let (Some(place), Some(last_seq), Some(stream_sequence), Some(moved)) = (
+        place,
+        row.previous_seq,
+        row.previous_stream_sequence,
+        row.moved,
+    ) else {
+        return Ok(Recorded::Next { previous_seq: None });
     };
-    Ok(
-        if stream_sequence == place.stream_sequence && last_seq == place.seq {
-            Recorded::Next
-        } else if last_seq >= place.seq {
-            Recorded::Late { last_seq }
-        } else {
-            Recorded::Gap {
-                last_seq,
-                stream_sequence,
-            }
-        },
-    )
+    Ok(if moved {
+        Recorded::Next {
+            previous_seq: Some(last_seq),
+        }
+    } else if last_seq >= place.seq {
+        Recorded::Late { last_seq }
+    } else {
+        Recorded::Gap {
+            last_seq,
+            stream_sequence,
+        }
+    })
 }
 
 statement! {
