@@ -19,6 +19,7 @@ use outbox_runtime::{
     UnitOfWorkError,
 };
 use serde::{Deserialize, Serialize};
+use support::counters::Counters;
 use support::domain::{Order, OrderEvent};
 use support::{TestEnv, wait_until};
 
@@ -55,103 +56,6 @@ async fn bump(conn: &mut AsyncPgConnection, key: &str) -> QueryResult<usize> {
     .bind::<diesel::sql_types::Text, _>(key)
     .execute(conn)
     .await
-}
-
-/// The counters the inbox exported, captured by a recorder installed once for this test
-/// binary. Tests that read it use consumer names of their own, so they can run in parallel.
-#[derive(Clone, Default)]
-struct Counters(Arc<Mutex<BTreeMap<String, u64>>>);
-
-impl Counters {
-    fn installed() -> &'static Counters {
-        static COUNTERS: std::sync::OnceLock<Counters> = std::sync::OnceLock::new();
-        COUNTERS.get_or_init(|| {
-            let counters = Counters::default();
-            metrics::set_global_recorder(counters.clone()).expect("the only recorder");
-            counters
-        })
-    }
-
-    /// `name{label=value,...}`, labels in the order they were given.
-    fn key(key: &metrics::Key) -> String {
-        let labels: Vec<String> = key
-            .labels()
-            .map(|label| format!("{}={}", label.key(), label.value()))
-            .collect();
-        format!("{}{{{}}}", key.name(), labels.join(","))
-    }
-
-    fn get(&self, key: &str) -> u64 {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
-}
-
-struct CapturedCounter {
-    key: String,
-    counters: Counters,
-}
-
-impl metrics::CounterFn for CapturedCounter {
-    fn increment(&self, value: u64) {
-        *self
-            .counters
-            .0
-            .lock()
-            .unwrap()
-            .entry(self.key.clone())
-            .or_default() += value;
-    }
-
-    fn absolute(&self, value: u64) {
-        self.counters
-            .0
-            .lock()
-            .unwrap()
-            .insert(self.key.clone(), value);
-    }
-}
-
-impl metrics::Recorder for Counters {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::from_arc(Arc::new(CapturedCounter {
-            key: Self::key(key),
-            counters: self.clone(),
-        }))
-    }
-
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
 }
 
 /// How many times a handler was called. (A function: on an `Arc`, `.load` would resolve to

@@ -8,6 +8,7 @@
 #![allow(dead_code)] // each test binary uses part of the harness
 
 pub mod consumer;
+pub mod counters;
 pub mod domain;
 
 use std::time::Duration;

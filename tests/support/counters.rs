@@ -1,0 +1,58 @@
+//! The `metrics` counters a test binary's code exported, read through metrics-util's
+//! debugging recorder, installed once per binary. Tests that read it use names of their
+//! own (a consumer name, say), so they can run in parallel.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+/// The recorder's snapshots give each counter's increments since the last snapshot; the
+/// totals add them up.
+pub struct Counters {
+    snapshotter: Snapshotter,
+    totals: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Counters {
+    /// The binary's recorder, installed on first use.
+    pub fn installed() -> &'static Counters {
+        static COUNTERS: std::sync::OnceLock<Counters> = std::sync::OnceLock::new();
+        COUNTERS.get_or_init(|| {
+            let recorder = DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            recorder
+                .install()
+                .expect("the only recorder of this binary");
+            Counters {
+                snapshotter,
+                totals: Mutex::default(),
+            }
+        })
+    }
+
+    /// Every counter, as `name{label=value,...}` (labels in the order they were given) to
+    /// its value.
+    pub fn all(&self) -> BTreeMap<String, u64> {
+        let mut totals = self.totals.lock().unwrap();
+        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
+            let DebugValue::Counter(increments) = value else {
+                continue;
+            };
+            let key = key.key();
+            let labels: Vec<String> = key
+                .labels()
+                .map(|label| format!("{}={}", label.key(), label.value()))
+                .collect();
+            *totals
+                .entry(format!("{}{{{}}}", key.name(), labels.join(",")))
+                .or_default() += increments;
+        }
+        totals.clone()
+    }
+
+    /// One counter's value, 0 when it was never incremented.
+    pub fn get(&self, key: &str) -> u64 {
+        self.all().get(key).copied().unwrap_or(0)
+    }
+}
