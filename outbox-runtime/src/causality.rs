@@ -41,14 +41,19 @@ impl Causality {
     }
 
     /// What events emitted while handling a message carry: the message's conversation (its
-    /// correlation id, or its id when it has none), the message as cause, its trace continued.
+    /// correlation id, or its id when it has none or one that an outbox row cannot carry:
+    /// over [`MAX_ID_BYTES`], or with a NUL), the message as cause, its trace continued.
     pub(crate) fn caused_by(
         message_id: &str,
         correlation_id: Option<&str>,
         traceparent: Option<&Traceparent>,
     ) -> Self {
+        let storable = |id: &&str| id.len() <= MAX_ID_BYTES && !id.contains('\0');
         Self {
-            correlation_id: correlation_id.unwrap_or(message_id).to_owned(),
+            correlation_id: correlation_id
+                .filter(storable)
+                .unwrap_or(message_id)
+                .to_owned(),
             causation_id: message_id.to_owned(),
             traceparent: traceparent.map(Traceparent::child),
         }
@@ -194,6 +199,11 @@ mod tests {
             caused.traceparent.unwrap().trace_id(),
             traceparent.trace_id()
         );
+        let long = "c".repeat(MAX_ID_BYTES + 1);
+        for unstorable in [long.as_str(), "a\0b"] {
+            let caused = Causality::caused_by("m-3", Some(unstorable), None);
+            assert_eq!(caused.correlation_id, "m-3", "a new conversation instead");
+        }
         let first = Causality::caused_by("m-1", None, None);
         assert_eq!(first.correlation_id, "m-1");
         assert_eq!(first.headers_json(), "{}");

@@ -19,7 +19,15 @@
 //! an event whose predecessor the consumer has not applied waits for it (a nak with a short
 //! delay, which counts no failure), and one whose predecessor will never come (skipped on the
 //! producer side, cut from the stream) is applied over the gap, which is recorded in
-//! `outbox_inbox_gaps` (see `inbox::order` for how the stream tells the two apart). Within
+//! `outbox_inbox_gaps`. The stream tells the two apart: the relay publishes an aggregate's
+//! events in order, so a predecessor still to come is in the stream between the message of
+//! the last applied event and this one, on the aggregate's subjects that the consumer's
+//! filter takes (read with `STREAM.MSG.GET` by subject); one that is not there never comes.
+//! If it comes after all (a skipped dead letter retried later), it is dead-lettered as late,
+//! never applied out of order. A predecessor that is there and does not settle within
+//! `gap_timeout` is treated as a gap. The lookup covers the subjects of the event's own
+//! partition key and of the aggregate id: an aggregate whose events use yet other partition
+//! keys can have a predecessor it missed dead-lettered as late. Within
 //! an instance, the messages of one aggregate are handled one at a time in stream order,
 //! those of different aggregates in parallel, up to `max_concurrency`. A message without an
 //! aggregate (`ce-aggregatetype`, `ce-subject`, `ce-sequence`: a foreign producer's) is
@@ -1132,7 +1140,7 @@ impl<H: Handler> Inbox<H> {
                             &mut conn,
                             &config.consumer,
                             metadata.source.as_deref().unwrap_or_default(),
-                            id.as_deref(),
+                            id.as_deref().filter(|id| !id.contains('\0')),
                             stream_sequence,
                         ),
                     )

@@ -138,11 +138,20 @@ impl Metadata {
             ("ce-subject", aggregate_id.as_ref()),
         ];
         for (header, value) in identities {
-            if let Some(value) = value.filter(|value| value.len() > MAX_ID_BYTES) {
+            let Some(value) = value else { continue };
+            if value.len() > MAX_ID_BYTES {
                 return Err(UnreadableMessage::TooLong {
                     subject: subject.clone(),
                     header,
                     len: value.len(),
+                });
+            }
+            // The inbox stores these as text, which cannot hold NUL (a decoded `%00`).
+            if value.contains('\0') {
+                return Err(UnreadableMessage::InvalidHeader {
+                    subject: subject.clone(),
+                    header,
+                    value: storable_text(value),
                 });
             }
         }
