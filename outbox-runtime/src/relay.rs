@@ -2,12 +2,13 @@
 //! committed outbox rows to JetStream.
 //!
 //! A relay runs [`workers`](RelayConfig::workers) batch loops and one listener:
-//! - each worker (`relay/worker.rs`) repeats one transaction per batch: claim queued rows (see
-//!   `claim_batch` in `outbox/queries.rs` for the locking and ordering guarantee), publish
-//!   them with their JetStream acks awaited, record what the broker rejected, mark (or delete)
-//!   the acked rows in one statement, commit. Workers overlap one batch's commit with the
-//!   next one's publishes; several relay processes on one outbox behave like more workers.
-//! - the listener (`relay/listener.rs`) holds a dedicated connection that `LISTEN`s on
+//! - each worker repeats one transaction per batch: claim queued rows (the head of each
+//!   aggregate's queue, locked with `FOR UPDATE SKIP LOCKED`, and the rows behind it: one
+//!   aggregate is published by one relay at a time, in order), publish them with their
+//!   JetStream acks awaited, record what the broker rejected, mark (or delete) the acked rows
+//!   in one statement, commit. Workers overlap one batch's commit with the next one's
+//!   publishes; several relay processes on one outbox behave like more workers.
+//! - the listener holds a dedicated connection that `LISTEN`s on
 //!   `outbox_events`; the outbox's insert trigger notifies it at COMMIT, and it wakes the
 //!   workers. Workers also poll every [`poll_interval`](RelayConfig::poll_interval), so a
 //!   lost notification or a dropped listening connection only delays a batch.
@@ -17,10 +18,13 @@
 //! JetStream drops inside the stream's duplicate window. [`Relay::connect`] warns when that
 //! window is shorter than the relay's [redelivery horizon](RelayConfig::redelivery_horizon).
 //!
-//! Nothing is lost to a fault: a broker outage of any length pauses the workers (with
-//! backoff, no attempt counted); a rejection is retried and eventually dead-lettered (see
-//! [`crate::dead_letter`]); a dropped database connection is reopened. The relay stops only
-//! when told to, after finishing its batches.
+//! Nothing is lost to a fault: a broker outage of any length pauses the workers (no attempt
+//! counted; they resume as soon as the client reconnects, and the outage is logged as a
+//! warning); a rejection is retried and eventually dead-lettered (see [`crate::dead_letter`]);
+//! a row that cannot be published as it stands (a subject outside the prefix, say) is
+//! dead-lettered at once; a dropped database connection is reopened, and one whose server
+//! stops answering is dropped after the statement timeout. The relay stops only when told
+//! to, after finishing its batches.
 
 mod listener;
 mod worker;
