@@ -138,6 +138,7 @@ async fn a_relay_whose_database_freezes_drops_the_connection_and_stops_in_bounde
         .unwrap();
     let stopped = started.elapsed();
     proxy.freeze(false);
+    eprintln!("a relay whose database froze stopped in {stopped:?} (bound {bound:?})");
 
     // A new relay, straight to the database, publishes what the frozen one could not.
     let mut config = env.relay_config();
