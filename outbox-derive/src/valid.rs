@@ -33,13 +33,16 @@ pub fn token_error(token: &str) -> Option<String> {
 }
 
 fn check_name(literal: &LitStr, what: &str, errors: &mut Errors) {
-    if let Some(reason) = token_error(&literal.value()) {
+    let value = literal.value();
+    if let Some(reason) = token_error(&value) {
+        // A long name is shown by its start: the span points at all of it.
+        let shown = match value.char_indices().nth(40) {
+            Some((end, _)) => format!("{:?}...", &value[..end]),
+            None => format!("{value:?}"),
+        };
         errors.push(syn::Error::new_spanned(
             literal,
-            format!(
-                "{what} {:?} is not a valid NATS subject token: {reason}",
-                literal.value()
-            ),
+            format!("{what} {shown} is not a valid NATS subject token: {reason}"),
         ));
     }
 }
