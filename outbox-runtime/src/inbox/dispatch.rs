@@ -165,8 +165,10 @@ async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
         // A long handler keeps its message: progress acks while it runs.
         let processing = inbox.process_held(&message, held_for);
         tokio::pin!(processing);
-        let mut progress = tokio::time::interval(progress_interval(config.ack_wait));
-        progress.tick().await;
+        // interval_at, not interval: an interval's immediate first tick still waits for the
+        // timer wheel's next millisecond, which would be the main cost of a fast message.
+        let every = progress_interval(config.ack_wait);
+        let mut progress = tokio::time::interval_at(Instant::now() + every, every);
         loop {
             tokio::select! {
                 processed = &mut processing => break processed,
