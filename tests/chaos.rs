@@ -467,16 +467,7 @@ async fn run(options: &Options) -> Result<String, String> {
         )
         .await
         .map_err(|e| e.to_string())?;
-    producer
-        .jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: producer.stream.clone(),
-            subjects: vec![format!("{}.>", producer.prefix)],
-            duplicate_window: Duration::from_secs(120),
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| e.to_string())?;
+    producer.create_stream(Duration::from_secs(120)).await;
 
     let mut fleet = Fleet {
         exe: std::env::current_exe().map_err(|e| e.to_string())?,

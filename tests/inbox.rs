@@ -15,10 +15,10 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use outbox_runtime::outbox::schema::{outbox_inbox, outbox_inbox_dead_letters};
 use outbox_runtime::{
-    DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outcome, Relay, Traceparent, UnitOfWork,
-    UnitOfWorkError,
+    DomainEvent, Handler, Inbox, Metadata, Outcome, Traceparent, UnitOfWork, UnitOfWorkError,
 };
 use serde::{Deserialize, Serialize};
+use support::consumer::{consumer_config, relay_all, run_until_settled, wait_until_settled};
 use support::counters::Counters;
 use support::domain::{Order, OrderEvent};
 use support::{TestEnv, wait_until};
@@ -86,17 +86,6 @@ impl Handler for Counting {
     }
 }
 
-fn consumer_config(consumer: &TestEnv, producer: &TestEnv, name: &str) -> InboxConfig {
-    let mut config = InboxConfig::new(name, &consumer.database_url);
-    config.outbox = consumer.outbox();
-    config.stream = producer.stream.clone();
-    config.filter_subject = format!("{}.>", producer.prefix);
-    config.ack_wait = Duration::from_secs(1);
-    config.retry_delay = Duration::from_millis(50);
-    config.max_retry_delay = Duration::from_millis(200);
-    config
-}
-
 /// Commits one order (Placed, then `extra` Shipped) through the producer's outbox.
 async fn place(producer: &TestEnv, id: &str, extra: usize) {
     let mut order = Order::place(id, "ada", 1);
@@ -106,45 +95,10 @@ async fn place(producer: &TestEnv, id: &str, extra: usize) {
     producer.commit(&mut order).await;
 }
 
-/// Relays everything committed so far, in one batch.
-async fn relay_all(producer: &TestEnv) {
-    let mut relay = Relay::connect(producer.relay_config(), producer.nats.clone())
-        .await
-        .unwrap();
-    while relay.relay_batch().await.unwrap().claimed > 0 {}
-}
-
-/// Waits until JetStream has nothing left for the inbox's consumer: every message delivered
-/// and settled.
-async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str) {
-    wait_until(what, Duration::from_secs(10), || async {
-        let info = inbox.consumer().clone().info().await.unwrap().clone();
-        (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
-    })
-    .await;
-}
-
-/// Runs the inbox until every message is settled, then shuts it down.
-async fn run_until_settled(inbox: Inbox<impl Handler>, what: &str) {
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until_settled(&probe, what).await;
-    running.shutdown().await.unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_message_stored_twice_after_the_dedup_window_changes_state_once() {
     let producer = TestEnv::new().await;
-    producer
-        .jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: producer.stream.clone(),
-            subjects: vec![format!("{}.>", producer.prefix)],
-            duplicate_window: Duration::from_secs(1),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    producer.create_stream(Duration::from_secs(1)).await;
     place(&producer, "o-1", 0).await;
     relay_all(&producer).await;
     let original = producer.stream_messages().await.remove(0);
@@ -238,7 +192,7 @@ async fn a_consumer_killed_between_commit_and_ack_skips_the_redelivery() {
     let inbox = Inbox::connect(config, producer.nats.clone(), second.clone())
         .await
         .unwrap();
-    run_until_settled(inbox, "the redelivery acked").await;
+    run_until_settled(inbox, "the redelivery acked", Duration::from_secs(10)).await;
 
     assert_eq!(calls(&first.calls), 1);
     assert_eq!(calls(&second.calls), 0, "the handler was not called again");
@@ -310,7 +264,7 @@ async fn a_failing_handler_leaves_no_trace_is_retried_then_dead_lettered() {
             .ok()
     })
     .await;
-    wait_until_settled(&probe, "the message terminated").await;
+    wait_until_settled(&probe, "the message terminated", Duration::from_secs(10)).await;
     running.shutdown().await.unwrap();
 
     assert_eq!(calls(&handler.calls), 3, "tried max_attempts times");
@@ -596,7 +550,7 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
     )
     .await
     .unwrap();
-    run_until_settled(inbox, "all three settled").await;
+    run_until_settled(inbox, "all three settled", Duration::from_secs(10)).await;
 
     assert_eq!(calls(&handler.calls), 0);
     let mut conn = consumer.conn().await;

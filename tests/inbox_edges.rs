@@ -17,7 +17,7 @@ use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gap
 use outbox_runtime::{Handler, Inbox, Metadata, UnitOfWork};
 use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_rounds, consumer_config,
-    consumer_database, relay_all, wait_until_settled,
+    consumer_database, relay_all, run_until_settled, wait_until_settled,
 };
 use support::domain::OrderEvent;
 use support::{TestEnv, wait_until};
@@ -223,10 +223,7 @@ async fn crashes_do_not_use_up_a_messages_attempts() {
         .await;
         assert_eq!(received, 1);
     }
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until_settled(&probe, "the message settled", Duration::from_secs(15)).await;
-    running.shutdown().await.unwrap();
+    run_until_settled(inbox, "the message settled", Duration::from_secs(15)).await;
 
     let mut conn = consumer.conn().await;
     assert_eq!(
@@ -314,10 +311,7 @@ async fn messages_with_unstorable_ids_are_dead_lettered_and_their_aggregate_move
     )
     .await
     .unwrap();
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until_settled(&probe, "all three settled", Duration::from_secs(15)).await;
-    running.shutdown().await.unwrap();
+    run_until_settled(inbox, "all three settled", Duration::from_secs(15)).await;
 
     let mut conn = consumer.conn().await;
     let letters: Vec<(String, String)> = outbox_inbox_dead_letters::table
@@ -380,10 +374,7 @@ async fn the_same_id_from_two_sources_is_two_messages() {
     )
     .await
     .unwrap();
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until_settled(&probe, "both settled", Duration::from_secs(10)).await;
-    running.shutdown().await.unwrap();
+    run_until_settled(inbox, "both settled", Duration::from_secs(10)).await;
     let applied = applied(&mut consumer.conn().await).await;
     assert_eq!(applied.len(), 2, "both handled: {applied:?}");
 }
@@ -422,10 +413,7 @@ async fn a_handler_that_ends_its_transaction_fails_instead_of_being_acked() {
     let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
         .await
         .unwrap();
-    let probe = inbox.clone();
-    let running = inbox.spawn();
-    wait_until_settled(&probe, "the message settled", Duration::from_secs(15)).await;
-    running.shutdown().await.unwrap();
+    run_until_settled(inbox, "the message settled", Duration::from_secs(15)).await;
     assert_eq!(
         AtomicUsize::load(&handler.calls, Ordering::SeqCst),
         2,

@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
@@ -13,37 +12,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{PublishedRows, Relay, UnitOfWorkError, dead_letter};
 use support::domain::{Order, OrderEvent};
-use support::{Logs, NatsServer, Received, TestEnv, wait_until};
-
-async fn stream_len(env: &TestEnv) -> u64 {
-    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
-    stream.info().await.unwrap().state.messages
-}
-
-async fn until_stream_holds(env: &TestEnv, count: u64, timeout: Duration) {
-    wait_until(
-        &format!("{count} messages in the stream"),
-        timeout,
-        || async { (stream_len(env).await >= count).then_some(()) },
-    )
-    .await;
-}
-
-/// `ce-sequence`s per aggregate id, in stream order.
-fn sequences(messages: &[Received]) -> BTreeMap<String, Vec<u64>> {
-    let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    for message in messages {
-        let id = percent_encoding::percent_decode_str(&message.header("ce-subject"))
-            .decode_utf8()
-            .unwrap()
-            .into_owned();
-        sequences
-            .entry(id)
-            .or_default()
-            .push(message.header("ce-sequence").parse().unwrap());
-    }
-    sequences
-}
+use support::{Logs, NatsServer, TestEnv, sequences, wait_until};
 
 /// Inserts a row by plain SQL, as another writer would: aggregate `Raw`, sequence 1.
 async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subject: &str) {
@@ -153,7 +122,7 @@ async fn unreadable_subjects_are_dead_lettered_at_once_and_never_cost_the_connec
     let started = Instant::now();
     let mut order = Order::place("o-1", "ada", 1);
     env.commit(&mut order).await;
-    until_stream_holds(&env, 1, Duration::from_secs(10)).await;
+    env.until_stream_holds(1, Duration::from_secs(10)).await;
     let dead = wait_until("four dead letters", Duration::from_secs(10), || async {
         let dead = dead_letter::list(&mut env.conn().await, 10).await.unwrap();
         (dead.len() == 4).then_some(dead)
@@ -186,7 +155,7 @@ async fn unreadable_subjects_are_dead_lettered_at_once_and_never_cost_the_connec
         flowed_after < Duration::from_secs(5),
         "the other aggregate flowed at once: {flowed_after:?}"
     );
-    assert_eq!(stream_len(&env).await, 1);
+    assert_eq!(env.stream_len().await, 1);
 }
 
 #[tokio::test]
@@ -209,7 +178,7 @@ async fn data_cannot_switch_off_jetstream_dedup() {
             .unwrap();
     }
     while relay.relay_batch().await.unwrap().claimed > 0 {}
-    assert_eq!(stream_len(&env).await, AGGREGATES);
+    assert_eq!(env.stream_len().await, AGGREGATES);
 
     // Every mark lost: the relay publishes every row again, inside the duplicate window.
     conn.batch_execute("UPDATE outbox_events SET published_at = NULL")
@@ -223,7 +192,7 @@ async fn data_cannot_switch_off_jetstream_dedup() {
         }
         duplicates += report.duplicates;
     }
-    assert_eq!(stream_len(&env).await, AGGREGATES, "stored once each");
+    assert_eq!(env.stream_len().await, AGGREGATES, "stored once each");
     assert_eq!(
         duplicates as u64, AGGREGATES,
         "JetStream found each a duplicate"
@@ -317,7 +286,7 @@ async fn a_broker_back_from_a_long_outage_is_used_at_once_and_the_outage_is_logg
     let mut conn = env.conn().await;
     let mut first = Order::place("o-1", "ada", 1);
     env.commit(&mut first).await;
-    until_stream_holds(&env, 1, Duration::from_secs(10)).await;
+    env.until_stream_holds(1, Duration::from_secs(10)).await;
 
     server.stop();
     let mut second = Order::place("o-2", "ada", 1);
@@ -341,7 +310,7 @@ async fn a_broker_back_from_a_long_outage_is_used_at_once_and_the_outage_is_logg
     )
     .await;
     let reconnected = restarted.elapsed();
-    until_stream_holds(&env, 2, Duration::from_secs(30)).await;
+    env.until_stream_holds(2, Duration::from_secs(30)).await;
     let resumed = restarted.elapsed() - reconnected;
     relay.shutdown().await.unwrap();
     eprintln!(
@@ -413,15 +382,18 @@ async fn a_graceful_broker_shutdown_counts_no_attempt_and_dead_letters_nothing()
     };
     // Three graceful stops, each while publishes flow.
     for _ in 0..3 {
-        until_stream_holds(&env, stream_len(&env).await + 200, Duration::from_secs(30)).await;
+        env.until_stream_holds(env.stream_len().await + 200, Duration::from_secs(30))
+            .await;
         server.terminate().await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         server.restart().await;
     }
-    until_stream_holds(&env, stream_len(&env).await + 200, Duration::from_secs(30)).await;
+    env.until_stream_holds(env.stream_len().await + 200, Duration::from_secs(30))
+        .await;
     stop.cancel();
     let committed = writer.await.unwrap();
-    until_stream_holds(&env, committed, Duration::from_secs(30)).await;
+    env.until_stream_holds(committed, Duration::from_secs(30))
+        .await;
     relay.shutdown().await.unwrap();
 
     let mut conn = env.conn().await;
@@ -495,5 +467,5 @@ async fn a_stream_that_stops_answering_counts_no_attempt() {
         .await
         .unwrap();
     assert_eq!(rows, vec![(0, true, false); 5], "no attempt, all published");
-    assert_eq!(stream_len(&env).await, 5);
+    assert_eq!(env.stream_len().await, 5);
 }

@@ -5,7 +5,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use diesel::prelude::*;
@@ -15,34 +15,7 @@ use outbox_runtime::{
     DeadLetterPolicy, PublishedRows, Relay, RelayConfig, UnitOfWorkError, dead_letter,
 };
 use support::domain::{Order, OrderEvent};
-use support::{NatsServer, Received, TestEnv, wait_until};
-
-/// The stream's `ce-sequence`s per aggregate, in stream order.
-fn sequences(messages: &[Received]) -> BTreeMap<String, Vec<u64>> {
-    let mut sequences: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    for message in messages {
-        sequences
-            .entry(message.header("ce-subject"))
-            .or_default()
-            .push(message.header("ce-sequence").parse().unwrap());
-    }
-    sequences
-}
-
-async fn stream_len(env: &TestEnv) -> u64 {
-    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
-    stream.info().await.unwrap().state.messages
-}
-
-/// Waits until the stream holds `count` messages.
-async fn until_stream_holds(env: &TestEnv, count: u64, timeout: Duration) {
-    wait_until(
-        &format!("{count} messages in the stream"),
-        timeout,
-        || async { (stream_len(env).await >= count).then_some(()) },
-    )
-    .await;
-}
+use support::{NatsServer, TestEnv, sequences, wait_until};
 
 /// Commits `events` events of aggregate `id` (Placed, then Shipped), one unit of work each.
 async fn commit_events(env: &TestEnv, conn: &mut AsyncPgConnection, id: &str, events: usize) {
@@ -123,7 +96,8 @@ async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_on
         }));
     }
 
-    until_stream_holds(&env, TOTAL / 4, Duration::from_secs(60)).await;
+    env.until_stream_holds(TOTAL / 4, Duration::from_secs(60))
+        .await;
     doomed.abort();
     assert!(doomed.await.unwrap_err().is_cancelled());
     let fourth = Relay::connect(config.clone(), env.nats.clone())
@@ -133,7 +107,8 @@ async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_on
     for producer in producers {
         producer.await.unwrap();
     }
-    until_stream_holds(&env, TOTAL, Duration::from_secs(120)).await;
+    env.until_stream_holds(TOTAL, Duration::from_secs(120))
+        .await;
     for relay in [second, third, fourth] {
         relay.shutdown().await.unwrap();
     }
@@ -209,7 +184,7 @@ async fn a_rejected_message_is_dead_lettered_after_max_attempts_while_others_flo
         let error = letter.last_error.as_deref().unwrap_or_default();
         assert!(error.contains("max payload"), "{error}");
     }
-    until_stream_holds(&env, 10, Duration::from_secs(10)).await;
+    env.until_stream_holds(10, Duration::from_secs(10)).await;
     let messages = env.stream_messages().await;
     assert_eq!(messages.len(), 10, "the orders flowed; nothing of Big did");
     assert!(messages.iter().all(|m| !m.subject.contains(".Big.")));
@@ -231,7 +206,7 @@ async fn a_rejected_message_is_dead_lettered_after_max_attempts_while_others_flo
         "once"
     );
 
-    until_stream_holds(&env, 13, Duration::from_secs(10)).await;
+    env.until_stream_holds(13, Duration::from_secs(10)).await;
     relay.shutdown().await.unwrap();
     let sequences = sequences(&env.stream_messages().await);
     assert_eq!(sequences["b-1"], [1, 2], "retried in order");
@@ -306,7 +281,7 @@ async fn a_broker_outage_loses_nothing_and_dead_letters_nothing() {
     for n in 0..4 {
         commit_events(&env, &mut conn, &format!("o-{n}"), 5).await;
     }
-    until_stream_holds(&env, 20, Duration::from_secs(10)).await;
+    env.until_stream_holds(20, Duration::from_secs(10)).await;
 
     server.stop();
     for n in 0..4 {
@@ -316,7 +291,7 @@ async fn a_broker_outage_loses_nothing_and_dead_letters_nothing() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     server.restart().await;
 
-    until_stream_holds(&env, 40, Duration::from_secs(30)).await;
+    env.until_stream_holds(40, Duration::from_secs(30)).await;
     relay.shutdown().await.unwrap();
     let messages = env.stream_messages().await;
     assert_eq!(messages.len(), 40, "nothing lost, nothing stored twice");
@@ -352,7 +327,7 @@ async fn a_relay_recovers_when_its_database_connections_are_terminated() {
         .spawn();
     let mut conn = env.conn().await;
     commit_events(&env, &mut conn, "o-1", 1).await;
-    until_stream_holds(&env, 1, Duration::from_secs(5)).await;
+    env.until_stream_holds(1, Duration::from_secs(5)).await;
 
     #[derive(QueryableByName)]
     struct Terminated {
@@ -374,10 +349,10 @@ async fn a_relay_recovers_when_its_database_connections_are_terminated() {
 
     // The listener reconnects and LISTENs again; the workers reopen their connections.
     commit_events(&env, &mut conn, "o-2", 1).await;
-    until_stream_holds(&env, 2, Duration::from_secs(10)).await;
+    env.until_stream_holds(2, Duration::from_secs(10)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     commit_events(&env, &mut conn, "o-3", 1).await;
-    until_stream_holds(&env, 3, Duration::from_secs(10)).await;
+    env.until_stream_holds(3, Duration::from_secs(10)).await;
     relay.shutdown().await.unwrap();
 }
 
@@ -401,7 +376,7 @@ async fn graceful_shutdown_marks_exactly_what_was_acked() {
     ))
     .await
     .unwrap();
-    until_stream_holds(&env, 2_000, Duration::from_secs(20)).await;
+    env.until_stream_holds(2_000, Duration::from_secs(20)).await;
     relay.shutdown().await.unwrap();
 
     let published: HashSet<String> = env
@@ -432,15 +407,7 @@ async fn the_relay_reads_the_duplicate_window_and_warns_when_it_is_shorter_than_
     let (logs, _guard) = support::Logs::capture().await;
 
     let env = TestEnv::new().await;
-    env.jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: env.stream.clone(),
-            subjects: vec![format!("{}.>", env.prefix)],
-            duplicate_window: Duration::from_secs(1),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    env.create_stream(Duration::from_secs(1)).await;
     let config = env.relay_config();
     let relay = Relay::connect(config.clone(), env.nats.clone())
         .await

@@ -30,11 +30,6 @@ impl Handler for Nothing {
     }
 }
 
-async fn stream_len(env: &TestEnv) -> u64 {
-    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
-    stream.info().await.unwrap().state.messages
-}
-
 #[tokio::test]
 async fn connecting_to_a_database_that_never_answers_fails_in_time_naming_the_host() {
     let hole = BlackHole::start().await;
@@ -64,14 +59,7 @@ async fn connecting_to_a_database_that_never_answers_fails_in_time_naming_the_ho
     assert!(!text.contains("s3cret") && !format!("{error:?}").contains("s3cret"));
 
     // The inbox, on the relay's stream.
-    env.jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: env.stream.clone(),
-            subjects: vec![format!("{}.>", env.prefix)],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    env.create_stream(Duration::from_secs(120)).await;
     let mut config = InboxConfig::new("hanging", &url);
     config.stream = env.stream.clone();
     config.filter_subject = format!("{}.>", env.prefix);
@@ -123,7 +111,7 @@ async fn a_relay_whose_database_freezes_drops_the_connection_and_stops_in_bounde
     let mut first = Order::place("o-1", "ada", 1);
     env.commit(&mut first).await;
     wait_until("the first event", Duration::from_secs(10), || async {
-        (stream_len(&env).await == 1).then_some(())
+        (env.stream_len().await == 1).then_some(())
     })
     .await;
 
@@ -148,7 +136,7 @@ async fn a_relay_whose_database_freezes_drops_the_connection_and_stops_in_bounde
         .unwrap()
         .spawn();
     wait_until("the second event", Duration::from_secs(20), || async {
-        (stream_len(&env).await == 2).then_some(())
+        (env.stream_len().await == 2).then_some(())
     })
     .await;
     relay.shutdown().await.unwrap();
@@ -173,14 +161,7 @@ async fn the_relay_and_the_inbox_refuse_a_database_without_the_outbox_tables() {
         "{error}"
     );
 
-    env.jetstream()
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: env.stream.clone(),
-            subjects: vec![format!("{}.>", env.prefix)],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    env.create_stream(Duration::from_secs(120)).await;
     let mut config = InboxConfig::new("unmigrated", &env.database_url);
     config.stream = env.stream.clone();
     config.filter_subject = format!("{}.>", env.prefix);
@@ -223,7 +204,7 @@ async fn credentials_in_a_nats_url_work_and_no_secret_reaches_a_log_an_error_or_
     let mut order = Order::place("o-1", "ada", 1);
     env.commit(&mut order).await;
     wait_until("the event", Duration::from_secs(10), || async {
-        (stream_len(&env).await == 1).then_some(())
+        (env.stream_len().await == 1).then_some(())
     })
     .await;
     relay.shutdown().await.unwrap();

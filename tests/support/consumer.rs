@@ -58,6 +58,14 @@ pub async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str, timeout
     .await;
 }
 
+/// Runs the inbox until every message is settled (within `timeout`), then shuts it down.
+pub async fn run_until_settled(inbox: Inbox<impl Handler>, what: &str, timeout: Duration) {
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, what, timeout).await;
+    running.shutdown().await.unwrap();
+}
+
 /// Writes each event it applies into `applied`, in the inbox's transaction; sleeps
 /// `delay` first (a slow handler).
 #[derive(Clone, Default)]

@@ -130,6 +130,36 @@ impl TestEnv {
         jetstream::new(self.nats.clone())
     }
 
+    /// Creates this test's stream, capturing `{prefix}.>`, with `duplicate_window` (before a
+    /// relay does, for a test that needs it first or with another window).
+    pub async fn create_stream(&self, duplicate_window: Duration) {
+        self.jetstream()
+            .create_stream(jetstream::stream::Config {
+                name: self.stream.clone(),
+                subjects: vec![format!("{}.>", self.prefix)],
+                duplicate_window,
+                ..Default::default()
+            })
+            .await
+            .expect("create the test's stream");
+    }
+
+    /// How many messages this test's stream holds.
+    pub async fn stream_len(&self) -> u64 {
+        let mut stream = self.jetstream().get_stream(&self.stream).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+
+    /// Waits until this test's stream holds `count` messages.
+    pub async fn until_stream_holds(&self, count: u64, timeout: Duration) {
+        wait_until(
+            &format!("{count} messages in the stream"),
+            timeout,
+            || async { (self.stream_len().await >= count).then_some(()) },
+        )
+        .await;
+    }
+
     /// Every message in this test's stream, in stream order, read by an ordered consumer
     /// (the protocol's header parser keeps every value of a multi-valued header; the
     /// stream's raw-get API, as async-nats 0.51 decodes it, keeps only the last).
@@ -171,6 +201,25 @@ pub struct Received {
     pub subject: String,
     pub headers: async_nats::HeaderMap,
     pub payload: Vec<u8>,
+}
+
+/// The `ce-sequence`s of `messages` per aggregate id (`ce-subject`, percent-decoded), in
+/// stream order.
+pub fn sequences(messages: &[Received]) -> std::collections::BTreeMap<String, Vec<u64>> {
+    let mut sequences: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
+    for message in messages {
+        let id = percent_encoding::percent_decode_str(&message.header("ce-subject"))
+            .decode_utf8()
+            .expect("a UTF-8 ce-subject")
+            .into_owned();
+        sequences.entry(id).or_default().push(
+            message
+                .header("ce-sequence")
+                .parse()
+                .expect("a numeric ce-sequence"),
+        );
+    }
+    sequences
 }
 
 impl Received {
