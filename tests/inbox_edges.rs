@@ -540,3 +540,52 @@ async fn a_consumer_of_some_event_types_applies_them_without_waiting_for_the_oth
     assert_eq!(gaps, 0, "a filtered-out event is no gap");
     assert!(took < Duration::from_secs(5), "no waiting: {took:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_with_limited_deliveries_is_updated_to_count_failures_itself() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, 1).await;
+    relay_all(&producer).await;
+    // A durable consumer as an earlier version (or an operator) created it.
+    producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap()
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("upgraded".to_owned()),
+            filter_subject: format!("{}.>", producer.prefix),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 5,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let consumer = consumer_database().await;
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "upgraded"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    let info = inbox
+        .consumer()
+        .clone()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    assert_eq!(
+        (info.max_deliver, info.ack_wait),
+        (-1, Duration::from_secs(1)),
+        "unlimited deliveries, the configured ack_wait"
+    );
+    run_until_settled(inbox, "the message settled", Duration::from_secs(10)).await;
+    assert_eq!(
+        applied(&mut consumer.conn().await).await.get("o-0"),
+        Some(&vec![1])
+    );
+}

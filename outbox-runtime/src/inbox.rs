@@ -639,10 +639,7 @@ impl<H: Handler> Inbox<H> {
             updated.max_deliver = wanted.max_deliver;
             updated.max_ack_pending = wanted.max_ack_pending;
             consumer = stream
-                .update_consumer(pull::Config {
-                    durable_name: updated.durable_name.clone(),
-                    ..updated_pull_config(&updated)
-                })
+                .update_consumer(updated_pull_config(&updated))
                 .await
                 .map_err(|e| consumer_error(format!("updating its settings: {e}")))?;
         }
