@@ -261,6 +261,10 @@ struct Options {
     aggregates: usize,
     rate: f64,
     seed: u64,
+    /// Whether to run at all: a test filter that does not match `chaos` (`cargo test
+    /// some_test`) skips it, as libtest would, and `--list` lists it.
+    skip: bool,
+    list: bool,
 }
 
 impl Options {
@@ -272,6 +276,8 @@ impl Options {
             seed: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64),
+            skip: false,
+            list: false,
         };
         // cargo test may pass its own flags (--nocapture, a filter): only ours are read.
         let args: Vec<String> = std::env::args().collect();
@@ -292,12 +298,30 @@ impl Options {
         if let Some(seed) = value("--seed").and_then(|v| v.parse().ok()) {
             options.seed = seed;
         }
+        const VALUED: [&str; 4] = ["--duration", "--aggregates", "--rate", "--seed"];
+        let filters: Vec<&String> = args
+            .iter()
+            .enumerate()
+            .skip(1)
+            .filter(|(at, arg)| !arg.starts_with('-') && !VALUED.contains(&args[at - 1].as_str()))
+            .map(|(_, arg)| arg)
+            .collect();
+        options.skip = !filters.is_empty() && !filters.iter().any(|f| "chaos".contains(f.as_str()));
+        options.list = args.iter().any(|arg| arg == "--list");
         options
     }
 }
 
 fn orchestrate() -> ExitCode {
     let options = Options::parse();
+    if options.list {
+        println!("chaos: test");
+        return ExitCode::SUCCESS;
+    }
+    if options.skip {
+        println!("chaos run: filtered out");
+        return ExitCode::SUCCESS;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
