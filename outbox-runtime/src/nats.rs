@@ -1,12 +1,16 @@
-//! Connecting to NATS from a URL that may carry credentials.
+//! Connecting to NATS: from a URL that may carry credentials, or from [`NatsSettings`] that
+//! name every way a server authenticates a client.
 //!
 //! async-nats takes credentials from its [`ConnectOptions`] only: a user and password, or a
 //! token, written in the URL (`nats://user:password@host:4222`, `nats://token@host:4222`) are
 //! ignored, and the URL, credentials included, is written to its DEBUG log. [`connect`] reads
 //! the credentials out of the URL, hands them to async-nats as options, and gives async-nats
 //! the URL without them, so they work and are never logged. [`redacted`] is the URL as it may
-//! be shown.
+//! be shown. [`NatsSettings`] adds an NKey seed, a `.creds` file and TLS (a CA, a client
+//! certificate), for the relay, the inbox and the `outbox` command alike.
 
+use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -109,21 +113,177 @@ pub fn options(urls: &str) -> Result<(ConnectOptions, Vec<ServerAddr>), NatsConn
     Ok((options, servers))
 }
 
-/// Connects to `urls` (see [`options`]), within a 10 s connection timeout per attempt.
+/// Connects to `urls` (see [`options`]), within a 10 s connection timeout per attempt; the
+/// same as [`NatsSettings::new(urls).connect()`](NatsSettings::connect).
 ///
 /// # Errors
 /// [`NatsConnectError`], naming the servers without credentials: a URL that does not parse,
 /// credentials the server refuses, or no server reachable.
 pub async fn connect(urls: &str) -> Result<async_nats::Client, NatsConnectError> {
-    let (options, servers) = options(urls)?;
-    options
-        .connection_timeout(Duration::from_secs(10))
-        .connect(servers)
-        .await
-        .map_err(|e| NatsConnectError {
-            servers: redacted(urls),
-            reason: e.to_string(),
-        })
+    NatsSettings::new(urls).connect().await
+}
+
+/// How to reach and authenticate to NATS. At most one way to authenticate: credentials in
+/// the URL (user and password, or a token), `user` and `password`, `token`, `nkey_seed`, or
+/// `credentials_file`. Its `Debug` shows no secret.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct NatsSettings {
+    /// One server URL, or several separated by commas (a cluster).
+    pub urls: String,
+    /// A user, with [`password`](Self::password).
+    pub user: Option<String>,
+    /// The user's password.
+    pub password: Option<String>,
+    /// A token.
+    pub token: Option<String>,
+    /// An NKey seed (`SU...`): the client signs the server's nonce with it.
+    pub nkey_seed: Option<String>,
+    /// A `.creds` file (a user JWT and its NKey seed), as `nsc` writes it.
+    pub credentials_file: Option<PathBuf>,
+    /// A PEM file of the CA certificates that sign the server's (for a private CA).
+    pub ca_file: Option<PathBuf>,
+    /// A PEM client certificate, with [`client_key`](Self::client_key), for mutual TLS.
+    pub client_cert: Option<PathBuf>,
+    /// The client certificate's PEM private key.
+    pub client_key: Option<PathBuf>,
+    /// Refuse a connection without TLS (also implied by a `tls://` URL, a CA or a client
+    /// certificate).
+    pub require_tls: bool,
+    /// The connection's name, shown by the server (`connz`).
+    pub name: Option<String>,
+}
+
+impl fmt::Debug for NatsSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secret = |value: &Option<String>| value.as_ref().map(|_| "<redacted>");
+        f.debug_struct("NatsSettings")
+            .field("urls", &redacted(&self.urls))
+            .field("user", &self.user)
+            .field("password", &secret(&self.password))
+            .field("token", &secret(&self.token))
+            .field("nkey_seed", &secret(&self.nkey_seed))
+            .field("credentials_file", &self.credentials_file)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
+            .field("require_tls", &self.require_tls)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl NatsSettings {
+    /// Settings for `urls`, with whatever credentials they carry.
+    pub fn new(urls: impl Into<String>) -> Self {
+        Self {
+            urls: urls.into(),
+            ..Self::default()
+        }
+    }
+
+    /// The options and servers these settings connect with.
+    ///
+    /// # Errors
+    /// [`NatsConnectError`] when a URL does not parse, when two ways to authenticate are
+    /// given, or when a password comes without a user (or a client key without its
+    /// certificate), or the credentials file cannot be read.
+    pub async fn options(&self) -> Result<(ConnectOptions, Vec<ServerAddr>), NatsConnectError> {
+        let error = |reason: String| NatsConnectError {
+            servers: redacted(&self.urls),
+            reason,
+        };
+        let (servers, in_url) = parse(&self.urls).map_err(error)?;
+        let mut ways = Vec::new();
+        if in_url != Credentials::None {
+            ways.push("credentials in the URL");
+        }
+        if self.user.is_some() || self.password.is_some() {
+            ways.push("a user and password");
+        }
+        for (set, way) in [
+            (self.token.is_some(), "a token"),
+            (self.nkey_seed.is_some(), "an NKey seed"),
+            (self.credentials_file.is_some(), "a credentials file"),
+        ] {
+            if set {
+                ways.push(way);
+            }
+        }
+        if ways.len() > 1 {
+            return Err(error(format!(
+                "give one way to authenticate, not {}",
+                ways.join(" and ")
+            )));
+        }
+        let mut options = match (&self.user, &self.password) {
+            (Some(user), password) => ConnectOptions::with_user_and_password(
+                user.clone(),
+                password.clone().unwrap_or_default(),
+            ),
+            (None, Some(_)) => return Err(error("a password without a user".to_owned())),
+            (None, None) => match in_url {
+                Credentials::None => ConnectOptions::new(),
+                Credentials::Token(token) => ConnectOptions::with_token(token),
+                Credentials::UserPassword(user, password) => {
+                    ConnectOptions::with_user_and_password(user, password)
+                }
+            },
+        };
+        if let Some(token) = &self.token {
+            options = options.token(token.clone());
+        }
+        if let Some(seed) = &self.nkey_seed {
+            options = options.nkey(seed.clone());
+        }
+        if let Some(path) = &self.credentials_file {
+            options = options
+                .credentials_file(path)
+                .await
+                .map_err(|e| error(format!("credentials file {}: {e}", path.display())))?;
+        }
+        let mut tls = self.require_tls;
+        if let Some(ca) = &self.ca_file {
+            options = options.add_root_certificates(ca.clone());
+            tls = true;
+        }
+        match (&self.client_cert, &self.client_key) {
+            (Some(cert), Some(key)) => {
+                options = options.add_client_certificate(cert.clone(), key.clone());
+                tls = true;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(error(
+                    "a client certificate needs its key, and a key its certificate".to_owned(),
+                ));
+            }
+        }
+        if tls {
+            options = options.require_tls(true);
+        }
+        if let Some(name) = &self.name {
+            options = options.name(name);
+        }
+        Ok((options, servers))
+    }
+
+    /// Connects, within a 10 s connection timeout per attempt.
+    ///
+    /// # Errors
+    /// [`NatsConnectError`], naming the servers without credentials: settings that do not
+    /// hold together (see [`options`](Self::options)), credentials the server refuses, or no
+    /// server reachable.
+    pub async fn connect(&self) -> Result<async_nats::Client, NatsConnectError> {
+        let (options, servers) = self.options().await?;
+        options
+            .connection_timeout(Duration::from_secs(10))
+            .connect(servers)
+            .await
+            .map_err(|e| NatsConnectError {
+                servers: redacted(&self.urls),
+                reason: e.to_string(),
+            })
+    }
 }
 
 #[cfg(test)]
@@ -153,5 +313,42 @@ mod tests {
         let error = options("http://a:s3cret@n1").unwrap_err();
         assert!(!error.to_string().contains("s3cret"), "{error}");
         assert_eq!(redacted("nats://a:s3cret@n1:4222"), "nats://n1:4222");
+    }
+
+    #[tokio::test]
+    async fn one_way_to_authenticate_and_no_secret_in_debug() {
+        let settings = NatsSettings {
+            token: Some("t0k3n".into()),
+            nkey_seed: Some("SUs33d".into()),
+            ..NatsSettings::new("nats://u:pw@n1")
+        };
+        let error = settings.options().await.unwrap_err();
+        assert_eq!(
+            error.reason,
+            "give one way to authenticate, not credentials in the URL and a token and an NKey seed"
+        );
+        let shown = format!("{settings:?}");
+        for secret in ["t0k3n", "SUs33d", "pw"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        let half = NatsSettings {
+            client_key: Some("key.pem".into()),
+            ..NatsSettings::new("nats://n1")
+        };
+        assert!(
+            half.options()
+                .await
+                .unwrap_err()
+                .reason
+                .contains("needs its key")
+        );
+        let alone = NatsSettings {
+            password: Some("pw".into()),
+            ..NatsSettings::new("nats://n1")
+        };
+        assert_eq!(
+            alone.options().await.unwrap_err().reason,
+            "a password without a user"
+        );
     }
 }
