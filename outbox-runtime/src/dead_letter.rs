@@ -88,6 +88,89 @@ pub async fn list(conn: &mut AsyncPgConnection, limit: i64) -> QueryResult<Vec<D
     .await
 }
 
+/// A dead letter whole, as [`show`] returns it: the [`DeadLetter`] fields and the message it
+/// would be.
+#[derive(Clone, Debug, PartialEq, QueryableByName)]
+pub struct DeadLetterDetail {
+    /// What [`list`] shows of it.
+    #[diesel(embed)]
+    pub letter: DeadLetter,
+    /// The event version.
+    #[diesel(sql_type = Int4)]
+    pub event_version: i32,
+    /// The partition key.
+    #[diesel(sql_type = Text)]
+    pub partition_key: String,
+    /// The payload, as `jsonb` renders it.
+    #[diesel(sql_type = Text)]
+    pub payload: String,
+    /// The row's extra headers (a JSON object).
+    #[diesel(sql_type = Text)]
+    pub headers: String,
+    /// When the event occurred.
+    #[diesel(sql_type = Timestamptz)]
+    pub occurred_at: time::OffsetDateTime,
+    /// Its correlation id, when it has one.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub correlation_id: Option<String>,
+}
+
+/// The dead letter `id`, whole; `None` when `id` is not an unpublished dead letter.
+///
+/// # Errors
+/// The database's error.
+pub async fn show(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<Option<DeadLetterDetail>> {
+    use diesel::OptionalExtension;
+    diesel::sql_query(
+        "SELECT d.id, d.aggregate_type, d.aggregate_id, d.aggregate_seq, d.event_type, \
+                d.subject, d.attempts, d.last_error, d.dead_lettered_at, d.skipped_at, \
+                CASE WHEN d.skipped_at IS NOT NULL THEN 0 ELSE (SELECT count(*) FROM outbox_events w \
+                 WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id \
+                   AND w.aggregate_seq > d.aggregate_seq \
+                   AND w.published_at IS NULL AND w.skipped_at IS NULL) END AS waiting, \
+                d.event_version, d.partition_key, d.payload::text AS payload, \
+                d.headers::text AS headers, d.occurred_at, d.correlation_id \
+         FROM outbox_events d \
+         WHERE d.id = $1 AND d.dead_lettered_at IS NOT NULL AND d.published_at IS NULL",
+    )
+    .bind::<SqlUuid, _>(id)
+    .get_result(conn)
+    .await
+    .optional()
+}
+
+/// Retries every unpublished dead letter (skipped ones included), or those of one
+/// aggregate type, as [`retry`] does one; returns the ids retried, oldest dead letter first.
+///
+/// # Errors
+/// The database's error; the dead letters retried before it stay retried.
+pub async fn retry_all(
+    conn: &mut AsyncPgConnection,
+    aggregate_type: Option<&str>,
+) -> QueryResult<Vec<Uuid>> {
+    #[derive(QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = SqlUuid)]
+        id: Uuid,
+    }
+    let ids: Vec<Id> = diesel::sql_query(
+        "SELECT id FROM outbox_events \
+         WHERE dead_lettered_at IS NOT NULL AND published_at IS NULL \
+           AND ($1::text IS NULL OR aggregate_type = $1) \
+         ORDER BY dead_lettered_at, id",
+    )
+    .bind::<Nullable<Text>, _>(aggregate_type)
+    .load(conn)
+    .await?;
+    let mut retried = Vec::with_capacity(ids.len());
+    for Id { id } in ids {
+        if retry(conn, id).await? {
+            retried.push(id);
+        }
+    }
+    Ok(retried)
+}
+
 /// Puts the dead letter `id` back in the queue with its attempts reset, releases the rows
 /// waiting behind it, and wakes the relays. Returns whether `id` was an unpublished dead
 /// letter. A skipped one is retried too: it is published after the later events of its

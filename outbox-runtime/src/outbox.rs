@@ -219,9 +219,12 @@ pub struct OutboxStats {
     /// Rows waiting to be published (parked ones included, dead letters not).
     #[diesel(sql_type = Int8)]
     pub queued: i64,
-    /// Dead letters that still block their aggregate.
+    /// Dead letters that still block their aggregate: as many aggregates are blocked.
     #[diesel(sql_type = Int8)]
     pub dead_letters: i64,
+    /// Queued rows parked behind a dead letter of their aggregate (counted in `queued`).
+    #[diesel(sql_type = Int8)]
+    pub blocked: i64,
     /// Dead letters skipped (by [`DeadLetterPolicy::Skip`](crate::DeadLetterPolicy::Skip) or
     /// by an operator) and never published: [`crate::dead_letter::retry`] can still publish
     /// them.
@@ -231,6 +234,17 @@ pub struct OutboxStats {
     /// lag. `None` when nothing waits.
     #[diesel(sql_type = Nullable<Timestamptz>)]
     pub oldest_queued_at: Option<time::OffsetDateTime>,
+}
+
+impl OutboxStats {
+    /// The outbox lag: how long ago the oldest waiting event occurred; zero when nothing
+    /// waits.
+    pub fn lag(&self) -> Duration {
+        self.oldest_queued_at.map_or(Duration::ZERO, |oldest| {
+            let lag = time::OffsetDateTime::now_utc() - oldest;
+            Duration::try_from(lag).unwrap_or(Duration::ZERO)
+        })
+    }
 }
 
 /// Counts what waits in the outbox. Reads only queued rows (the `outbox_events_queued`
@@ -243,6 +257,8 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
     diesel::sql_query(
         "SELECT count(*) FILTER (WHERE dead_lettered_at IS NULL) AS queued, \
                 count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead_letters, \
+                count(*) FILTER (WHERE dead_lettered_at IS NULL AND available_at = 'infinity') \
+                    AS blocked, \
                 min(occurred_at) FILTER (WHERE dead_lettered_at IS NULL) AS oldest_queued_at, \
                 (SELECT count(*) FROM outbox_events \
                  WHERE dead_lettered_at IS NOT NULL AND skipped_at IS NOT NULL \
@@ -251,6 +267,66 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
     )
     .get_result(conn)
     .await
+}
+
+/// What waits in the outbox, by aggregate type and event type, as [`queued_by_type`]
+/// returns it.
+#[derive(Clone, Debug, PartialEq, Eq, QueryableByName)]
+pub struct QueuedByType {
+    /// The aggregate type.
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub aggregate_type: String,
+    /// The event type.
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub event_type: String,
+    /// Rows waiting to be published (parked ones included, dead letters not).
+    #[diesel(sql_type = Int8)]
+    pub queued: i64,
+    /// Dead letters that block their aggregate.
+    #[diesel(sql_type = Int8)]
+    pub dead_letters: i64,
+}
+
+/// [`stats`] broken down by aggregate type and event type, the most queued first. Reads the
+/// queued rows only.
+///
+/// # Errors
+/// The database's error.
+pub async fn queued_by_type(conn: &mut AsyncPgConnection) -> QueryResult<Vec<QueuedByType>> {
+    diesel::sql_query(
+        "SELECT aggregate_type::text AS aggregate_type, event_type, \
+                count(*) FILTER (WHERE dead_lettered_at IS NULL) AS queued, \
+                count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead_letters \
+         FROM outbox_events WHERE published_at IS NULL AND skipped_at IS NULL \
+         GROUP BY 1, 2 ORDER BY 3 DESC, 4 DESC, 1, 2",
+    )
+    .load(conn)
+    .await
+}
+
+/// How many of the newest `window` rows (by id, which follows time for the unit of work's
+/// UUIDv7 ids) were published in the last minute: the relay's recent rate, for
+/// [`PublishedRows::Mark`] (deleted rows leave no trace; read the relay's
+/// `outbox_relay_published_total` instead). Walks the primary key backwards, so its cost is
+/// bounded by `window`, whatever the table holds.
+///
+/// # Errors
+/// The database's error.
+pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) -> QueryResult<i64> {
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = Int8)]
+        count: i64,
+    }
+    let row: Count = diesel::sql_query(
+        "SELECT count(*) AS count FROM ( \
+             SELECT published_at FROM outbox_events ORDER BY id DESC LIMIT $1) newest \
+         WHERE published_at > now() - interval '1 minute'",
+    )
+    .bind::<Int8, _>(window)
+    .get_result(conn)
+    .await?;
+    Ok(row.count)
 }
 
 /// Deletes up to `limit` rows published more than `older_than` ago, oldest id first, and

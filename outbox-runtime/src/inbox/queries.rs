@@ -318,6 +318,27 @@ pub(crate) async fn purge(
     .await
 }
 
+/// The consumers with rows in `outbox_inbox` (see [`super::consumers`]).
+pub(crate) async fn consumers(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct Consumer {
+        #[diesel(sql_type = Text)]
+        consumer: String,
+    }
+    let rows: Vec<Consumer> = diesel::sql_query(
+        "WITH RECURSIVE c AS ( \
+             (SELECT consumer FROM outbox_inbox ORDER BY consumer LIMIT 1) \
+             UNION ALL \
+             SELECT (SELECT i.consumer FROM outbox_inbox i WHERE i.consumer > c.consumer \
+                     ORDER BY i.consumer LIMIT 1) \
+             FROM c WHERE c.consumer IS NOT NULL) \
+         SELECT consumer::text AS consumer FROM c WHERE consumer IS NOT NULL",
+    )
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().map(|row| row.consumer).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
