@@ -595,6 +595,7 @@ impl<H: Handler> Inbox<H> {
         handler: H,
     ) -> Result<Self, InboxError> {
         config.validate()?;
+        describe_metrics();
         let consumer_error = |message: String| InboxError::Consumer {
             consumer: config.consumer.clone(),
             stream: config.stream.clone(),
@@ -1287,6 +1288,28 @@ fn updated_pull_config(info: &jetstream::consumer::Config) -> pull::Config {
     }
 }
 
+/// Describes the inbox's metrics (units and help texts for an exporter).
+fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_counter!(
+        "outbox_inbox_messages_total",
+        "Deliveries processed, by consumer and outcome (handled, duplicate, skipped, retry, held, dead_lettered)"
+    );
+    describe_counter!(
+        "outbox_inbox_settle_failures_total",
+        "Acks, naks and terms that did not reach JetStream, by consumer"
+    );
+    describe_counter!(
+        "outbox_inbox_gaps_total",
+        "Events applied over a gap in their aggregate's sequence, by consumer"
+    );
+    describe_histogram!(
+        "outbox_inbox_process_seconds",
+        Unit::Seconds,
+        "From decoding a delivery to its commit, by consumer"
+    );
+}
+
 /// The text of a panic's payload.
 fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(text) = panic.downcast_ref::<&str>() {
@@ -1336,6 +1359,15 @@ pub async fn purge(
 ) -> diesel::QueryResult<usize> {
     let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
     queries::purge(conn, consumer, older_than_ms, limit).await
+}
+
+/// The consumers that have rows in the inbox, in byte order (a loose index scan of the
+/// primary key: one probe per consumer, however many rows each has).
+///
+/// # Errors
+/// The database's error.
+pub async fn consumers(conn: &mut AsyncPgConnection) -> diesel::QueryResult<Vec<String>> {
+    queries::consumers(conn).await
 }
 
 #[cfg(test)]

@@ -59,12 +59,14 @@ pub(crate) enum PublishFailure {
     /// an operator to fix and retry.
     Invalid(String),
     /// The broker refused the message (over its `max_payload`, a stream limit, a reply that
-    /// is not a publish ack): counts an attempt.
-    Rejected(String),
+    /// is not a publish ack): counts an attempt. `kind` labels the rejection in metrics:
+    /// `refused`, `not_an_ack` or `no_ack`.
+    Rejected { kind: &'static str, error: String },
     /// The broker could not be reached, or JetStream did not answer (stopping, no stream
     /// leader, the stream missing): nothing is known to be wrong with the message. Retried
-    /// without counting an attempt.
-    Transport(String),
+    /// without counting an attempt. `kind` labels it in metrics: `disconnected`,
+    /// `no_responders`, `unavailable` or `no_ack`.
+    Transport { kind: &'static str, error: String },
     /// No ack within the ack timeout while the connection stayed up. Either the broker is
     /// slow or stopping (transport), or it dropped the message on purpose (a publish
     /// permission that denies the subject: the server tells only the connection's error
@@ -104,19 +106,28 @@ impl PublishFailure {
                 error: text,
                 connects,
             },
-            PublishErrorKind::BrokenPipe | PublishErrorKind::MaxAckPending => Self::Transport(text),
+            PublishErrorKind::BrokenPipe | PublishErrorKind::MaxAckPending => Self::Transport {
+                kind: "disconnected",
+                error: text,
+            },
             // "No responders": no stream listens on the subject. The relay checked at
             // connect that its stream captures the prefix, and publishes nothing outside it,
             // so this is JetStream stopping (a graceful shutdown disables JetStream before
             // it closes connections) or the stream deleted: the broker's trouble, not the
             // message's.
-            PublishErrorKind::StreamNotFound => Self::Transport(format!(
-                "{text}: JetStream is unavailable or the stream is gone (no stream answered \
-                 for the subject)"
-            )),
+            PublishErrorKind::StreamNotFound => Self::Transport {
+                kind: "no_responders",
+                error: format!(
+                    "{text}: JetStream is unavailable or the stream is gone (no stream answered \
+                     for the subject)"
+                ),
+            },
             PublishErrorKind::MaxPayloadExceeded
             | PublishErrorKind::WrongLastMessageId
-            | PublishErrorKind::WrongLastSequence => Self::Rejected(text),
+            | PublishErrorKind::WrongLastSequence => Self::Rejected {
+                kind: "refused",
+                error: text,
+            },
             PublishErrorKind::Other => Self::from_other(error, text),
         }
     }
@@ -124,25 +135,36 @@ impl PublishFailure {
     /// `Other` is a JetStream API error when the server answered, a reply that is not a
     /// publish ack, a subject the client refused, or the client's own channel failing.
     fn from_other(error: &PublishError, text: String) -> Self {
+        let disconnected = |error: String| Self::Transport {
+            kind: "disconnected",
+            error,
+        };
         let Some(source) = std::error::Error::source(error) else {
-            return Self::Transport(text);
+            return disconnected(text);
         };
         if let Some(api) = source.downcast_ref::<jetstream::Error>() {
             return if UNAVAILABLE.contains(&api.error_code()) {
-                Self::Transport(text)
+                Self::Transport {
+                    kind: "unavailable",
+                    error: text,
+                }
             } else {
-                Self::Rejected(text)
+                Self::Rejected {
+                    kind: "refused",
+                    error: text,
+                }
             };
         }
         if source.is::<serde_json::Error>() {
-            return Self::Rejected(format!(
-                "the reply to the publish is not a publish ack: {text}"
-            ));
+            return Self::Rejected {
+                kind: "not_an_ack",
+                error: format!("the reply to the publish is not a publish ack: {text}"),
+            };
         }
         if source.is::<async_nats::subject::SubjectError>() {
             return Self::Invalid(text);
         }
-        Self::Transport(text)
+        disconnected(text)
     }
 }
 
@@ -667,7 +689,7 @@ mod tests {
         let error = PublishError::with_source(PublishErrorKind::Other, not_an_ack);
         assert!(matches!(
             PublishFailure::from_publish_error(&error, 1),
-            PublishFailure::Rejected(text) if text.contains("not a publish ack")
+            PublishFailure::Rejected { kind: "not_an_ack", error } if error.contains("not a publish ack")
         ));
         let error = PublishError::new(PublishErrorKind::TimedOut);
         assert_eq!(
@@ -680,12 +702,18 @@ mod tests {
         let error = PublishError::new(PublishErrorKind::StreamNotFound);
         assert!(matches!(
             PublishFailure::from_publish_error(&error, 1),
-            PublishFailure::Transport(_)
+            PublishFailure::Transport {
+                kind: "no_responders",
+                ..
+            }
         ));
         let error = PublishError::new(PublishErrorKind::MaxPayloadExceeded);
         assert!(matches!(
             PublishFailure::from_publish_error(&error, 1),
-            PublishFailure::Rejected(_)
+            PublishFailure::Rejected {
+                kind: "refused",
+                ..
+            }
         ));
     }
 

@@ -120,6 +120,11 @@ pub struct RelayConfig {
     /// server does not answer in time (its transaction is rolled back, its rows claimed
     /// again). Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
     pub statement_timeout: Duration,
+    /// How often the relay reads the outbox's state into the gauges `outbox_queued_events`,
+    /// `outbox_oldest_queued_age_seconds`, `outbox_dead_letters`, `outbox_blocked_events`
+    /// and `outbox_skipped_dead_letters` (one query on the queued rows; every replica runs
+    /// it). `Duration::ZERO` switches it off. Default 15 s.
+    pub stats_interval: Duration,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -143,6 +148,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("max_backoff", &self.max_backoff)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
+            .field("stats_interval", &self.stats_interval)
             .finish()
     }
 }
@@ -169,6 +175,7 @@ impl RelayConfig {
             max_backoff: Duration::from_secs(30),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            stats_interval: Duration::from_secs(15),
         }
     }
 
@@ -416,6 +423,7 @@ impl Relay {
         nats: async_nats::Client,
     ) -> Result<Self, RelayError> {
         config.validate()?;
+        describe_metrics();
         let publisher = Publisher::new(
             nats.clone(),
             &config.subject_prefix,
@@ -516,6 +524,10 @@ impl Relay {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
             tokio::spawn(async move { listener::run(&shared, wakers, stop).await })
         });
+        let gauges = (!self.shared.config.stats_interval.is_zero()).then(|| {
+            let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
+            tokio::spawn(async move { read_stats(&shared, stop).await })
+        });
 
         tokio::pin!(shutdown);
         let mut outcome = Ok(());
@@ -534,6 +546,9 @@ impl Relay {
         }
         if let Some(listener) = listener {
             listener.await?;
+        }
+        if let Some(gauges) = gauges {
+            gauges.await?;
         }
         outcome
     }
@@ -564,6 +579,115 @@ impl Relay {
             }
         }
     }
+}
+
+/// Reads the outbox's state into gauges every `stats_interval` until `stop`, on a
+/// connection of its own (reopened when lost; a failure is logged at DEBUG and the gauges
+/// keep their last values).
+async fn read_stats(shared: &Shared, stop: CancellationToken) {
+    let mut conn = None;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(shared.config.stats_interval) => {}
+        }
+        if conn.is_none() {
+            conn = worker::connect(shared).await.ok();
+        }
+        let Some(connection) = conn.as_mut() else {
+            continue;
+        };
+        let read = database::bounded(
+            shared.config.statement_timeout,
+            &shared.target,
+            "the outbox's stats",
+            crate::outbox::stats(connection),
+        )
+        .await;
+        match read {
+            Ok(stats) => {
+                metrics::gauge!("outbox_queued_events").set(stats.queued as f64);
+                metrics::gauge!("outbox_oldest_queued_age_seconds").set(stats.lag().as_secs_f64());
+                metrics::gauge!("outbox_dead_letters").set(stats.dead_letters as f64);
+                metrics::gauge!("outbox_blocked_events").set(stats.blocked as f64);
+                metrics::gauge!("outbox_skipped_dead_letters")
+                    .set(stats.skipped_dead_letters as f64);
+            }
+            Err(error) => {
+                tracing::debug!(%error, "cannot read the outbox's stats");
+                conn = None;
+            }
+        }
+    }
+}
+
+/// Describes the relay's metrics (units and help texts for an exporter).
+fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "outbox_relay_published_total",
+        "Events published and acked, by event_type"
+    );
+    describe_counter!(
+        "outbox_relay_duplicates_total",
+        "Published events JetStream already held (republished inside the duplicate window)"
+    );
+    describe_counter!(
+        "outbox_relay_rejected_total",
+        "Events the broker rejected or that cannot be published, by kind (invalid, refused, not_an_ack, no_ack); each counts an attempt"
+    );
+    describe_counter!(
+        "outbox_relay_dead_lettered_total",
+        "Events that became dead letters"
+    );
+    describe_counter!(
+        "outbox_relay_transport_failures_total",
+        "Publishes that failed in transport, by kind (disconnected, no_responders, unavailable, no_ack); no attempt counted"
+    );
+    describe_counter!(
+        "outbox_relay_broker_unavailable_total",
+        "Times a relay worker found the NATS client disconnected (once per 100 ms while it is)"
+    );
+    describe_counter!(
+        "outbox_relay_notifications_total",
+        "LISTEN/NOTIFY wake-ups received"
+    );
+    describe_histogram!(
+        "outbox_relay_batch_seconds",
+        Unit::Seconds,
+        "Duration of a relay batch that claimed rows"
+    );
+    describe_histogram!(
+        "outbox_relay_publish_delay_seconds",
+        Unit::Seconds,
+        "From an event's occurred_at (its transaction's start) to its JetStream ack"
+    );
+    describe_gauge!(
+        "outbox_relay_lag_seconds",
+        Unit::Seconds,
+        "Age of the oldest event in the relay's last batch (0 when idle)"
+    );
+    describe_gauge!(
+        "outbox_queued_events",
+        "Events waiting to be published (parked ones included, dead letters not)"
+    );
+    describe_gauge!(
+        "outbox_oldest_queued_age_seconds",
+        Unit::Seconds,
+        "The outbox lag: age of the oldest waiting event"
+    );
+    describe_gauge!(
+        "outbox_dead_letters",
+        "Dead letters that block their aggregate (as many aggregates are blocked)"
+    );
+    describe_gauge!(
+        "outbox_blocked_events",
+        "Events waiting behind a dead letter of their aggregate"
+    );
+    describe_gauge!(
+        "outbox_skipped_dead_letters",
+        "Skipped dead letters, never published, still retryable"
+    );
 }
 
 /// A running relay task.

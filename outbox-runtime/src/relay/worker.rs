@@ -10,6 +10,7 @@
 //! the connection is dropped (PostgreSQL rolls its transaction back when it notices) and the
 //! worker starts again on a new one.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -247,12 +248,8 @@ pub(super) async fn relay_batch(
     .await?;
 
     let report = &outcome.report;
-    metrics::counter!("outbox_relay_published_total").increment(report.published as u64);
     metrics::counter!("outbox_relay_duplicates_total").increment(report.duplicates as u64);
-    metrics::counter!("outbox_relay_rejected_total").increment(report.rejected as u64);
     metrics::counter!("outbox_relay_dead_lettered_total").increment(report.dead_lettered as u64);
-    metrics::counter!("outbox_relay_transport_failures_total")
-        .increment(report.transport_failures as u64);
     if report.claimed > 0 {
         metrics::histogram!("outbox_relay_batch_seconds").record(started.elapsed());
         tracing::debug!(
@@ -327,6 +324,17 @@ async fn batch(
     let mut stream_answers = None;
     let mut transport_error = None;
     let mut published: Vec<Uuid> = Vec::with_capacity(report.claimed);
+    let mut by_type: HashMap<&str, u64> = HashMap::new();
+    // The outcomes come in completion order: each carries its chain.
+    for outcome in &outcomes {
+        for row in &outcome.chain[..outcome.published.len()] {
+            *by_type.entry(row.event_type.as_str()).or_default() += 1;
+        }
+    }
+    for (event_type, count) in by_type {
+        metrics::counter!("outbox_relay_published_total", "event_type" => event_type.to_owned())
+            .increment(count);
+    }
     for outcome in outcomes {
         published.extend(outcome.published);
         report.duplicates += outcome.duplicates;
@@ -340,21 +348,29 @@ async fn batch(
                     None => *stream_answers.insert(stream_answers_now(shared, connects).await),
                 };
                 if answers {
-                    PublishFailure::Rejected(format!(
-                        "{error}: no publish ack within {:?} while the stream {:?} answered; the \
-                         server dropped the message (a publish permission that denies the \
-                         subject is the usual cause; see the server's log)",
-                        config.ack_timeout, config.stream.name
-                    ))
+                    PublishFailure::Rejected {
+                        kind: "no_ack",
+                        error: format!(
+                            "{error}: no publish ack within {:?} while the stream {:?} answered; \
+                             the server dropped the message (a publish permission that denies \
+                             the subject is the usual cause; see the server's log)",
+                            config.ack_timeout, config.stream.name
+                        ),
+                    }
                 } else {
-                    PublishFailure::Transport(error)
+                    PublishFailure::Transport {
+                        kind: "no_ack",
+                        error,
+                    }
                 }
             }
             other => other,
         };
-        let (error, policy) = match failure {
-            PublishFailure::Transport(error) => {
+        let (error, policy, kind) = match failure {
+            PublishFailure::Transport { kind, error } => {
                 report.transport_failures += 1;
+                metrics::counter!("outbox_relay_transport_failures_total", "kind" => kind)
+                    .increment(1);
                 tracing::debug!(id = %row.id, %error, "publish failed in transport");
                 transport_error.get_or_insert(error);
                 continue;
@@ -367,10 +383,12 @@ async fn batch(
                     max_attempts: 1,
                     ..shared.retry
                 },
+                "invalid",
             ),
-            PublishFailure::Rejected(error) => (error, shared.retry),
+            PublishFailure::Rejected { kind, error } => (error, shared.retry, kind),
             PublishFailure::Unacknowledged { .. } => unreachable!("resolved above"),
         };
+        metrics::counter!("outbox_relay_rejected_total", "kind" => kind).increment(1);
         let rejection = database::bounded(
             limit,
             target,
@@ -504,6 +522,8 @@ fn chains(rows: &[ClaimedEvent], batch_size: usize) -> Vec<Chain<'_>> {
 }
 
 struct ChainOutcome<'a> {
+    /// The chain published (its first `published.len()` rows were).
+    chain: Chain<'a>,
     published: Vec<Uuid>,
     /// Of the published, those JetStream held already.
     duplicates: usize,
@@ -521,6 +541,7 @@ async fn publish_chain<'a>(
     stop: &CancellationToken,
 ) -> ChainOutcome<'a> {
     let mut outcome = ChainOutcome {
+        chain,
         published: Vec::with_capacity(chain.len()),
         duplicates: 0,
         failure: None,
@@ -534,6 +555,9 @@ async fn publish_chain<'a>(
             Ok(duplicate) => {
                 outcome.published.push(row.id);
                 outcome.duplicates += usize::from(duplicate);
+                let delay = time::OffsetDateTime::now_utc() - row.occurred_at;
+                metrics::histogram!("outbox_relay_publish_delay_seconds")
+                    .record(delay.as_seconds_f64().max(0.0));
             }
             Err(failure) => {
                 outcome.failure = Some((row, failure));
