@@ -61,6 +61,23 @@ impl TestEnv {
 
     /// A fresh database without the outbox tables, on the NATS server at `nats_url`.
     pub async fn unmigrated(nats_url: &str) -> Self {
+        let nats = outbox_runtime::nats::connect(nats_url)
+            .await
+            .expect("NATS is reachable (see README: the services)");
+        Self::unmigrated_with(nats, nats_url).await
+    }
+
+    /// A fresh, migrated database, with a NATS client the test connected itself (with
+    /// credentials a URL cannot carry); `nats_url` is where the cleanup connects.
+    pub async fn with_client(nats: async_nats::Client, nats_url: &str) -> Self {
+        let env = Self::unmigrated_with(nats, nats_url).await;
+        outbox_runtime::run_migrations(&env.database_url)
+            .await
+            .expect("migrations apply");
+        env
+    }
+
+    async fn unmigrated_with(nats: async_nats::Client, nats_url: &str) -> Self {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
         let admin_url = admin_url();
         let database = format!("outbox_test_{tag}");
@@ -75,9 +92,6 @@ impl TestEnv {
             Some((server, _)) => format!("{server}/{database}"),
             None => panic!("OUTBOX_TEST_DATABASE_URL has no database part: {admin_url}"),
         };
-        let nats = outbox_runtime::nats::connect(nats_url)
-            .await
-            .expect("NATS is reachable (see README: the services)");
         Self {
             database_url,
             admin_url,
@@ -144,10 +158,12 @@ impl TestEnv {
             .expect("create the test's stream");
     }
 
-    /// How many messages this test's stream holds.
+    /// How many messages this test's stream holds (0 before a relay created it).
     pub async fn stream_len(&self) -> u64 {
-        let mut stream = self.jetstream().get_stream(&self.stream).await.unwrap();
-        stream.info().await.unwrap().state.messages
+        match self.jetstream().get_stream(&self.stream).await {
+            Ok(mut stream) => stream.info().await.unwrap().state.messages,
+            Err(_) => 0,
+        }
     }
 
     /// Waits until this test's stream holds `count` messages.
@@ -356,6 +372,9 @@ impl NatsServer {
             "the test's nats-server is already running"
         );
         let binary = Self::binary();
+        std::fs::create_dir_all(&self.store).expect("the store directory");
+        let log = self.store.with_extension("log");
+        let log_file = std::fs::File::create(&log).expect("the server's log file");
         let child = std::process::Command::new(&binary)
             .args([
                 "-a",
@@ -368,7 +387,7 @@ impl NatsServer {
             .arg(&self.store)
             .args(&self.extra)
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(log_file)
             .spawn()
             .unwrap_or_else(|e| {
                 panic!(
@@ -378,15 +397,16 @@ impl NatsServer {
             });
         self.child = Some(child);
         let address = format!("127.0.0.1:{}", self.port);
-        wait_until(
-            "the test's nats-server to listen",
-            Duration::from_secs(10),
-            || {
-                let address = address.clone();
-                async move { tokio::net::TcpStream::connect(address).await.ok() }
-            },
-        )
-        .await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(&address).await.is_err() {
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "the test's nats-server did not listen within 10 s; its log:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Kills the server, as an outage would.
@@ -574,5 +594,6 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.store);
+        let _ = std::fs::remove_file(self.store.with_extension("log"));
     }
 }

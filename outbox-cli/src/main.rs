@@ -1,0 +1,137 @@
+//! `outbox`: the message relay as a daemon, and an operator's view of the outbox.
+//!
+//! ```text
+//! outbox migrate                       apply the outbox and inbox migrations
+//! outbox relay                         run the relay until SIGTERM or SIGINT
+//! outbox status [--json] [--max-lag D] the queue, the lag, the dead letters
+//! outbox dead-letters list|show ID     inspect dead letters
+//! outbox retry ID | --all [--aggregate-type T]
+//! outbox skip ID
+//! outbox purge --older-than D          delete published rows and inbox rows, in batches
+//! outbox tail [--subject S] [--all]    print the stream's events as they arrive
+//! ```
+//!
+//! Every setting is a flag and an environment variable (`DATABASE_URL`, `NATS_URL`,
+//! `OUTBOX_*`, `NATS_*`); `--help` names them and never shows a secret's value. Exit status:
+//! 0 when the command did its work, 1 when `status --max-lag` finds the lag over the bound
+//! (or a relay could not stop within `--shutdown-timeout`), 2 on an error.
+
+mod nats;
+mod operate;
+mod relay;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// The outbox's operator command.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about, long_about = None)]
+struct Cli {
+    /// The PostgreSQL URL of the database that holds the outbox.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply the outbox and inbox migrations (idempotent; safe from every replica at once).
+    Migrate,
+    /// Run the message relay until SIGTERM or SIGINT, then stop gracefully.
+    Relay(Box<relay::RelayArgs>),
+    /// Show what waits in the outbox: the queue, the lag, the dead letters.
+    Status(operate::StatusArgs),
+    /// Inspect dead letters.
+    #[command(subcommand)]
+    DeadLetters(operate::DeadLetters),
+    /// Put dead letters back in the queue (attempts reset; skipped ones too).
+    Retry(operate::RetryArgs),
+    /// Drop a dead letter from the queue: never published unless retried; its
+    /// aggregate's later events flow.
+    Skip(operate::SkipArgs),
+    /// Delete published rows (kept by `--published mark`) and inbox rows older than a
+    /// duration, in bounded batches; queued rows and dead letters are never touched.
+    Purge(operate::PurgeArgs),
+    /// Print the stream's events as they arrive: subject, stream sequence, type, payload.
+    Tail(Box<operate::TailArgs>),
+}
+
+/// Durations as people write them: `90s`, `5m`, `7d`, `250ms`.
+pub(crate) fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| e.to_string())
+}
+
+/// How a command ended.
+pub(crate) enum Ended {
+    Done,
+    /// The command ran, and found the outbox unhealthy (exit 1).
+    Unhealthy,
+}
+
+/// The logging flags of the long-running commands.
+#[derive(Debug, Args, Clone)]
+pub(crate) struct LogArgs {
+    /// `human` lines, or `json` objects, one per event, on standard error. The level comes
+    /// from `RUST_LOG` (default `info`).
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
+    log_format: String,
+}
+
+impl LogArgs {
+    pub(crate) fn install(&self) {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr);
+        if self.log_format == "json" {
+            builder.json().init();
+        } else {
+            builder.init();
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("outbox: cannot start the async runtime: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = runtime.block_on(async {
+        let database_url = || {
+            cli.database_url
+                .clone()
+                .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
+        };
+        match cli.command {
+            Command::Migrate => operate::migrate(&database_url()?).await,
+            Command::Relay(args) => relay::run(&database_url()?, *args).await,
+            Command::Status(args) => operate::status(&database_url()?, args).await,
+            Command::DeadLetters(command) => operate::dead_letters(&database_url()?, command).await,
+            Command::Retry(args) => operate::retry(&database_url()?, args).await,
+            Command::Skip(args) => operate::skip(&database_url()?, args).await,
+            Command::Purge(args) => operate::purge(&database_url()?, args).await,
+            Command::Tail(args) => operate::tail(*args).await,
+        }
+    });
+    match outcome {
+        Ok(Ended::Done) => ExitCode::SUCCESS,
+        Ok(Ended::Unhealthy) => ExitCode::from(1),
+        Err(error) => {
+            eprintln!("outbox: {error}");
+            ExitCode::from(2)
+        }
+    }
+}

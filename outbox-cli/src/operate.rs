@@ -1,0 +1,470 @@
+//! The operator's commands: migrate, status, dead letters, retry, skip, purge, tail. Each
+//! prints what it did; the ones that list have a `--json` form for scripts.
+
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use futures::StreamExt;
+use outbox_runtime::{dead_letter, inbox, outbox};
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::Ended;
+use crate::nats::NatsArgs;
+
+async fn connect(database_url: &str) -> Result<AsyncPgConnection, String> {
+    let connecting = AsyncPgConnection::establish(database_url);
+    let target = outbox_runtime::database::redacted(database_url);
+    match tokio::time::timeout(
+        outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT,
+        connecting,
+    )
+    .await
+    {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(error)) => Err(format!(
+            "cannot connect to the database at {target}: {error}"
+        )),
+        Err(_) => Err(format!(
+            "cannot connect to the database at {target}: no answer within {:?}",
+            outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT
+        )),
+    }
+}
+
+fn database_error(error: diesel::result::Error) -> String {
+    format!("database error: {error}")
+}
+
+pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
+    let applied = outbox_runtime::run_migrations(database_url)
+        .await
+        .map_err(|e| e.to_string())?;
+    if applied.is_empty() {
+        println!("the outbox schema is up to date");
+    } else {
+        println!("applied {}: {}", applied.len(), applied.join(", "));
+    }
+    Ok(Ended::Done)
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Exit 1 when the outbox lag (the oldest waiting event's age) is over this: a liveness
+    /// or readiness probe.
+    #[arg(long, value_parser = crate::duration)]
+    max_lag: Option<Duration>,
+}
+
+/// How many of the newest rows `status` reads for "published in the last minute".
+const RECENT_WINDOW: i64 = 50_000;
+
+/// A duration to the tenth of a second under a minute, to the second above.
+fn shown(duration: Duration) -> String {
+    if duration < Duration::from_secs(60) {
+        format!("{:.1}s", duration.as_secs_f64())
+    } else {
+        humantime::format_duration(Duration::from_secs(duration.as_secs())).to_string()
+    }
+}
+
+pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended, String> {
+    let mut conn = connect(database_url).await?;
+    let stats = outbox::stats(&mut conn).await.map_err(database_error)?;
+    let by_type = outbox::queued_by_type(&mut conn)
+        .await
+        .map_err(database_error)?;
+    let recent = outbox::published_last_minute(&mut conn, RECENT_WINDOW)
+        .await
+        .map_err(database_error)?;
+    let lag = stats.lag();
+    let over = args.max_lag.is_some_and(|max| lag > max);
+    if args.json {
+        let types: Vec<_> = by_type
+            .iter()
+            .map(|row| {
+                json!({
+                    "aggregate_type": row.aggregate_type,
+                    "event_type": row.event_type,
+                    "queued": row.queued,
+                    "dead_letters": row.dead_letters,
+                })
+            })
+            .collect();
+        let report = json!({
+            "queued": stats.queued,
+            "lag_seconds": lag.as_secs_f64(),
+            "oldest_queued_at": stats.oldest_queued_at.map(|t| t.to_string()),
+            "dead_letters": stats.dead_letters,
+            "blocked_aggregates": stats.dead_letters,
+            "blocked_events": stats.blocked,
+            "skipped_dead_letters": stats.skipped_dead_letters,
+            "published_last_minute": recent,
+            "by_type": types,
+            "max_lag_seconds": args.max_lag.map(|max| max.as_secs_f64()),
+            "lag_over_max": over,
+        });
+        println!("{report:#}");
+    } else {
+        println!("queued                  {}", stats.queued);
+        println!(
+            "lag                     {} (the oldest waiting event's age)",
+            shown(lag)
+        );
+        println!(
+            "dead letters            {} (as many aggregates blocked, {} events waiting behind them)",
+            stats.dead_letters, stats.blocked
+        );
+        println!("skipped dead letters    {}", stats.skipped_dead_letters);
+        println!(
+            "published last minute   {recent} (marked rows, among the newest {RECENT_WINDOW})"
+        );
+        if !by_type.is_empty() {
+            let width_a = by_type
+                .iter()
+                .map(|row| row.aggregate_type.len())
+                .max()
+                .unwrap_or(0)
+                .max("aggregate type".len());
+            let width_e = by_type
+                .iter()
+                .map(|row| row.event_type.len())
+                .max()
+                .unwrap_or(0)
+                .max("event type".len());
+            println!();
+            println!(
+                "{:<width_a$}  {:<width_e$}  {:>10}  {:>12}",
+                "aggregate type", "event type", "queued", "dead letters"
+            );
+            for row in &by_type {
+                println!(
+                    "{:<width_a$}  {:<width_e$}  {:>10}  {:>12}",
+                    row.aggregate_type, row.event_type, row.queued, row.dead_letters
+                );
+            }
+        }
+        if let Some(max) = args.max_lag {
+            println!();
+            if over {
+                println!(
+                    "the lag is over --max-lag {}",
+                    humantime::format_duration(max)
+                );
+            } else {
+                println!(
+                    "the lag is within --max-lag {}",
+                    humantime::format_duration(max)
+                );
+            }
+        }
+    }
+    Ok(if over { Ended::Unhealthy } else { Ended::Done })
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum DeadLetters {
+    /// The dead letters not published, oldest first: blocking ones and skipped ones.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One dead letter whole: its error, payload and headers.
+    Show {
+        /// The row id (its ce-id).
+        id: Uuid,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn letter_json(letter: &dead_letter::DeadLetter) -> serde_json::Value {
+    json!({
+        "id": letter.id,
+        "aggregate_type": letter.aggregate_type,
+        "aggregate_id": letter.aggregate_id,
+        "aggregate_seq": letter.aggregate_seq,
+        "event_type": letter.event_type,
+        "subject": letter.subject,
+        "attempts": letter.attempts,
+        "last_error": letter.last_error,
+        "dead_lettered_at": letter.dead_lettered_at.to_string(),
+        "skipped_at": letter.skipped_at.map(|t| t.to_string()),
+        "waiting": letter.waiting,
+    })
+}
+
+pub(crate) async fn dead_letters(
+    database_url: &str,
+    command: DeadLetters,
+) -> Result<Ended, String> {
+    let mut conn = connect(database_url).await?;
+    match command {
+        DeadLetters::List { limit, json } => {
+            let letters = dead_letter::list(&mut conn, limit)
+                .await
+                .map_err(database_error)?;
+            if json {
+                for letter in &letters {
+                    println!("{}", letter_json(letter));
+                }
+            } else if letters.is_empty() {
+                println!("no dead letters");
+            } else {
+                for letter in &letters {
+                    let state = match letter.skipped_at {
+                        Some(_) => "skipped".to_owned(),
+                        None => format!("blocks {} events", letter.waiting),
+                    };
+                    println!(
+                        "{}  {} {} #{}  {}  attempts {}  {}  {}",
+                        letter.id,
+                        letter.aggregate_type,
+                        letter.aggregate_id,
+                        letter.aggregate_seq,
+                        letter.event_type,
+                        letter.attempts,
+                        state,
+                        letter.last_error.as_deref().unwrap_or("")
+                    );
+                }
+            }
+        }
+        DeadLetters::Show { id, json } => {
+            let Some(detail) = dead_letter::show(&mut conn, id)
+                .await
+                .map_err(database_error)?
+            else {
+                return Err(format!("{id} is not a dead letter"));
+            };
+            let mut value = letter_json(&detail.letter);
+            value["event_version"] = json!(detail.event_version);
+            value["partition_key"] = json!(detail.partition_key);
+            value["occurred_at"] = json!(detail.occurred_at.to_string());
+            value["correlation_id"] = json!(detail.correlation_id);
+            value["payload"] =
+                serde_json::from_str(&detail.payload).unwrap_or(json!(detail.payload));
+            value["headers"] =
+                serde_json::from_str(&detail.headers).unwrap_or(json!(detail.headers));
+            if json {
+                println!("{value}");
+            } else {
+                println!("{value:#}");
+            }
+        }
+    }
+    Ok(Ended::Done)
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RetryArgs {
+    /// The dead letter to retry.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    id: Option<Uuid>,
+    /// Retry every dead letter (skipped ones included).
+    #[arg(long)]
+    all: bool,
+    /// With --all: only those of this aggregate type.
+    #[arg(long, requires = "all")]
+    aggregate_type: Option<String>,
+}
+
+pub(crate) async fn retry(database_url: &str, args: RetryArgs) -> Result<Ended, String> {
+    let mut conn = connect(database_url).await?;
+    if let Some(id) = args.id {
+        if dead_letter::retry(&mut conn, id)
+            .await
+            .map_err(database_error)?
+        {
+            println!("retried {id}: back in the queue, attempts reset");
+            return Ok(Ended::Done);
+        }
+        return Err(format!("{id} is not a dead letter"));
+    }
+    let retried = dead_letter::retry_all(&mut conn, args.aggregate_type.as_deref())
+        .await
+        .map_err(database_error)?;
+    for id in &retried {
+        println!("retried {id}");
+    }
+    println!("retried {} dead letters", retried.len());
+    Ok(Ended::Done)
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SkipArgs {
+    /// The dead letter to skip.
+    id: Uuid,
+}
+
+pub(crate) async fn skip(database_url: &str, args: SkipArgs) -> Result<Ended, String> {
+    let mut conn = connect(database_url).await?;
+    if dead_letter::skip(&mut conn, args.id)
+        .await
+        .map_err(database_error)?
+    {
+        println!(
+            "skipped {}: not published unless retried; its aggregate's later events flow",
+            args.id
+        );
+        Ok(Ended::Done)
+    } else {
+        Err(format!("{} is not a blocking dead letter", args.id))
+    }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PurgeArgs {
+    /// Delete what was published (or handled, in the inbox) longer ago than this.
+    #[arg(long, value_parser = crate::duration)]
+    older_than: Duration,
+    /// Rows per DELETE: each is a short transaction, so no lock is held long.
+    #[arg(long, default_value_t = 10_000)]
+    batch: i64,
+    /// Leave the inbox's rows alone.
+    #[arg(long)]
+    no_inbox: bool,
+}
+
+pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
+    let mut conn = connect(database_url).await?;
+    let started = Instant::now();
+    let mut progress = Progress::new();
+    let mut published = 0;
+    loop {
+        let deleted = outbox::purge_published(&mut conn, args.older_than, args.batch)
+            .await
+            .map_err(database_error)?;
+        published += deleted;
+        progress.report(|| {
+            format!(
+                "outbox_events: {published} published rows deleted ({:.0}/s)",
+                published as f64 / started.elapsed().as_secs_f64()
+            )
+        });
+        if deleted < args.batch as usize {
+            break;
+        }
+    }
+    println!(
+        "deleted {published} published rows older than {}",
+        humantime::format_duration(args.older_than)
+    );
+    if !args.no_inbox {
+        for consumer in inbox::consumers(&mut conn).await.map_err(database_error)? {
+            let mut handled = 0;
+            loop {
+                let deleted = inbox::purge(&mut conn, &consumer, args.older_than, args.batch)
+                    .await
+                    .map_err(database_error)?;
+                handled += deleted;
+                progress.report(|| format!("outbox_inbox {consumer}: {handled} rows deleted"));
+                if deleted < args.batch as usize {
+                    break;
+                }
+            }
+            println!("deleted {handled} inbox rows of {consumer}");
+        }
+    }
+    Ok(Ended::Done)
+}
+
+/// Progress lines on standard error, at most one a second.
+struct Progress {
+    last: Option<Instant>,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Self { last: None }
+    }
+
+    fn report(&mut self, line: impl FnOnce() -> String) {
+        if self
+            .last
+            .is_none_or(|last| last.elapsed() >= Duration::from_secs(1))
+        {
+            eprintln!("{}", line());
+            self.last = Some(Instant::now());
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct TailArgs {
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// The stream.
+    #[arg(long, env = "OUTBOX_STREAM", default_value = "EVENTS")]
+    stream: String,
+    /// Only these subjects (a NATS filter such as `events.Order.>`).
+    #[arg(long)]
+    subject: Option<String>,
+    /// Start from the stream's first message instead of the next one.
+    #[arg(long)]
+    all: bool,
+    /// Stop after this many events.
+    #[arg(long)]
+    count: Option<usize>,
+}
+
+pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+    let nats = args.nats.connect("outbox-tail").await?;
+    let stream = async_nats::jetstream::new(nats)
+        .get_stream(&args.stream)
+        .await
+        .map_err(|e| format!("stream {:?}: {e}", args.stream))?;
+    let consumer = stream
+        .create_consumer(pull::OrderedConfig {
+            deliver_policy: if args.all {
+                DeliverPolicy::All
+            } else {
+                DeliverPolicy::New
+            },
+            filter_subject: args.subject.clone().unwrap_or_default(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("cannot follow stream {:?}: {e}", args.stream))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| format!("cannot follow stream {:?}: {e}", args.stream))?;
+    let mut seen = 0;
+    while args.count.is_none_or(|count| seen < count) {
+        let message = tokio::select! {
+            message = messages.next() => message,
+            _ = tokio::signal::ctrl_c() => break,
+        };
+        let Some(message) = message else { break };
+        let message = message.map_err(|e| e.to_string())?;
+        let sequence = message.info().map_or(0, |info| info.stream_sequence);
+        let header = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .and_then(|headers| headers.get(name))
+                .map_or("-", |value| value.as_str())
+                .to_owned()
+        };
+        println!(
+            "{}  #{sequence}  {} v{}  {}",
+            message.subject,
+            header("ce-type"),
+            header("ce-eventversion"),
+            String::from_utf8_lossy(&message.payload)
+        );
+        seen += 1;
+    }
+    Ok(Ended::Done)
+}

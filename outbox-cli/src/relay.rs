@@ -1,0 +1,249 @@
+//! `outbox relay`: the message relay as a daemon.
+//!
+//! Every `RelayConfig` setting is a flag and an `OUTBOX_*` variable, with the library's
+//! default. The process runs one relay (several processes on one outbox share the work, as
+//! replicas), optionally serves Prometheus metrics, optionally deletes published rows on a
+//! schedule, and on SIGTERM or SIGINT stops gracefully: no new claim, the acks in flight
+//! awaited, what was acked marked, then exit 0; a relay that cannot stop within
+//! `--shutdown-timeout` exits 1.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use humantime::Duration as Span;
+use outbox_runtime::{DeadLetterPolicy, PublishedRows, Relay, RelayConfig, StreamSettings};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::nats::NatsArgs;
+use crate::{Ended, LogArgs};
+
+fn defaults() -> RelayConfig {
+    RelayConfig::new("")
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum Published {
+    /// Delete acked rows (the table holds only what is queued).
+    Delete,
+    /// Keep acked rows with `published_at` (purge them with --purge-older-than or `outbox
+    /// purge`).
+    Mark,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum DeadLetters {
+    /// Later events of the aggregate wait behind a dead letter.
+    Block,
+    /// A dead letter is skipped at once; later events flow.
+    Skip,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RelayArgs {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
+    log: LogArgs,
+    /// The subject prefix; the stream captures `{prefix}.>`.
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value_t = defaults().subject_prefix)]
+    subject_prefix: String,
+    /// The JetStream stream.
+    #[arg(long, env = "OUTBOX_STREAM", default_value_t = defaults().stream.name)]
+    stream: String,
+    /// Fail when the stream does not exist, instead of creating it.
+    #[arg(long, env = "OUTBOX_NO_CREATE_STREAM")]
+    no_create_stream: bool,
+    /// The duplicate window of a stream the relay creates.
+    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value_t = defaults().stream.duplicate_window.into())]
+    duplicate_window: Span,
+    /// The messages' `ce-source` (a URI-reference naming the producing service).
+    #[arg(long, env = "OUTBOX_SOURCE", default_value_t = defaults().source)]
+    source: String,
+    /// Batch loops, each with its own database connection.
+    #[arg(long, env = "OUTBOX_WORKERS", default_value_t = defaults().workers)]
+    workers: usize,
+    /// Rows claimed per batch.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = defaults().batch_size)]
+    batch_size: usize,
+    /// Publishes awaiting their ack at once.
+    #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT", default_value_t = defaults().max_in_flight)]
+    max_in_flight: usize,
+    /// Do not LISTEN for commits; only poll.
+    #[arg(long, env = "OUTBOX_NO_LISTEN")]
+    no_listen: bool,
+    /// How long an idle worker waits before it looks again.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value_t = defaults().poll_interval.into())]
+    poll_interval: Span,
+    /// How long to wait for a JetStream ack.
+    #[arg(long, env = "OUTBOX_ACK_TIMEOUT", default_value_t = defaults().ack_timeout.into())]
+    ack_timeout: Span,
+    /// What becomes of an acked row.
+    #[arg(long, env = "OUTBOX_PUBLISHED", value_enum, default_value = "delete")]
+    published: Published,
+    /// Rejections before a row becomes a dead letter.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = defaults().max_attempts)]
+    max_attempts: u32,
+    /// The delay before a rejected row's first retry (doubling).
+    #[arg(long, env = "OUTBOX_RETRY_DELAY", default_value_t = defaults().retry_delay.into())]
+    retry_delay: Span,
+    /// The longest delay between retries of a rejected row.
+    #[arg(long, env = "OUTBOX_MAX_RETRY_DELAY", default_value_t = defaults().max_retry_delay.into())]
+    max_retry_delay: Span,
+    /// What a dead letter does to the later events of its aggregate.
+    #[arg(long, env = "OUTBOX_DEAD_LETTERS", value_enum, default_value = "block")]
+    dead_letters: DeadLetters,
+    /// The longest pause after a failure.
+    #[arg(long, env = "OUTBOX_MAX_BACKOFF", default_value_t = defaults().max_backoff.into())]
+    max_backoff: Span,
+    /// How long opening a database connection may take.
+    #[arg(long, env = "OUTBOX_CONNECT_TIMEOUT", default_value_t = defaults().connect_timeout.into())]
+    connect_timeout: Span,
+    /// How long one query may take.
+    #[arg(long, env = "OUTBOX_STATEMENT_TIMEOUT", default_value_t = defaults().statement_timeout.into())]
+    statement_timeout: Span,
+    /// How often the outbox's state is read into the gauges (0s: never).
+    #[arg(long, env = "OUTBOX_STATS_INTERVAL", default_value_t = defaults().stats_interval.into())]
+    stats_interval: Span,
+    /// Serve Prometheus metrics at this address (e.g. 0.0.0.0:9464), path /metrics.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// Delete published rows older than this, in batches, every --purge-interval (with
+    /// --published mark).
+    #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN")]
+    purge_older_than: Option<Span>,
+    /// How often the relay purges.
+    #[arg(long, env = "OUTBOX_PURGE_INTERVAL", default_value = "1m")]
+    purge_interval: Span,
+    /// The longest graceful stop after SIGTERM or SIGINT.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "30s")]
+    shutdown_timeout: Span,
+}
+
+impl RelayArgs {
+    fn config(&self, database_url: &str) -> RelayConfig {
+        let mut config = RelayConfig::new(database_url);
+        config.subject_prefix = self.subject_prefix.clone();
+        config.stream = StreamSettings {
+            name: self.stream.clone(),
+            create: !self.no_create_stream,
+            duplicate_window: self.duplicate_window.into(),
+        };
+        config.source = self.source.clone();
+        config.workers = self.workers;
+        config.batch_size = self.batch_size;
+        config.max_in_flight = self.max_in_flight;
+        config.listen = !self.no_listen;
+        config.poll_interval = self.poll_interval.into();
+        config.ack_timeout = self.ack_timeout.into();
+        config.published = match self.published {
+            Published::Delete => PublishedRows::Delete,
+            Published::Mark => PublishedRows::Mark,
+        };
+        config.max_attempts = self.max_attempts;
+        config.retry_delay = self.retry_delay.into();
+        config.max_retry_delay = self.max_retry_delay.into();
+        config.dead_letters = match self.dead_letters {
+            DeadLetters::Block => DeadLetterPolicy::Block,
+            DeadLetters::Skip => DeadLetterPolicy::Skip,
+        };
+        config.max_backoff = self.max_backoff.into();
+        config.connect_timeout = self.connect_timeout.into();
+        config.statement_timeout = self.statement_timeout.into();
+        config.stats_interval = self.stats_interval.into();
+        config
+    }
+}
+
+pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, String> {
+    args.log.install();
+    if let Some(address) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(address)
+            // Histograms as buckets (a Grafana heatmap, histogram_quantile over replicas),
+            // from 1 ms to 5 min.
+            .set_buckets(&[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 300.0,
+            ])
+            .map_err(|e| e.to_string())?
+            .install()
+            .map_err(|e| format!("cannot serve metrics at {address}: {e}"))?;
+        tracing::info!(%address, "serving Prometheus metrics at /metrics");
+    }
+    let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    let config = args.config(database_url);
+    let nats = args.nats.connect("outbox-relay").await?;
+    let relay = Relay::connect(config.clone(), nats)
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!(
+        database = %outbox_runtime::database::redacted(database_url),
+        stream = %config.stream.name,
+        prefix = %config.subject_prefix,
+        workers = config.workers,
+        "relaying"
+    );
+    let relay = relay.spawn();
+    let purging = args.purge_older_than.map(|older_than| {
+        tokio::spawn(purge_on_schedule(
+            database_url.to_owned(),
+            older_than.into(),
+            args.purge_interval.into(),
+        ))
+    });
+
+    let which = tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    };
+    let limit: Duration = args.shutdown_timeout.into();
+    tracing::info!(signal = which, timeout = ?limit, "stopping gracefully");
+    if let Some(purging) = purging {
+        purging.abort();
+    }
+    match tokio::time::timeout(limit, relay.shutdown()).await {
+        Ok(Ok(())) => {
+            tracing::info!("stopped");
+            Ok(Ended::Done)
+        }
+        Ok(Err(error)) => Err(format!("the relay failed while stopping: {error}")),
+        Err(_) => {
+            tracing::error!(timeout = ?limit, "the relay did not stop in time");
+            Ok(Ended::Unhealthy)
+        }
+    }
+}
+
+/// Deletes published rows older than `older_than` every `interval`, in batches of 10,000,
+/// until aborted.
+async fn purge_on_schedule(database_url: String, older_than: Duration, interval: Duration) {
+    use diesel_async::AsyncConnection;
+    const BATCH: i64 = 10_000;
+    loop {
+        tokio::time::sleep(interval).await;
+        let Ok(mut conn) = diesel_async::AsyncPgConnection::establish(&database_url).await else {
+            tracing::warn!("retention cannot connect to the database; trying again later");
+            continue;
+        };
+        let mut deleted = 0;
+        loop {
+            match outbox_runtime::outbox::purge_published(&mut conn, older_than, BATCH).await {
+                Ok(n) => {
+                    deleted += n;
+                    if n < BATCH as usize {
+                        break;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "retention failed");
+                    break;
+                }
+            }
+        }
+        if deleted > 0 {
+            tracing::info!(deleted, ?older_than, "deleted published rows");
+        }
+    }
+}

@@ -1,0 +1,696 @@
+//! The `outbox` command against the real PostgreSQL and NATS: each command on a database of
+//! the test's own, the relay daemon under SIGTERM, its metrics endpoint, and a NATS server
+//! that requires credentials.
+
+#[path = "../../tests/support/mod.rs"]
+mod support;
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use diesel_async::SimpleAsyncConnection;
+use support::{NatsServer, TestEnv, wait_until};
+
+const OUTBOX: &str = env!("CARGO_BIN_EXE_outbox");
+
+/// `outbox args...` on `env`'s database and NATS, to completion.
+fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
+    Command::new(OUTBOX)
+        .args(args)
+        .env("DATABASE_URL", &env.database_url)
+        .env("NATS_URL", nats_url)
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run outbox")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Inserts a row by plain SQL; `state` is SQL for the columns that make it queued, a dead
+/// letter, skipped or published.
+async fn insert(env: &TestEnv, aggregate: &str, seq: i64, event: &str, state: &str) {
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+             partition_key, subject, payload, occurred_at, dead_lettered_at, skipped_at, \
+             published_at, last_error) \
+             SELECT 'Order', '{aggregate}', {seq}, '{event}', '{aggregate}', \
+                    '{p}.Order.{aggregate}.{event}', '{{\"n\": {seq}}}', {state}",
+            p = env.prefix
+        ))
+        .await
+        .unwrap();
+}
+
+const QUEUED: &str = "now() - interval '2 hours', NULL, NULL, NULL, NULL";
+const DEAD: &str = "now(), now(), NULL, NULL, 'max payload exceeded'";
+const SKIPPED: &str = "now(), now(), now(), NULL, 'max payload exceeded'";
+
+#[tokio::test]
+async fn migrate_applies_then_says_up_to_date() {
+    let env = TestEnv::unmigrated(&support::nats_url()).await;
+    let first = outbox(&env, &support::nats_url(), &["migrate"]);
+    assert!(first.status.success(), "{}", text(&first));
+    assert!(
+        text(&first).contains("applied 5: 20261121000001"),
+        "{}",
+        text(&first)
+    );
+    let second = outbox(&env, &support::nats_url(), &["migrate"]);
+    assert!(second.status.success());
+    assert_eq!(text(&second).trim(), "the outbox schema is up to date");
+}
+
+#[tokio::test]
+async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
+    let env = TestEnv::new().await;
+    insert(&env, "o-1", 1, "Placed", QUEUED).await;
+    insert(&env, "o-1", 2, "Shipped", QUEUED).await;
+    insert(&env, "o-2", 1, "Placed", DEAD).await;
+    insert(&env, "o-3", 1, "Placed", SKIPPED).await;
+    // Parked behind o-2's dead letter.
+    insert(&env, "o-2", 2, "Shipped", "now(), NULL, NULL, NULL, NULL").await;
+    env.conn()
+        .await
+        .batch_execute(
+            "UPDATE outbox_events SET available_at = 'infinity' \
+             WHERE aggregate_id = 'o-2' AND aggregate_seq = 2",
+        )
+        .await
+        .unwrap();
+
+    let table = outbox(&env, &support::nats_url(), &["status"]);
+    assert!(table.status.success(), "{}", text(&table));
+    let shown = text(&table);
+    for line in [
+        "queued                  3",
+        "dead letters            1 (as many aggregates blocked, 1 events waiting behind them)",
+        "skipped dead letters    1",
+        "lag                     2h",
+    ] {
+        assert!(shown.contains(line), "{line:?} in:\n{shown}");
+    }
+    assert!(
+        shown.contains("Order           Placed               1             1"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("Order           Shipped              2             0"),
+        "{shown}"
+    );
+
+    let json = outbox(
+        &env,
+        &support::nats_url(),
+        &["status", "--json", "--max-lag", "1h"],
+    );
+    assert_eq!(
+        json.status.code(),
+        Some(1),
+        "the lag is 2 h: {}",
+        text(&json)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(report["queued"], 3);
+    assert_eq!(report["dead_letters"], 1);
+    assert_eq!(report["blocked_events"], 1);
+    assert_eq!(report["skipped_dead_letters"], 1);
+    assert_eq!(report["lag_over_max"], true);
+    assert!(report["lag_seconds"].as_f64().unwrap() > 7000.0);
+    assert_eq!(report["by_type"].as_array().unwrap().len(), 2);
+
+    let healthy = outbox(&env, &support::nats_url(), &["status", "--max-lag", "3h"]);
+    assert_eq!(healthy.status.code(), Some(0), "{}", text(&healthy));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_shown_retried_and_skipped() {
+    let env = TestEnv::new().await;
+    insert(&env, "o-1", 1, "Placed", DEAD).await;
+    insert(&env, "o-2", 1, "Placed", DEAD).await;
+    insert(&env, "o-3", 1, "Placed", SKIPPED).await;
+    let nats = support::nats_url();
+
+    let list = outbox(&env, &nats, &["dead-letters", "list", "--json"]);
+    assert!(list.status.success(), "{}", text(&list));
+    let letters: Vec<serde_json::Value> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(letters.len(), 3);
+    let id = |aggregate: &str| {
+        letters
+            .iter()
+            .find(|l| l["aggregate_id"] == aggregate)
+            .unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let show = outbox(&env, &nats, &["dead-letters", "show", &id("o-1"), "--json"]);
+    let detail: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    assert_eq!(detail["payload"], serde_json::json!({"n": 1}));
+    assert_eq!(detail["last_error"], "max payload exceeded");
+
+    let retried = outbox(&env, &nats, &["retry", &id("o-1")]);
+    assert!(
+        text(&retried).contains(&format!("retried {}", id("o-1"))),
+        "{}",
+        text(&retried)
+    );
+    let skipped = outbox(&env, &nats, &["skip", &id("o-2")]);
+    assert!(
+        text(&skipped).contains(&format!("skipped {}", id("o-2"))),
+        "{}",
+        text(&skipped)
+    );
+    let again = outbox(&env, &nats, &["skip", &id("o-2")]);
+    assert_eq!(
+        again.status.code(),
+        Some(2),
+        "skipped already: {}",
+        text(&again)
+    );
+    let all = outbox(
+        &env,
+        &nats,
+        &["retry", "--all", "--aggregate-type", "Order"],
+    );
+    assert!(
+        text(&all).contains("retried 2 dead letters"),
+        "the two skipped ones: {}",
+        text(&all)
+    );
+
+    // The relay publishes all three now.
+    let mut relay = outbox_runtime::Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    while relay.relay_batch().await.unwrap().claimed > 0 {}
+    assert_eq!(env.stream_len().await, 3);
+}
+
+#[tokio::test]
+async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone() {
+    let env = TestEnv::new().await;
+    insert(
+        &env,
+        "o-1",
+        1,
+        "Placed",
+        "now() - interval '3 days', NULL, NULL, now() - interval '3 days', NULL",
+    )
+    .await;
+    insert(&env, "o-1", 2, "Shipped", "now(), NULL, NULL, now(), NULL").await;
+    insert(
+        &env,
+        "o-2",
+        1,
+        "Placed",
+        "now() - interval '3 days', NULL, NULL, NULL, NULL",
+    )
+    .await;
+    insert(&env, "o-3", 1, "Placed", DEAD).await;
+    env.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) VALUES \
+             ('a', '/s', 'old', now() - interval '3 days'), ('a', '/s', 'new', now()), \
+             ('b', '/s', 'old', now() - interval '3 days')",
+        )
+        .await
+        .unwrap();
+    let purged = outbox(
+        &env,
+        &support::nats_url(),
+        &["purge", "--older-than", "1d", "--batch", "1"],
+    );
+    assert!(purged.status.success(), "{}", text(&purged));
+    let shown = text(&purged);
+    assert!(
+        shown.contains("deleted 1 published rows older than 1day"),
+        "{shown}"
+    );
+    assert!(shown.contains("deleted 1 inbox rows of a"), "{shown}");
+    assert!(shown.contains("deleted 1 inbox rows of b"), "{shown}");
+
+    #[derive(diesel::QueryableByName)]
+    struct Left {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        what: String,
+    }
+    use diesel_async::RunQueryDsl;
+    let left: Vec<Left> = diesel::sql_query(
+        "SELECT aggregate_id || '#' || aggregate_seq AS what FROM outbox_events \
+         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox ORDER BY 1",
+    )
+    .load(&mut env.conn().await)
+    .await
+    .unwrap();
+    let left: Vec<String> = left.into_iter().map(|l| l.what).collect();
+    assert_eq!(left, ["a:new", "o-1#2", "o-2#1", "o-3#1"]);
+}
+
+/// Starts `outbox relay` for `env`, with `extra` arguments.
+fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::Child {
+    Command::new(OUTBOX)
+        .args([
+            "relay",
+            "--subject-prefix",
+            &env.prefix,
+            "--stream",
+            &env.stream,
+        ])
+        .args(["--poll-interval", "50ms", "--stats-interval", "200ms"])
+        .args(extra)
+        .env("DATABASE_URL", &env.database_url)
+        .env("NATS_URL", nats_url)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start outbox relay")
+}
+
+/// Stops a relay with SIGTERM; returns its output, how long it took, and its exit code.
+async fn stop(child: std::process::Child) -> (String, Duration, Option<i32>) {
+    support::signal(child.id(), "TERM");
+    let started = Instant::now();
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    (text(&output), started.elapsed(), output.status.code())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
+    let env = TestEnv::new().await;
+    let port = support::free_port();
+    let address = format!("127.0.0.1:{port}");
+    let relay = start_relay(&env, &support::nats_url(), &["--metrics-addr", &address]);
+    for n in 0..3 {
+        let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
+        order.record(support::domain::OrderEvent::Shipped);
+        env.commit(&mut order).await;
+    }
+    env.until_stream_holds(6, Duration::from_secs(20)).await;
+
+    let url = format!("http://{address}/metrics");
+    let scraped = wait_until("the gauges", Duration::from_secs(10), || {
+        let url = url.clone();
+        async move {
+            let body = tokio::task::spawn_blocking(move || scrape(&url))
+                .await
+                .ok()??;
+            (body.contains("outbox_queued_events 0")).then_some(body)
+        }
+    })
+    .await;
+    let value = |line_start: &str| -> f64 {
+        scraped
+            .lines()
+            .find(|line| line.starts_with(line_start))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{line_start} in\n{scraped}"))
+    };
+    assert_eq!(
+        value("outbox_relay_published_total{event_type=\"Placed\"}"),
+        3.0
+    );
+    assert_eq!(
+        value("outbox_relay_published_total{event_type=\"Shipped\"}"),
+        3.0
+    );
+    assert_eq!(value("outbox_dead_letters "), 0.0);
+    assert_eq!(value("outbox_relay_publish_delay_seconds_count"), 6.0);
+    assert!(scraped.contains("# HELP outbox_oldest_queued_age_seconds"));
+    let status = outbox(&env, &support::nats_url(), &["status", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        report["queued"].as_f64(),
+        Some(value("outbox_queued_events "))
+    );
+
+    let (output, took, code) = stop(relay).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(
+        output.contains("stopping gracefully") && output.contains("stopped"),
+        "{output}"
+    );
+}
+
+/// The body of an HTTP GET, by hand: the endpoint speaks plain HTTP/1.1.
+fn scrape(url: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let address = url.strip_prefix("http://")?.split('/').next()?;
+    let mut stream = std::net::TcpStream::connect(address).ok()?;
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {address}\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+}
+
+/// Commits one event and waits until `relay` (a running `outbox relay`) published it.
+async fn relays_through(env: &TestEnv, relay: std::process::Child) -> (String, Option<i32>) {
+    let mut order = support::domain::Order::place("o-1", "ada", 1);
+    env.commit(&mut order).await;
+    env.until_stream_holds(1, Duration::from_secs(20)).await;
+    let (output, _, code) = stop(relay).await;
+    (output, code)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_authenticates_with_each_kind_of_credential_and_fails_clearly_without() {
+    const PASSWORD: &str = "pw-s3cret-1";
+    const TOKEN: &str = "tok-s3cret-2";
+    let key = nkeys::KeyPair::new_user();
+    let seed = key.seed().unwrap();
+
+    // A user and password.
+    let server = NatsServer::start_with(&["--user", "relay", "--pass", PASSWORD]).await;
+    let env = TestEnv::with_nats(&format!(
+        "nats://relay:{PASSWORD}@127.0.0.1:{}",
+        server.port
+    ))
+    .await;
+    let relay = start_relay(
+        &env,
+        &server.url(),
+        &["--nats-user", "relay", "--nats-password", PASSWORD],
+    );
+    let (output, code) = relays_through(&env, relay).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(!output.contains(PASSWORD), "{output}");
+    let wrong = outbox(
+        &env,
+        &server.url(),
+        &[
+            "relay",
+            "--subject-prefix",
+            &env.prefix,
+            "--stream",
+            &env.stream,
+            "--nats-user",
+            "relay",
+            "--nats-password",
+            "wrong-s3cret",
+        ],
+    );
+    assert_eq!(wrong.status.code(), Some(2));
+    let shown = text(&wrong);
+    assert!(shown.contains("authorization violation"), "{shown}");
+    assert!(!shown.contains("s3cret"), "{shown}");
+    drop((env, server));
+
+    // A token, in the URL.
+    let server = NatsServer::start_with(&["--auth", TOKEN]).await;
+    let url = format!("nats://{TOKEN}@127.0.0.1:{}", server.port);
+    let env = TestEnv::with_nats(&url).await;
+    let (output, code) = relays_through(&env, start_relay(&env, &url, &[])).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(!output.contains(TOKEN), "{output}");
+    drop((env, server));
+
+    // An NKey.
+    let config = std::env::temp_dir().join(format!("outbox-nkey-{}.conf", uuid::Uuid::new_v4()));
+    std::fs::write(
+        &config,
+        format!(
+            "authorization {{ users = [ {{ nkey: {} }} ] }}\n",
+            key.public_key()
+        ),
+    )
+    .unwrap();
+    let server = NatsServer::start_with(&["--config", config.to_str().unwrap()]).await;
+    let settings = outbox_runtime::nats::NatsSettings {
+        nkey_seed: Some(seed.clone()),
+        ..outbox_runtime::nats::NatsSettings::new(server.url())
+    };
+    let client = settings.connect().await.unwrap();
+    let env = TestEnv::with_client(client, &server.url()).await;
+    let relay = start_relay(&env, &server.url(), &["--nats-nkey-seed", &seed]);
+    let (output, code) = relays_through(&env, relay).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(!output.contains(&seed), "{output}");
+    let none = outbox(
+        &env,
+        &server.url(),
+        &["tail", "--stream", &env.stream, "--count", "1"],
+    );
+    assert_eq!(
+        none.status.code(),
+        Some(2),
+        "no credentials: {}",
+        text(&none)
+    );
+    assert!(
+        text(&none).contains("authorization violation"),
+        "{}",
+        text(&none)
+    );
+    let _ = std::fs::remove_file(config);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_prints_each_event_with_its_subject_sequence_and_type() {
+    let env = TestEnv::new().await;
+    let mut order = support::domain::Order::place("o-1", "ada", 1);
+    order.record(support::domain::OrderEvent::Shipped);
+    env.commit(&mut order).await;
+    let mut relay = outbox_runtime::Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    while relay.relay_batch().await.unwrap().claimed > 0 {}
+    let tailed = outbox(
+        &env,
+        &support::nats_url(),
+        &["tail", "--stream", &env.stream, "--all", "--count", "2"],
+    );
+    assert!(tailed.status.success(), "{}", text(&tailed));
+    let lines: Vec<String> = String::from_utf8_lossy(&tailed.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            format!(
+                "{}.Order.o-1.Placed  #1  Placed v1  {{\"customer\": \"ada\", \"total_cents\": 1}}",
+                env.prefix
+            ),
+            format!("{}.Order.o-1.Shipped  #2  Shipped v1  {{}}", env.prefix),
+        ]
+    );
+}
+
+/// A directory of files a test writes (certificates, keys, server configs), removed after.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn write(&self, name: &str, contents: &str) -> String {
+        let path = self.0.join(name);
+        std::fs::write(&path, contents).unwrap();
+        path.to_str().unwrap().to_owned()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_connects_over_mutual_tls_with_a_private_ca() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let scratch = Scratch::new();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let ca = Issuer::new(ca_params, ca_key);
+    let signed = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = signed(vec!["127.0.0.1".into(), "localhost".into()]);
+    let (client_cert, client_key) = signed(vec!["relay".into()]);
+    let ca_file = scratch.write("ca.pem", &ca_cert.pem());
+    let server_cert = scratch.write("server.pem", &server_cert);
+    let server_key = scratch.write("server.key", &server_key);
+    let client_cert = scratch.write("client.pem", &client_cert);
+    let client_key = scratch.write("client.key", &client_key);
+    let server = NatsServer::start_with(&[
+        "--tls",
+        "--tlscert",
+        &server_cert,
+        "--tlskey",
+        &server_key,
+        "--tlsverify",
+        "--tlscacert",
+        &ca_file,
+    ])
+    .await;
+
+    let settings = outbox_runtime::nats::NatsSettings {
+        ca_file: Some(ca_file.clone().into()),
+        client_cert: Some(client_cert.clone().into()),
+        client_key: Some(client_key.clone().into()),
+        ..outbox_runtime::nats::NatsSettings::new(server.url())
+    };
+    let env = TestEnv::with_client(settings.connect().await.unwrap(), &server.url()).await;
+    let relay = start_relay(
+        &env,
+        &server.url(),
+        &[
+            "--nats-ca",
+            &ca_file,
+            "--nats-client-cert",
+            &client_cert,
+            "--nats-client-key",
+            &client_key,
+        ],
+    );
+    let (output, code) = relays_through(&env, relay).await;
+    assert_eq!(code, Some(0), "{output}");
+
+    // Without the client certificate the server refuses the handshake.
+    let refused = outbox(
+        &env,
+        &server.url(),
+        &[
+            "tail",
+            "--stream",
+            &env.stream,
+            "--nats-ca",
+            &ca_file,
+            "--count",
+            "1",
+        ],
+    );
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("cannot connect to NATS"),
+        "{}",
+        text(&refused)
+    );
+}
+
+/// A NATS JWT (header, claims, ed25519 signature by `signer`: NATS's JWT format, as `nsc`
+/// writes it).
+fn jwt(claims: serde_json::Value, signer: &nkeys::KeyPair) -> String {
+    use data_encoding::BASE64URL_NOPAD;
+    let header = BASE64URL_NOPAD.encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let payload = BASE64URL_NOPAD.encode(claims.to_string().as_bytes());
+    let signed = format!("{header}.{payload}");
+    let signature = signer.sign(signed.as_bytes()).unwrap();
+    format!("{signed}.{}", BASE64URL_NOPAD.encode(&signature))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_authenticates_with_a_credentials_file() {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let account_jwt = jwt(
+        serde_json::json!({
+            "jti": uuid::Uuid::new_v4().simple().to_string(),
+            "iat": now,
+            "iss": operator.public_key(),
+            "sub": account.public_key(),
+            "name": "outbox",
+            "nats": {
+                "limits": {
+                    "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                    "wildcards": true, "conn": -1, "leaf": -1,
+                    "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1
+                },
+                "type": "account",
+                "version": 2
+            }
+        }),
+        &operator,
+    );
+    let user_jwt = jwt(
+        serde_json::json!({
+            "jti": uuid::Uuid::new_v4().simple().to_string(),
+            "iat": now,
+            "iss": account.public_key(),
+            "sub": user.public_key(),
+            "name": "relay",
+            "nats": {
+                "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+                "type": "user", "version": 2
+            }
+        }),
+        &account,
+    );
+    let seed = user.seed().unwrap();
+    let scratch = Scratch::new();
+    let creds = scratch.write(
+        "relay.creds",
+        &format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        ),
+    );
+    // JetStream in operator mode needs a system account.
+    let system = nkeys::KeyPair::new_account();
+    let system_jwt = jwt(
+        serde_json::json!({
+            "jti": uuid::Uuid::new_v4().simple().to_string(),
+            "iat": now,
+            "iss": operator.public_key(),
+            "sub": system.public_key(),
+            "name": "SYS",
+            "nats": {"limits": {"subs": -1, "conn": -1}, "type": "account", "version": 2}
+        }),
+        &operator,
+    );
+    let config = scratch.write(
+        "server.conf",
+        &format!(
+            "trusted_keys: [\"{operator}\"]\nsystem_account: {system}\nresolver: MEMORY\n\
+             resolver_preload: {{\n  {account}: \"{account_jwt}\"\n  {system}: \"{system_jwt}\"\n}}\n",
+            operator = operator.public_key(),
+            system = system.public_key(),
+            account = account.public_key(),
+        ),
+    );
+    let server = NatsServer::start_with(&["--config", &config]).await;
+    let settings = outbox_runtime::nats::NatsSettings {
+        credentials_file: Some(creds.clone().into()),
+        ..outbox_runtime::nats::NatsSettings::new(server.url())
+    };
+    let env = TestEnv::with_client(settings.connect().await.unwrap(), &server.url()).await;
+    let relay = start_relay(&env, &server.url(), &["--nats-creds", &creds]);
+    let (output, code) = relays_through(&env, relay).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(!output.contains(&seed), "{output}");
+}
