@@ -8,8 +8,8 @@
 //! 1. the ceiling: raw async JetStream publishes of the same messages to the same stream;
 //! 2. the naive relay of the well-known articles: batches of 100, one publish awaited at a
 //!    time, one UPDATE per row;
-//! 3. this relay with its defaults, with 2 instances, and marking published rows instead of
-//!    deleting them;
+//! 3. this relay with its defaults, with 2 instances, and with each other way of finishing
+//!    published rows (marking them, archiving them to daily partitions);
 //! 4. the ratios 3/1 and 3/2;
 //! 5. commit-to-ack latency at a fixed offered load, with notifications and polling only (the
 //!    ack time is the stream's store timestamp of each message);
@@ -221,17 +221,22 @@ impl Bench {
             report("3. this relay, defaults", relay, "events/s");
             let relay2 = self.drain("Relay2", 2, self.relay_config()).await?;
             report("3. this relay, 2 instances", relay2, "events/s");
-            let mut other = self.relay_config();
-            other.published = match other.published {
-                PublishedRows::Mark => PublishedRows::Delete,
-                PublishedRows::Delete => PublishedRows::Mark,
-            };
-            let other_rate = self.drain("Relay3", 1, other.clone()).await?;
-            report(
-                &format!("3. this relay, published rows: {:?}", other.published),
-                other_rate,
-                "events/s",
-            );
+            let defaults = self.relay_config().published;
+            let others = [
+                PublishedRows::Delete,
+                PublishedRows::Mark,
+                PublishedRows::Archive,
+            ];
+            for (i, mode) in others.into_iter().filter(|m| *m != defaults).enumerate() {
+                let mut other = self.relay_config();
+                other.published = mode;
+                let other_rate = self.drain(&format!("Relay{}", i + 3), 1, other).await?;
+                report(
+                    &format!("3. this relay, published rows: {mode:?}"),
+                    other_rate,
+                    "events/s",
+                );
+            }
             println!();
             if let Some(ceiling) = ceiling {
                 let r = relay / ceiling;

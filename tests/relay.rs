@@ -407,8 +407,9 @@ async fn in_mark_mode_published_rows_stay_with_their_time_and_are_not_claimed_ag
 
     let stats = outbox_runtime::outbox::stats(&mut conn).await.unwrap();
     assert_eq!((stats.queued, stats.dead_letters), (0, 0));
-    let purged = outbox_runtime::outbox::purge_published(&mut conn, std::time::Duration::ZERO, 100)
-        .await
-        .unwrap();
+    let purged =
+        outbox_runtime::outbox::purge_published(&mut conn, std::time::Duration::ZERO, 100, |_| {})
+            .await
+            .unwrap();
     assert_eq!(purged, 2);
 }

@@ -244,7 +244,7 @@ async fn with_the_skip_policy_a_dead_letter_does_not_hold_its_aggregate_back() {
         (stats.queued, stats.dead_letters, stats.skipped_dead_letters),
         (0, 0, 1)
     );
-    let purged = outbox_runtime::outbox::purge_published(&mut conn, Duration::ZERO, 100)
+    let purged = outbox_runtime::outbox::purge_published(&mut conn, Duration::ZERO, 100, |_| {})
         .await
         .unwrap();
     assert_eq!(purged, 0, "a skipped dead letter is not purged");

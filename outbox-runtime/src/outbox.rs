@@ -269,6 +269,98 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
     .await
 }
 
+/// Creates the daily partitions of `outbox_published` (for [`PublishedRows::Archive`]) from
+/// today to `days_ahead` days after, when missing; returns how many it created. A relay in
+/// Archive mode does this at start and every hour, two days ahead.
+///
+/// # Errors
+/// The database's error.
+pub async fn create_archive_partitions(
+    conn: &mut AsyncPgConnection,
+    days_ahead: i32,
+) -> QueryResult<i32> {
+    #[derive(QueryableByName)]
+    struct Created {
+        #[diesel(sql_type = diesel::sql_types::Int4)]
+        created: i32,
+    }
+    let row: Created = diesel::sql_query("SELECT outbox_published_partitions($1) AS created")
+        .bind::<diesel::sql_types::Int4, _>(days_ahead)
+        .get_result(conn)
+        .await?;
+    Ok(row.created)
+}
+
+/// What [`drop_archived`] dropped.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Dropped {
+    /// The partitions dropped, a pending detach first and then oldest first, each with its
+    /// row count estimate (from the planner's statistics, `pg_class.reltuples`: counting
+    /// would read them; 0 when never analyzed).
+    pub partitions: Vec<(String, i64)>,
+}
+
+/// Drops the partitions of `outbox_published` whose whole day (UTC) lies more than
+/// `older_than` in the past: each is detached `CONCURRENTLY` (no lock that blocks the
+/// relay's inserts into the partitioned table) and then dropped. Each statement runs on its
+/// own, outside any transaction, so `conn` must not be in one.
+///
+/// # Errors
+/// The database's error; the partitions dropped before it stay dropped. A detach that was
+/// interrupted leaves its partition "detach pending", which the next call finishes first
+/// (PostgreSQL allows one pending detach per table: ALTER TABLE, `DETACH PARTITION ...
+/// FINALIZE`).
+pub async fn drop_archived(
+    conn: &mut AsyncPgConnection,
+    older_than: Duration,
+) -> QueryResult<Dropped> {
+    use diesel::sql_types::{Bool, Text};
+    use diesel_async::SimpleAsyncConnection as _;
+
+    #[derive(QueryableByName)]
+    struct Partition {
+        #[diesel(sql_type = Text)]
+        name: String,
+        #[diesel(sql_type = Int8)]
+        rows: i64,
+        #[diesel(sql_type = Bool)]
+        pending: bool,
+    }
+    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    // The day a partition holds is in its name: outbox_published_pYYYYMMDD.
+    let partitions: Vec<Partition> = diesel::sql_query(
+        "SELECT c.relname::text AS name, greatest(c.reltuples, 0)::int8 AS rows, \
+                i.inhdetachpending AS pending \
+         FROM pg_inherits i \
+         JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'outbox_published'::regclass \
+           AND c.relname ~ '^outbox_published_p[0-9]{8}$' \
+           AND (to_date(substr(c.relname, 19), 'YYYYMMDD') + 1)::timestamp AT TIME ZONE 'UTC' \
+               <= now() - $1 * interval '1 millisecond' \
+         ORDER BY i.inhdetachpending DESC, c.relname",
+    )
+    .bind::<Int8, _>(older_than_ms)
+    .load(conn)
+    .await?;
+    let mut dropped = Dropped::default();
+    for partition in partitions {
+        let detach = if partition.pending {
+            "FINALIZE"
+        } else {
+            "CONCURRENTLY"
+        };
+        conn.batch_execute(&format!(
+            "ALTER TABLE outbox_published DETACH PARTITION {} {detach}",
+            partition.name
+        ))
+        .await?;
+        conn.batch_execute(&format!("DROP TABLE {}", partition.name))
+            .await?;
+        dropped.partitions.push((partition.name, partition.rows));
+    }
+    Ok(dropped)
+}
+
 /// What waits in the outbox, by aggregate type and event type, as [`queued_by_type`]
 /// returns it.
 #[derive(Clone, Debug, PartialEq, Eq, QueryableByName)]
@@ -304,11 +396,12 @@ pub async fn queued_by_type(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Que
     .await
 }
 
-/// How many of the newest `window` rows (by id, which follows time for the unit of work's
-/// UUIDv7 ids) were published in the last minute: the relay's recent rate, for
-/// [`PublishedRows::Mark`] (deleted rows leave no trace; read the relay's
-/// `outbox_relay_published_total` instead). Walks the primary key backwards, so its cost is
-/// bounded by `window`, whatever the table holds.
+/// How many rows were published in the last minute, counting at most `window` of them in
+/// each place that keeps published rows: `outbox_events` for [`PublishedRows::Mark`]
+/// (through its index of published rows), and `outbox_published` for
+/// [`PublishedRows::Archive`] (through its BRIN index on `published_at`). Deleted rows leave
+/// no trace ([`PublishedRows::Delete`]: read the relay's `outbox_relay_published_total`
+/// instead). Its cost is bounded by `window`, whatever the tables hold.
 ///
 /// # Errors
 /// The database's error.
@@ -319,9 +412,13 @@ pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) ->
         count: i64,
     }
     let row: Count = diesel::sql_query(
-        "SELECT count(*) AS count FROM ( \
-             SELECT published_at FROM outbox_events ORDER BY id DESC LIMIT $1) newest \
-         WHERE published_at > now() - interval '1 minute'",
+        "SELECT (SELECT count(*) FROM ( \
+                     SELECT 1 FROM outbox_events \
+                     WHERE published_at > now() - interval '1 minute' LIMIT $1) marked) \
+              + (SELECT count(*) FROM ( \
+                     SELECT 1 FROM outbox_published \
+                     WHERE published_at > now() - interval '1 minute' LIMIT $1) archived) \
+              AS count",
     )
     .bind::<Int8, _>(window)
     .get_result(conn)
@@ -329,31 +426,70 @@ pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) ->
     Ok(row.count)
 }
 
-/// Deletes up to `limit` rows published more than `older_than` ago, oldest id first, and
-/// returns how many. For [`PublishedRows::Mark`], which keeps published rows: run it
-/// periodically, in a loop until it returns less than `limit`, to bound the table. Queued
-/// rows and dead letters (skipped ones included: they can still be retried) are never
-/// deleted.
+/// Deletes every row published more than `older_than` ago, in batches of `batch` rows, each
+/// its own short statement (so no lock is held longer than one batch, and the relay and the
+/// unit of work go on meanwhile), and returns how many; `progress` hears the running total
+/// after each batch. For [`PublishedRows::Mark`], which keeps published rows: run it
+/// periodically to bound the table (`outbox purge`, `outbox relay --purge-older-than`).
+/// Queued rows and dead letters (skipped ones included: they can still be retried) are
+/// never deleted.
 ///
-/// Rows are found in `id` order, which is time order for the unit of work's UUIDv7 ids, so
-/// each call reads from the oldest end of the primary key instead of the whole table.
+/// Rows are found through the partial index of published rows on `published_at`, oldest
+/// first, and each batch starts where the previous one ended: a purge reads only the rows it
+/// deletes, however many rows are kept (neither the queue nor the kept rows are scanned,
+/// nor, batch after batch, the index entries of rows already deleted).
 ///
 /// # Errors
-/// The database's error.
+/// The database's error; the batches before it stay deleted.
 pub async fn purge_published(
     conn: &mut AsyncPgConnection,
     older_than: Duration,
-    limit: i64,
+    batch: i64,
+    mut progress: impl FnMut(usize),
 ) -> QueryResult<usize> {
+    use diesel::sql_types::{Nullable, Timestamptz};
+    use time::OffsetDateTime;
+
+    #[derive(QueryableByName)]
+    struct Cutoff {
+        #[diesel(sql_type = Timestamptz)]
+        cutoff: OffsetDateTime,
+    }
+    #[derive(QueryableByName)]
+    struct Gone {
+        #[diesel(sql_type = Int8)]
+        deleted: i64,
+        #[diesel(sql_type = Nullable<Timestamptz>)]
+        last: Option<OffsetDateTime>,
+    }
     let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-    diesel::sql_query(
-        "DELETE FROM outbox_events WHERE id IN ( \
-             SELECT id FROM outbox_events \
-             WHERE published_at < now() - $1 * interval '1 millisecond' \
-             ORDER BY id LIMIT $2)",
-    )
-    .bind::<Int8, _>(older_than_ms)
-    .bind::<Int8, _>(limit)
-    .execute(conn)
-    .await
+    let Cutoff { cutoff } =
+        diesel::sql_query("SELECT now() - $1 * interval '1 millisecond' AS cutoff")
+            .bind::<Int8, _>(older_than_ms)
+            .get_result(conn)
+            .await?;
+    let (mut deleted, mut from) = (0, None);
+    loop {
+        // `>=` the last batch's newest: rows published in the same instant may be left.
+        let gone: Gone = diesel::sql_query(
+            "WITH gone AS ( \
+                 DELETE FROM outbox_events WHERE id IN ( \
+                     SELECT id FROM outbox_events \
+                     WHERE published_at >= coalesce($1, '-infinity') AND published_at < $2 \
+                     ORDER BY published_at LIMIT $3) \
+                 RETURNING published_at) \
+             SELECT count(*)::int8 AS deleted, max(published_at) AS last FROM gone",
+        )
+        .bind::<Nullable<Timestamptz>, _>(from)
+        .bind::<Timestamptz, _>(cutoff)
+        .bind::<Int8, _>(batch.max(1))
+        .get_result(conn)
+        .await?;
+        deleted += gone.deleted as usize;
+        progress(deleted);
+        if gone.deleted < batch.max(1) {
+            return Ok(deleted);
+        }
+        from = gone.last;
+    }
 }

@@ -326,9 +326,14 @@ pub enum PublishedRows {
     /// Set `published_at` and keep the row, for history and replay; purge old rows with
     /// [`purge_published`](crate::outbox::purge_published).
     Mark,
+    /// Move the row to `outbox_published`, partitioned by the day it was published (UTC),
+    /// for history and replay at scale: `outbox_events` keeps only what is queued, and
+    /// retention drops whole days ([`drop_archived`](crate::outbox::drop_archived)) instead
+    /// of deleting rows one by one.
+    Archive,
 }
 
-/// Marks (or deletes) the rows `ids`, in one statement.
+/// Marks, deletes or archives the rows `ids`, in one statement.
 pub(crate) async fn finish_published(
     conn: &mut AsyncPgConnection,
     ids: &[Uuid],
@@ -337,6 +342,7 @@ pub(crate) async fn finish_published(
     match mode {
         PublishedRows::Mark => MarkPublished { ids }.execute(conn).await?,
         PublishedRows::Delete => DeletePublished { ids }.execute(conn).await?,
+        PublishedRows::Archive => ArchivePublished { ids }.execute(conn).await?,
     };
     Ok(())
 }
@@ -346,6 +352,14 @@ statement! {
         ids: &'a [Uuid] => Array<SqlUuid>,
     }
     sql = "UPDATE outbox_events SET published_at = now() WHERE id = ANY($1)";
+}
+
+statement! {
+    /// The function of migration 000006: moves the rows to `outbox_published`.
+    struct ArchivePublished<'a> {
+        ids: &'a [Uuid] => Array<SqlUuid>,
+    }
+    sql = "SELECT outbox_archive_published($1)";
 }
 
 statement! {

@@ -1,0 +1,3 @@
+DROP FUNCTION outbox_archive_published;
+DROP FUNCTION outbox_published_partitions;
+DROP TABLE outbox_published;
