@@ -7,7 +7,7 @@
 //! outbox dead-letters list|show ID     inspect dead letters
 //! outbox retry ID | --all [--aggregate-type T]
 //! outbox skip ID
-//! outbox purge --older-than D          delete published rows and inbox rows, in batches
+//! outbox purge --older-than D          delete published and inbox rows in batches, drop archive days
 //! outbox tail [--subject S] [--all]    print the stream's events as they arrive
 //! ```
 //!

@@ -121,7 +121,7 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
         );
         println!("skipped dead letters    {}", stats.skipped_dead_letters);
         println!(
-            "published last minute   {recent} (marked rows, among the newest {RECENT_WINDOW})"
+            "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
         );
         if !by_type.is_empty() {
             let width_a = by_type
@@ -324,7 +324,8 @@ pub(crate) async fn skip(database_url: &str, args: SkipArgs) -> Result<Ended, St
 
 #[derive(Debug, Args)]
 pub(crate) struct PurgeArgs {
-    /// Delete what was published (or handled, in the inbox) longer ago than this.
+    /// Delete what was published (or handled, in the inbox) longer ago than this; drop the
+    /// archive's days (--published archive) that ended longer ago than this.
     #[arg(long, value_parser = crate::duration)]
     older_than: Duration,
     /// Rows per DELETE: each is a short transaction, so no lock is held long.
@@ -339,26 +340,26 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
     let mut conn = connect(database_url).await?;
     let started = Instant::now();
     let mut progress = Progress::new();
-    let mut published = 0;
-    loop {
-        let deleted = outbox::purge_published(&mut conn, args.older_than, args.batch)
-            .await
-            .map_err(database_error)?;
-        published += deleted;
+    let published = outbox::purge_published(&mut conn, args.older_than, args.batch, |deleted| {
         progress.report(|| {
             format!(
-                "outbox_events: {published} published rows deleted ({:.0}/s)",
-                published as f64 / started.elapsed().as_secs_f64()
+                "outbox_events: {deleted} published rows deleted ({:.0}/s)",
+                deleted as f64 / started.elapsed().as_secs_f64()
             )
         });
-        if deleted < args.batch as usize {
-            break;
-        }
-    }
+    })
+    .await
+    .map_err(database_error)?;
     println!(
         "deleted {published} published rows older than {}",
         humantime::format_duration(args.older_than)
     );
+    let dropped = outbox::drop_archived(&mut conn, args.older_than)
+        .await
+        .map_err(database_error)?;
+    for (partition, rows) in &dropped.partitions {
+        println!("dropped archive partition {partition} (about {rows} rows)");
+    }
     if !args.no_inbox {
         for consumer in inbox::consumers(&mut conn).await.map_err(database_error)? {
             let mut handled = 0;

@@ -29,6 +29,9 @@ pub(crate) enum Published {
     /// Keep acked rows with `published_at` (purge them with --purge-older-than or `outbox
     /// purge`).
     Mark,
+    /// Move acked rows to `outbox_published`, in daily partitions (UTC) that
+    /// --purge-older-than or `outbox purge` drop whole.
+    Archive,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -108,8 +111,8 @@ pub(crate) struct RelayArgs {
     /// Serve Prometheus metrics at this address (e.g. 0.0.0.0:9464), path /metrics.
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
-    /// Delete published rows older than this, in batches, every --purge-interval (with
-    /// --published mark).
+    /// Delete published rows older than this, in batches, and drop the archive's days that
+    /// ended longer ago than this, every --purge-interval (with --published mark or archive).
     #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN")]
     purge_older_than: Option<Span>,
     /// How often the relay purges.
@@ -139,6 +142,7 @@ impl RelayArgs {
         config.published = match self.published {
             Published::Delete => PublishedRows::Delete,
             Published::Mark => PublishedRows::Mark,
+            Published::Archive => PublishedRows::Archive,
         };
         config.max_attempts = self.max_attempts;
         config.retry_delay = self.retry_delay.into();
@@ -217,7 +221,7 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
 }
 
 /// Deletes published rows older than `older_than` every `interval`, in batches of 10,000,
-/// until aborted.
+/// and drops the archive's partitions whose day ended longer ago, until aborted.
 async fn purge_on_schedule(database_url: String, older_than: Duration, interval: Duration) {
     use diesel_async::AsyncConnection;
     const BATCH: i64 = 10_000;
@@ -227,23 +231,26 @@ async fn purge_on_schedule(database_url: String, older_than: Duration, interval:
             tracing::warn!("retention cannot connect to the database; trying again later");
             continue;
         };
-        let mut deleted = 0;
-        loop {
-            match outbox_runtime::outbox::purge_published(&mut conn, older_than, BATCH).await {
-                Ok(n) => {
-                    deleted += n;
-                    if n < BATCH as usize {
-                        break;
-                    }
-                }
+        let deleted =
+            match outbox_runtime::outbox::purge_published(&mut conn, older_than, BATCH, |_| {})
+                .await
+            {
+                Ok(deleted) => deleted,
                 Err(error) => {
                     tracing::warn!(%error, "retention failed");
-                    break;
+                    0
                 }
-            }
-        }
+            };
         if deleted > 0 {
             tracing::info!(deleted, ?older_than, "deleted published rows");
+        }
+        match outbox_runtime::outbox::drop_archived(&mut conn, older_than).await {
+            Ok(dropped) => {
+                for (partition, rows) in dropped.partitions {
+                    tracing::info!(%partition, rows, "dropped an archive partition");
+                }
+            }
+            Err(error) => tracing::warn!(%error, "dropping archive partitions failed"),
         }
     }
 }

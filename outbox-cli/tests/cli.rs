@@ -59,7 +59,8 @@ async fn migrate_applies_then_says_up_to_date() {
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
-        text(&first).contains("applied 5: 20261121000001"),
+        text(&first).contains("applied 7: 20261121000001")
+            && text(&first).contains("20261124000007"),
         "{}",
         text(&first)
     );
@@ -223,7 +224,13 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
         .batch_execute(
             "INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) VALUES \
              ('a', '/s', 'old', now() - interval '3 days'), ('a', '/s', 'new', now()), \
-             ('b', '/s', 'old', now() - interval '3 days')",
+             ('b', '/s', 'old', now() - interval '3 days'); \
+             CREATE TABLE outbox_published_p20200101 PARTITION OF outbox_published \
+               FOR VALUES FROM ('2020-01-01 00:00Z') TO ('2020-01-02 00:00Z'); \
+             INSERT INTO outbox_published VALUES (gen_random_uuid(), 'A', 'a', 1, 'Placed', 1, \
+               'a', 'x.A', '{}', '{}', now(), NULL, NULL, 0, '2020-01-01 12:00Z'), \
+               (gen_random_uuid(), 'A', 'a', 2, 'Placed', 1, 'a', 'x.A', '{}', '{}', now(), \
+               NULL, NULL, 0, now())",
         )
         .await
         .unwrap();
@@ -240,6 +247,10 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
     );
     assert!(shown.contains("deleted 1 inbox rows of a"), "{shown}");
     assert!(shown.contains("deleted 1 inbox rows of b"), "{shown}");
+    assert!(
+        shown.contains("dropped archive partition outbox_published_p20200101"),
+        "{shown}"
+    );
 
     #[derive(diesel::QueryableByName)]
     struct Left {
@@ -249,13 +260,14 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
     use diesel_async::RunQueryDsl;
     let left: Vec<Left> = diesel::sql_query(
         "SELECT aggregate_id || '#' || aggregate_seq AS what FROM outbox_events \
-         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox ORDER BY 1",
+         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox \
+         UNION ALL SELECT 'archived ' || aggregate_seq FROM outbox_published ORDER BY 1",
     )
     .load(&mut env.conn().await)
     .await
     .unwrap();
     let left: Vec<String> = left.into_iter().map(|l| l.what).collect();
-    assert_eq!(left, ["a:new", "o-1#2", "o-2#1", "o-3#1"]);
+    assert_eq!(left, ["a:new", "archived 2", "o-1#2", "o-2#1", "o-3#1"]);
 }
 
 /// Starts `outbox relay` for `env`, with `extra` arguments.
