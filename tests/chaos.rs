@@ -2,7 +2,8 @@
 //!
 //! Writers commit units of work over a few hundred aggregates, about a tenth of them rolled
 //! back (some by the closure, some failing at COMMIT itself on a deferred constraint, after
-//! the outbox's insert ran). Three relay processes and two instances of one inbox consumer
+//! the outbox's insert ran). Three relay processes (the third archiving what it publishes,
+//! `PublishedRows::Archive`, the others deleting it) and two instances of one inbox consumer
 //! (processes too: this same binary, started with `OUTBOX_CHAOS_ROLE`) move the events.
 //! Meanwhile: relays are SIGKILLed and restarted at random, the consumer's instances are
 //! SIGKILLed and stopped with SIGTERM (a deploy) and restarted, the relays' and consumers'
@@ -14,7 +15,8 @@
 //! event is in the stream exactly once; nothing of a rolled-back unit of work is anywhere;
 //! each aggregate's events are in the stream in order without gaps; the consumer applied
 //! each event exactly once and in its aggregate's order; nothing is left queued, nothing
-//! dead-lettered, no gap recorded. It prints its counts, so that a run documents itself.
+//! dead-lettered, no gap recorded; what was archived was committed, once. It prints its
+//! counts, so that a run documents itself.
 //!
 //! `cargo test --test chaos` runs it for 90 s (about two minutes with the drain); `cargo test
 //! --test chaos -- --duration 600` runs it for ten minutes. Other flags: `--aggregates N`
@@ -31,8 +33,8 @@ use std::time::{Duration, Instant};
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::{
-    DomainEvent, Handler, Inbox, InboxConfig, Metadata, PendingEvents, Relay, RelayConfig,
-    StreamSettings, UnitOfWork, UnitOfWorkError, aggregate,
+    DomainEvent, Handler, Inbox, InboxConfig, Metadata, PendingEvents, PublishedRows, Relay,
+    RelayConfig, StreamSettings, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 use support::{NatsServer, TestEnv};
@@ -172,6 +174,9 @@ async fn relay_process(env: ChildEnv) -> Result<(), String> {
         ..StreamSettings::default()
     };
     config.source = "/chaos".to_owned();
+    if std::env::var("OUTBOX_CHAOS_ARCHIVE").is_ok() {
+        config.published = PublishedRows::Archive;
+    }
     config.batch_size = 500;
     config.poll_interval = Duration::from_millis(100);
     config.ack_timeout = Duration::from_secs(2);
@@ -397,6 +402,10 @@ impl Fleet {
                 "OUTBOX_CHAOS_STATS",
                 self.dir.join(format!("{name}-{starts}.stats")),
             )
+            .envs(
+                (role == "relay" && index == ARCHIVING_RELAY)
+                    .then_some(("OUTBOX_CHAOS_ARCHIVE", "1")),
+            )
             .stdout(log.try_clone().expect("the log"))
             .stderr(log)
             .spawn()
@@ -453,6 +462,9 @@ struct Counts {
     terminations: u64,
     terminated_connections: i64,
 }
+
+/// The relay that archives what it publishes (`PublishedRows::Archive`).
+const ARCHIVING_RELAY: usize = 2;
 
 /// The writers' record: each committed event's token and aggregate, the tokens of
 /// rolled-back units of work, and how many units of work ended each way.
@@ -721,6 +733,8 @@ async fn run(options: &Options) -> Result<String, String> {
             violations.push(format!("{n} {what}"));
         }
     }
+    let archived = archived_tokens(&mut conn).await;
+    violations.extend(check_archived(&archived, &committed));
     let gaps = count(
         &mut consumer_conn,
         "SELECT count(*) AS count FROM outbox_inbox_gaps",
@@ -745,7 +759,7 @@ async fn run(options: &Options) -> Result<String, String> {
          committed: {} units of work, {} events; rolled back: {} units ({} of them failing at \
          COMMIT, after the outbox insert), {} events\n\
          published: {} messages in the stream, {} distinct ids; duplicates dropped by \
-         JetStream: at least {}\n\
+         JetStream: at least {}; archived by relay {ARCHIVING_RELAY}: {}\n\
          applied: {} events by the consumer's two instances; duplicates skipped by the inbox: \
          at least {}; waits for a predecessor: at least {}\n\
          faults: relay SIGKILL {}; consumer SIGKILL {}, SIGTERM {}; broker killed {} times \
@@ -765,6 +779,7 @@ async fn run(options: &Options) -> Result<String, String> {
         events.len(),
         distinct_ids.len(),
         sum("outbox_relay_duplicates_total"),
+        archived.len(),
         applied.len(),
         sum("outbox_inbox_messages_total{consumer=chaos,outcome=duplicate}"),
         sum("outbox_inbox_messages_total{consumer=chaos,outcome=held}"),
@@ -845,6 +860,46 @@ fn broker_schedule(duration: Duration, started: Instant) -> VecDeque<(Instant, D
 
 fn db_name(url: &str) -> &str {
     url.rsplit('/').next().unwrap_or_default()
+}
+
+/// The token of each row in the archive, `outbox_published`.
+async fn archived_tokens(conn: &mut AsyncPgConnection) -> Vec<String> {
+    #[derive(QueryableByName)]
+    struct Token {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        token: String,
+    }
+    diesel::sql_query(
+        "SELECT jsonb_path_query_first(payload, '$.**.token') #>> '{}' AS token \
+         FROM outbox_published",
+    )
+    .load::<Token>(conn)
+    .await
+    .expect("read the archive")
+    .into_iter()
+    .map(|t| t.token)
+    .collect()
+}
+
+/// The archive holds only committed events, each once, and the archiving relay did archive.
+fn check_archived(archived: &[String], committed: &[(String, String)]) -> Vec<String> {
+    let mut violations = Vec::new();
+    if archived.is_empty() {
+        violations.push("the archiving relay archived nothing".to_owned());
+    }
+    let distinct: BTreeSet<&str> = archived.iter().map(String::as_str).collect();
+    if distinct.len() != archived.len() {
+        violations.push(format!(
+            "{} events archived more than once",
+            archived.len() - distinct.len()
+        ));
+    }
+    let committed: BTreeSet<&str> = committed.iter().map(|(token, _)| token.as_str()).collect();
+    let foreign = distinct.iter().filter(|t| !committed.contains(*t)).count();
+    if foreign > 0 {
+        violations.push(format!("{foreign} archived events were never committed"));
+    }
+    violations
 }
 
 async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
