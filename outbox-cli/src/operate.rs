@@ -341,6 +341,9 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
     let started = Instant::now();
     let mut progress = Progress::new();
     let published = outbox::purge_published(&mut conn, args.older_than, args.batch, |deleted| {
+        if deleted == 0 {
+            return;
+        }
         progress.report(|| {
             format!(
                 "outbox_events: {deleted} published rows deleted ({:.0}/s)",
