@@ -681,3 +681,170 @@ async fn a_commit_on_a_database_without_the_outbox_tables_says_to_run_the_migrat
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn events_recorded_after_track_are_written_in_order_and_drained_once() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut order = Order::place("o-1", "ada", 4200);
+    let mut other = Order::place("o-2", "bob", 10);
+
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            uow.track(&mut other);
+            order.record(OrderEvent::ItemAdded {
+                sku: "tea".to_owned(),
+                quantity: 2,
+            });
+            assert_eq!(uow.event_count(), 3, "a late event counts at once");
+            uow.track(&mut order); // again: nothing taken twice
+            order.record(OrderEvent::Shipped);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    assert_eq!(
+        outbox_rows(&mut conn).await,
+        [
+            ("o-1".to_owned(), 1, "Placed".to_owned()),
+            ("o-1".to_owned(), 2, "LineAdded".to_owned()),
+            ("o-1".to_owned(), 3, "Shipped".to_owned()),
+            ("o-2".to_owned(), 1, "Placed".to_owned()),
+        ]
+    );
+    assert!(order.pending_events().is_empty() && other.pending_events().is_empty());
+
+    // Once the unit of work has ended, recording is for the next one.
+    order.record(OrderEvent::Shipped);
+    assert_eq!(order.pending_events().len(), 1);
+    env.commit(&mut order).await;
+    assert_eq!(outbox_rows(&mut conn).await.len(), 5);
+}
+
+#[tokio::test]
+async fn a_late_event_of_a_rolled_back_unit_stays_pending_and_a_bad_one_fails_the_commit() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut order = Order::place("o-1", "ada", 4200);
+    let rolled_back = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            order.record(OrderEvent::Shipped);
+            Err::<(), _>(UnitOfWorkError::Database(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(rolled_back.is_err());
+    assert_eq!(order.pending_events().len(), 2);
+    // Detached: recording now reaches no finished unit of work, and the next one takes all.
+    order.record(OrderEvent::Shipped);
+    env.commit(&mut order).await;
+    assert_eq!(outbox_rows(&mut conn).await.len(), 3);
+
+    let mut keyed = Keyed {
+        id: "k-1".to_owned(),
+        pending_events: outbox_runtime::PendingEvents::new(),
+    };
+    keyed.record(KeyedEvent {
+        key: "fine".to_owned(),
+    });
+    let failed = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut keyed);
+            keyed.record(KeyedEvent {
+                key: "not a token".to_owned(),
+            });
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await;
+    assert!(
+        matches!(
+            &failed,
+            Err(UnitOfWorkError::InvalidSubjectToken {
+                role: TokenRole::PartitionKey,
+                value,
+                ..
+            }) if value == "not a token"
+        ),
+        "{failed:?}"
+    );
+    assert_eq!(
+        outbox_rows(&mut conn).await.len(),
+        3,
+        "nothing of it written"
+    );
+    assert_eq!(keyed.pending_events().len(), 2, "both stay pending");
+    keyed.discard_pending_events();
+}
+
+/// An event partitioned by a field of its own, which a unit of work checks.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+#[event(name = "Keyed")]
+struct KeyedEvent {
+    #[event(partition_key)]
+    key: String,
+}
+
+#[outbox_runtime::aggregate(event = KeyedEvent)]
+struct Keyed {
+    id: String,
+}
+
+/// An event only the drop test records, so that its warnings are told from other tests'.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+struct DropProbeCounted {
+    n: u32,
+}
+
+#[outbox_runtime::aggregate(event = DropProbeCounted)]
+struct DropProbe {
+    id: String,
+}
+
+fn drop_probe(events: u32) -> DropProbe {
+    let mut probe = DropProbe {
+        id: "p-1".to_owned(),
+        pending_events: outbox_runtime::PendingEvents::new(),
+    };
+    for n in 0..events {
+        probe.record(DropProbeCounted { n });
+    }
+    probe
+}
+
+#[tokio::test]
+async fn dropping_an_aggregate_with_uncommitted_events_warns_in_debug_builds() {
+    let env = TestEnv::new().await;
+    let (logs, _turn) = support::Logs::capture().await;
+    let warnings = || {
+        logs.text()
+            .lines()
+            .filter(|line| line.contains("DropProbeCounted"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+
+    drop(drop_probe(2));
+    let seen = warnings();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(
+        seen[0].contains("WARN") && seen[0].contains("events=2") && seen[0].contains("lost"),
+        "{}",
+        seen[0]
+    );
+
+    // Committed, discarded on purpose, or never recorded: no warning.
+    let mut committed = drop_probe(3);
+    env.commit(&mut committed).await;
+    drop(committed);
+    let mut discarded = drop_probe(1);
+    assert_eq!(discarded.discard_pending_events().len(), 1);
+    drop(discarded);
+    drop(drop_probe(0));
+    assert_eq!(warnings().len(), 1, "{:?}", warnings());
+}

@@ -254,6 +254,12 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
             #vis fn pending_events(&self) -> &[#event] {
                 #private::Aggregate::pending_events(self)
             }
+
+            /// Drops the events recorded and not yet committed, on purpose, and returns
+            /// them (dropping an aggregate that holds some logs a warning in debug builds).
+            #vis fn discard_pending_events(&mut self) -> ::std::vec::Vec<#event> {
+                #private::Aggregate::discard_pending_events(self)
+            }
         }
     }
 }

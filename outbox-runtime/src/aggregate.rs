@@ -6,8 +6,8 @@
 //! fails, leaves them pending for the next attempt.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::event::DomainEvent;
 
@@ -43,6 +43,13 @@ pub trait Aggregate {
     fn pending_events(&self) -> &[Self::Event] {
         self.pending().as_slice()
     }
+
+    /// Drops the events recorded and not yet committed, on purpose, and returns them
+    /// ([`PendingEvents::discard`]): dropping an aggregate that still holds events logs a
+    /// warning in debug builds, as they are lost.
+    fn discard_pending_events(&mut self) -> Vec<Self::Event> {
+        self.pending_mut().discard()
+    }
 }
 
 /// The events an aggregate has recorded and no committed unit of work has taken yet.
@@ -50,14 +57,36 @@ pub trait Aggregate {
 /// `#[aggregate]` adds one as the field `pending_events`; a struct literal sets it with
 /// `pending_events: PendingEvents::new()` (or `Default::default()`).
 ///
+/// Once a unit of work has tracked the aggregate, events recorded on it before that unit of
+/// work ends are part of it too: [`UnitOfWork::track`](crate::UnitOfWork::track) takes what
+/// is pending and everything recorded after, until COMMIT.
+///
+/// Dropping a buffer that still holds events loses them: in debug builds the drop logs a
+/// warning (`tracing`, target `outbox_runtime::aggregate`) naming the event type and the
+/// count. [`discard`](Self::discard) drops them on purpose, without the warning.
+///
 /// Cloning copies the pending events into an independent buffer: a commit that takes the
 /// original's events leaves the clone's in place.
 pub struct PendingEvents<E> {
     events: Vec<E>,
-    /// How many events at the front of `events` a committed unit of work has taken. The
-    /// unit of work holds a clone of this counter and advances it after COMMIT, when it no
-    /// longer borrows the aggregate; the buffer drops those events on its next mutation.
-    committed: Arc<AtomicUsize>,
+    /// What the unit of work that tracks this buffer shares with it.
+    shared: Arc<Shared<E>>,
+}
+
+/// The part of a buffer a unit of work holds while it tracks it.
+struct Shared<E> {
+    /// How many events at the front of `events` a committed unit of work has taken. The unit
+    /// of work advances it after COMMIT, when it no longer borrows the aggregate; the buffer
+    /// drops those events on its next mutation.
+    committed: AtomicUsize,
+    /// Where events recorded while a unit of work tracks the buffer also go, until it ends.
+    late: Mutex<Option<Arc<dyn LateEvents<E>>>>,
+}
+
+/// A unit of work's receiver of the events recorded on an aggregate after it was tracked.
+pub(crate) trait LateEvents<E>: Send + Sync {
+    /// Called by [`PendingEvents::push`] with each event recorded while attached.
+    fn recorded(&self, event: &E);
 }
 
 impl<E> PendingEvents<E> {
@@ -65,12 +94,16 @@ impl<E> PendingEvents<E> {
     pub fn new() -> Self {
         Self {
             events: Vec::new(),
-            committed: Arc::new(AtomicUsize::new(0)),
+            shared: Arc::new(Shared {
+                committed: AtomicUsize::new(0),
+                late: Mutex::new(None),
+            }),
         }
     }
 
     fn committed(&self) -> usize {
-        self.committed
+        self.shared
+            .committed
             .load(Ordering::Acquire)
             .min(self.events.len())
     }
@@ -95,39 +128,108 @@ impl<E> PendingEvents<E> {
         self.as_slice().iter()
     }
 
-    /// Appends an event (what [`Aggregate::record`] calls).
+    /// Appends an event (what [`Aggregate::record`] calls); a unit of work that tracks this
+    /// buffer takes it too.
     pub fn push(&mut self, event: E) {
         self.drop_committed();
+        if let Some(late) = lock(&self.shared.late).as_ref() {
+            late.recorded(&event);
+        }
         self.events.push(event);
+    }
+
+    /// Drops the pending events on purpose and returns them: they will not be written by any
+    /// unit of work, and dropping the buffer afterwards logs no warning. Events a unit of
+    /// work has already taken stay in that unit of work.
+    pub fn discard(&mut self) -> Vec<E> {
+        self.drop_committed();
+        std::mem::take(&mut self.events)
     }
 
     fn drop_committed(&mut self) {
         let committed = self
+            .shared
             .committed
             .swap(0, Ordering::AcqRel)
             .min(self.events.len());
         self.events.drain(..committed);
     }
 
-    /// What a unit of work holds to drain the events it takes: the shared counter.
-    pub(crate) fn commit_handle(&self) -> CommitHandle {
-        CommitHandle(Arc::clone(&self.committed))
+    /// What a unit of work holds to drain the events it takes after COMMIT.
+    pub(crate) fn commit_handle(&self) -> CommitHandle
+    where
+        E: 'static,
+    {
+        CommitHandle(Arc::clone(&self.shared) as Arc<dyn BufferControl>)
+    }
+
+    /// Sends the events recorded from now on to `late` too, until the handle's
+    /// [`CommitHandle::detach`]. Returns false, attaching nothing, when another unit of work
+    /// tracks this buffer already.
+    pub(crate) fn attach(&self, late: Arc<dyn LateEvents<E>>) -> bool {
+        let mut slot = lock(&self.shared.late);
+        if slot.is_some() {
+            return false;
+        }
+        *slot = Some(late);
+        true
+    }
+}
+
+/// Locks `mutex`, whose data a panic cannot leave inconsistent (an `Option` set or taken).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What a unit of work does to a tracked buffer, whatever its event type.
+trait BufferControl: Send + Sync {
+    fn mark_committed(&self, count: usize);
+    fn detach(&self);
+}
+
+impl<E> BufferControl for Shared<E> {
+    fn mark_committed(&self, count: usize) {
+        self.committed.fetch_add(count, Ordering::AcqRel);
+    }
+
+    fn detach(&self) {
+        lock(&self.late).take();
     }
 }
 
 /// Lets a unit of work mark, after COMMIT, how many of an aggregate's pending events it wrote.
 #[derive(Clone)]
-pub(crate) struct CommitHandle(Arc<AtomicUsize>);
+pub(crate) struct CommitHandle(Arc<dyn BufferControl>);
 
 impl CommitHandle {
     /// Whether both handles belong to the same buffer (the same aggregate value).
     pub(crate) fn same_buffer(&self, other: &CommitHandle) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(&other.0))
     }
 
     /// Drops the first `count` pending events from the buffer.
     pub(crate) fn mark_committed(&self, count: usize) {
-        self.0.fetch_add(count, Ordering::AcqRel);
+        self.0.mark_committed(count);
+    }
+
+    /// Stops sending recorded events to the unit of work that attached to the buffer.
+    pub(crate) fn detach(&self) {
+        self.0.detach();
+    }
+}
+
+impl<E> Drop for PendingEvents<E> {
+    fn drop(&mut self) {
+        if cfg!(debug_assertions) && !self.is_empty() && !std::thread::panicking() {
+            tracing::warn!(
+                events = self.len(),
+                event_type = std::any::type_name::<E>(),
+                "an aggregate was dropped with events that no unit of work committed: they are \
+                 lost (track it in a unit of work that commits, or `discard` them on purpose)"
+            );
+        }
     }
 }
 
@@ -139,10 +241,9 @@ impl<E> Default for PendingEvents<E> {
 
 impl<E: Clone> Clone for PendingEvents<E> {
     fn clone(&self) -> Self {
-        Self {
-            events: self.as_slice().to_vec(),
-            committed: Arc::new(AtomicUsize::new(0)),
-        }
+        let mut clone = Self::new();
+        clone.events = self.as_slice().to_vec();
+        clone
     }
 }
 

@@ -15,7 +15,9 @@
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use uuid::Uuid;
 
-use crate::aggregate::{Aggregate, CommitHandle};
+use std::sync::{Arc, Mutex};
+
+use crate::aggregate::{Aggregate, CommitHandle, LateEvents};
 use crate::causality::{Causality, MAX_ID_BYTES, Traceparent};
 use crate::event::{DomainEvent, PayloadError};
 use crate::outbox::queries::{self, NewEvent};
@@ -301,8 +303,8 @@ pub struct UnitOfWork<'c> {
     /// The conversation, cause and trace of every event of this unit of work.
     causality: Causality,
     events: Vec<NewEvent>,
-    /// Aggregates whose events were taken, with how many: drained after COMMIT.
-    tracked: Vec<(CommitHandle, usize)>,
+    /// Aggregates whose events were taken: drained after COMMIT, detached at the end.
+    tracked: Vec<Tracked>,
     /// The first invalid event; reported, and the transaction rolled back, at commit.
     error: Option<UnitOfWorkError>,
 }
@@ -313,35 +315,41 @@ impl<'c> UnitOfWork<'c> {
         self.conn
     }
 
-    /// Takes the aggregate's pending events into this unit of work; they are written to the
-    /// outbox at commit and drained from the aggregate once the commit succeeded.
+    /// Takes the aggregate's pending events into this unit of work, and every event recorded
+    /// on it from now until the unit of work ends: they are written to the outbox at commit,
+    /// in the order they were recorded, and drained from the aggregate once the commit
+    /// succeeded. Tracking the same aggregate again changes nothing.
     ///
-    /// Tracking the same aggregate again takes only the events recorded since. An event that
-    /// cannot be written (an id that is not a valid subject token, a payload that does not
-    /// serialize) fails the commit with a [`UnitOfWorkError`] that names it.
+    /// An event that cannot be written (an id that is not a valid subject token, a payload
+    /// that does not serialize) fails the commit with a [`UnitOfWorkError`] that names it.
+    ///
+    /// An aggregate value tracked by two units of work open at once (on two connections)
+    /// gives the second only the events pending when it tracked it.
     pub fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
         let handle = aggregate.pending().commit_handle();
-        let taken = match self
-            .tracked
-            .iter_mut()
-            .find(|(h, _)| h.same_buffer(&handle))
-        {
-            Some((_, taken)) => taken,
-            None => {
-                self.tracked.push((handle, 0));
-                &mut self.tracked.last_mut().expect("just pushed").1
-            }
-        };
-        let new_events = &aggregate.pending_events()[*taken..];
-        *taken += new_events.len();
-        if new_events.is_empty() {
+        if self.tracked.iter().any(|t| t.handle.same_buffer(&handle)) {
             return;
         }
         let aggregate_id = aggregate.aggregate_id();
-        for event in new_events {
+        let late = Arc::new(Late {
+            outbox: self.outbox.clone(),
+            aggregate_type: A::AGGREGATE_TYPE,
+            aggregate_id: aggregate_id.clone(),
+            events: Mutex::new(Vec::new()),
+        });
+        let attached = aggregate
+            .pending()
+            .attach(Arc::clone(&late) as Arc<dyn LateEvents<A::Event>>);
+        let taken = aggregate.pending_events().len();
+        for event in aggregate.pending_events() {
             let new_event = prepare(self.outbox, A::AGGREGATE_TYPE, &aggregate_id, event);
             self.push(new_event);
         }
+        self.tracked.push(Tracked {
+            handle,
+            taken,
+            late: attached.then_some(late as Arc<dyn TakeLate>),
+        });
     }
 
     /// Writes a standalone event for the aggregate `aggregate_type` / `aggregate_id`, with
@@ -403,9 +411,16 @@ impl<'c> UnitOfWork<'c> {
         self.causality.traceparent = Some(traceparent);
     }
 
-    /// How many events this unit of work will write at commit.
+    /// How many events this unit of work will write at commit, so far (those recorded on
+    /// tracked aggregates after `track` included).
     pub fn event_count(&self) -> usize {
-        self.events.len()
+        let late: usize = self
+            .tracked
+            .iter()
+            .filter_map(|t| t.late.as_ref())
+            .map(|late| late.len())
+            .sum();
+        self.events.len() + late
     }
 
     fn push(&mut self, new_event: Result<NewEvent, UnitOfWorkError>) {
@@ -417,15 +432,91 @@ impl<'c> UnitOfWork<'c> {
         }
     }
 
-    /// Writes the collected events; returns what to drain after COMMIT.
-    async fn flush(self) -> Result<Vec<(CommitHandle, usize)>, UnitOfWorkError> {
-        if let Some(error) = self.error {
+    /// Writes the collected events, those recorded on tracked aggregates after `track`
+    /// included; returns what to drain after COMMIT.
+    async fn flush(mut self) -> Result<Vec<(CommitHandle, usize)>, UnitOfWorkError> {
+        let mut drains = Vec::with_capacity(self.tracked.len());
+        for tracked in std::mem::take(&mut self.tracked) {
+            tracked.handle.detach();
+            let late = tracked
+                .late
+                .as_ref()
+                .map(|late| late.take())
+                .unwrap_or_default();
+            drains.push((tracked.handle, tracked.taken + late.len()));
+            for new_event in late {
+                self.push(new_event);
+            }
+        }
+        if let Some(error) = self.error.take() {
             return Err(error);
         }
         if !self.events.is_empty() {
             queries::insert_events(self.conn, &self.events, &self.causality).await?;
         }
-        Ok(self.tracked)
+        Ok(drains)
+    }
+}
+
+impl Drop for UnitOfWork<'_> {
+    /// A unit of work that ends without a flush (its closure failed) stops taking the events
+    /// recorded on its aggregates, which keep them.
+    fn drop(&mut self) {
+        for tracked in &self.tracked {
+            tracked.handle.detach();
+        }
+    }
+}
+
+/// An aggregate a unit of work tracks.
+struct Tracked {
+    handle: CommitHandle,
+    /// How many events were pending when it was tracked.
+    taken: usize,
+    /// The events recorded on it since, when this unit of work is attached to its buffer.
+    late: Option<Arc<dyn TakeLate>>,
+}
+
+/// The events recorded on a tracked aggregate after [`UnitOfWork::track`], checked and
+/// serialized as they are recorded.
+struct Late {
+    outbox: Outbox,
+    aggregate_type: &'static str,
+    aggregate_id: String,
+    events: Mutex<Vec<Result<NewEvent, UnitOfWorkError>>>,
+}
+
+impl<E: DomainEvent> LateEvents<E> for Late {
+    fn recorded(&self, event: &E) {
+        let new_event = prepare(&self.outbox, self.aggregate_type, &self.aggregate_id, event);
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(new_event);
+    }
+}
+
+/// [`Late`] seen by the unit of work, whatever the event type.
+trait TakeLate: Send + Sync {
+    fn take(&self) -> Vec<Result<NewEvent, UnitOfWorkError>>;
+    fn len(&self) -> usize;
+}
+
+impl TakeLate for Late {
+    fn len(&self) -> usize {
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    fn take(&self) -> Vec<Result<NewEvent, UnitOfWorkError>> {
+        std::mem::take(
+            &mut *self
+                .events
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 }
 
