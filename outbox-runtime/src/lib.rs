@@ -76,6 +76,23 @@ pub mod relay;
 pub mod subject;
 pub mod unit_of_work;
 
+// The crates whose types appear in this crate's API, at the versions and with the features
+// it was built with: a service needs only `outbox-runtime`, `serde` and `tokio` in its
+// Cargo.toml. For diesel's derives (`Queryable`, `Insertable`, ...), whose code names the
+// path `diesel`, bring it into scope with `use outbox_runtime::diesel;`.
+#[doc(no_inline)]
+pub use async_nats;
+#[doc(no_inline)]
+pub use diesel;
+#[doc(no_inline)]
+pub use diesel_async;
+#[doc(no_inline)]
+pub use serde_json;
+#[doc(no_inline)]
+pub use time;
+#[doc(no_inline)]
+pub use uuid;
+
 pub use aggregate::{Aggregate, PendingEvents};
 pub use causality::{InvalidTraceparent, Traceparent};
 pub use database::{ConnectError, TimedOut};
