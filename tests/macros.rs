@@ -212,3 +212,47 @@ fn aggregates_may_be_generic_and_are_usable_through_the_trait() {
     assert_eq!(ledger.aggregate_id(), "42");
     assert_eq!(generic::pending(&ledger), 1);
 }
+
+/// serde's names name the event types: a variant's `rename`, else the enum's `rename_all`;
+/// `#[event(name)]` still comes first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+#[serde(rename_all = "kebab-case")]
+enum TransferEvent {
+    TransferRequested {
+        cents: i64,
+    },
+    #[serde(rename = "money-moved")]
+    FundsMoved {
+        cents: i64,
+    },
+    #[event(name = "Refused")]
+    TransferRefused,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+#[serde(rename = "limit_lowered")]
+struct LimitLowered {
+    cents: i64,
+}
+
+#[test]
+fn serde_renames_name_the_event_types_and_payloads_round_trip() {
+    let names: Vec<&str> = TransferEvent::EVENT_TYPES.iter().map(|t| t.name).collect();
+    assert_eq!(names, ["transfer-requested", "money-moved", "Refused"]);
+    let moved = TransferEvent::FundsMoved { cents: 7 };
+    assert_eq!(moved.event_type(), "money-moved");
+    let payload = moved.to_payload().unwrap();
+    assert_eq!(payload, r#"{"cents":7}"#);
+    assert_eq!(
+        TransferEvent::from_payload("money-moved", 1, payload.as_bytes()).unwrap(),
+        moved
+    );
+    assert!(TransferEvent::from_payload("FundsMoved", 1, payload.as_bytes()).is_err());
+
+    let lowered = LimitLowered { cents: 3 };
+    assert_eq!(lowered.event_type(), "limit_lowered");
+    assert_eq!(
+        LimitLowered::from_payload("limit_lowered", 1, br#"{"cents":3}"#).unwrap(),
+        lowered
+    );
+}

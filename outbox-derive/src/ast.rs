@@ -28,6 +28,10 @@ pub struct EventType<'a> {
     pub ident: &'a Ident,
     /// `#[event(name = "..")]`, if given.
     pub name: Option<LitStr>,
+    /// serde's name for it, if serde renames it: the struct's or the variant's
+    /// `#[serde(rename = "..")]`, or the enum's `rename_all` rule applied to the variant
+    /// (spanned on the rule). The name when `name` is not given.
+    pub serde_name: Option<LitStr>,
     /// `#[event(version = N)]`, if given.
     pub version: Option<LitInt>,
     pub fields: &'a Fields,
@@ -46,11 +50,12 @@ pub struct PartitionKey {
 }
 
 impl EventType<'_> {
-    /// The event type name: `#[event(name)]`, or the struct or variant name.
+    /// The event type name: `#[event(name)]`, else serde's name for the struct or variant
+    /// (`#[serde(rename)]`, or the enum's `#[serde(rename_all)]`), else its Rust name.
     pub fn name(&self) -> String {
-        match &self.name {
-            Some(name) => name.value(),
-            None => self.ident.unraw_string(),
+        match (&self.name, &self.serde_name) {
+            (Some(name), _) | (None, Some(name)) => name.value(),
+            (None, None) => self.ident.unraw_string(),
         }
     }
 }
@@ -71,31 +76,37 @@ impl<'a> Event<'a> {
         let kind = match &input.data {
             Data::Struct(data) => {
                 let attrs = attr::event_attrs(&input.attrs, Place::Struct, errors);
-                EventKind::Struct(event_type(
-                    &input.ident,
-                    attrs,
-                    &data.fields,
-                    0,
-                    vec![],
-                    errors,
-                ))
+                let serde_name = attr::serde_rename(&input.attrs, "rename", errors);
+                let mut event_type =
+                    event_type(&input.ident, attrs, &data.fields, 0, vec![], errors);
+                event_type.serde_name = serde_name;
+                EventKind::Struct(event_type)
             }
             Data::Enum(data) => {
                 attr::event_attrs(&input.attrs, Place::Enum, errors);
-                let variants = data.variants.iter().enumerate().map(|(index, variant)| {
+                let rule = attr::serde_rename(&input.attrs, "rename_all", errors);
+                let mut variants = Vec::with_capacity(data.variants.len());
+                for (index, variant) in data.variants.iter().enumerate() {
                     let attrs = attr::event_attrs(&variant.attrs, Place::Variant, errors);
                     let index = u32::try_from(index).expect("fewer than 2^32 variants");
                     let serde_keys = attr::serde_keys(&variant.attrs);
-                    event_type(
+                    let renamed = attr::serde_rename(&variant.attrs, "rename", errors);
+                    let mut event_type = event_type(
                         &variant.ident,
                         attrs,
                         &variant.fields,
                         index,
                         serde_keys,
                         errors,
-                    )
-                });
-                EventKind::Enum(variants.collect())
+                    );
+                    event_type.serde_name = renamed.or_else(|| {
+                        let rule = rule.as_ref()?;
+                        let name = rename_variant(&rule.value(), &variant.ident.unraw_string())?;
+                        Some(LitStr::new(&name, rule.span()))
+                    });
+                    variants.push(event_type);
+                }
+                EventKind::Enum(variants)
             }
             Data::Union(data) => {
                 errors.push(syn::Error::new_spanned(
@@ -137,12 +148,44 @@ fn event_type<'a>(
     EventType {
         ident,
         name: attrs.name,
+        serde_name: None,
         version: attrs.version,
         fields,
         partition_keys,
         index,
         serde_keys,
     }
+}
+
+/// A variant's name under serde's `rename_all` rule, as serde applies it to variants; `None`
+/// for a rule serde does not know (serde reports it).
+fn rename_variant(rule: &str, variant: &str) -> Option<String> {
+    let snake = || {
+        let mut snake = String::with_capacity(variant.len() + 4);
+        for (i, ch) in variant.char_indices() {
+            if i > 0 && ch.is_uppercase() {
+                snake.push('_');
+            }
+            snake.push(ch.to_ascii_lowercase());
+        }
+        snake
+    };
+    Some(match rule {
+        "lowercase" => variant.to_ascii_lowercase(),
+        "UPPERCASE" => variant.to_ascii_uppercase(),
+        "PascalCase" => variant.to_owned(),
+        "camelCase" => {
+            let mut chars = variant.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_ascii_lowercase().to_string() + chars.as_str()
+            })
+        }
+        "snake_case" => snake(),
+        "SCREAMING_SNAKE_CASE" => snake().to_ascii_uppercase(),
+        "kebab-case" => snake().replace('_', "-"),
+        "SCREAMING-KEBAB-CASE" => snake().to_ascii_uppercase().replace('_', "-"),
+        _ => return None,
+    })
 }
 
 /// The input of `#[aggregate]`.

@@ -172,6 +172,43 @@ pub fn serde_keys(attrs: &[Attribute]) -> Vec<Path> {
         .collect()
 }
 
+/// The name serde gives a struct or a variant (`key` = `rename`), or the variants of an enum
+/// (`key` = `rename_all`): `#[serde(rename = "..")]`. It names the event type when
+/// `#[event(name)]` does not. The `rename(serialize = .., deserialize = ..)` form is refused
+/// with a message: an event type has one name.
+pub fn serde_rename(attrs: &[Attribute], key: &str, errors: &mut Errors) -> Option<LitStr> {
+    let mut found = None;
+    for attr in attrs.iter().filter(|a| a.path().is_ident("serde")) {
+        let Ok(metas) = attr.parse_args_with(Punctuated::<Meta, Token![,]>::parse_terminated)
+        else {
+            continue;
+        };
+        for meta in metas.iter().filter(|m| m.path().is_ident(key)) {
+            match meta {
+                Meta::NameValue(syn::MetaNameValue {
+                    value:
+                        syn::Expr::Lit(syn::ExprLit {
+                            lit: syn::Lit::Str(name),
+                            ..
+                        }),
+                    ..
+                }) => found = Some(name.clone()),
+                // serde reports a malformed value itself.
+                Meta::NameValue(_) => {}
+                other => errors.push(syn::Error::new_spanned(
+                    other,
+                    format!(
+                        "an event type has one name, and DomainEvent takes it from serde's \
+                         `{key} = \"..\"`; with separate serialize and deserialize names, set \
+                         #[event(name = \"..\")] on each event type instead"
+                    ),
+                )),
+            }
+        }
+    }
+    found
+}
+
 /// The paths inside every `#[derive(..)]` attribute.
 pub fn derives(attrs: &[Attribute]) -> Vec<Path> {
     attrs

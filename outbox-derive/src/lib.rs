@@ -13,7 +13,8 @@ mod valid;
 use proc_macro::TokenStream;
 
 /// Implements `outbox_runtime::DomainEvent` for a struct (one event type) or an enum (one
-/// event type per variant). See the `outbox_runtime::event` module for the attributes.
+/// event type per variant). The reference of its attributes, with examples, is on its
+/// re-export, `outbox_runtime::DomainEvent` (the derive).
 #[proc_macro_derive(DomainEvent, attributes(event))]
 pub fn derive_domain_event(input: TokenStream) -> TokenStream {
     let input = syn::parse_macro_input!(input as syn::DeriveInput);
@@ -23,7 +24,8 @@ pub fn derive_domain_event(input: TokenStream) -> TokenStream {
 }
 
 /// Turns a struct into an `outbox_runtime::Aggregate` that records events of the type named
-/// by `event = ...`. See the `outbox_runtime::aggregate` module.
+/// by `event = ...`. The reference of its arguments, with an example, is on its re-export,
+/// `outbox_runtime::aggregate` (the attribute).
 #[proc_macro_attribute]
 pub fn aggregate(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::aggregate(args.into(), item.into()).into()

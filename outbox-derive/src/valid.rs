@@ -109,8 +109,10 @@ pub fn event(event: &Event<'_>, errors: &mut Errors) {
     }
     let mut seen: HashMap<(String, i32), &EventType<'_>> = HashMap::new();
     for event_type in event.event_types() {
-        if let Some(name) = &event_type.name {
-            check_name(name, "event type name", errors);
+        match (&event_type.name, &event_type.serde_name) {
+            (Some(name), _) => check_name(name, "event type name", errors),
+            (None, Some(name)) => check_name(name, "event type name (serde's)", errors),
+            (None, None) => {}
         }
         let version = match &event_type.version {
             Some(literal) => version(literal, errors),
@@ -131,7 +133,7 @@ pub fn event(event: &Event<'_>, errors: &mut Errors) {
                 event_type.name(),
                 first.ident
             );
-            match &event_type.name {
+            match event_type.name.as_ref().or(event_type.serde_name.as_ref()) {
                 Some(name) => errors.push(syn::Error::new_spanned(name, message)),
                 None => errors.push(syn::Error::new_spanned(event_type.ident, message)),
             }
