@@ -105,7 +105,131 @@ pub use outbox::{
     MIGRATIONS, MigrationError, MissingMigrations, Outbox, OutboxStats, PublishedRows,
     pending_migrations, run_migrations,
 };
-pub use outbox_derive::{DomainEvent, aggregate};
+/// `#[derive(DomainEvent)]`: a struct is one event type, an enum one event type per variant.
+///
+/// The type must also derive serde's `Serialize` and `Deserialize` (a unit struct needs
+/// neither: its payload is `{}`). The payload is the JSON of the struct, or of the variant's
+/// own fields (not serde's `{"Variant": {..}}`): a variant has named fields, one unnamed
+/// field (the payload type), or none. serde's field attributes (`rename`, `with`,
+/// `default`, ...) all apply to the payload.
+///
+/// # Attributes
+///
+/// | attribute | on | default | |
+/// |---|---|---|---|
+/// | `#[event(name = "..")]` | the struct, or a variant | serde's name, else the Rust name | the event type: last subject token, `ce-type`, `event_type` column |
+/// | `#[event(version = N)]` | the struct, or a variant | 1 | `ce-dataversion`, `event_version`; 1 to 2,147,483,647 |
+/// | `#[event(partition_key)]` | one field | the aggregate id | the event's partition key |
+///
+/// - **name**: a valid NATS subject token (not empty, at most 256 bytes, no `.`, `*`, `>`,
+///   whitespace or control character), checked at compile time on the literal. Without it,
+///   serde's name is used when serde renames the type: the struct's or the variant's
+///   `#[serde(rename = "..")]`, or the enum's `#[serde(rename_all = "..")]` rule applied to
+///   the variant (so the wire names stay the ones you chose); else the Rust name (a raw
+///   identifier without its `r#`). serde's `rename(serialize = .., deserialize = ..)` form is
+///   refused: an event type has one name. One name may be carried at several versions, one
+///   variant each; the same name and version twice is a compile error.
+/// - **version**: a whole number literal from 1.
+/// - **partition_key**: the field's value through `Display` (`ToString`): `String`, `&str`,
+///   integers, `Uuid`, any type of yours that implements `Display`; it must be a valid
+///   subject token, which the unit of work checks at commit. An `Option` has no `Display`:
+///   store the key itself. Without one, events are partitioned by their aggregate's id.
+///
+/// Every misuse (a name with a dot, a version of 0, two partition keys, an `#[event]` key in
+/// the wrong place, a serde attribute that would change the payload's shape) is a compile
+/// error on the token that is wrong.
+///
+/// # Example
+///
+/// ```
+/// use outbox_runtime::DomainEvent;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, DomainEvent)]
+/// enum OrderEvent {
+///     Placed { customer: String },                 // "Placed", version 1
+///     #[event(name = "Shipped", version = 2)]
+///     ShippedV2 { carrier: String },               // "Shipped", version 2
+///     #[serde(rename = "order-cancelled")]
+///     Cancelled,                                   // "order-cancelled"
+/// }
+///
+/// #[derive(Serialize, Deserialize, DomainEvent)]
+/// #[event(name = "PaymentCaptured", version = 3)]
+/// struct Captured {
+///     #[event(partition_key)]                      // partitioned by merchant, not by order
+///     merchant: u64,
+///     amount_cents: i64,
+/// }
+///
+/// let event = OrderEvent::ShippedV2 { carrier: "dhl".into() };
+/// assert_eq!((event.event_type(), event.event_version()), ("Shipped", 2));
+/// assert_eq!(event.to_payload().unwrap(), r#"{"carrier":"dhl"}"#);
+/// assert_eq!(OrderEvent::Cancelled.event_type(), "order-cancelled");
+/// let captured = Captured { merchant: 42, amount_cents: 990 };
+/// assert_eq!(captured.partition_key().as_deref(), Some("42"));
+/// ```
+pub use outbox_derive::DomainEvent;
+
+/// `#[aggregate(event = EventType)]`: makes a struct with named fields an [`Aggregate`]
+/// that records events of `EventType` (a [`DomainEvent`]).
+///
+/// # Arguments and markers
+///
+/// | | where | default | |
+/// |---|---|---|---|
+/// | `event = Type` | the attribute | required | the event type this aggregate records |
+/// | `name = ".."` | the attribute | the struct's name | the aggregate type: second subject token, `ce-aggregatetype`, `aggregate_type` column; a valid subject token, checked at compile time |
+/// | `#[aggregate_id]` | one field | the field named `id` | the aggregate id: `ce-subject`, `aggregate_id`, the default partition key |
+///
+/// The id field's value is taken through `Display` (`ToString`): `String`, `Uuid`,
+/// integers, or any type of yours that implements `Display`; the unit of work checks at
+/// commit that it is a valid subject token.
+///
+/// # What it adds
+///
+/// - A field `pending_events: PendingEvents<EventType>`, with the visibility of the struct:
+///   a struct literal sets it with `pending_events: PendingEvents::new()` (or
+///   `Default::default()`). serde's derives skip it, and so do diesel's `Insertable` and
+///   `AsChangeset`; `Queryable`, `Selectable` and `QueryableByName` are refused (derive them
+///   on a row struct and build the aggregate from it).
+/// - `impl Aggregate`, and the inherent methods `record(event)`, `pending_events()` and
+///   `discard_pending_events()`, so callers need not import the trait.
+///
+/// Misuses (an enum or a tuple struct, no id field, two `#[aggregate_id]`, a field already
+/// named `pending_events`, an unknown argument, an invalid name) are compile errors on the
+/// token that is wrong.
+///
+/// # Example
+///
+/// ```
+/// use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, DomainEvent)]
+/// enum AccountEvent {
+///     Opened { owner: String },
+/// }
+///
+/// #[aggregate(event = AccountEvent, name = "Account")]
+/// struct BankAccount {
+///     #[aggregate_id]
+///     number: u64,                                 // the id, through Display
+///     owner: String,
+/// }
+///
+/// let mut account = BankAccount {
+///     number: 7,
+///     owner: "ada".into(),
+///     pending_events: PendingEvents::new(),
+/// };
+/// account.record(AccountEvent::Opened { owner: account.owner.clone() });
+/// use outbox_runtime::Aggregate;
+/// assert_eq!((BankAccount::AGGREGATE_TYPE, account.aggregate_id()), ("Account", "7".to_owned()));
+/// assert_eq!(account.pending_events().len(), 1);
+/// account.discard_pending_events();                // or commit them in a unit of work
+/// ```
+pub use outbox_derive::aggregate;
 pub use publisher::{StreamError, StreamSettings};
 pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
 pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
