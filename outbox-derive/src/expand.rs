@@ -2,7 +2,8 @@
 //! `::outbox_runtime::__private`, so it compiles whatever the user imported or renamed.
 
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
 use syn::{DeriveInput, Fields, LitStr};
 
 use crate::ast::{AggregateInput, Event, EventKind, EventType};
@@ -36,7 +37,10 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
             let partition_key = match event_type.partition_keys.first() {
                 Some(key) => {
                     let member = &key.member;
-                    quote!(#private::Option::Some(#private::ToString::to_string(&self.#member)))
+                    let value = quote_spanned!(member.span()=> &self.#member);
+                    quote!(#private::Option::Some(
+                        #private::PartitionKeyValue::to_partition_key(#value)
+                    ))
                 }
                 None => quote!(#private::Option::None),
             };
@@ -94,9 +98,12 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
             let partition_keys = variants.iter().map(|v| match v.partition_keys.first() {
                 Some(key) => {
                     let (ident, member) = (v.ident, &key.member);
+                    let value = quote_spanned!(member.span()=> __partition_key);
                     quote! {
                         Self::#ident { #member: __partition_key, .. } =>
-                            #private::Option::Some(#private::ToString::to_string(__partition_key)),
+                            #private::Option::Some(
+                                #private::PartitionKeyValue::to_partition_key(#value)
+                            ),
                     }
                 }
                 None => {
@@ -225,6 +232,7 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
     }
 
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
+    let id_value = quote_spanned!(id.span()=> &self.#id);
     quote! {
         #item
 
@@ -233,7 +241,7 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
             type Event = #event;
             const AGGREGATE_TYPE: &'static str = #name;
             fn aggregate_id(&self) -> #private::String {
-                #private::ToString::to_string(&self.#id)
+                #private::AggregateIdValue::to_aggregate_id(#id_value)
             }
             fn pending(&self) -> &#private::PendingEvents<#event> {
                 &self.#buffer

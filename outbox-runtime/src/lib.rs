@@ -256,4 +256,41 @@ pub mod __private {
     pub use std::option::Option;
     pub use std::result::Result;
     pub use std::string::{String, ToString};
+
+    /// What an `#[event(partition_key)]` field's type must be: written with `Display`. The
+    /// trait exists for its compile error, which says so on the field.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` cannot be a partition key: a partition key is written with `Display`",
+        label = "this field is the event's partition key",
+        note = "a partition key is a type that implements `Display`: String, &str, integers, \
+                Uuid, or a type of yours; for an `Option`, store the key itself, or drop \
+                #[event(partition_key)] to partition by the aggregate id"
+    )]
+    pub trait PartitionKeyValue {
+        fn to_partition_key(&self) -> String;
+    }
+
+    impl<T: std::fmt::Display + ?Sized> PartitionKeyValue for T {
+        fn to_partition_key(&self) -> String {
+            self.to_string()
+        }
+    }
+
+    /// What an aggregate's id field's type must be: written with `Display`. The trait exists
+    /// for its compile error, which says so on the field.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` cannot be an aggregate id: an aggregate id is written with `Display`",
+        label = "this field is the aggregate's id",
+        note = "an aggregate id is a type that implements `Display`: String, Uuid, integers, \
+                or a type of yours; mark another field #[aggregate_id] if this one is not the id"
+    )]
+    pub trait AggregateIdValue {
+        fn to_aggregate_id(&self) -> String;
+    }
+
+    impl<T: std::fmt::Display + ?Sized> AggregateIdValue for T {
+        fn to_aggregate_id(&self) -> String {
+            self.to_string()
+        }
+    }
 }

@@ -175,6 +175,14 @@ impl Outbox {
     /// # Errors
     /// `f`'s own error, or a [`UnitOfWorkError`] converted into `E`.
     ///
+    /// # The handle stays in the closure
+    /// `uow` is borrowed for the closure only, so that no event can be handed over outside
+    /// the transaction or after its COMMIT. Keeping it (in a variable declared outside the
+    /// closure, or by returning it) does not compile; rustc says "lifetime may not live long
+    /// enough ... returning this value requires that `'1` must outlive `'2`", pointing at the
+    /// closure, where `'1` is the handle's borrow. Return what the closure computed instead
+    /// (an id, a row), and record later events in the next unit of work.
+    ///
     /// # Cancellation
     /// Like diesel-async's `transaction`, dropping the returned future part-way leaves the
     /// transaction open on `conn`; drop the connection too (a pool discards it when it
