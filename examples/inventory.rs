@@ -72,7 +72,7 @@ impl Handler for Reservations {
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         let OrderEvent::Placed { lines, .. } = event;
-        let order_id = message.aggregate_id.clone().unwrap_or_default();
+        let order_id = message.aggregate_id.clone();
 
         // Lock the stock rows the order names, then take all of it or none of it.
         #[derive(QueryableByName)]

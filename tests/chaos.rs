@@ -219,8 +219,8 @@ impl Handler for Applying {
     ) -> Result<(), Self::Error> {
         let LedgerEvent::Booked { token } = event;
         diesel::sql_query("INSERT INTO chaos_applied (aggregate, seq, token) VALUES ($1, $2, $3)")
-            .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_deref().unwrap_or("?"))
-            .bind::<diesel::sql_types::Int8, _>(message.sequence.unwrap_or(0))
+            .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_str())
+            .bind::<diesel::sql_types::Int8, _>(message.sequence)
             .bind::<diesel::sql_types::Text, _>(token)
             .execute(uow.conn())
             .await?;

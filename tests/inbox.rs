@@ -81,7 +81,7 @@ impl Handler for Counting {
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         (*self.calls).fetch_add(1, Ordering::SeqCst);
-        bump(uow.conn(), message.aggregate_id.as_deref().unwrap_or("?")).await?;
+        bump(uow.conn(), message.aggregate_id.as_str()).await?;
         Ok(())
     }
 }
@@ -328,7 +328,7 @@ impl Handler for Timing {
         _uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         let key = message.partition_key.clone();
-        let sequence = message.sequence.unwrap_or_default();
+        let sequence = message.sequence;
         if key == "o-0" && sequence == 3 && message.deliveries == 1 {
             return Err("first delivery of o-0 #3 fails".to_owned());
         }
@@ -431,7 +431,7 @@ impl Handler for Reserving {
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         if let OrderEvent::Placed { .. } = event {
-            let order_id = message.aggregate_id.clone().unwrap_or_default();
+            let order_id = message.aggregate_id.clone();
             bump(uow.conn(), &order_id).await?;
             uow.emit(
                 "Stock",
@@ -591,4 +591,73 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
         .await
         .unwrap();
     assert_eq!(left, ["new"]);
+}
+
+/// Keeps the metadata of every message it handles.
+#[derive(Clone, Default)]
+struct Keeping {
+    seen: Arc<Mutex<Vec<Metadata>>>,
+}
+
+impl Handler for Keeping {
+    type Event = OrderEvent;
+    type Error = String;
+
+    async fn handle(
+        &self,
+        _event: OrderEvent,
+        message: &Metadata,
+        _uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        self.seen.lock().unwrap().push(message.clone());
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn the_relays_messages_carry_their_aggregate_directly_and_a_foreign_one_gets_empty_values() {
+    let producer = TestEnv::new().await;
+    place(&producer, "o-1", 1).await;
+    relay_all(&producer).await;
+    let mut headers = HeaderMap::new();
+    headers.insert("ce-id", "foreign-1");
+    headers.insert("ce-type", "Shipped");
+    producer
+        .jetstream()
+        .publish_with_headers(
+            format!("{}.Order.x.Shipped", producer.prefix),
+            headers,
+            "{}".into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let consumer = consumer_database().await;
+    let handler = Keeping::default();
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "keeping"),
+        producer.nats.clone(),
+        handler.clone(),
+    )
+    .await
+    .unwrap();
+    run_until_settled(inbox, "three handled", Duration::from_secs(10)).await;
+
+    let seen = handler.seen.lock().unwrap().clone();
+    let places: Vec<(&str, &str, i64)> = seen
+        .iter()
+        .map(|m| {
+            (
+                m.aggregate_type.as_str(),
+                m.aggregate_id.as_str(),
+                m.sequence,
+            )
+        })
+        .collect();
+    assert_eq!(
+        places,
+        [("Order", "o-1", 1), ("Order", "o-1", 2), ("", "", 0)]
+    );
 }

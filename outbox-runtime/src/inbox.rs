@@ -1116,7 +1116,7 @@ impl<H: Handler> Inbox<H> {
                         reason: format!(
                             "events {} to {} of the aggregate are not in the stream",
                             last_seq + 1,
-                            metadata.sequence.unwrap_or_default() - 1
+                            metadata.sequence - 1
                         ),
                         record: !filtered,
                     });

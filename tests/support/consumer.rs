@@ -89,8 +89,8 @@ impl Handler for Recording {
         diesel::sql_query(
             "INSERT INTO applied (aggregate, seq, message_id, deliveries) VALUES ($1, $2, $3, $4)",
         )
-        .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_deref().unwrap_or("?"))
-        .bind::<diesel::sql_types::Int8, _>(message.sequence.unwrap_or(0))
+        .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_str())
+        .bind::<diesel::sql_types::Int8, _>(message.sequence)
         .bind::<diesel::sql_types::Text, _>(&message.id)
         .bind::<diesel::sql_types::Int8, _>(i64::try_from(message.deliveries).unwrap())
         .execute(uow.conn())

@@ -157,7 +157,7 @@ impl Handler for Balances {
             AccountEvent::Credited { cents } => cents,
             AccountEvent::Debited { cents } => -cents,
         };
-        let account = message.aggregate_id.as_deref().unwrap_or_default();
+        let account = message.aggregate_id.as_str();
         diesel::sql_query(
             "INSERT INTO bank_balances (id, cents) VALUES ($1, $2) \
              ON CONFLICT (id) DO UPDATE SET cents = bank_balances.cents + excluded.cents",

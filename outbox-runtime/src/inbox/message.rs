@@ -20,12 +20,16 @@ pub struct Metadata {
     pub event_type: String,
     /// `ce-eventversion`; 1 when absent.
     pub event_version: i32,
-    /// `ce-aggregatetype`, when present.
-    pub aggregate_type: Option<String>,
-    /// `ce-subject`: the aggregate id, when present.
-    pub aggregate_id: Option<String>,
-    /// `ce-sequence`: the event's sequence in its aggregate, when present.
-    pub sequence: Option<i64>,
+    /// `ce-aggregatetype`: the aggregate type. Every message of the relay has one; a foreign
+    /// message without the header gets the empty string.
+    pub aggregate_type: String,
+    /// `ce-subject`: the aggregate id. Every message of the relay has one; a foreign message
+    /// without the header gets the empty string (and is then ordered by its partition key,
+    /// not by aggregate).
+    pub aggregate_id: String,
+    /// `ce-sequence`: the event's sequence in its aggregate, from 1. Every message of the
+    /// relay has one; a foreign message without the header gets 0.
+    pub sequence: i64,
     /// `ce-partitionkey`, else the subject: messages with equal keys are handled one at a
     /// time, in stream order.
     pub partition_key: String,
@@ -194,9 +198,9 @@ impl Metadata {
             source,
             event_type,
             event_version,
-            aggregate_type,
-            aggregate_id,
-            sequence,
+            aggregate_type: aggregate_type.unwrap_or_default(),
+            aggregate_id: aggregate_id.unwrap_or_default(),
+            sequence: sequence.unwrap_or_default(),
             partition_key: text("ce-partitionkey")?.unwrap_or_else(|| subject.clone()),
             correlation_id: text("ce-correlationid")?,
             causation_id: text("ce-causationid")?,
@@ -210,13 +214,11 @@ impl Metadata {
 
 impl Metadata {
     /// The event's place in its aggregate: aggregate type, id and `ce-sequence`, when the
-    /// message carries all three (every message of the relay does).
+    /// message carries all three (every message of the relay does), the sequence from 1.
     pub(super) fn place(&self) -> Option<(&str, &str, i64)> {
-        Some((
-            self.aggregate_type.as_deref()?,
-            self.aggregate_id.as_deref()?,
-            self.sequence?,
-        ))
+        let placed =
+            !self.aggregate_type.is_empty() && !self.aggregate_id.is_empty() && self.sequence >= 1;
+        placed.then_some((&self.aggregate_type, &self.aggregate_id, self.sequence))
     }
 }
 
