@@ -1,8 +1,8 @@
 //! The consumer loop: pulls messages, queues them by ordering key (their aggregate) in
 //! stream order, and handles them with bounded concurrency, one at a time per key.
 //!
-//! An instance holds at most `4 x max_concurrency` messages it has not started: it stops
-//! reading from its pull subscription when that many wait, so that what a crashed instance
+//! An instance holds at most `4 x max_concurrency` messages it has not started: it asks
+//! JetStream for no more than the room it has, so that what a crashed instance
 //! leaves unacked is small beside the consumer's `max_ack_pending`, and another instance
 //! keeps receiving messages meanwhile.
 //!
@@ -14,16 +14,21 @@
 //! check (see `inbox::order`) makes this an economy, not the guarantee: a message that
 //! overtakes its predecessor anyway is held when it reaches the database.
 //!
+//! Messages are pulled by bounded requests, one at a time, each for as many messages as the
+//! buffer has room for and ended by JetStream when they are delivered or after a second, so
+//! that the instance knows at every moment which messages may still reach it.
+//!
 //! Messages waiting in the buffer and messages being handled are kept from redelivery with
-//! progress acks every third of `ack_wait`. On a graceful stop the waiting ones, and the ones
-//! the client has received and the loop has not read, are nak'd for immediate redelivery.
+//! progress acks every third of `ack_wait`. On a graceful stop the waiting ones, and every
+//! message of the pull request in progress (read until JetStream ends it), are nak'd for
+//! immediate redelivery.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::{self, AckKind};
-use futures::FutureExt;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -46,54 +51,55 @@ pub(super) async fn run<H: Handler>(
     let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
     let mut queues = Queues::new(config.max_concurrency, config.ack_wait);
     let mut jobs: FuturesUnordered<BoxFuture<'static, Finished>> = FuturesUnordered::new();
-    let mut messages = None;
+    // The pull request in progress: at most as many messages as the buffer has room for,
+    // ended by JetStream when they are delivered or after `PULL_EXPIRES`. One at a time, so
+    // that this instance always knows what may still arrive.
+    let mut pull: Option<pull::Batch> = None;
     let mut reconnect = Duration::from_millis(100);
     let mut heartbeat = tokio::time::interval(progress_interval(config.ack_wait));
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     tokio::pin!(shutdown);
 
     loop {
-        let stream = match &mut messages {
-            Some(stream) => stream,
-            None => {
-                let subscribed = inbox
-                    .consumer()
-                    .stream()
-                    .max_messages_per_batch(max_buffered)
-                    .heartbeat(Duration::from_secs(15))
-                    .messages()
-                    .await;
-                match subscribed {
-                    Ok(stream) => {
-                        reconnect = Duration::from_millis(100);
-                        messages.insert(stream)
+        let room = max_buffered.saturating_sub(queues.buffered());
+        if pull.is_none() && room > 0 {
+            let requested = inbox
+                .consumer()
+                .batch()
+                .max_messages(room)
+                .expires(PULL_EXPIRES)
+                .messages()
+                .await;
+            match requested {
+                Ok(batch) => {
+                    reconnect = Duration::from_millis(100);
+                    pull = Some(batch);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "the inbox cannot pull messages; retrying");
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break,
+                        () = tokio::time::sleep(reconnect) => {}
                     }
-                    Err(error) => {
-                        tracing::warn!(%error, "the inbox cannot pull messages; retrying");
-                        tokio::select! {
-                            biased;
-                            () = &mut shutdown => break,
-                            () = tokio::time::sleep(reconnect) => {}
-                        }
-                        reconnect = (reconnect * 2).min(Duration::from_secs(10));
-                        continue;
-                    }
+                    reconnect = (reconnect * 2).min(Duration::from_secs(10));
+                    continue;
                 }
             }
-        };
-        let room = queues.buffered() < max_buffered;
+        }
         let naks = tokio::select! {
             biased;
             () = &mut shutdown => break,
             Some(finished) = jobs.next(), if !jobs.is_empty() => queues.finished(finished),
-            next = stream.next(), if room => match next {
+            next = next_message(&mut pull), if pull.is_some() => match next {
                 Some(Ok(message)) => queues.route(message),
                 Some(Err(error)) => {
-                    tracing::warn!(%error, "the inbox's message stream reported an error");
+                    tracing::warn!(%error, "the inbox's pull request reported an error");
+                    pull = None;
                     Vec::new()
                 }
                 None => {
-                    messages = None;
+                    pull = None;
                     Vec::new()
                 }
             },
@@ -105,20 +111,42 @@ pub(super) async fn run<H: Handler>(
         }
     }
 
-    // Hand back what this instance holds and has not started, for immediate redelivery;
-    // let the messages in progress finish and settle.
+    // Hand back what this instance holds and has not started, for immediate redelivery: the
+    // waiting messages, and every message of the pull request in progress, read until
+    // JetStream ends it (at most `PULL_EXPIRES`; a message delivered after this instance
+    // stopped reading would wait out `ack_wait`). Let the messages in progress finish.
     let mut handed_back = queues.release_waiting();
-    if let Some(stream) = messages.as_mut() {
-        while let Some(Some(Ok(message))) = stream.next().now_or_never() {
-            handed_back.push((message, Duration::ZERO));
+    if let Some(mut batch) = pull.take() {
+        let rest = async {
+            while let Some(next) = batch.next().await {
+                if let Ok(message) = next {
+                    handed_back.push((message, Duration::ZERO));
+                }
+            }
+        };
+        if tokio::time::timeout(PULL_EXPIRES + Duration::from_secs(1), rest)
+            .await
+            .is_err()
+        {
+            tracing::debug!("the last pull request did not end in time");
         }
     }
-    drop(messages);
     nak_all(handed_back).await;
     while jobs.next().await.is_some() {}
     stop.cancel();
     purging.await?;
     Ok(())
+}
+
+/// How long a pull request waits at JetStream for messages: also the longest a graceful stop
+/// waits for the one in progress to end, and how often an idle consumer asks again.
+const PULL_EXPIRES: Duration = Duration::from_secs(1);
+
+/// The next message of the pull request in progress (`None` when it ended).
+async fn next_message(
+    pull: &mut Option<pull::Batch>,
+) -> Option<Result<jetstream::Message, async_nats::Error>> {
+    pull.as_mut()?.next().await
 }
 
 /// Progress acks (and the heartbeat) come every third of `ack_wait`, so two may be lost
