@@ -848,3 +848,35 @@ async fn dropping_an_aggregate_with_uncommitted_events_warns_in_debug_builds() {
     drop(drop_probe(0));
     assert_eq!(warnings().len(), 1, "{:?}", warnings());
 }
+
+#[tokio::test]
+async fn a_nested_unit_of_work_on_the_same_aggregate_leaves_the_outer_ones_late_events_to_it() {
+    let env = TestEnv::new().await;
+    let (mut outer_conn, mut inner_conn) = (env.conn().await, env.conn().await);
+    let mut order = Order::place("o-1", "ada", 1);
+    env.outbox()
+        .transaction(&mut outer_conn, async |outer| {
+            outer.track(&mut order);
+            // A second unit of work, open at the same time on another connection, tracking
+            // the same aggregate value: it takes what is pending, and nothing of the outer's.
+            env.outbox()
+                .transaction(&mut inner_conn, async |inner| {
+                    inner.track(&mut order);
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .await?;
+            order.record(OrderEvent::Shipped);
+            assert_eq!(
+                outer.event_count(),
+                2,
+                "the outer one still takes late events"
+            );
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    let rows = outbox_rows(&mut env.conn().await).await;
+    let types: Vec<&str> = rows.iter().map(|r| r.2.as_str()).collect();
+    assert_eq!(types, ["Placed", "Placed", "Shipped"], "{rows:?}");
+    assert!(order.pending_events().is_empty());
+}

@@ -445,7 +445,7 @@ impl<'c> UnitOfWork<'c> {
     async fn flush(mut self) -> Result<Vec<(CommitHandle, usize)>, UnitOfWorkError> {
         let mut drains = Vec::with_capacity(self.tracked.len());
         for tracked in std::mem::take(&mut self.tracked) {
-            tracked.handle.detach();
+            tracked.detach();
             let late = tracked
                 .late
                 .as_ref()
@@ -471,7 +471,7 @@ impl Drop for UnitOfWork<'_> {
     /// recorded on its aggregates, which keep them.
     fn drop(&mut self) {
         for tracked in &self.tracked {
-            tracked.handle.detach();
+            tracked.detach();
         }
     }
 }
@@ -483,6 +483,16 @@ struct Tracked {
     taken: usize,
     /// The events recorded on it since, when this unit of work is attached to its buffer.
     late: Option<Arc<dyn TakeLate>>,
+}
+
+impl Tracked {
+    /// Stops the aggregate's buffer from sending recorded events to this unit of work, when
+    /// this unit of work is the one attached to it (never another's).
+    fn detach(&self) {
+        if self.late.is_some() {
+            self.handle.detach();
+        }
+    }
 }
 
 /// The events recorded on a tracked aggregate after [`UnitOfWork::track`], checked and
