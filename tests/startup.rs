@@ -253,3 +253,80 @@ async fn an_empty_source_is_refused() {
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_reported() {
+    use outbox_runtime::publisher::StorageType;
+
+    // Created by the relay: every setting is the stream's.
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.stream.duplicate_window = Duration::from_secs(30);
+    config.stream.storage = StorageType::Memory;
+    config.stream.max_age = Duration::from_secs(3600);
+    config.stream.max_bytes = 1 << 20;
+    let (logs, _guard) = Logs::capture().await;
+    Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap();
+    let created = env
+        .jetstream()
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    assert_eq!(
+        (
+            created.duplicate_window,
+            created.storage,
+            created.max_age,
+            created.max_bytes,
+            created.num_replicas
+        ),
+        (
+            Duration::from_secs(30),
+            StorageType::Memory,
+            Duration::from_secs(3600),
+            1 << 20,
+            1
+        )
+    );
+    assert!(config.stream.differences(&created).is_empty());
+
+    // An existing stream keeps its own values; each difference is logged, by name.
+    let other = TestEnv::new().await;
+    other.create_stream(Duration::from_secs(10)).await;
+    let mut config = other.relay_config();
+    config.stream.max_age = Duration::from_secs(60);
+    Relay::connect(config, other.nats.clone()).await.unwrap();
+    let text = logs.text();
+    let reports = |stream: &str| -> Vec<String> {
+        text.lines()
+            .filter(|line| line.contains(" WARN ") && line.contains("differs from the relay's"))
+            .filter(|line| line.contains(&format!("stream={stream} ")))
+            .map(str::to_owned)
+            .collect()
+    };
+    let reported = reports(&other.stream);
+    assert_eq!(reported.len(), 2, "{reported:?}");
+    assert!(
+        reported[0].contains("setting=\"duplicate_window\"")
+            && reported[0].contains("stream_has=10s")
+            && reported[0].contains("settings_say=120s"),
+        "{}",
+        reported[0]
+    );
+    assert!(
+        reported[1].contains("setting=\"max_age\"") && reported[1].contains("settings_say=60s"),
+        "{}",
+        reported[1]
+    );
+    assert!(
+        reports(&env.stream).is_empty(),
+        "no report for the created stream"
+    );
+}

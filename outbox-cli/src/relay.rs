@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use humantime::Duration as Span;
+use outbox_runtime::publisher::StorageType;
 use outbox_runtime::{DeadLetterPolicy, PublishedRows, Relay, RelayConfig, StreamSettings};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -32,6 +33,14 @@ pub(crate) enum Published {
     /// Move acked rows to `outbox_published`, in daily partitions (UTC) that
     /// --purge-older-than or `outbox purge` drop whole.
     Archive,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum Storage {
+    /// On disk: survives a server restart.
+    File,
+    /// In memory only.
+    Memory,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -57,9 +66,22 @@ pub(crate) struct RelayArgs {
     /// Fail when the stream does not exist, instead of creating it.
     #[arg(long, env = "OUTBOX_NO_CREATE_STREAM")]
     no_create_stream: bool,
-    /// The duplicate window of a stream the relay creates.
+    /// The stream's duplicate window (set on a stream the relay creates; a difference with
+    /// an existing stream is logged).
     #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value_t = defaults().stream.duplicate_window.into())]
     duplicate_window: Span,
+    /// The stream's replicas in a cluster (1 to 5).
+    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = defaults().stream.replicas)]
+    stream_replicas: usize,
+    /// The stream's storage.
+    #[arg(long, env = "OUTBOX_STREAM_STORAGE", value_enum, default_value_t = Storage::File)]
+    stream_storage: Storage,
+    /// How long the stream keeps a message (0s: until a limit removes it).
+    #[arg(long, env = "OUTBOX_STREAM_MAX_AGE", default_value_t = defaults().stream.max_age.into())]
+    stream_max_age: Span,
+    /// The most bytes the stream holds (-1: no limit).
+    #[arg(long, env = "OUTBOX_STREAM_MAX_BYTES", default_value_t = defaults().stream.max_bytes, allow_hyphen_values = true)]
+    stream_max_bytes: i64,
     /// The messages' `ce-source` (a URI-reference naming the producing service).
     #[arg(long, env = "OUTBOX_SOURCE", default_value_t = defaults().source)]
     source: String,
@@ -131,6 +153,13 @@ impl RelayArgs {
             name: self.stream.clone(),
             create: !self.no_create_stream,
             duplicate_window: self.duplicate_window.into(),
+            replicas: self.stream_replicas,
+            storage: match self.stream_storage {
+                Storage::File => StorageType::File,
+                Storage::Memory => StorageType::Memory,
+            },
+            max_age: self.stream_max_age.into(),
+            max_bytes: self.stream_max_bytes,
         };
         config.source = self.source.clone();
         config.workers = self.workers;

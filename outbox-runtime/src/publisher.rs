@@ -464,7 +464,12 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
     Ok(headers)
 }
 
-/// Where the relay publishes: the JetStream stream that captures `{prefix}.>`.
+/// Where the relay publishes: the JetStream stream that captures `{prefix}.>`, and what an
+/// operator sets on it.
+///
+/// A stream the relay creates gets these settings. An existing stream keeps its own (the
+/// operator's, changed with `nats stream edit`): each setting that differs is reported at
+/// start-up as a warning that names the stream, the setting and both values.
 #[derive(Clone, Debug)]
 pub struct StreamSettings {
     /// The stream name. Default [`DEFAULT_STREAM`].
@@ -472,11 +477,24 @@ pub struct StreamSettings {
     /// Create the stream when it does not exist; when `false`, a missing stream is an error.
     /// Default `true`.
     pub create: bool,
-    /// The duplicate window of a stream the relay creates: JetStream drops a message whose
-    /// `Nats-Msg-Id` it stored within this window. Default 2 minutes, JetStream's default
-    /// (NATS docs, "Streams", configuration, `Duplicates`). An existing stream keeps its own.
+    /// The duplicate window: JetStream drops a message whose `Nats-Msg-Id` it stored within
+    /// this window. Default 2 minutes, JetStream's default (NATS docs, "Streams",
+    /// configuration, `Duplicates`).
     pub duplicate_window: Duration,
+    /// How many servers of a cluster hold the stream (1 to 5; a single server takes 1).
+    /// Default 1.
+    pub replicas: usize,
+    /// Where the stream keeps its messages. Default [`StorageType::File`], which survives a
+    /// server restart.
+    pub storage: StorageType,
+    /// How long the stream keeps a message; zero keeps it until a limit removes it. Default
+    /// zero.
+    pub max_age: Duration,
+    /// The most bytes the stream holds; -1 for no limit. Default -1.
+    pub max_bytes: i64,
 }
+
+pub use async_nats::jetstream::stream::StorageType;
 
 /// The default stream name.
 pub const DEFAULT_STREAM: &str = "EVENTS";
@@ -487,7 +505,50 @@ impl Default for StreamSettings {
             name: DEFAULT_STREAM.to_owned(),
             create: true,
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+            storage: StorageType::File,
+            max_age: Duration::ZERO,
+            max_bytes: -1,
         }
+    }
+}
+
+impl StreamSettings {
+    /// The settings of `config` that differ from these: `(setting, the stream's value, these
+    /// settings' value)`.
+    pub fn differences(&self, config: &stream::Config) -> Vec<(&'static str, String, String)> {
+        let mut differences = Vec::new();
+        let mut compare = |setting, actual: String, wanted: String| {
+            if actual != wanted {
+                differences.push((setting, actual, wanted));
+            }
+        };
+        compare(
+            "duplicate_window",
+            format!("{:?}", config.duplicate_window),
+            format!("{:?}", self.duplicate_window),
+        );
+        compare(
+            "replicas",
+            config.num_replicas.max(1).to_string(),
+            self.replicas.max(1).to_string(),
+        );
+        compare(
+            "storage",
+            format!("{:?}", config.storage),
+            format!("{:?}", self.storage),
+        );
+        compare(
+            "max_age",
+            format!("{:?}", config.max_age),
+            format!("{:?}", self.max_age),
+        );
+        compare(
+            "max_bytes",
+            config.max_bytes.to_string(),
+            self.max_bytes.to_string(),
+        );
+        differences
     }
 }
 
@@ -561,6 +622,10 @@ pub(crate) async fn ensure_stream(
                     name: settings.name.clone(),
                     subjects: vec![wanted.clone()],
                     duplicate_window: settings.duplicate_window,
+                    num_replicas: settings.replicas,
+                    storage: settings.storage,
+                    max_age: settings.max_age,
+                    max_bytes: settings.max_bytes,
                     ..Default::default()
                 })
                 .await
@@ -580,6 +645,16 @@ pub(crate) async fn ensure_stream(
             subjects: info.config.subjects.clone(),
             prefix: prefix.to_owned(),
         });
+    }
+    for (setting, actual, wanted) in settings.differences(&info.config) {
+        tracing::warn!(
+            stream = %settings.name,
+            setting,
+            stream_has = %actual,
+            settings_say = %wanted,
+            "the JetStream stream differs from the relay's StreamSettings and keeps its own \
+             value; change the stream (nats stream edit) or the settings"
+        );
     }
     Ok(info.config)
 }
