@@ -60,7 +60,20 @@ pub(super) async fn run<H: Handler>(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     tokio::pin!(shutdown);
 
+    // After a pull request that failed, the next waits `reconnect` (doubling to 10 s), so a
+    // consumer JetStream keeps refusing (deleted, over its limits) is not asked in a loop.
+    let mut failed = false;
+
     loop {
+        if failed {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                () = tokio::time::sleep(reconnect) => {}
+            }
+            reconnect = (reconnect * 2).min(Duration::from_secs(10));
+            failed = false;
+        }
         let room = max_buffered.saturating_sub(queues.buffered());
         if pull.is_none() && room > 0 {
             let requested = inbox
@@ -71,18 +84,10 @@ pub(super) async fn run<H: Handler>(
                 .messages()
                 .await;
             match requested {
-                Ok(batch) => {
-                    reconnect = Duration::from_millis(100);
-                    pull = Some(batch);
-                }
+                Ok(batch) => pull = Some(batch),
                 Err(error) => {
                     tracing::warn!(%error, "the inbox cannot pull messages; retrying");
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => break,
-                        () = tokio::time::sleep(reconnect) => {}
-                    }
-                    reconnect = (reconnect * 2).min(Duration::from_secs(10));
+                    failed = true;
                     continue;
                 }
             }
@@ -92,10 +97,14 @@ pub(super) async fn run<H: Handler>(
             () = &mut shutdown => break,
             Some(finished) = jobs.next(), if !jobs.is_empty() => queues.finished(finished),
             next = next_message(&mut pull), if pull.is_some() => match next {
-                Some(Ok(message)) => queues.route(message),
+                Some(Ok(message)) => {
+                    reconnect = Duration::from_millis(100);
+                    queues.route(message)
+                }
                 Some(Err(error)) => {
-                    tracing::warn!(%error, "the inbox's pull request reported an error");
+                    tracing::warn!(%error, "the inbox's pull request failed; retrying");
                     pull = None;
+                    failed = true;
                     Vec::new()
                 }
                 None => {
