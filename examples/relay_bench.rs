@@ -39,11 +39,14 @@ use futures::stream::FuturesUnordered;
 use futures::{StreamExt, TryStreamExt};
 use outbox_runtime::{
     DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, PublishedRows,
-    Relay, RelayConfig, StreamSettings, UnitOfWork, UnitOfWorkError, aggregate,
+    Relay, RelayConfig, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+#[path = "support/place.rs"]
+mod place;
+
+use place::{BoxError, Place};
 
 #[derive(Parser, Clone)]
 #[command(about = "Measures the outbox relay against the JetStream ceiling and a naive relay")]
@@ -88,12 +91,7 @@ struct Probe {
 
 struct Bench {
     args: Args,
-    admin_url: String,
-    database: String,
-    database_url: String,
-    nats: async_nats::Client,
-    prefix: String,
-    stream: String,
+    place: Place,
     /// The payload of every seeded row: a JSON object of `args.payload` bytes.
     payload: String,
 }
@@ -101,78 +99,19 @@ struct Bench {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args = Args::parse();
-    let bench = Bench::new(args).await?;
+    let place = Place::new("bench").await?;
+    let payload = place::payload(args.payload);
+    let bench = Bench {
+        args,
+        place,
+        payload,
+    };
     let result = bench.run().await;
-    bench.clean_up().await;
+    bench.place.clean_up().await;
     result
 }
 
 impl Bench {
-    async fn new(args: Args) -> Result<Self, BoxError> {
-        let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-        let admin_url = std::env::var("OUTBOX_BENCH_DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-        let nats_url =
-            std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
-        let database = format!("outbox_bench_{tag}");
-        let mut admin = AsyncPgConnection::establish(&admin_url).await?;
-        admin
-            .batch_execute(&format!("CREATE DATABASE {database}"))
-            .await?;
-        let (server, _) = admin_url.rsplit_once('/').ok_or("no database in the URL")?;
-        let database_url = format!("{server}/{database}");
-        outbox_runtime::run_migrations(&database_url).await?;
-        let nats = outbox_runtime::nats::connect(&nats_url).await?;
-        let prefix = format!("bench{tag}");
-        let stream = format!("BENCH_{}", tag.to_uppercase());
-        jetstream::new(nats.clone())
-            .create_stream(jetstream::stream::Config {
-                name: stream.clone(),
-                subjects: vec![format!("{prefix}.>")],
-                duplicate_window: Duration::from_secs(120),
-                ..Default::default()
-            })
-            .await?;
-        let filler = args.payload.saturating_sub(r#"{"data":""}"#.len());
-        let payload = format!(r#"{{"data":"{}"}}"#, "x".repeat(filler));
-        Ok(Self {
-            args,
-            admin_url,
-            database,
-            database_url,
-            nats,
-            prefix,
-            stream,
-            payload,
-        })
-    }
-
-    async fn clean_up(&self) {
-        let _ = jetstream::new(self.nats.clone())
-            .delete_stream(&self.stream)
-            .await;
-        if let Ok(mut admin) = AsyncPgConnection::establish(&self.admin_url).await {
-            let _ = admin
-                .batch_execute(&format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                    self.database
-                ))
-                .await;
-        }
-    }
-
-    fn relay_config(&self) -> RelayConfig {
-        let mut config = RelayConfig::new(&self.database_url);
-        config.subject_prefix = self.prefix.clone();
-        config.stream = StreamSettings {
-            name: self.stream.clone(),
-            create: false,
-            ..StreamSettings::default()
-        };
-        config.source = "/bench".to_owned();
-        config
-    }
-
     async fn run(&self) -> Result<(), BoxError> {
         let a = &self.args;
         let phase = |n: u8| a.phases.contains(&n);
@@ -184,7 +123,7 @@ impl Bench {
             a.aggregates,
             !cfg!(debug_assertions)
         );
-        let defaults = self.relay_config();
+        let defaults = self.place.relay_config();
         println!(
             "relay defaults: workers {}, batch_size {}, max_in_flight {}, poll_interval {:?}, published rows: {:?}\n",
             defaults.workers,
@@ -217,18 +156,18 @@ impl Bench {
             None
         };
         if phase(3) {
-            let relay = self.drain("Relay1", 1, self.relay_config()).await?;
+            let relay = self.drain("Relay1", 1, self.place.relay_config()).await?;
             report("3. this relay, defaults", relay, "events/s");
-            let relay2 = self.drain("Relay2", 2, self.relay_config()).await?;
+            let relay2 = self.drain("Relay2", 2, self.place.relay_config()).await?;
             report("3. this relay, 2 instances", relay2, "events/s");
-            let defaults = self.relay_config().published;
+            let defaults = self.place.relay_config().published;
             let others = [
                 PublishedRows::Delete,
                 PublishedRows::Mark,
                 PublishedRows::Archive,
             ];
             for (i, mode) in others.into_iter().filter(|m| *m != defaults).enumerate() {
-                let mut other = self.relay_config();
+                let mut other = self.place.relay_config();
                 other.published = mode;
                 let other_rate = self.drain(&format!("Relay{}", i + 3), 1, other).await?;
                 report(
@@ -255,8 +194,10 @@ impl Bench {
         }
 
         if phase(5) {
-            let notified = self.latency("LatencyNotify", self.relay_config()).await?;
-            let mut polling = self.relay_config();
+            let notified = self
+                .latency("LatencyNotify", self.place.relay_config())
+                .await?;
+            let mut polling = self.place.relay_config();
             polling.listen = false;
             let polled = self.latency("LatencyPoll", polling.clone()).await?;
             for (label, l) in [
@@ -521,7 +462,7 @@ impl Bench {
                  FROM unnest($4::uuid[], $5::text[], $6::int8[]) AS t(id, agg, seq)",
             )
             .bind::<Text, _>(kind)
-            .bind::<Text, _>(&self.prefix)
+            .bind::<Text, _>(&self.place.prefix)
             .bind::<Text, _>(&self.payload)
             .bind::<Array<SqlUuid>, _>(ids)
             .bind::<Array<Text>, _>(aggs)
@@ -551,13 +492,13 @@ impl Bench {
 
     /// Figure 1: raw async publishes of the same messages, acks awaited together.
     async fn ceiling(&self) -> Result<f64, BoxError> {
-        let js = jetstream::new(self.nats.clone());
+        let js = jetstream::new(self.place.nats.clone());
         let aggregates = self.args.aggregates.max(1);
         let messages: Vec<(String, HeaderMap)> = (0..self.args.events)
             .map(|i| {
                 let aggregate = format!("a{}", i % aggregates);
                 let seq = (i / aggregates) as i64 + 1;
-                let subject = format!("{}.Ceiling.{aggregate}.Ticked", self.prefix);
+                let subject = format!("{}.Ceiling.{aggregate}.Ticked", self.place.prefix);
                 let headers = message_headers(uuid::Uuid::now_v7(), "Ceiling", &aggregate, seq);
                 (subject, headers)
             })
@@ -587,9 +528,9 @@ impl Bench {
             #[diesel(sql_type = Text)]
             payload: String,
         }
-        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         self.seed(&mut conn, "Naive", self.args.events).await?;
-        let js = jetstream::new(self.nats.clone());
+        let js = jetstream::new(self.place.nats.clone());
         let cpu = CpuTimes::now();
         let started = Instant::now();
         loop {
@@ -642,16 +583,16 @@ impl Bench {
         instances: usize,
         config: RelayConfig,
     ) -> Result<f64, BoxError> {
-        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         self.seed(&mut conn, kind, self.args.events).await?;
         let mut relays = Vec::new();
         for _ in 0..instances {
-            relays.push(Relay::connect(config.clone(), self.nats.clone()).await?);
+            relays.push(Relay::connect(config.clone(), self.place.nats.clone()).await?);
         }
         // Progress is watched on the stream (cheap for NATS), then the last marks in the
         // database: polling the table would load the PostgreSQL being measured.
-        let mut stream = jetstream::new(self.nats.clone())
-            .get_stream(&self.stream)
+        let mut stream = jetstream::new(self.place.nats.clone())
+            .get_stream(&self.place.stream)
             .await?;
         let done = stream.info().await?.state.messages + self.args.events as u64;
         let cpu = CpuTimes::now();
@@ -675,12 +616,14 @@ impl Bench {
     /// running; the latency of an event is its stream store time minus its commit time.
     async fn latency(&self, kind: &str, config: RelayConfig) -> Result<Latency, BoxError> {
         const PRODUCERS: u64 = 4;
-        let mut stream = jetstream::new(self.nats.clone())
-            .get_stream(&self.stream)
+        let mut stream = jetstream::new(self.place.nats.clone())
+            .get_stream(&self.place.stream)
             .await?;
         let first_new = stream.info().await?.state.last_sequence + 1;
-        let relay = Relay::connect(config, self.nats.clone()).await?.spawn();
-        let outbox = Outbox::new().with_subject_prefix(&self.prefix)?;
+        let relay = Relay::connect(config, self.place.nats.clone())
+            .await?
+            .spawn();
+        let outbox = Outbox::new().with_subject_prefix(&self.place.prefix)?;
         let committed: Arc<Mutex<HashMap<u64, SystemTime>>> = Arc::default();
         let duration = Duration::from_secs(self.args.latency_secs);
         let period = Duration::from_secs_f64(PRODUCERS as f64 / self.args.rate as f64);
@@ -690,7 +633,7 @@ impl Bench {
         for producer in 0..PRODUCERS {
             let (outbox, committed, pad) = (outbox.clone(), Arc::clone(&committed), pad.clone());
             let (url, kind, aggregates) = (
-                self.database_url.clone(),
+                self.place.database_url.clone(),
                 kind.to_owned(),
                 self.args.aggregates as u64,
             );
@@ -733,7 +676,7 @@ impl Bench {
         // Every committed event, as stored: its store time is its ack time.
         let consumer = stream
             .create_consumer(pull::OrderedConfig {
-                filter_subject: format!("{}.Probe.*.Ticked", self.prefix),
+                filter_subject: format!("{}.Probe.*.Ticked", self.place.prefix),
                 deliver_policy: DeliverPolicy::ByStartSequence {
                     start_sequence: first_new,
                 },
@@ -765,12 +708,12 @@ impl Bench {
 
     /// Figure 6: the same business transaction with 0, 1 and 10 events, interleaved.
     async fn unit_of_work_cost(&self) -> Result<Cost, BoxError> {
-        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         conn.batch_execute(
             "CREATE TABLE bench_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL)",
         )
         .await?;
-        let outbox = Outbox::new().with_subject_prefix(&self.prefix)?;
+        let outbox = Outbox::new().with_subject_prefix(&self.place.prefix)?;
         let pad = "x".repeat(self.args.payload.saturating_sub(30));
         let mut times: [Vec<f64>; 3] = Default::default();
         let mut order_id = 0_i64;
@@ -848,8 +791,8 @@ impl Bench {
     /// Figure 7: claims per second (claim, roll back) over the same queued rows, first alone, then
     /// with a million published rows kept.
     async fn claim_rate(&self) -> Result<Claims, BoxError> {
-        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
-        let batch = self.relay_config().batch_size as i64;
+        let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
+        let batch = self.place.relay_config().batch_size as i64;
         conn.batch_execute("TRUNCATE outbox_events, outbox_aggregates")
             .await?;
         self.seed(&mut conn, "Claim", CLAIM_QUEUED).await?;
@@ -878,8 +821,8 @@ impl Bench {
     /// `max_concurrency` database connections; then the inbox over a tenth as many messages
     /// that all share one partition key, so are handled one at a time.
     async fn inbox_rates(&self) -> Result<InboxRates, BoxError> {
-        let js = jetstream::new(self.nats.clone());
-        let mut conn = AsyncPgConnection::establish(&self.database_url).await?;
+        let js = jetstream::new(self.place.nats.clone());
+        let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         conn.batch_execute(
             "CREATE TABLE bench_effects (key text PRIMARY KEY, handled bigint NOT NULL)",
         )
@@ -897,7 +840,7 @@ impl Bench {
                 .map(|i| {
                     let aggregate = format!("a{}", i % aggregates);
                     let seq = (i / aggregates) as i64 + 1;
-                    let subject = format!("{}.{kind}.{aggregate}.Ticked", self.prefix);
+                    let subject = format!("{}.{kind}.{aggregate}.Ticked", self.place.prefix);
                     let headers = message_headers(uuid::Uuid::now_v7(), kind, &aggregate, seq);
                     (subject, headers)
                 })
@@ -913,19 +856,19 @@ impl Bench {
         .await?;
         publish_pipelined(&js, messages("Hot", hot_count, 1), payload).await?;
         let config = |consumer: &str, kind: &str| {
-            let mut config = InboxConfig::new(consumer, &self.database_url);
+            let mut config = InboxConfig::new(consumer, &self.place.database_url);
             config.outbox = Outbox::new()
-                .with_subject_prefix(&self.prefix)
+                .with_subject_prefix(&self.place.prefix)
                 .expect("a valid prefix");
-            config.stream = self.stream.clone();
-            config.filter_subject = format!("{}.{kind}.>", self.prefix);
+            config.stream = self.place.stream.clone();
+            config.filter_subject = format!("{}.{kind}.>", self.place.prefix);
             config
         };
 
         // The plain consumer: the same write in its own transaction, then the ack.
         let plain_config = config("plain", "Inbox");
         let consumer = js
-            .get_stream(&self.stream)
+            .get_stream(&self.place.stream)
             .await?
             .create_consumer(pull::Config {
                 durable_name: Some("plain".to_owned()),
@@ -935,7 +878,7 @@ impl Bench {
             })
             .await?;
         let pool = Pool::builder(AsyncDieselConnectionManager::<AsyncPgConnection>::new(
-            &self.database_url,
+            &self.place.database_url,
         ))
         .max_size(plain_config.max_concurrency)
         .build()?;
@@ -979,7 +922,8 @@ impl Bench {
                 handled: Arc::clone(&handled),
                 emit,
             };
-            let inbox = Inbox::connect(config(consumer, kind), self.nats.clone(), handler).await?;
+            let inbox =
+                Inbox::connect(config(consumer, kind), self.place.nats.clone(), handler).await?;
             let cpu = CpuTimes::now();
             let started = Instant::now();
             let running = inbox.spawn();

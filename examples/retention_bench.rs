@@ -28,19 +28,20 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream;
 use clap::{Parser, ValueEnum};
 use diesel::QueryableByName;
 use diesel::sql_types::Int8;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, RelayConfig, StreamSettings,
-    UnitOfWorkError, aggregate, outbox,
+    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, UnitOfWorkError, aggregate, outbox,
 };
 use serde::{Deserialize, Serialize};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+#[path = "support/place.rs"]
+mod place;
+
+use place::{BoxError, Place};
 
 #[derive(Parser)]
 #[command(about = "Measures batched deletes against dropped partitions at millions of rows")]
@@ -100,76 +101,12 @@ async fn main() -> Result<(), BoxError> {
         args.rows, args.payload, args.rate
     );
     for layout in args.layouts.clone() {
-        let place = Place::new().await?;
+        let place = Place::new("retention").await?;
         let result = run(&args, layout, &place).await;
         place.clean_up().await;
         result?;
     }
     Ok(())
-}
-
-/// A database and a stream of one layout's run.
-struct Place {
-    admin_url: String,
-    database: String,
-    database_url: String,
-    nats: async_nats::Client,
-    prefix: String,
-    stream: String,
-}
-
-impl Place {
-    async fn new() -> Result<Self, BoxError> {
-        let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-        let admin_url = std::env::var("OUTBOX_BENCH_DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-        let nats_url =
-            std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
-        let database = format!("outbox_retention_{tag}");
-        AsyncPgConnection::establish(&admin_url)
-            .await?
-            .batch_execute(&format!("CREATE DATABASE {database}"))
-            .await?;
-        let (server, _) = admin_url.rsplit_once('/').ok_or("no database in the URL")?;
-        let database_url = format!("{server}/{database}");
-        outbox_runtime::run_migrations(&database_url).await?;
-        let nats = outbox_runtime::nats::connect(&nats_url).await?;
-        let prefix = format!("retention{tag}");
-        let stream = format!("RETENTION_{}", tag.to_uppercase());
-        jetstream::new(nats.clone())
-            .create_stream(jetstream::stream::Config {
-                name: stream.clone(),
-                subjects: vec![format!("{prefix}.>")],
-                ..Default::default()
-            })
-            .await?;
-        Ok(Self {
-            admin_url,
-            database,
-            database_url,
-            nats,
-            prefix,
-            stream,
-        })
-    }
-
-    async fn conn(&self) -> Result<AsyncPgConnection, BoxError> {
-        Ok(AsyncPgConnection::establish(&self.database_url).await?)
-    }
-
-    async fn clean_up(&self) {
-        let _ = jetstream::new(self.nats.clone())
-            .delete_stream(&self.stream)
-            .await;
-        if let Ok(mut admin) = AsyncPgConnection::establish(&self.admin_url).await {
-            let _ = admin
-                .batch_execute(&format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                    self.database
-                ))
-                .await;
-        }
-    }
 }
 
 async fn run(args: &Args, layout: Layout, place: &Place) -> Result<(), BoxError> {
@@ -196,12 +133,7 @@ async fn run(args: &Args, layout: Layout, place: &Place) -> Result<(), BoxError>
         before >> 20
     );
 
-    let mut config = RelayConfig::new(&place.database_url);
-    config.subject_prefix = place.prefix.clone();
-    config.stream = StreamSettings {
-        name: place.stream.clone(),
-        ..StreamSettings::default()
-    };
+    let mut config = place.relay_config();
     config.published = match layout {
         Layout::Mark => PublishedRows::Mark,
         Layout::Archive => PublishedRows::Archive,
@@ -301,8 +233,7 @@ async fn run(args: &Args, layout: Layout, place: &Place) -> Result<(), BoxError>
 /// Puts `args.rows` published rows where the layout keeps them, a million per statement.
 async fn seed(conn: &mut AsyncPgConnection, args: &Args, layout: Layout) -> Result<(), BoxError> {
     const CHUNK: i64 = 1_000_000;
-    let filler = args.payload.saturating_sub(r#"{"data":""}"#.len());
-    let payload = format!(r#"{{"data":"{}"}}"#, "x".repeat(filler));
+    let payload = place::payload(args.payload);
     let days: i64 = 10;
     let per_day = (args.rows + days - 1) / days;
     if layout == Layout::Archive {
@@ -365,7 +296,8 @@ struct Sample {
 /// Writers committing units of work at a fixed rate, and a subscriber timing their arrival.
 struct Load {
     phase: Arc<AtomicUsize>,
-    since: Mutex<(usize, Instant, HashMap<usize, Duration>)>,
+    /// When the current phase started, and how long each finished one lasted.
+    since: Mutex<(Instant, HashMap<usize, Duration>)>,
     stop: Arc<AtomicBool>,
     writers: Vec<tokio::task::JoinHandle<Result<(), BoxError>>>,
     subscriber: tokio::task::JoinHandle<()>,
@@ -438,7 +370,7 @@ impl Load {
         }
         Ok(Self {
             phase,
-            since: Mutex::new((0, Instant::now(), HashMap::new())),
+            since: Mutex::new((Instant::now(), HashMap::new())),
             stop,
             writers,
             subscriber,
@@ -449,20 +381,22 @@ impl Load {
     /// Starts phase `phase`: what is committed from now on counts in it.
     fn phase(&self, phase: usize) {
         let mut since = self.since.lock().unwrap();
-        let (current, started, lengths) = &mut *since;
-        if phase != *current {
-            lengths.insert(*current, started.elapsed());
+        let (started, lengths) = &mut *since;
+        let current = AtomicUsize::swap(&self.phase, phase, Ordering::Relaxed);
+        if phase != current {
+            lengths.insert(current, started.elapsed());
         }
-        *current = phase;
         *started = Instant::now();
-        self.phase.store(phase, Ordering::Relaxed);
     }
 
     /// Stops the writers, waits (30 s at most) for every committed event to arrive, and
     /// returns each phase's sample.
     async fn stop(self) -> Result<HashMap<usize, Sample>, BoxError> {
-        let (last, started, mut lengths) = self.since.into_inner().unwrap();
-        lengths.insert(last, started.elapsed());
+        let (started, mut lengths) = self.since.into_inner().unwrap();
+        lengths.insert(
+            AtomicUsize::load(&self.phase, Ordering::Relaxed),
+            started.elapsed(),
+        );
         self.stop.store(true, Ordering::Relaxed);
         for writer in self.writers {
             writer.await??;

@@ -869,16 +869,13 @@ async fn archived_tokens(conn: &mut AsyncPgConnection) -> Vec<String> {
         #[diesel(sql_type = diesel::sql_types::Text)]
         token: String,
     }
-    diesel::sql_query(
-        "SELECT jsonb_path_query_first(payload, '$.**.token') #>> '{}' AS token \
-         FROM outbox_published",
-    )
-    .load::<Token>(conn)
-    .await
-    .expect("read the archive")
-    .into_iter()
-    .map(|t| t.token)
-    .collect()
+    diesel::sql_query("SELECT payload ->> 'token' AS token FROM outbox_published")
+        .load::<Token>(conn)
+        .await
+        .expect("read the archive")
+        .into_iter()
+        .map(|t| t.token)
+        .collect()
 }
 
 /// The archive holds only committed events, each once, and the archiving relay did archive.

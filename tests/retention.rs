@@ -13,6 +13,13 @@ use outbox_runtime::{PublishedRows, Relay, outbox};
 use support::TestEnv;
 use support::domain::{Order, OrderEvent};
 
+/// A relay of `env` in Archive mode.
+async fn archiving_relay(env: &TestEnv) -> Relay {
+    let mut config = env.relay_config();
+    config.published = PublishedRows::Archive;
+    Relay::connect(config, env.nats.clone()).await.unwrap()
+}
+
 /// Every column an archived row keeps, as text, in aggregate order.
 const COLUMNS: &str = "id::text || '|' || aggregate_type || '|' || aggregate_id || '|' || \
      aggregate_seq || '|' || event_type || '|' || event_version || '|' || partition_key || '|' || \
@@ -116,9 +123,7 @@ async fn in_archive_mode_published_rows_move_whole_to_the_days_partition() {
     conn.batch_execute(&format!("DROP TABLE {today}"))
         .await
         .unwrap();
-    let mut config = env.relay_config();
-    config.published = PublishedRows::Archive;
-    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let mut relay = archiving_relay(&env).await;
     let mut order = Order::place("o-1", "ada", 1);
     order.record(OrderEvent::Shipped);
     env.commit(&mut order).await;
@@ -169,12 +174,7 @@ async fn a_running_archive_relay_keeps_partitions_ahead() {
             .unwrap();
     }
     assert!(partitions(&mut conn).await.is_empty());
-    let mut config = env.relay_config();
-    config.published = PublishedRows::Archive;
-    let relay = Relay::connect(config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let relay = archiving_relay(&env).await.spawn();
     let mut expected = Vec::new();
     for days in [0, -1, -2] {
         expected.push((day_name(&mut conn, days).await, false));
@@ -197,12 +197,7 @@ async fn drop_archived_drops_whole_past_days_while_the_relay_archives_into_today
     let recent = archived_day(&mut conn, 3, 200).await;
     let today = day_name(&mut conn, 0).await;
 
-    let mut config = env.relay_config();
-    config.published = PublishedRows::Archive;
-    let relay = Relay::connect(config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let relay = archiving_relay(&env).await.spawn();
     // A writer commits all through the drop, so the relay archives while it runs.
     let writing = async {
         for i in 0..200 {

@@ -265,7 +265,7 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
 
             /// Drops the events recorded and not yet committed, on purpose, and returns
             /// them (dropping an aggregate that holds some logs a warning in debug builds).
-            #vis fn discard_pending_events(&mut self) -> ::std::vec::Vec<#event> {
+            #vis fn discard_pending_events(&mut self) -> #private::Vec<#event> {
                 #private::Aggregate::discard_pending_events(self)
             }
         }

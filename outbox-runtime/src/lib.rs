@@ -256,6 +256,7 @@ pub mod __private {
     pub use std::option::Option;
     pub use std::result::Result;
     pub use std::string::{String, ToString};
+    pub use std::vec::Vec;
 
     /// What an `#[event(partition_key)]` field's type must be: written with `Display`. The
     /// trait exists for its compile error, which says so on the field.
