@@ -43,9 +43,10 @@ enum OrderEvent {
     Placed { customer: String, lines: Vec<Line> },
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 struct Order {
     id: String,
+    pending_events: PendingEvents<OrderEvent>,
 }
 
 /// What the inventory answers, as the shop reads it.

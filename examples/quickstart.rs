@@ -37,14 +37,15 @@ enum OrderEvent {
     },
 }
 
-/// An order: the aggregate. `#[aggregate]` adds `pending_events`, `record` and the rest.
-#[aggregate(event = OrderEvent)]
+/// An order: the aggregate. `#[aggregate]` adds `record`, `pending_events()` and the rest.
+#[aggregate]
 #[derive(Debug)]
 struct Order {
     id: String,
     customer: String,
     total_cents: i64,
     status: &'static str,
+    pending_events: PendingEvents<OrderEvent>,
 }
 
 impl Order {

@@ -84,9 +84,10 @@ struct Ticked {
     pad: String,
 }
 
-#[aggregate(event = Ticked, name = "Probe")]
+#[aggregate(name = "Probe")]
 struct Probe {
     id: String,
+    pending_events: PendingEvents<Ticked>,
 }
 
 struct Bench {

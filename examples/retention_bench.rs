@@ -78,9 +78,10 @@ struct Ticked {
     n: u64,
 }
 
-#[aggregate(event = Ticked, name = "Probe")]
+#[aggregate(name = "Probe")]
 struct Probe {
     id: String,
+    pending_events: PendingEvents<Ticked>,
 }
 
 #[derive(QueryableByName)]

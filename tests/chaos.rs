@@ -46,9 +46,10 @@ enum LedgerEvent {
     Booked { token: String },
 }
 
-#[aggregate(event = LedgerEvent)]
+#[aggregate]
 struct Account {
     id: String,
+    pending_events: PendingEvents<LedgerEvent>,
 }
 
 const ROLE: &str = "OUTBOX_CHAOS_ROLE";

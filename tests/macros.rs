@@ -148,13 +148,14 @@ diesel::table! {
 
 /// An aggregate that is also a serde value and a diesel insertable: the injected buffer
 /// stays out of both.
-#[aggregate(event = AccountEvent, name = "Account")]
+#[aggregate(name = "Account")]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Insertable)]
 #[diesel(table_name = accounts)]
 pub struct BankAccount {
     #[aggregate_id]
     number: String,
     owner: String,
+    pending_events: PendingEvents<AccountEvent>,
 }
 
 #[test]
@@ -191,9 +192,10 @@ fn an_aggregate_has_a_type_an_id_and_a_buffer_that_other_derives_skip() {
 mod generic {
     use super::*;
 
-    #[aggregate(event = AccountEvent)]
+    #[aggregate]
     pub struct Ledger<T: std::fmt::Display> {
         pub id: T,
+        pub pending_events: PendingEvents<AccountEvent>,
     }
 
     pub fn pending<A: Aggregate>(aggregate: &A) -> usize {

@@ -790,9 +790,10 @@ struct KeyedEvent {
     key: String,
 }
 
-#[outbox_runtime::aggregate(event = KeyedEvent)]
+#[outbox_runtime::aggregate]
 struct Keyed {
     id: String,
+    pending_events: outbox_runtime::PendingEvents<KeyedEvent>,
 }
 
 /// An event only the drop test records, so that its warnings are told from other tests'.
@@ -801,9 +802,10 @@ struct DropProbeCounted {
     n: u32,
 }
 
-#[outbox_runtime::aggregate(event = DropProbeCounted)]
+#[outbox_runtime::aggregate]
 struct DropProbe {
     id: String,
+    pending_events: outbox_runtime::PendingEvents<DropProbeCounted>,
 }
 
 fn drop_probe(events: u32) -> DropProbe {

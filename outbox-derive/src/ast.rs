@@ -3,7 +3,7 @@
 //! Building the model reports what makes it impossible to build (a union, a missing id
 //! field); everything else is checked in `valid.rs`.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::TokenStream;
 use syn::spanned::Spanned;
 use syn::{Data, DeriveInput, Fields, Ident, ItemStruct, LitInt, LitStr, Member, Path, Type};
 
@@ -192,12 +192,14 @@ fn rename_variant(rule: &str, variant: &str) -> Option<String> {
 pub struct AggregateInput {
     /// The struct, with the `#[aggregate_id]` markers removed.
     pub item: ItemStruct,
-    /// `event = ..`.
+    /// The type argument of the `PendingEvents<..>` field: the event type.
     pub event: Type,
     /// `name = ".."`, if given.
     pub name: Option<LitStr>,
     /// The id field.
     pub id: Member,
+    /// The field of type `PendingEvents<..>` that holds the recorded events.
+    pub pending: Member,
 }
 
 impl AggregateInput {
@@ -234,8 +236,12 @@ impl AggregateInput {
         };
 
         let mut ids = Vec::new();
+        let mut buffers = Vec::new();
         let members: Vec<Member> = item.fields.members().collect();
         for (member, field) in members.into_iter().zip(item.fields.iter_mut()) {
+            if let Some(event) = pending_events_argument(&field.ty) {
+                buffers.push((member.clone(), field.ty.clone(), event));
+            }
             let before = field.attrs.len();
             let mut marker = None;
             field.attrs.retain(|a| {
@@ -257,8 +263,8 @@ impl AggregateInput {
             };
             errors.push(syn::Error::new(
                 span,
-                "#[aggregate] needs named fields: one of them holds the id and the macro adds \
-                 a `pending_events` field",
+                "#[aggregate] needs named fields: one holds the id, one the recorded events \
+                 (`pending_events: PendingEvents<EventType>`)",
             ));
             return Err(quote::quote!(#item));
         }
@@ -292,25 +298,57 @@ impl AggregateInput {
             }
         };
 
-        let event = match args.event {
-            Some(event) => Some(event),
-            None => {
-                errors.push(syn::Error::new(
-                    Span::call_site(),
-                    "#[aggregate] needs the event type it records: #[aggregate(event = OrderEvent)]",
+        let pending = match buffers.as_slice() {
+            [(member, _, event)] => Some((member.clone(), event.clone())),
+            [_, (_, second, _), ..] => {
+                errors.push(syn::Error::new_spanned(
+                    second,
+                    "a second `PendingEvents` field; an aggregate records its events in one \
+                     field, keep one",
+                ));
+                None
+            }
+            [] => {
+                errors.push(syn::Error::new_spanned(
+                    &item.ident,
+                    format!(
+                        "aggregate `{}` has no field for the events it records: add \
+                         `pending_events: PendingEvents<EventType>` (outbox_runtime::PendingEvents) \
+                         with the event type it records, and set it to `PendingEvents::new()` \
+                         where the struct is built",
+                        item.ident
+                    ),
                 ));
                 None
             }
         };
 
-        match (id, event) {
-            (Some(id), Some(event)) => Ok(Self {
+        match (id, pending) {
+            (Some(id), Some((pending, event))) => Ok(Self {
                 item,
                 event,
                 name: args.name,
                 id,
+                pending,
             }),
             _ => Err(quote::quote!(#item)),
         }
+    }
+}
+
+/// `E` when `ty` is a path ending in `PendingEvents<E>` (`PendingEvents<E>`,
+/// `outbox_runtime::PendingEvents<E>`, ...): the field that holds an aggregate's events.
+fn pending_events_argument(ty: &Type) -> Option<Type> {
+    let Type::Path(path) = ty else { return None };
+    let last = path.path.segments.last()?;
+    if last.ident != "PendingEvents" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(arguments) = &last.arguments else {
+        return None;
+    };
+    match arguments.args.first()? {
+        syn::GenericArgument::Type(event) if arguments.args.len() == 1 => Some(event.clone()),
+        _ => None,
     }
 }

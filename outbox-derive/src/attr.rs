@@ -109,8 +109,6 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
 /// The arguments of `#[aggregate(..)]`.
 #[derive(Default)]
 pub struct AggregateArgs {
-    /// `event = Type`: the event type the aggregate records.
-    pub event: Option<syn::Type>,
     /// `name = "..."`: the aggregate type name.
     pub name: Option<LitStr>,
 }
@@ -119,10 +117,10 @@ pub fn aggregate_args(args: TokenStream, errors: &mut Errors) -> AggregateArgs {
     let mut parsed = AggregateArgs::default();
     let parser = syn::meta::parser(|meta| {
         if meta.path.is_ident("event") {
-            if parsed.event.is_some() {
-                return Err(meta.error("`event` is set twice"));
-            }
-            parsed.event = Some(meta.value()?.parse()?);
+            return Err(meta.error(
+                "the event type is the one of the aggregate's `PendingEvents<EventType>` \
+                 field; remove `event = ..`",
+            ));
         } else if meta.path.is_ident("name") {
             if parsed.name.is_some() {
                 return Err(meta.error("`name` is set twice"));
@@ -130,8 +128,7 @@ pub fn aggregate_args(args: TokenStream, errors: &mut Errors) -> AggregateArgs {
             parsed.name = Some(meta.value()?.parse()?);
         } else {
             return Err(meta.error(format!(
-                "unknown #[aggregate] argument `{}`; it takes `event = EventType` and \
-                 `name = \"..\"`",
+                "unknown #[aggregate] argument `{}`; it takes `name = \"..\"`",
                 path_text(&meta.path)
             )));
         }

@@ -2,9 +2,9 @@
 //! `::outbox_runtime::__private`, so it compiles whatever the user imported or renamed.
 
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote, quote_spanned};
+use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{DeriveInput, Fields, LitStr};
+use syn::{DeriveInput, Fields, LitStr, Member};
 
 use crate::ast::{AggregateInput, Event, EventKind, EventType};
 use crate::attr::{self, Errors};
@@ -199,37 +199,49 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
         event,
         name,
         id,
+        pending,
     } = input;
     let private = quote!(::outbox_runtime::__private);
     let ident = &item.ident;
     let vis = &item.vis;
     let name = name.unwrap_or_else(|| LitStr::new(&ident.to_string(), ident.span()));
 
-    // Other derives on the struct must leave the buffer alone.
+    // Other derives on the struct must leave the buffer alone: it is no state of the
+    // aggregate, and has no column.
     let derives: Vec<String> = attr::derives(&item.attrs)
         .iter()
         .map(attr::last_segment)
         .collect();
     let derived = |name: &str| derives.iter().any(|d| d == name);
-    let mut field_attrs = Vec::new();
+    let mut skips: Vec<syn::Attribute> = Vec::new();
     if derived("Serialize") || derived("Deserialize") {
-        field_attrs.push(quote!(#[serde(skip)]));
+        skips.push(syn::parse_quote!(#[serde(skip)]));
     }
     if derived("Insertable") {
-        field_attrs.push(quote!(#[diesel(skip_insertion)]));
+        skips.push(syn::parse_quote!(#[diesel(skip_insertion)]));
     }
     if derived("AsChangeset") {
-        field_attrs.push(quote!(#[diesel(skip_update)]));
+        skips.push(syn::parse_quote!(#[diesel(skip_update)]));
     }
-    let buffer = format_ident!("pending_events");
-    if let Fields::Named(fields) = &mut item.fields {
-        fields.named.push(syn::parse_quote! {
-            /// The events this aggregate recorded that no committed unit of work has taken
-            /// yet (added by `#[aggregate]`).
-            #(#field_attrs)*
-            #vis #buffer: #private::PendingEvents<#event>
-        });
+    let members: Vec<Member> = item.fields.members().collect();
+    if let Some(field) = members
+        .iter()
+        .zip(item.fields.iter_mut())
+        .find_map(|(member, field)| (*member == pending).then_some(field))
+    {
+        for skip in skips {
+            // A field that already says how serde or diesel treat it keeps its own word.
+            let tool = skip.path().get_ident().cloned();
+            if !field
+                .attrs
+                .iter()
+                .any(|a| tool.as_ref().is_some_and(|t| a.path().is_ident(t)))
+            {
+                field.attrs.push(skip);
+            }
+        }
     }
+    let buffer = &pending;
 
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
     let id_value = quote_spanned!(id.span()=> &self.#id);

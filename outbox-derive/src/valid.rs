@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use syn::{Fields, GenericParam, LitInt, LitStr, Member};
+use syn::{Fields, GenericParam, LitInt, LitStr};
 
 use crate::ast::{AggregateInput, Event, EventKind, EventType};
 use crate::attr::{self, Errors};
@@ -173,27 +173,15 @@ pub fn aggregate(input: &AggregateInput, errors: &mut Errors) {
     if let Some(name) = &input.name {
         check_name(name, "aggregate type name", errors);
     }
-    let taken = input
-        .item
-        .fields
-        .members()
-        .find(|m| matches!(m, Member::Named(ident) if ident == "pending_events"));
-    if let Some(field) = taken {
-        errors.push(syn::Error::new_spanned(
-            field,
-            "#[aggregate] adds a field named `pending_events` for the events this aggregate \
-             records; rename this field",
-        ));
-    }
     for derive in attr::derives(&input.item.attrs) {
         let name = attr::last_segment(&derive);
         if ["Queryable", "Selectable", "QueryableByName"].contains(&name.as_str()) {
             errors.push(syn::Error::new_spanned(
                 &derive,
                 format!(
-                    "diesel's {name} maps every field to a column, and #[aggregate] adds a \
-                     `pending_events` field that has none; derive {name} on a row struct and \
-                     build the aggregate from it"
+                    "diesel's {name} maps every field to a column, and the aggregate's \
+                     `PendingEvents` field has none; derive {name} on a row struct and build \
+                     the aggregate from it"
                 ),
             ));
         }

@@ -54,8 +54,9 @@ pub trait Aggregate {
 
 /// The events an aggregate has recorded and no committed unit of work has taken yet.
 ///
-/// `#[aggregate]` adds one as the field `pending_events`; a struct literal sets it with
-/// `pending_events: PendingEvents::new()` (or `Default::default()`).
+/// An `#[aggregate]` struct declares one as a field (`pending_events:
+/// PendingEvents<OrderEvent>`); a struct literal sets it with `PendingEvents::new()` (or
+/// `Default::default()`).
 ///
 /// Once a unit of work has tracked the aggregate, events recorded on it before that unit of
 /// work ends are part of it too: [`UnitOfWork::track`](crate::UnitOfWork::track) takes what

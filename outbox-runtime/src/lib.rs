@@ -14,10 +14,11 @@
 //!     Shipped { carrier: String },
 //! }
 //!
-//! #[aggregate(event = OrderEvent)]
+//! #[aggregate]
 //! struct Order {
 //!     id: String,
 //!     shipped: bool,
+//!     pending_events: PendingEvents<OrderEvent>,
 //! }
 //!
 //! # async fn place(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), UnitOfWorkError> {
@@ -171,14 +172,15 @@ pub use outbox::{
 /// ```
 pub use outbox_derive::DomainEvent;
 
-/// `#[aggregate(event = EventType)]`: makes a struct with named fields an [`Aggregate`]
-/// that records events of `EventType` (a [`DomainEvent`]).
+/// `#[aggregate]`: makes a struct with named fields, one of them a
+/// `PendingEvents<EventType>`, an [`Aggregate`] that records events of `EventType` (a
+/// [`DomainEvent`]).
 ///
 /// # Arguments and markers
 ///
 /// | | where | default | |
 /// |---|---|---|---|
-/// | `event = Type` | the attribute | required | the event type this aggregate records |
+/// | `PendingEvents<EventType>` | one field | required | holds the events recorded and not yet committed; its type argument is the event type the aggregate records |
 /// | `name = ".."` | the attribute | the struct's name | the aggregate type: second subject token, `ce-aggregatetype`, `aggregate_type` column; a valid subject token, checked at compile time |
 /// | `#[aggregate_id]` | one field | the field named `id` | the aggregate id: `ce-subject`, `aggregate_id`, the default partition key |
 ///
@@ -186,19 +188,24 @@ pub use outbox_derive::DomainEvent;
 /// integers, or any type of yours that implements `Display`; the unit of work checks at
 /// commit that it is a valid subject token.
 ///
+/// The events field is declared, not hidden: a struct literal sets it with
+/// `PendingEvents::new()` (or `Default::default()`), and a literal that forgets it gets
+/// rustc's "missing field" error on a field the reader can see. Any name does; the examples
+/// use `pending_events`.
+///
 /// # What it adds
 ///
-/// - A field `pending_events: PendingEvents<EventType>`, with the visibility of the struct:
-///   a struct literal sets it with `pending_events: PendingEvents::new()` (or
-///   `Default::default()`). serde's derives skip it, and so do diesel's `Insertable` and
-///   `AsChangeset`; `Queryable`, `Selectable` and `QueryableByName` are refused (derive them
-///   on a row struct and build the aggregate from it).
+/// - On the events field: `#[serde(skip)]` when the struct derives serde's `Serialize` or
+///   `Deserialize`, `#[diesel(skip_insertion)]` with diesel's `Insertable`,
+///   `#[diesel(skip_update)]` with `AsChangeset` (unless the field says itself how serde or
+///   diesel treat it). `Queryable`, `Selectable` and `QueryableByName` are refused (they map
+///   every field to a column: derive them on a row struct and build the aggregate from it).
 /// - `impl Aggregate`, and the inherent methods `record(event)`, `pending_events()` and
 ///   `discard_pending_events()`, so callers need not import the trait.
 ///
-/// Misuses (an enum or a tuple struct, no id field, two `#[aggregate_id]`, a field already
-/// named `pending_events`, an unknown argument, an invalid name) are compile errors on the
-/// token that is wrong.
+/// Misuses (an enum or a tuple struct, no id field, two `#[aggregate_id]`, no events field
+/// or two, an unknown argument, an invalid name) are compile errors on the token that is
+/// wrong.
 ///
 /// # Example
 ///
@@ -211,11 +218,12 @@ pub use outbox_derive::DomainEvent;
 ///     Opened { owner: String },
 /// }
 ///
-/// #[aggregate(event = AccountEvent, name = "Account")]
+/// #[aggregate(name = "Account")]
 /// struct BankAccount {
 ///     #[aggregate_id]
 ///     number: u64,                                 // the id, through Display
 ///     owner: String,
+///     pending_events: PendingEvents<AccountEvent>,
 /// }
 ///
 /// let mut account = BankAccount {

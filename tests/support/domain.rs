@@ -17,11 +17,12 @@ pub enum OrderEvent {
     Shipped,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 #[derive(Debug)]
 pub struct Order {
     pub id: String,
     pub status: String,
+    pub pending_events: PendingEvents<OrderEvent>,
 }
 
 impl Order {

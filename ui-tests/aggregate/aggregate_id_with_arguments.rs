@@ -1,4 +1,4 @@
-use outbox_runtime::{DomainEvent, aggregate};
+use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize, DomainEvent)]
@@ -6,10 +6,11 @@ enum OrderEvent {
     Placed,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 struct Order {
     #[aggregate_id(format = "upper")]
     order_number: String,
+    pending_events: PendingEvents<OrderEvent>,
 }
 
 fn main() {}

@@ -1,4 +1,4 @@
-use outbox_runtime::{DomainEvent, aggregate};
+use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize, DomainEvent)]
@@ -6,9 +6,10 @@ enum CartEvent {
     Opened,
 }
 
-#[aggregate(event = CartEvent)]
+#[aggregate]
 struct Cart {
     id: Option<u64>,
+    pending_events: PendingEvents<CartEvent>,
 }
 
 fn main() {}

@@ -1,4 +1,4 @@
-use outbox_runtime::{DomainEvent, aggregate};
+use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize, DomainEvent)]
@@ -6,9 +6,10 @@ enum OrderEvent {
     Placed,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 struct Order {
     order_number: String,
+    pending_events: PendingEvents<OrderEvent>,
 }
 
 fn main() {}

@@ -6,7 +6,7 @@ enum OrderEvent {
     Placed,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 enum Order {
     Draft { id: String },
 }

@@ -6,7 +6,7 @@ enum OrderEvent {
     Placed,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 struct Order(#[aggregate_id] String);
 
 fn main() {}

@@ -1,4 +1,4 @@
-use outbox_runtime::{DomainEvent, aggregate};
+use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize, DomainEvent)]
@@ -6,12 +6,13 @@ enum OrderEvent {
     Placed,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 struct Order {
     #[aggregate_id]
     order_number: String,
     #[aggregate_id]
     tenant: String,
+    pending_events: PendingEvents<OrderEvent>,
 }
 
 fn main() {}

@@ -30,10 +30,11 @@ enum AccountEvent {
     Debited { cents: i64 },
 }
 
-#[aggregate(event = AccountEvent)]
+#[aggregate]
 struct Account {
     id: String,
     balance: i64,
+    pending_events: PendingEvents<AccountEvent>,
 }
 
 impl Account {

@@ -6,10 +6,10 @@ enum OrderEvent {
     Placed,
 }
 
-#[aggregate(event = OrderEvent)]
+#[aggregate]
 struct Order {
     id: String,
-    pending_events: Vec<OrderEvent>,
+    status: String,
 }
 
 fn main() {}

@@ -1,0 +1,17 @@
+use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {
+    Placed,
+}
+
+#[aggregate]
+struct Order {
+    id: String,
+    pending_events: PendingEvents<OrderEvent>,
+}
+
+fn main() {
+    let _order = Order { id: "o-1".to_owned() };
+}

@@ -1,0 +1,16 @@
+use outbox_runtime::{DomainEvent, PendingEvents, aggregate};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum OrderEvent {
+    Placed,
+}
+
+#[aggregate]
+struct Order {
+    id: String,
+    pending_events: PendingEvents<OrderEvent>,
+    more_events: PendingEvents<OrderEvent>,
+}
+
+fn main() {}
