@@ -24,7 +24,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use futures::StreamExt;
 use outbox_runtime::{
     DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, Relay, RelayConfig,
-    StreamSettings, UnitOfWork, UnitOfWorkError, aggregate,
+    StreamSettings, Topology, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -154,26 +154,30 @@ async fn main() -> Result<(), BoxError> {
         )
         .await?;
     let nats = outbox_runtime::nats::connect(&nats_url).await?;
-    let shop_outbox = Outbox::new().with_subject_prefix("shop")?;
-    let inventory_outbox = Outbox::new().with_subject_prefix("inventory")?;
-    let relay_config = |url: &str, prefix: &str, stream: &str, source: &str| {
-        let mut config = RelayConfig::new(url);
-        config.subject_prefix = prefix.to_owned();
-        config.stream = StreamSettings {
+    // Each service's topology, configured once: its units of work, its relay and its
+    // consumers take the same value.
+    let topology = |prefix: &str, stream: &str| -> Result<Topology, BoxError> {
+        let stream = StreamSettings {
             name: stream.to_owned(),
             ..StreamSettings::default()
         };
+        Ok(Topology::new(prefix.parse()?, stream))
+    };
+    let shop = topology("shop", "SHOP")?;
+    let inventory = topology("inventory", "INVENTORY")?;
+    let shop_outbox = Outbox::with_topology(shop.clone());
+    let inventory_outbox = Outbox::with_topology(inventory.clone());
+    let relay_config = |url: &str, topology: &Topology, source: &str| {
+        let mut config = RelayConfig::new(url);
+        config.topology = topology.clone();
         config.source = source.to_owned();
         config
     };
-    let shop_relay = Relay::connect(
-        relay_config(&shop_url, "shop", "SHOP", "/shop"),
-        nats.clone(),
-    )
-    .await?
-    .spawn();
+    let shop_relay = Relay::connect(relay_config(&shop_url, &shop, "/shop"), nats.clone())
+        .await?
+        .spawn();
     let inventory_relay = Relay::connect(
-        relay_config(&inventory_url, "inventory", "INVENTORY", "/inventory"),
+        relay_config(&inventory_url, &inventory, "/inventory"),
         nats.clone(),
     )
     .await?
@@ -182,8 +186,8 @@ async fn main() -> Result<(), BoxError> {
     // The inventory's inbox consumes the shop's placed orders.
     let mut inbox_config = InboxConfig::new("inventory-reservations", &inventory_url);
     inbox_config.outbox = inventory_outbox;
-    inbox_config.stream = "SHOP".to_owned();
-    inbox_config.filter_subject = "shop.Order.*.Placed".to_owned();
+    inbox_config.topology = shop;
+    inbox_config.filter_subject = Some("shop.Order.*.Placed".to_owned());
     let inbox = Inbox::connect(inbox_config, nats.clone(), Reservations)
         .await?
         .spawn();

@@ -624,7 +624,7 @@ impl Bench {
         let relay = Relay::connect(config, self.place.nats.clone())
             .await?
             .spawn();
-        let outbox = Outbox::new().with_subject_prefix(&self.place.prefix)?;
+        let outbox = Outbox::with_topology(self.place.topology());
         let committed: Arc<Mutex<HashMap<u64, SystemTime>>> = Arc::default();
         let duration = Duration::from_secs(self.args.latency_secs);
         let period = Duration::from_secs_f64(PRODUCERS as f64 / self.args.rate as f64);
@@ -714,7 +714,7 @@ impl Bench {
             "CREATE TABLE bench_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL)",
         )
         .await?;
-        let outbox = Outbox::new().with_subject_prefix(&self.place.prefix)?;
+        let outbox = Outbox::with_topology(self.place.topology());
         let pad = "x".repeat(self.args.payload.saturating_sub(30));
         let mut times: [Vec<f64>; 3] = Default::default();
         let mut order_id = 0_i64;
@@ -858,11 +858,9 @@ impl Bench {
         publish_pipelined(&js, messages("Hot", hot_count, 1), payload).await?;
         let config = |consumer: &str, kind: &str| {
             let mut config = InboxConfig::new(consumer, &self.place.database_url);
-            config.outbox = Outbox::new()
-                .with_subject_prefix(&self.place.prefix)
-                .expect("a valid prefix");
-            config.stream = self.place.stream.clone();
-            config.filter_subject = format!("{}.{kind}.>", self.place.prefix);
+            config.outbox = Outbox::with_topology(self.place.topology());
+            config.topology = self.place.topology();
+            config.filter_subject = Some(format!("{}.{kind}.>", self.place.prefix));
             config
         };
 
@@ -873,7 +871,7 @@ impl Bench {
             .await?
             .create_consumer(pull::Config {
                 durable_name: Some("plain".to_owned()),
-                filter_subject: plain_config.filter_subject.clone(),
+                filter_subject: plain_config.filter(),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ..Default::default()
             })

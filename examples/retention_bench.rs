@@ -331,7 +331,7 @@ impl Load {
                 }
             })
         };
-        let outbox = Outbox::new().with_subject_prefix(&place.prefix)?;
+        let outbox = Outbox::with_topology(place.topology());
         let period = Duration::from_secs_f64(Self::WRITERS as f64 / args.rate as f64);
         let mut writers = Vec::new();
         for writer in 0..Self::WRITERS {

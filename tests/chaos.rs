@@ -34,7 +34,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::{
     DomainEvent, Handler, Inbox, InboxConfig, Metadata, PendingEvents, PublishedRows, Relay,
-    RelayConfig, StreamSettings, UnitOfWork, UnitOfWorkError, aggregate,
+    RelayConfig, StreamSettings, Topology, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 use support::{NatsServer, TestEnv};
@@ -76,6 +76,18 @@ struct ChildEnv {
 }
 
 impl ChildEnv {
+    /// The run's prefix and stream (created by the test, before the processes).
+    fn topology(&self) -> Topology {
+        Topology::new(
+            self.prefix.parse().expect("a valid prefix"),
+            StreamSettings {
+                name: self.stream.clone(),
+                create: false,
+                ..StreamSettings::default()
+            },
+        )
+    }
+
     fn read() -> Self {
         let var = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is set"));
         Self {
@@ -168,12 +180,7 @@ where
 async fn relay_process(env: ChildEnv) -> Result<(), String> {
     let mut sigterm = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
     let mut config = RelayConfig::new(&env.database_url);
-    config.subject_prefix = env.prefix.clone();
-    config.stream = StreamSettings {
-        name: env.stream.clone(),
-        create: false,
-        ..StreamSettings::default()
-    };
+    config.topology = env.topology();
     config.source = "/chaos".to_owned();
     if std::env::var("OUTBOX_CHAOS_ARCHIVE").is_ok() {
         config.published = PublishedRows::Archive;
@@ -232,8 +239,7 @@ impl Handler for Applying {
 async fn consumer_process(env: ChildEnv) -> Result<(), String> {
     let mut sigterm = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
     let mut config = InboxConfig::new(CONSUMER, &env.database_url);
-    config.stream = env.stream.clone();
-    config.filter_subject = format!("{}.>", env.prefix);
+    config.topology = env.topology();
     config.ack_wait = Duration::from_secs(2);
     config.retry_delay = Duration::from_millis(100);
     config.max_retry_delay = Duration::from_secs(1);

@@ -662,3 +662,101 @@ async fn the_relays_messages_carry_their_aggregate_directly_and_a_foreign_one_ge
         [("", "", 0), ("Order", "o-1", 1), ("Order", "o-1", 2)]
     );
 }
+
+/// The events of two aggregates (orders, and payments partitioned by merchant), one
+/// consumer for both.
+#[derive(Debug, outbox_runtime::EventSet)]
+enum Commerce {
+    Order(OrderEvent),
+    Payment(support::domain::PaymentCaptured),
+}
+
+/// Records each event it applies under a key that names its member, variant and aggregate.
+struct Dispatching;
+
+impl Handler for Dispatching {
+    type Event = Commerce;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        event: Commerce,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        let key = match event {
+            Commerce::Order(OrderEvent::Placed { .. }) => {
+                format!("placed:{}", message.aggregate_id)
+            }
+            Commerce::Order(OrderEvent::Shipped) => format!("shipped:{}", message.aggregate_id),
+            Commerce::Order(OrderEvent::ItemAdded { .. }) => {
+                format!("added:{}", message.aggregate_id)
+            }
+            Commerce::Payment(payment) => {
+                format!("paid:{}:{}", payment.merchant, message.aggregate_id)
+            }
+        };
+        bump(uow.conn(), &key).await?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once() {
+    let producer = TestEnv::new().await;
+    for id in ["o-1", "o-2"] {
+        let mut order = Order::place(id, "ada", 10);
+        order.record(OrderEvent::Shipped);
+        producer
+            .outbox()
+            .transaction(&mut producer.conn().await, async |uow| {
+                uow.track(&mut order);
+                uow.emit(
+                    "Payment",
+                    &format!("pay-{id}"),
+                    &support::domain::PaymentCaptured {
+                        merchant: "m-7".to_owned(),
+                        amount_cents: 10,
+                    },
+                );
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+    relay_all(&producer).await;
+
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "commerce");
+    assert_eq!(
+        config.filter_subject, None,
+        "all of the producer's subjects"
+    );
+    let inbox = Inbox::connect(config, producer.nats.clone(), Dispatching)
+        .await
+        .unwrap();
+    run_until_settled(inbox, "both aggregates' events", Duration::from_secs(20)).await;
+
+    let expected: BTreeMap<String, i64> = [
+        "placed:o-1",
+        "shipped:o-1",
+        "paid:m-7:pay-o-1",
+        "placed:o-2",
+        "shipped:o-2",
+        "paid:m-7:pay-o-2",
+    ]
+    .into_iter()
+    .map(|key| (key.to_owned(), 1))
+    .collect();
+    assert_eq!(effects(&consumer).await, expected);
+    let consumers: Vec<String> = producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap()
+        .consumer_names()
+        .map(|name| name.unwrap())
+        .collect()
+        .await;
+    assert_eq!(consumers, ["commerce"], "one durable consumer");
+}

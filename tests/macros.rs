@@ -258,3 +258,68 @@ fn serde_renames_name_the_event_types_and_payloads_round_trip() {
         lowered
     );
 }
+
+mod event_set {
+    use outbox_runtime::{DomainEvent, EventSet, EventType, PayloadError};
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+    pub enum AccountEvent {
+        Opened {
+            owner: String,
+        },
+        #[event(name = "Credited", version = 2)]
+        CreditedV2 {
+            cents: i64,
+        },
+    }
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+    pub struct TransferRequested {
+        pub cents: i64,
+    }
+
+    #[derive(Debug, PartialEq, EventSet)]
+    pub enum BankEvent {
+        Account(AccountEvent),
+        Transfer(TransferRequested),
+    }
+
+    #[test]
+    fn a_set_decodes_each_member_by_type_and_version_and_names_what_it_carries() {
+        assert_eq!(
+            BankEvent::decode("Credited", 2, br#"{"cents":7}"#).unwrap(),
+            BankEvent::Account(AccountEvent::CreditedV2 { cents: 7 })
+        );
+        assert_eq!(
+            BankEvent::decode("TransferRequested", 1, br#"{"cents":5}"#).unwrap(),
+            BankEvent::Transfer(TransferRequested { cents: 5 })
+        );
+        let types: Vec<EventType> = BankEvent::event_types().collect();
+        assert_eq!(types.len(), 3);
+        assert_eq!(BankEvent::MEMBERS.len(), 2);
+
+        // A version no member carries, and a payload its member cannot read.
+        let unknown = BankEvent::decode("Credited", 1, br#"{"cents":7}"#).unwrap_err();
+        assert!(
+            matches!(&unknown, PayloadError::UnknownEventType { known, .. } if known.len() == 3),
+            "{unknown:?}"
+        );
+        let text = unknown.to_string();
+        assert!(
+            text.contains("BankEvent")
+                && text.contains("Credited v2")
+                && text.contains("TransferRequested v1"),
+            "{text}"
+        );
+        let bad = BankEvent::decode("TransferRequested", 1, br#"{"cents":"five"}"#).unwrap_err();
+        assert!(matches!(bad, PayloadError::Json { .. }), "{bad:?}");
+
+        // Every DomainEvent is a set of itself.
+        assert_eq!(
+            <TransferRequested as EventSet>::decode("TransferRequested", 1, br#"{"cents":1}"#)
+                .unwrap(),
+            TransferRequested { cents: 1 }
+        );
+    }
+}

@@ -249,7 +249,7 @@ async fn the_relay_refuses_a_missing_stream_it_may_not_create_and_a_stream_that_
 {
     let env = TestEnv::new().await;
     let mut config = env.relay_config();
-    config.stream.create = false;
+    config.topology.stream.create = false;
     let error = Relay::connect(config, env.nats.clone())
         .await
         .err()

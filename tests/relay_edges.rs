@@ -239,11 +239,9 @@ async fn a_publish_the_servers_permissions_deny_is_a_rejection_with_its_error() 
     let env = TestEnv::with_nats(&url).await;
     let nats = env.nats.clone();
     let mut config = env.relay_config();
-    config.subject_prefix = prefix.clone();
+    config.topology.subject_prefix = prefix.parse().unwrap();
     config.ack_timeout = Duration::from_millis(500);
-    let outbox = outbox_runtime::Outbox::new()
-        .with_subject_prefix(&prefix)
-        .unwrap();
+    let outbox = outbox_runtime::Outbox::with_topology(config.topology.clone());
     let mut relay = Relay::connect(config, nats.clone()).await.unwrap();
     let mut conn = env.conn().await;
     insert_raw(&mut conn, "s-1", &format!("{prefix}.Secret.s-1.Leaked")).await;

@@ -61,8 +61,7 @@ async fn connecting_to_a_database_that_never_answers_fails_in_time_naming_the_ho
     // The inbox, on the relay's stream.
     env.create_stream(Duration::from_secs(120)).await;
     let mut config = InboxConfig::new("hanging", &url);
-    config.stream = env.stream.clone();
-    config.filter_subject = format!("{}.>", env.prefix);
+    config.topology = env.topology();
     config.connect_timeout = Duration::from_millis(500);
     let started = Instant::now();
     let error = Inbox::connect(config, env.nats.clone(), Nothing)
@@ -163,8 +162,7 @@ async fn the_relay_and_the_inbox_refuse_a_database_without_the_outbox_tables() {
 
     env.create_stream(Duration::from_secs(120)).await;
     let mut config = InboxConfig::new("unmigrated", &env.database_url);
-    config.stream = env.stream.clone();
-    config.filter_subject = format!("{}.>", env.prefix);
+    config.topology = env.topology();
     let error = Inbox::connect(config, env.nats.clone(), Nothing)
         .await
         .err()
@@ -261,10 +259,10 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
     // Created by the relay: every setting is the stream's.
     let env = TestEnv::new().await;
     let mut config = env.relay_config();
-    config.stream.duplicate_window = Duration::from_secs(30);
-    config.stream.storage = StorageType::Memory;
-    config.stream.max_age = Duration::from_secs(3600);
-    config.stream.max_bytes = 1 << 20;
+    config.topology.stream.duplicate_window = Duration::from_secs(30);
+    config.topology.stream.storage = StorageType::Memory;
+    config.topology.stream.max_age = Duration::from_secs(3600);
+    config.topology.stream.max_bytes = 1 << 20;
     let (logs, _guard) = Logs::capture().await;
     Relay::connect(config.clone(), env.nats.clone())
         .await
@@ -295,13 +293,13 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
             1
         )
     );
-    assert!(config.stream.differences(&created).is_empty());
+    assert!(config.topology.stream.differences(&created).is_empty());
 
     // An existing stream keeps its own values; each difference is logged, by name.
     let other = TestEnv::new().await;
     other.create_stream(Duration::from_secs(10)).await;
     let mut config = other.relay_config();
-    config.stream.max_age = Duration::from_secs(60);
+    config.topology.stream.max_age = Duration::from_secs(60);
     Relay::connect(config, other.nats.clone()).await.unwrap();
     let text = logs.text();
     let reports = |stream: &str| -> Vec<String> {
@@ -328,5 +326,102 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
     assert!(
         reports(&env.stream).is_empty(),
         "no report for the created stream"
+    );
+}
+
+/// The warnings `Logs` captured that report a topology mismatch naming `own` and `other`.
+fn mismatch_reports(logs: &support::Captured, own: &str, other: &str) -> Vec<String> {
+    logs.text()
+        .lines()
+        .filter(|line| line.contains(" WARN ") && line.contains("topology mismatch"))
+        .filter(|line| {
+            line.contains(&format!("own_prefix={own} "))
+                && line.contains(&format!("other_prefix={other} "))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_relay_and_units_of_work_with_different_prefixes_are_reported_by_whichever_starts_second()
+{
+    let (logs, _guard) = Logs::capture().await;
+
+    // Units of work first, under the test's prefix; then a relay told another prefix.
+    let env = TestEnv::new().await;
+    let mut order = Order::place("o-1", "ada", 1);
+    env.commit(&mut order).await;
+    let other_prefix = format!("{}x", env.prefix);
+    let mut config = env.relay_config();
+    config.topology.subject_prefix = other_prefix.parse().unwrap();
+    Relay::connect(config, env.nats.clone()).await.unwrap();
+    let reported = mismatch_reports(&logs, &other_prefix, &env.prefix);
+    assert_eq!(
+        reported.len(),
+        1,
+        "the relay reports the outbox: {reported:?}"
+    );
+    assert!(reported[0].contains("other_role=outbox"), "{}", reported[0]);
+
+    // A relay first, then units of work under another prefix: the first one reports it.
+    let env = TestEnv::new().await;
+    Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let other_prefix = format!("{}y", env.prefix);
+    let outbox = outbox_runtime::Outbox::with_topology(outbox_runtime::Topology {
+        subject_prefix: other_prefix.parse().unwrap(),
+        ..env.topology()
+    });
+    for id in ["o-1", "o-2"] {
+        let mut order = Order::place(id, "ada", 1);
+        outbox
+            .transaction(&mut env.conn().await, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, outbox_runtime::UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+    let reported = mismatch_reports(&logs, &other_prefix, &env.prefix);
+    assert_eq!(
+        reported.len(),
+        1,
+        "the first unit of work reports the relay, the next does not ask again: {reported:?}"
+    );
+    assert!(reported[0].contains("other_role=relay"), "{}", reported[0]);
+
+    // The same topology on both sides: nothing to report.
+    let env = TestEnv::new().await;
+    env.commit(&mut Order::place("o-1", "ada", 1)).await;
+    Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    env.commit(&mut Order::place("o-2", "ada", 1)).await;
+    let text = logs.text();
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.contains("topology mismatch") && l.contains(&format!("={} ", env.prefix))),
+        "no report for one shared topology"
+    );
+}
+
+#[tokio::test]
+async fn a_consumer_whose_filter_lies_outside_its_topology_is_refused_naming_both() {
+    let env = TestEnv::new().await;
+    env.create_stream(Duration::from_secs(120)).await;
+    let mut config = InboxConfig::new("astray", &env.database_url);
+    config.topology = env.topology();
+    config.filter_subject = Some("events.Order.>".to_owned());
+    let error = Inbox::connect(config, env.nats.clone(), Nothing)
+        .await
+        .err()
+        .expect("a filter outside the prefix is refused");
+    let text = error.to_string();
+    assert!(matches!(error, InboxError::Config(_)), "{error:?}");
+    assert!(
+        text.contains("\"events.Order.>\"") && text.contains(&format!("\"{}\"", env.prefix)),
+        "{text}"
     );
 }

@@ -575,9 +575,10 @@ async fn ids_keys_and_subjects_are_bounded_at_commit_with_the_limit_named() {
 
     // Every token at its limit: the subject would pass the control line's quarter.
     let prefix = "p".repeat(256);
-    let outbox = outbox_runtime::Outbox::new()
-        .with_subject_prefix(&prefix)
-        .unwrap();
+    let outbox = outbox_runtime::Outbox::with_topology(outbox_runtime::Topology {
+        subject_prefix: prefix.parse().unwrap(),
+        ..Default::default()
+    });
     let (aggregate_type, aggregate_id) = ("T".repeat(256), "i".repeat(256));
     let error = outbox
         .transaction(&mut conn, async |uow| {

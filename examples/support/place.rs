@@ -7,7 +7,7 @@
 
 use async_nats::jetstream;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
-use outbox_runtime::{RelayConfig, StreamSettings};
+use outbox_runtime::{RelayConfig, StreamSettings, Topology};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -63,15 +63,22 @@ impl Place {
         Ok(AsyncPgConnection::establish(&self.database_url).await?)
     }
 
+    /// The run's prefix and (existing) stream.
+    pub fn topology(&self) -> Topology {
+        Topology::new(
+            self.prefix.parse().expect("a valid prefix"),
+            StreamSettings {
+                name: self.stream.clone(),
+                create: false,
+                ..StreamSettings::default()
+            },
+        )
+    }
+
     /// A relay configuration for the run's database, prefix and (existing) stream.
     pub fn relay_config(&self) -> RelayConfig {
         let mut config = RelayConfig::new(&self.database_url);
-        config.subject_prefix = self.prefix.clone();
-        config.stream = StreamSettings {
-            name: self.stream.clone(),
-            create: false,
-            ..StreamSettings::default()
-        };
+        config.topology = self.topology();
         config.source = "/bench".to_owned();
         config
     }

@@ -13,7 +13,9 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use humantime::Duration as Span;
 use outbox_runtime::publisher::StorageType;
-use outbox_runtime::{DeadLetterPolicy, PublishedRows, Relay, RelayConfig, StreamSettings};
+use outbox_runtime::{
+    DeadLetterPolicy, PublishedRows, Relay, RelayConfig, StreamSettings, SubjectPrefix,
+};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::nats::NatsArgs;
@@ -58,29 +60,29 @@ pub(crate) struct RelayArgs {
     #[command(flatten)]
     log: LogArgs,
     /// The subject prefix; the stream captures `{prefix}.>`.
-    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value_t = defaults().subject_prefix)]
-    subject_prefix: String,
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", default_value_t = defaults().topology.subject_prefix)]
+    subject_prefix: SubjectPrefix,
     /// The JetStream stream.
-    #[arg(long, env = "OUTBOX_STREAM", default_value_t = defaults().stream.name)]
+    #[arg(long, env = "OUTBOX_STREAM", default_value_t = defaults().topology.stream.name)]
     stream: String,
     /// Fail when the stream does not exist, instead of creating it.
     #[arg(long, env = "OUTBOX_NO_CREATE_STREAM")]
     no_create_stream: bool,
     /// The stream's duplicate window (set on a stream the relay creates; a difference with
     /// an existing stream is logged).
-    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value_t = defaults().stream.duplicate_window.into())]
+    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value_t = defaults().topology.stream.duplicate_window.into())]
     duplicate_window: Span,
     /// The stream's replicas in a cluster (1 to 5).
-    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = defaults().stream.replicas)]
+    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = defaults().topology.stream.replicas)]
     stream_replicas: usize,
     /// The stream's storage.
     #[arg(long, env = "OUTBOX_STREAM_STORAGE", value_enum, default_value_t = Storage::File)]
     stream_storage: Storage,
     /// How long the stream keeps a message (0s: until a limit removes it).
-    #[arg(long, env = "OUTBOX_STREAM_MAX_AGE", default_value_t = defaults().stream.max_age.into())]
+    #[arg(long, env = "OUTBOX_STREAM_MAX_AGE", default_value_t = defaults().topology.stream.max_age.into())]
     stream_max_age: Span,
     /// The most bytes the stream holds (-1: no limit).
-    #[arg(long, env = "OUTBOX_STREAM_MAX_BYTES", default_value_t = defaults().stream.max_bytes, allow_hyphen_values = true)]
+    #[arg(long, env = "OUTBOX_STREAM_MAX_BYTES", default_value_t = defaults().topology.stream.max_bytes, allow_hyphen_values = true)]
     stream_max_bytes: i64,
     /// The messages' `ce-source` (a URI-reference naming the producing service).
     #[arg(long, env = "OUTBOX_SOURCE", default_value_t = defaults().source)]
@@ -148,8 +150,8 @@ pub(crate) struct RelayArgs {
 impl RelayArgs {
     fn config(&self, database_url: &str) -> RelayConfig {
         let mut config = RelayConfig::new(database_url);
-        config.subject_prefix = self.subject_prefix.clone();
-        config.stream = StreamSettings {
+        config.topology.subject_prefix = self.subject_prefix.clone();
+        config.topology.stream = StreamSettings {
             name: self.stream.clone(),
             create: !self.no_create_stream,
             duplicate_window: self.duplicate_window.into(),
@@ -213,8 +215,8 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
         .map_err(|e| e.to_string())?;
     tracing::info!(
         database = %outbox_runtime::database::redacted(database_url),
-        stream = %config.stream.name,
-        prefix = %config.subject_prefix,
+        stream = %config.topology.stream.name,
+        prefix = %config.topology.subject_prefix,
         workers = config.workers,
         "relaying"
     );

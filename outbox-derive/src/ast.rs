@@ -352,3 +352,48 @@ fn pending_events_argument(ty: &Type) -> Option<Type> {
         _ => None,
     }
 }
+
+/// The input of `#[derive(EventSet)]`: an enum whose variants each hold one event type.
+pub struct EventSet<'a> {
+    pub input: &'a DeriveInput,
+    /// Each variant and the event type it holds, in declaration order.
+    pub members: Vec<(&'a Ident, &'a Type)>,
+}
+
+impl<'a> EventSet<'a> {
+    /// The model, or `None` after reporting why it cannot be built: not an enum, or a
+    /// variant that does not hold exactly one unnamed field.
+    pub fn from_input(input: &'a DeriveInput, errors: &mut Errors) -> Option<Self> {
+        const SHAPE: &str = "#[derive(EventSet)] goes on an enum whose variants each hold one \
+                             DomainEvent type: `enum BankEvent { Account(AccountEvent), \
+                             Transfer(TransferEvent) }`";
+        let data = match &input.data {
+            Data::Enum(data) => data,
+            Data::Struct(data) => {
+                errors.push(syn::Error::new(data.struct_token.span(), SHAPE));
+                return None;
+            }
+            Data::Union(data) => {
+                errors.push(syn::Error::new(data.union_token.span(), SHAPE));
+                return None;
+            }
+        };
+        let mut members = Vec::new();
+        for variant in &data.variants {
+            match &variant.fields {
+                Fields::Unnamed(fields) if fields.unnamed.len() == 1 => {
+                    members.push((&variant.ident, &fields.unnamed[0].ty));
+                }
+                _ => errors.push(syn::Error::new_spanned(
+                    variant,
+                    format!(
+                        "variant `{0}` of an event set holds one DomainEvent type: \
+                         `{0}({0}Event)`",
+                        variant.ident
+                    ),
+                )),
+            }
+        }
+        (members.len() == data.variants.len()).then_some(Self { input, members })
+    }
+}

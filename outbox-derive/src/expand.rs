@@ -6,7 +6,7 @@ use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{DeriveInput, Fields, LitStr, Member};
 
-use crate::ast::{AggregateInput, Event, EventKind, EventType};
+use crate::ast::{AggregateInput, Event, EventKind, EventSet, EventType};
 use crate::attr::{self, Errors};
 use crate::valid;
 
@@ -281,5 +281,78 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
                 #private::Aggregate::discard_pending_events(self)
             }
         }
+    }
+}
+
+pub fn event_set(input: &DeriveInput) -> syn::Result<TokenStream> {
+    let mut errors = Errors::default();
+    let set = EventSet::from_input(input, &mut errors);
+    if let Some(set) = &set {
+        valid::event_set(set, &mut errors);
+    }
+    errors.finish()?;
+    Ok(expand_event_set(
+        &set.expect("no errors, so the model was built"),
+    ))
+}
+
+fn expand_event_set(set: &EventSet<'_>) -> TokenStream {
+    let private = quote!(::outbox_runtime::__private);
+    let ident = &set.input.ident;
+    // Each member's type, spanned on the variant's type: a type that is no DomainEvent is
+    // one error there.
+    let types: Vec<TokenStream> = set
+        .members
+        .iter()
+        .map(|(_, ty)| quote_spanned!(ty.span()=> <#ty as #private::DomainEvent>))
+        .collect();
+    let variants: Vec<_> = set.members.iter().map(|(variant, _)| *variant).collect();
+    // Two members that carry the same event type and version: a compile error on the later
+    // one, naming both (the inbox decodes by type and version alone).
+    let mut disjoint = Vec::new();
+    for (later, (variant, ty)) in set.members.iter().enumerate() {
+        for (earlier, _) in set.members[..later].iter().enumerate() {
+            let (first, second) = (&types[earlier], &types[later]);
+            let message = format!(
+                "variants `{}` and `{variant}` of `{ident}` carry the same event type at the \
+                 same version: a consumer decodes by ce-type and ce-eventversion and could not \
+                 tell them apart; give one an #[event(name = \"..\")] of its own",
+                variants[earlier],
+            );
+            disjoint.push(quote_spanned! {ty.span()=>
+                const _: () = if #private::overlap(#first::EVENT_TYPES, #second::EVENT_TYPES) {
+                    panic!(#message)
+                };
+            });
+        }
+    }
+    quote! {
+        #[automatically_derived]
+        impl #private::EventSet for #ident {
+            const MEMBERS: &'static [&'static [#private::EventType]] = &[
+                #(#types::EVENT_TYPES,)*
+            ];
+
+            fn decode(
+                event_type: &str,
+                event_version: i32,
+                payload: &[u8],
+            ) -> #private::Result<Self, #private::PayloadError> {
+                #(
+                    if #types::EVENT_TYPES
+                        .iter()
+                        .any(|t| t.name == event_type && t.version == event_version)
+                    {
+                        return #types::from_payload(event_type, event_version, payload)
+                            .map(Self::#variants);
+                    }
+                )*
+                #private::Result::Err(
+                    #private::PayloadError::unknown_event_type::<Self>(event_type, event_version),
+                )
+            }
+        }
+
+        #(#disjoint)*
     }
 }

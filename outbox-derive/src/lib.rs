@@ -23,6 +23,17 @@ pub fn derive_domain_event(input: TokenStream) -> TokenStream {
         .into()
 }
 
+/// Implements `outbox_runtime::EventSet` for an enum whose variants each hold one
+/// `DomainEvent` type: the events one consumer takes. Documented on its re-export,
+/// `outbox_runtime::EventSet` (the trait).
+#[proc_macro_derive(EventSet)]
+pub fn derive_event_set(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    expand::event_set(&input)
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
+
 /// Turns a struct into an `outbox_runtime::Aggregate` that records events of the type named
 /// by `event = ...`. The reference of its arguments, with an example, is on its re-export,
 /// `outbox_runtime::aggregate` (the attribute).

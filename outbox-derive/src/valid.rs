@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use syn::{Fields, GenericParam, LitInt, LitStr};
 
-use crate::ast::{AggregateInput, Event, EventKind, EventType};
+use crate::ast::{AggregateInput, Event, EventKind, EventSet, EventType};
 use crate::attr::{self, Errors};
 
 /// Why `token` cannot be a NATS subject token, or `None` when it can.
@@ -185,6 +185,22 @@ pub fn aggregate(input: &AggregateInput, errors: &mut Errors) {
                 ),
             ));
         }
+    }
+}
+
+pub fn event_set(set: &EventSet<'_>, errors: &mut Errors) {
+    let input = set.input;
+    if let Some(param) = input.generics.params.first() {
+        errors.push(syn::Error::new_spanned(
+            param,
+            "an event set has no generic parameters: name its event types",
+        ));
+    }
+    if set.members.is_empty() {
+        errors.push(syn::Error::new_spanned(
+            &input.ident,
+            "an event set needs at least one variant: `Account(AccountEvent)`",
+        ));
     }
 }
 

@@ -13,7 +13,10 @@
 use std::fmt;
 use std::future::Future;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures::future::BoxFuture;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
@@ -105,6 +108,85 @@ impl fmt::Display for Redacted<'_> {
     }
 }
 
+/// Opens the connections of a relay or an inbox the service's own way: with the TLS, the
+/// credentials and the setup its pool already has. Set it as
+/// [`RelayConfig::connector`](crate::RelayConfig::connector) or
+/// [`InboxConfig::connector`](crate::InboxConfig::connector); `database_url` then only names
+/// the database in logs and errors (without its password).
+///
+/// The toolkit owns each connection it opens this way for as long as it needs it (a relay
+/// worker's for the relay's life), and sets its `application_name` and `statement_timeout`
+/// as it does on its own. Each is opened within the configured `connect_timeout`.
+///
+/// ```no_run
+/// use outbox_runtime::database::Connector;
+/// use outbox_runtime::diesel_async::pooled_connection::deadpool::Pool;
+/// use outbox_runtime::diesel_async::pooled_connection::AsyncDieselConnectionManager;
+/// use outbox_runtime::diesel_async::{AsyncConnection, AsyncPgConnection};
+///
+/// // From a closure: any way of opening a connection.
+/// let url = std::env::var("DATABASE_URL").unwrap();
+/// let connector = Connector::new(move || {
+///     let url = url.clone();
+///     async move { AsyncPgConnection::establish(&url).await }
+/// });
+///
+/// // From the service's deadpool pool (see `from_pool`). With bb8, call the pool's manager
+/// // in a closure: `AsyncDieselConnectionManager` opens connections through bb8's
+/// // `ManageConnection::connect`, with the pool's own setup.
+/// let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new("postgres://app@db/shop");
+/// let pool = Pool::builder(manager).max_size(8).build().unwrap();
+/// let connector = Connector::from_pool(pool);
+/// ```
+#[derive(Clone)]
+pub struct Connector(Arc<ConnectFn>);
+
+type ConnectFn = dyn Fn() -> BoxFuture<'static, Result<AsyncPgConnection, String>> + Send + Sync;
+
+impl Connector {
+    /// A connector that calls `connect` for each connection. Its error's `Display` text
+    /// becomes the [`ConnectError`]'s reason.
+    pub fn new<F, Fut, E>(connect: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<AsyncPgConnection, E>> + Send + 'static,
+        E: fmt::Display,
+    {
+        Self(Arc::new(move || {
+            let opening = connect();
+            Box::pin(async move { opening.await.map_err(|e| e.to_string()) })
+        }))
+    }
+
+    /// A connector that opens connections through the service's deadpool `pool` (its
+    /// manager's URL and `custom_setup`: TLS, credentials) and takes each out of the pool
+    /// (deadpool's `Object::take`): the toolkit's long-lived connections never hold the
+    /// pool's slots, and the pool opens new ones in their place. A relay opens `workers + 1`
+    /// this way, an inbox up to `max_concurrency`.
+    pub fn from_pool(
+        pool: diesel_async::pooled_connection::deadpool::Pool<AsyncPgConnection>,
+    ) -> Self {
+        Self::new(move || {
+            let pool = pool.clone();
+            async move {
+                pool.get()
+                    .await
+                    .map(diesel_async::pooled_connection::deadpool::Object::take)
+            }
+        })
+    }
+
+    async fn open(&self) -> Result<AsyncPgConnection, String> {
+        (self.0)().await
+    }
+}
+
+impl fmt::Debug for Connector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Connector(..)")
+    }
+}
+
 /// How the toolkit opens and bounds a connection.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
@@ -112,10 +194,12 @@ pub(crate) struct Limits {
     pub statement_timeout: Duration,
 }
 
-/// Opens a connection within `limits.connect_timeout`, names it `application_name` in
-/// `pg_stat_activity`, and sets its server-side `statement_timeout` (none when zero).
+/// Opens a connection (with `connector`, or to `database_url`) within
+/// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
+/// server-side `statement_timeout` (none when zero).
 pub(crate) async fn connect(
     database_url: &str,
+    connector: Option<&Connector>,
     application_name: &str,
     limits: Limits,
 ) -> Result<AsyncPgConnection, ConnectError> {
@@ -124,9 +208,12 @@ pub(crate) async fn connect(
         reason,
     };
     let setup = async {
-        let mut conn = AsyncPgConnection::establish(database_url)
-            .await
-            .map_err(|e| error(e.to_string()))?;
+        let mut conn = match connector {
+            Some(connector) => connector.open().await.map_err(error)?,
+            None => AsyncPgConnection::establish(database_url)
+                .await
+                .map_err(|e| error(e.to_string()))?,
+        };
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
         conn.batch_execute(&format!(

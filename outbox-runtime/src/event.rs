@@ -57,6 +57,99 @@ pub trait DomainEvent: Sized + Send + 'static {
     ) -> Result<Self, PayloadError>;
 }
 
+/// The events one consumer takes: a [`DomainEvent`] type (every one is a set of itself), or
+/// an enum of several, one per variant, with `#[derive(EventSet)]`.
+///
+/// [`Handler::Event`](crate::Handler::Event) is an `EventSet`, so one durable consumer
+/// handles the events of several aggregates (an account's and a transfer's, say) and a
+/// `match` in the handler dispatches them.
+///
+/// ```
+/// use outbox_runtime::{DomainEvent, EventSet};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+/// enum AccountEvent { Opened { owner: String }, Credited { cents: i64 } }
+///
+/// #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+/// struct TransferRequested { from: String, to: String, cents: i64 }
+///
+/// #[derive(Debug, EventSet)]
+/// enum BankEvent {
+///     Account(AccountEvent),
+///     Transfer(TransferRequested),
+/// }
+///
+/// let event = BankEvent::decode("TransferRequested", 1, br#"{"from":"a","to":"b","cents":5}"#)?;
+/// assert!(matches!(event, BankEvent::Transfer(TransferRequested { cents: 5, .. })));
+/// assert!(BankEvent::decode("Closed", 1, b"{}").is_err());
+/// # Ok::<(), outbox_runtime::PayloadError>(())
+/// ```
+///
+/// The derive goes on an enum whose variants each hold one [`DomainEvent`] type. A message is
+/// decoded by its `ce-type` and `ce-eventversion` into the variant whose type carries them;
+/// two variants that carry the same event type and version could not be told apart, and are
+/// a compile error that names both.
+pub trait EventSet: Sized + Send + 'static {
+    /// The event types of each member, in declaration order: one slice for a
+    /// [`DomainEvent`], one per variant for a derived set.
+    const MEMBERS: &'static [&'static [EventType]];
+
+    /// Decodes the payload of an event of type `event_type` at `event_version` into the
+    /// member that carries it.
+    ///
+    /// # Errors
+    /// [`PayloadError::UnknownEventType`] when no member carries it;
+    /// [`PayloadError::Json`] when the payload does not decode.
+    fn decode(event_type: &str, event_version: i32, payload: &[u8]) -> Result<Self, PayloadError>;
+
+    /// Every event type of the set, in declaration order.
+    fn event_types() -> impl Iterator<Item = EventType> {
+        Self::MEMBERS.iter().flat_map(|types| types.iter().copied())
+    }
+}
+
+impl<T: DomainEvent> EventSet for T {
+    const MEMBERS: &'static [&'static [EventType]] = &[T::EVENT_TYPES];
+
+    fn decode(event_type: &str, event_version: i32, payload: &[u8]) -> Result<Self, PayloadError> {
+        T::from_payload(event_type, event_version, payload)
+    }
+}
+
+/// Whether two lists of event types share a name at one version; for the const check of
+/// `#[derive(EventSet)]`.
+#[doc(hidden)]
+pub const fn overlap(first: &[EventType], second: &[EventType]) -> bool {
+    let mut i = 0;
+    while i < first.len() {
+        let mut j = 0;
+        while j < second.len() {
+            if first[i].version == second[j].version && str_eq(first[i].name, second[j].name) {
+                return true;
+            }
+            j += 1;
+        }
+        i += 1;
+    }
+    false
+}
+
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// One event type a [`DomainEvent`] carries: its name and payload version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EventType {
@@ -83,7 +176,7 @@ pub enum PayloadError {
         /// The version that was asked for.
         event_version: i32,
         /// What the Rust type carries.
-        known: &'static [EventType],
+        known: Box<[EventType]>,
     },
     /// serde_json could not encode or decode the payload.
     #[error("payload of {rust_type} event {event_type:?} v{event_version}: {source}")]
@@ -110,12 +203,12 @@ fn known_types(known: &[EventType]) -> String {
 
 impl PayloadError {
     /// The error for a type and version that `T` does not carry.
-    pub fn unknown_event_type<T: DomainEvent>(event_type: &str, event_version: i32) -> Self {
+    pub fn unknown_event_type<T: EventSet>(event_type: &str, event_version: i32) -> Self {
         Self::UnknownEventType {
             rust_type: std::any::type_name::<T>(),
             event_type: event_type.to_owned(),
             event_version,
-            known: T::EVENT_TYPES,
+            known: T::event_types().collect(),
         }
     }
 

@@ -100,12 +100,13 @@ use tracing::Instrument;
 
 use crate::causality::Causality;
 use crate::database::{
-    self, Bounded, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted, TimedOut,
+    self, Bounded, Connector, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted,
+    TimedOut,
 };
-use crate::event::{DomainEvent, PayloadError};
+use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox, require_migrations};
-use crate::publisher::DEFAULT_STREAM;
 use crate::subject::validate_token;
+use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
 
 pub use message::{Metadata, UnreadableMessage};
@@ -126,9 +127,10 @@ use queries::{MessageKey, Place, Recorded};
 /// }
 /// ```
 pub trait Handler: Send + Sync + 'static {
-    /// The event type it consumes: decoded from each message by `ce-type` and
-    /// `ce-eventversion`.
-    type Event: DomainEvent;
+    /// The events it consumes: one [`DomainEvent`](crate::DomainEvent) type, or several in an enum with
+    /// `#[derive(EventSet)]` (one durable consumer for the events of several aggregates).
+    /// Decoded from each message by `ce-type` and `ce-eventversion`.
+    type Event: EventSet;
     /// Its error; the inbox records the `Display` text (in the dead letter's `error`).
     type Error: fmt::Display + Send + 'static;
 
@@ -177,11 +179,14 @@ pub struct InboxConfig {
     pub database_url: String,
     /// Where the handlers' events go. Default [`Outbox::new`].
     pub outbox: Outbox,
-    /// The stream to consume. Default `EVENTS`.
-    pub stream: String,
-    /// The subjects to consume, as one NATS subject filter, e.g. `events.Order.*.Placed`.
-    /// Default `events.>`.
-    pub filter_subject: String,
+    /// The topology the consumer reads: the producing service's (the same value its units of
+    /// work and relay take, [`crate::topology`]); the consumer reads its stream. Default
+    /// [`Topology::default`]: prefix `events`, stream `EVENTS`.
+    pub topology: Topology,
+    /// The subjects to consume, as one NATS subject filter under the topology's prefix, e.g.
+    /// `events.Order.*.Placed`. Default `None`: all of them, `{prefix}.>`. A filter that
+    /// cannot match a subject under the prefix is refused by [`Inbox::connect`].
+    pub filter_subject: Option<String>,
     /// Handler failures (errors or panics) before a message is dead-lettered. Deliveries do
     /// not count: a crash or a restart never dead-letters a message. Default 5.
     pub max_attempts: u32,
@@ -219,6 +224,11 @@ pub struct InboxConfig {
     /// How long opening a database connection may take. Default
     /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
     pub connect_timeout: Duration,
+    /// Opens the consumer's connections the service's way (its pool's TLS, credentials and
+    /// setup) instead of from `database_url`, which then only names the database in logs.
+    /// The inbox holds up to `max_concurrency` connections, in a pool of its own. Default
+    /// `None`.
+    pub connector: Option<Connector>,
     /// How long one query may take: set as the sessions' server-side `statement_timeout`
     /// (the handlers' queries included), and enforced by the inbox on its own queries.
     /// Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
@@ -231,7 +241,7 @@ impl fmt::Debug for InboxConfig {
             .field("consumer", &self.consumer)
             .field("database_url", &Redacted(&self.database_url))
             .field("outbox", &self.outbox)
-            .field("stream", &self.stream)
+            .field("topology", &self.topology)
             .field("filter_subject", &self.filter_subject)
             .field("max_attempts", &self.max_attempts)
             .field("ack_wait", &self.ack_wait)
@@ -245,6 +255,7 @@ impl fmt::Debug for InboxConfig {
             .field("retention", &self.retention)
             .field("purge_interval", &self.purge_interval)
             .field("connect_timeout", &self.connect_timeout)
+            .field("connector", &self.connector)
             .field("statement_timeout", &self.statement_timeout)
             .finish()
     }
@@ -257,8 +268,8 @@ impl InboxConfig {
             consumer: consumer.into(),
             database_url: database_url.into(),
             outbox: Outbox::new(),
-            stream: DEFAULT_STREAM.to_owned(),
-            filter_subject: "events.>".to_owned(),
+            topology: Topology::default(),
+            filter_subject: None,
             max_attempts: 5,
             ack_wait: Duration::from_secs(5),
             retry_delay: Duration::from_secs(1),
@@ -271,11 +282,30 @@ impl InboxConfig {
             retention: Duration::from_secs(7 * 24 * 3600),
             purge_interval: Duration::from_secs(60),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            connector: None,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 
+    /// The subject filter the consumer takes: `filter_subject`, or all the topology's
+    /// subjects.
+    pub fn filter(&self) -> String {
+        self.filter_subject
+            .clone()
+            .unwrap_or_else(|| self.topology.subject_prefix.all_subjects())
+    }
+
     fn validate(&self) -> Result<(), InboxError> {
+        let prefix = &self.topology.subject_prefix;
+        if let Some(filter) = &self.filter_subject
+            && !prefix.can_match(filter)
+        {
+            return Err(InboxError::Config(format!(
+                "filter_subject {filter:?} matches no subject under the topology's prefix \
+                 {prefix:?}: the relay publishes only \"{prefix}.>\"; use the producer's \
+                 topology, or a filter under its prefix"
+            )));
+        }
         validate_token(&self.consumer).map_err(|reason| {
             InboxError::Config(format!(
                 "consumer name {:?} is not a valid NATS name: {reason}",
@@ -553,6 +583,8 @@ impl Failure {
 
 struct Shared<H> {
     config: InboxConfig,
+    /// The consumer's subject filter ([`InboxConfig::filter`]).
+    filter: String,
     /// The database URL without its password.
     target: String,
     handler: H,
@@ -598,16 +630,16 @@ impl<H: Handler> Inbox<H> {
         describe_metrics();
         let consumer_error = |message: String| InboxError::Consumer {
             consumer: config.consumer.clone(),
-            stream: config.stream.clone(),
+            stream: config.topology.stream.name.clone(),
             message,
         };
         let stream = jetstream::new(nats)
-            .get_stream(&config.stream)
+            .get_stream(&config.topology.stream.name)
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
         let wanted = pull::Config {
             durable_name: Some(config.consumer.clone()),
-            filter_subject: config.filter_subject.clone(),
+            filter_subject: config.filter(),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
             ack_wait: config.ack_wait,
             max_deliver: -1,
@@ -624,11 +656,11 @@ impl<H: Handler> Inbox<H> {
             .map_err(|e| consumer_error(e.to_string()))?
             .config
             .clone();
-        if existing.filter_subject != config.filter_subject {
+        if existing.filter_subject != wanted.filter_subject {
             return Err(consumer_error(format!(
                 "the consumer exists with filter subject {:?}, not {:?}; delete it or \
                  choose another consumer name",
-                existing.filter_subject, config.filter_subject
+                existing.filter_subject, wanted.filter_subject
             )));
         }
         let outdated = existing.ack_wait != wanted.ack_wait
@@ -649,10 +681,11 @@ impl<H: Handler> Inbox<H> {
         let target = database::redacted(&config.database_url);
         let limits = config.limits();
         let mut manager = ManagerConfig::default();
+        let connector = config.connector.clone();
         manager.custom_setup = Box::new(move |url| {
-            let url = url.to_owned();
+            let (url, connector) = (url.to_owned(), connector.clone());
             Box::pin(async move {
-                database::connect(&url, "outbox-inbox", limits)
+                database::connect(&url, connector.as_ref(), "outbox-inbox", limits)
                     .await
                     .map_err(|e| diesel::ConnectionError::BadConnection(e.to_string()))
             })
@@ -685,6 +718,7 @@ impl<H: Handler> Inbox<H> {
 
         Ok(Self {
             shared: Arc::new(Shared {
+                filter: wanted.filter_subject,
                 config,
                 target,
                 handler,
@@ -765,7 +799,7 @@ impl<H: Handler> Inbox<H> {
     /// transaction that found a gap rolled back before the handler took the event).
     fn body(&self, message: &jetstream::Message, metadata: &Metadata) -> Body<H::Event> {
         let config = &self.shared.config;
-        match H::Event::from_payload(
+        match H::Event::decode(
             &metadata.event_type,
             metadata.event_version,
             &message.payload,
@@ -1102,7 +1136,7 @@ impl<H: Handler> Inbox<H> {
         loop {
             let found = order::predecessor(
                 &shared.stream,
-                &config.filter_subject,
+                &shared.filter,
                 metadata,
                 last_seq,
                 from,

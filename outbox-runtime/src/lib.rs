@@ -75,6 +75,7 @@ pub mod outbox;
 pub mod publisher;
 pub mod relay;
 pub mod subject;
+pub mod topology;
 pub mod unit_of_work;
 
 // The crates whose types appear in this crate's API, at the versions and with the features
@@ -96,15 +97,15 @@ pub use uuid;
 
 pub use aggregate::{Aggregate, PendingEvents};
 pub use causality::{InvalidTraceparent, Traceparent};
-pub use database::{ConnectError, TimedOut};
-pub use event::{DomainEvent, EventType, PayloadError};
+pub use database::{ConnectError, Connector, TimedOut};
+pub use event::{DomainEvent, EventSet, EventType, PayloadError};
 pub use inbox::{
     Handler, Inbox, InboxConfig, InboxError, InboxHandle, Metadata, Outcome, UnknownEvents,
     Unreadable,
 };
 pub use outbox::{
     MIGRATIONS, MigrationError, MissingMigrations, Outbox, OutboxStats, PublishedRows,
-    pending_migrations, run_migrations,
+    pending_migrations, run_migrations, run_migrations_on,
 };
 /// `#[derive(DomainEvent)]`: a struct is one event type, an enum one event type per variant.
 ///
@@ -171,6 +172,9 @@ pub use outbox::{
 /// assert_eq!(captured.partition_key().as_deref(), Some("42"));
 /// ```
 pub use outbox_derive::DomainEvent;
+/// `#[derive(EventSet)]`: the events one consumer takes, one variant per event type (see
+/// the trait [`EventSet`](trait@EventSet)).
+pub use outbox_derive::EventSet;
 
 /// `#[aggregate]`: makes a struct with named fields, one of them a
 /// `PendingEvents<EventType>`, an [`Aggregate`] that records events of `EventType` (a
@@ -240,6 +244,7 @@ pub use outbox_derive::DomainEvent;
 pub use outbox_derive::aggregate;
 pub use publisher::{StreamError, StreamSettings};
 pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
+pub use topology::{DEFAULT_SUBJECT_PREFIX, SubjectPrefix, Topology};
 pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.
@@ -248,7 +253,7 @@ pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
 pub mod __private {
     pub use crate::aggregate::{Aggregate, PendingEvents};
     pub use crate::event::payload::SerdeEvent;
-    pub use crate::event::{DomainEvent, EventType, PayloadError};
+    pub use crate::event::{DomainEvent, EventSet, EventType, PayloadError, overlap};
     pub use serde;
 
     /// Runs the relay's claim query (in the caller's transaction) and returns how many rows

@@ -18,8 +18,8 @@ pub(crate) mod queries;
 pub mod schema;
 pub(crate) mod statement;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use diesel::sql_types::{Int8, Nullable, Timestamptz};
 use diesel::{QueryResult, QueryableByName};
@@ -30,7 +30,7 @@ use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::database::{self, ConnectError, DEFAULT_CONNECT_TIMEOUT};
-use crate::subject::{InvalidSubjectPrefix, validate_prefix};
+use crate::topology::{self, Role, Topology};
 
 pub use queries::PublishedRows;
 
@@ -38,42 +38,59 @@ pub use queries::PublishedRows;
 /// own; [`run_migrations`] applies them.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
-/// The default subject prefix: events are published to `events.{aggregate_type}.{..}`.
-pub const DEFAULT_SUBJECT_PREFIX: &str = "events";
-
-/// The outbox of one service: where its units of work write events, and how their subjects
-/// are formed.
+/// The outbox of one service: where its units of work write events, and under which
+/// [`Topology`] (the subject prefix of their subjects, the stream the relay publishes to).
 ///
-/// Cheap to clone. Start units of work with [`Outbox::transaction`].
+/// Cheap to clone. Start units of work with [`Outbox::transaction`]. The first unit of work
+/// (and one an hour after) registers the prefix in `outbox_topologies`, in its own statement
+/// before `BEGIN`, and logs a warning when a relay of this outbox publishes another prefix
+/// (see [`crate::topology`]).
 #[derive(Clone, Debug)]
 pub struct Outbox {
-    subject_prefix: Arc<str>,
+    topology: Arc<Topology>,
+    /// When this outbox (and its clones) last registered its topology.
+    registered: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Outbox {
-    /// An outbox with the default subject prefix, [`DEFAULT_SUBJECT_PREFIX`].
+    /// An outbox with the default topology: prefix [`DEFAULT_SUBJECT_PREFIX`](crate::DEFAULT_SUBJECT_PREFIX), stream
+    /// `EVENTS`.
     pub fn new() -> Self {
+        Self::with_topology(Topology::default())
+    }
+
+    /// An outbox whose units of work write under `topology`'s subject prefix. Give the relay
+    /// the same value ([`RelayConfig::topology`](crate::RelayConfig::topology)).
+    pub fn with_topology(topology: Topology) -> Self {
         Self {
-            subject_prefix: DEFAULT_SUBJECT_PREFIX.into(),
+            topology: Arc::new(topology),
+            registered: Arc::new(Mutex::new(None)),
         }
     }
 
-    /// Sets the subject prefix: one or more NATS tokens joined by `.`, such as `events` or
-    /// `acme.orders`. The relay's stream must capture `{prefix}.>`.
-    ///
-    /// # Errors
-    /// [`InvalidSubjectPrefix`] when a token is empty or holds `.`, `*`, `>`, whitespace or a
-    /// control character, or when the prefix starts with `$` (reserved by NATS).
-    pub fn with_subject_prefix(self, prefix: &str) -> Result<Self, InvalidSubjectPrefix> {
-        validate_prefix(prefix)?;
-        Ok(Self {
-            subject_prefix: prefix.into(),
-        })
+    /// The topology.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
     }
 
-    /// The subject prefix.
+    /// The subject prefix, `topology().subject_prefix`.
     pub fn subject_prefix(&self) -> &str {
-        &self.subject_prefix
+        self.topology.subject_prefix.as_str()
+    }
+
+    /// Registers the topology when it has not been for [`topology::REGISTER_EVERY`]. A
+    /// failure is logged, never the unit of work's: the registry only serves diagnosis.
+    pub(crate) async fn register_if_due(&self, conn: &mut AsyncPgConnection) {
+        {
+            let mut last = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|at| at.elapsed() < topology::REGISTER_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        if let Err(error) = topology::register(conn, Role::Outbox, &self.topology).await {
+            tracing::warn!(%error, "cannot register the outbox's topology in outbox_topologies");
+        }
     }
 }
 
@@ -114,14 +131,29 @@ pub enum MigrationError {
 /// # Errors
 /// [`MigrationError`] naming the step that failed.
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
-    use diesel::connection::SimpleConnection as _;
-
     let limits = database::Limits {
         connect_timeout: DEFAULT_CONNECT_TIMEOUT,
         // A migration may rewrite a large table: no server-side statement timeout.
         statement_timeout: Duration::ZERO,
     };
-    let connection = database::connect(database_url, "outbox-migrations", limits).await?;
+    let connection = database::connect(database_url, None, "outbox-migrations", limits).await?;
+    run_migrations_on(connection).await
+}
+
+/// [`run_migrations`] on a connection the service opened (from its pool, with its TLS and
+/// credentials: `Object::take` takes one out of a deadpool pool). The connection is consumed:
+/// it ends with the advisory lock it takes.
+///
+/// The migrations are not bounded by a statement timeout of the toolkit's, but a
+/// `statement_timeout` set on the session still applies to them.
+///
+/// # Errors
+/// [`MigrationError`] naming the step that failed.
+pub async fn run_migrations_on(
+    connection: AsyncPgConnection,
+) -> Result<Vec<String>, MigrationError> {
+    use diesel::connection::SimpleConnection as _;
+
     tokio::task::spawn_blocking(move || {
         let mut connection = AsyncConnectionWrapper::<AsyncPgConnection>::from(connection);
         // Session-level lock: held across the migrations' own transactions, released when

@@ -39,13 +39,13 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::database::{
-    self, Bounded, ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted,
-    TimedOut,
+    self, Bounded, ConnectError, Connector, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
+    Redacted, TimedOut,
 };
 use crate::outbox::queries::RetryPolicy;
-use crate::outbox::{DEFAULT_SUBJECT_PREFIX, MissingMigrations, PublishedRows, require_migrations};
-use crate::publisher::{InvalidSource, Publisher, StreamError, StreamSettings, ensure_stream};
-use crate::subject::{InvalidSubjectPrefix, validate_prefix};
+use crate::outbox::{MissingMigrations, PublishedRows, require_migrations};
+use crate::publisher::{InvalidSource, Publisher, StreamError, ensure_stream};
+use crate::topology::{self, Role, Topology};
 
 pub use worker::BatchReport;
 
@@ -68,11 +68,11 @@ pub enum DeadLetterPolicy {
 pub struct RelayConfig {
     /// The PostgreSQL URL of the database holding the outbox table.
     pub database_url: String,
-    /// The subject prefix of the outbox's events; the stream must capture `{prefix}.>`.
-    /// Default [`DEFAULT_SUBJECT_PREFIX`].
-    pub subject_prefix: String,
-    /// The stream the relay publishes to.
-    pub stream: StreamSettings,
+    /// The subject prefix of the outbox's events and the stream that captures `{prefix}.>`:
+    /// the same value as the units of work's
+    /// ([`Outbox::with_topology`](crate::Outbox::with_topology)). Rows outside the prefix are
+    /// dead-lettered. Default [`Topology::default`]: `events`, stream `EVENTS`.
+    pub topology: Topology,
     /// The `ce-source` of every message: a URI-reference naming the producing service
     /// (CloudEvents 1.0, section 3.1.1 `source`). Default `/outbox`.
     pub source: String,
@@ -116,6 +116,12 @@ pub struct RelayConfig {
     /// How long opening a database connection may take, server answer included. Default
     /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
     pub connect_timeout: Duration,
+    /// Opens the relay's connections the service's way (its pool's TLS, credentials and
+    /// setup) instead of from `database_url`, which then only names the database in logs.
+    /// The relay holds `workers` connections, one more while `listen` (the `LISTEN`
+    /// connection) and one more while `stats_interval` is not zero (the gauges' query), and
+    /// opens one for a moment each hour (housekeeping). Default `None`.
+    pub connector: Option<Connector>,
     /// How long one of the relay's queries may take: set as the session's server-side
     /// `statement_timeout`, and enforced by the relay itself, which drops a connection whose
     /// server does not answer in time (its transaction is rolled back, its rows claimed
@@ -132,8 +138,7 @@ impl std::fmt::Debug for RelayConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RelayConfig")
             .field("database_url", &Redacted(&self.database_url))
-            .field("subject_prefix", &self.subject_prefix)
-            .field("stream", &self.stream)
+            .field("topology", &self.topology)
             .field("source", &self.source)
             .field("workers", &self.workers)
             .field("batch_size", &self.batch_size)
@@ -148,6 +153,7 @@ impl std::fmt::Debug for RelayConfig {
             .field("dead_letters", &self.dead_letters)
             .field("max_backoff", &self.max_backoff)
             .field("connect_timeout", &self.connect_timeout)
+            .field("connector", &self.connector)
             .field("statement_timeout", &self.statement_timeout)
             .field("stats_interval", &self.stats_interval)
             .finish()
@@ -159,8 +165,7 @@ impl RelayConfig {
     pub fn new(database_url: impl Into<String>) -> Self {
         Self {
             database_url: database_url.into(),
-            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
-            stream: StreamSettings::default(),
+            topology: Topology::default(),
             source: "/outbox".to_owned(),
             workers: 2,
             batch_size: 2000,
@@ -175,6 +180,7 @@ impl RelayConfig {
             dead_letters: DeadLetterPolicy::Block,
             max_backoff: Duration::from_secs(30),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            connector: None,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             stats_interval: Duration::from_secs(15),
         }
@@ -193,7 +199,6 @@ impl RelayConfig {
     }
 
     fn validate(&self) -> Result<(), RelayError> {
-        validate_prefix(&self.subject_prefix)?;
         for (name, value) in [
             ("connect_timeout", self.connect_timeout),
             ("statement_timeout", self.statement_timeout),
@@ -263,12 +268,6 @@ pub enum RelayError {
     /// A relay task panicked or was aborted.
     #[error("relay task did not finish: {0}")]
     Task(#[from] tokio::task::JoinError),
-}
-
-impl From<InvalidSubjectPrefix> for RelayError {
-    fn from(error: InvalidSubjectPrefix) -> Self {
-        Self::Config(error.to_string())
-    }
 }
 
 impl From<InvalidSource> for RelayError {
@@ -413,7 +412,7 @@ pub struct Relay {
 
 impl Relay {
     /// Checks the configuration, makes sure the stream exists and captures the prefix
-    /// (creating it when [`StreamSettings::create`] allows), reads its duplicate window
+    /// (creating it when [`StreamSettings::create`](crate::StreamSettings::create) allows), reads its duplicate window
     /// (warning when it is shorter than the [redelivery horizon](RelayConfig::redelivery_horizon)),
     /// and checks that the database is reachable.
     ///
@@ -427,21 +426,21 @@ impl Relay {
         describe_metrics();
         let publisher = Publisher::new(
             nats.clone(),
-            &config.subject_prefix,
+            config.topology.subject_prefix.as_str(),
             &config.source,
             config.ack_timeout,
             config.max_in_flight,
         )?;
         let stream = ensure_stream(
             publisher.jetstream(),
-            &config.stream,
-            &config.subject_prefix,
+            &config.topology.stream,
+            config.topology.subject_prefix.as_str(),
         )
         .await?;
         let horizon = config.redelivery_horizon();
         if stream.duplicate_window < horizon {
             tracing::warn!(
-                stream = %config.stream.name,
+                stream = %config.topology.stream.name,
                 duplicate_window = ?stream.duplicate_window,
                 redelivery_horizon = ?horizon,
                 "the stream's duplicate window is shorter than the relay's redelivery horizon \
@@ -473,6 +472,19 @@ impl Relay {
             Err(Bounded::Failed(error)) => return Err(error.into()),
             Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
         }
+        // Reports, now, the units of work that write under another prefix than this relay
+        // publishes (their rows would be dead-lettered).
+        database::bounded(
+            limit,
+            &shared.target,
+            "registering the topology",
+            topology::register(&mut conn, Role::Relay, &shared.config.topology),
+        )
+        .await
+        .map_err(|error| match error {
+            Bounded::Failed(error) => RelayError::Database(error),
+            Bounded::TimedOut(timed_out) => RelayError::TimedOut(timed_out),
+        })?;
         Ok(Self {
             shared,
             duplicate_window: stream.duplicate_window,
@@ -525,10 +537,10 @@ impl Relay {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
             tokio::spawn(async move { listener::run(&shared, wakers, stop).await })
         });
-        let partitions = (self.shared.config.published == PublishedRows::Archive).then(|| {
+        let housekeeping = {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
-            tokio::spawn(async move { keep_archive_partitions(&shared, stop).await })
-        });
+            tokio::spawn(async move { keep_house(&shared, stop).await })
+        };
         let gauges = (!self.shared.config.stats_interval.is_zero()).then(|| {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
             tokio::spawn(async move { read_stats(&shared, stop).await })
@@ -555,9 +567,7 @@ impl Relay {
         if let Some(gauges) = gauges {
             gauges.await?;
         }
-        if let Some(partitions) = partitions {
-            partitions.await?;
-        }
+        housekeeping.await?;
         outcome
     }
 
@@ -632,27 +642,50 @@ async fn read_stats(shared: &Shared, stop: CancellationToken) {
 /// In [`PublishedRows::Archive`] mode: creates `outbox_published`'s partitions two days
 /// ahead at start and every hour until `stop`, so that a day's first archived rows never wait
 /// for its partition (the archive creates a missing one itself, as a last resort).
-async fn keep_archive_partitions(shared: &Shared, stop: CancellationToken) {
+/// The relay's hourly chores: registers its topology again (the registry forgets a relay
+/// unseen for a day, see [`crate::topology`]) and, under [`PublishedRows::Archive`], creates
+/// the archive's partitions two days ahead.
+async fn keep_house(shared: &Shared, stop: CancellationToken) {
+    let archive = shared.config.published == PublishedRows::Archive;
+    // Registered by `connect` a moment ago; partitions are wanted at once.
+    let mut register = false;
     loop {
-        let created = async {
-            let mut conn = worker::connect(shared).await.map_err(|e| e.to_string())?;
-            database::bounded(
-                shared.config.statement_timeout,
-                &shared.target,
-                "creating archive partitions",
-                crate::outbox::create_archive_partitions(&mut conn, 2),
-            )
-            .await
-            .map_err(|e| e.to_string())
-        };
-        match created.await {
-            Ok(0) => {}
-            Ok(created) => tracing::info!(created, "created archive partitions ahead"),
-            Err(error) => tracing::warn!(%error, "cannot create archive partitions ahead"),
+        if register || archive {
+            let chores = async {
+                let mut conn = worker::connect(shared).await.map_err(|e| e.to_string())?;
+                let limit = shared.config.statement_timeout;
+                if register {
+                    database::bounded(
+                        limit,
+                        &shared.target,
+                        "registering the topology",
+                        topology::register(&mut conn, Role::Relay, &shared.config.topology),
+                    )
+                    .await
+                    .map_err(|e| format!("cannot register the relay's topology: {e}"))?;
+                }
+                if !archive {
+                    return Ok(0);
+                }
+                database::bounded(
+                    limit,
+                    &shared.target,
+                    "creating archive partitions",
+                    crate::outbox::create_archive_partitions(&mut conn, 2),
+                )
+                .await
+                .map_err(|e| format!("cannot create archive partitions ahead: {e}"))
+            };
+            match chores.await {
+                Ok(0) => {}
+                Ok(created) => tracing::info!(created, "created archive partitions ahead"),
+                Err(error) => tracing::warn!(%error, "relay housekeeping"),
+            }
         }
+        register = true;
         tokio::select! {
             () = stop.cancelled() => return,
-            () = tokio::time::sleep(Duration::from_secs(3600)) => {}
+            () = tokio::time::sleep(topology::REGISTER_EVERY) => {}
         }
     }
 }
@@ -787,7 +820,7 @@ mod tests {
     fn the_redelivery_horizon_of_the_defaults_fits_jetstreams_default_window() {
         let config = RelayConfig::new("postgres://");
         assert_eq!(config.redelivery_horizon(), Duration::from_millis(65_500));
-        assert!(config.redelivery_horizon() < StreamSettings::default().duplicate_window);
+        assert!(config.redelivery_horizon() < crate::StreamSettings::default().duplicate_window);
     }
 
     #[test]

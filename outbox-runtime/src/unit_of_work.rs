@@ -213,6 +213,7 @@ impl Outbox {
         if depth.is_some() {
             return Err(UnitOfWorkError::NestedTransaction.into());
         }
+        self.register_if_due(conn).await;
         AnsiTransactionManager::begin_transaction_sql(conn, BEGIN)
             .await
             .map_err(UnitOfWorkError::from)?;

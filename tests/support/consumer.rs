@@ -32,8 +32,7 @@ pub async fn consumer_database() -> TestEnv {
 pub fn consumer_config(consumer: &TestEnv, producer: &TestEnv, name: &str) -> InboxConfig {
     let mut config = InboxConfig::new(name, &consumer.database_url);
     config.outbox = consumer.outbox();
-    config.stream = producer.stream.clone();
-    config.filter_subject = format!("{}.>", producer.prefix);
+    config.topology = producer.topology();
     config.ack_wait = Duration::from_secs(1);
     config.retry_delay = Duration::from_millis(50);
     config.max_retry_delay = Duration::from_millis(200);

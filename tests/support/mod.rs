@@ -19,7 +19,7 @@ use async_nats::jetstream::{
 };
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use futures::StreamExt;
-use outbox_runtime::{Aggregate, Outbox, RelayConfig, StreamSettings, UnitOfWorkError};
+use outbox_runtime::{Aggregate, Outbox, RelayConfig, StreamSettings, Topology, UnitOfWorkError};
 
 pub struct TestEnv {
     /// The URL of this test's own database.
@@ -109,10 +109,19 @@ impl TestEnv {
             .expect("connect to the test database")
     }
 
+    /// This test's topology: its prefix and stream.
+    pub fn topology(&self) -> Topology {
+        Topology::new(
+            self.prefix.parse().expect("a valid prefix"),
+            StreamSettings {
+                name: self.stream.clone(),
+                ..StreamSettings::default()
+            },
+        )
+    }
+
     pub fn outbox(&self) -> Outbox {
-        Outbox::new()
-            .with_subject_prefix(&self.prefix)
-            .expect("a valid prefix")
+        Outbox::with_topology(self.topology())
     }
 
     /// Commits `aggregate`'s pending events through this test's outbox, in a unit of work of
@@ -130,11 +139,7 @@ impl TestEnv {
     /// A relay configuration for this test's database, prefix and stream, polling fast.
     pub fn relay_config(&self) -> RelayConfig {
         let mut config = RelayConfig::new(&self.database_url);
-        config.subject_prefix = self.prefix.clone();
-        config.stream = StreamSettings {
-            name: self.stream.clone(),
-            ..StreamSettings::default()
-        };
+        config.topology = self.topology();
         config.source = "/tests".to_owned();
         config.poll_interval = std::time::Duration::from_millis(20);
         config

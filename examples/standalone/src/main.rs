@@ -1,7 +1,8 @@
 //! A bank service as a newcomer writes it, with `outbox-runtime`, `serde` and `tokio` as its
 //! only dependencies: accounts are opened and money moves between two of them in units of
 //! work (one of which fails and rolls back), the relay publishes the events, and an inbox
-//! builds a read model of balances from them.
+//! builds a read model of balances and transfers from them, the accounts' events and the
+//! transfers' through one durable consumer.
 //!
 //! ```sh
 //! cargo run -p outbox-standalone-example
@@ -16,8 +17,9 @@ use outbox_runtime::diesel::prelude::*;
 use outbox_runtime::diesel::sql_types::{BigInt, Text};
 use outbox_runtime::diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use outbox_runtime::{
-    DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, Relay, RelayConfig,
-    StreamSettings, UnitOfWork, UnitOfWorkError, aggregate, diesel, diesel_async,
+    DomainEvent, EventSet, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, Relay,
+    RelayConfig, StreamSettings, Topology, UnitOfWork, UnitOfWorkError, aggregate, diesel,
+    diesel_async,
 };
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +30,23 @@ enum AccountEvent {
     Opened { owner: String },
     Credited { cents: i64 },
     Debited { cents: i64 },
+}
+
+/// What the transfer itself records: emitted by the unit of work that moves the money.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+#[event(name = "TransferCompleted")]
+struct TransferCompleted {
+    from: String,
+    to: String,
+    cents: i64,
+}
+
+/// Everything the read model consumes, through one durable consumer: the accounts' events
+/// and the transfers'.
+#[derive(Debug, EventSet)]
+enum BankEvent {
+    Account(AccountEvent),
+    Transfer(TransferCompleted),
 }
 
 #[aggregate]
@@ -135,28 +154,49 @@ async fn transfer(
             to.credit(cents);
             save(uow.conn(), from).await?;
             save(uow.conn(), to).await?;
+            let transfer = format!("{}-{}", from.id, to.id);
+            let completed = TransferCompleted {
+                from: from.id.clone(),
+                to: to.id.clone(),
+                cents,
+            };
+            uow.emit("Transfer", &transfer, &completed);
             Ok(())
         })
         .await
 }
 
-/// The read model: each account's balance, as the events tell it.
+/// The read model: each account's balance and the transfers it took part in, as the events
+/// tell them.
 struct Balances;
 
 impl Handler for Balances {
-    type Event = AccountEvent;
+    type Event = BankEvent;
     type Error = diesel::result::Error;
 
     async fn handle(
         &self,
-        event: AccountEvent,
+        event: BankEvent,
         message: &Metadata,
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         let change = match event {
-            AccountEvent::Opened { .. } => 0,
-            AccountEvent::Credited { cents } => cents,
-            AccountEvent::Debited { cents } => -cents,
+            BankEvent::Account(AccountEvent::Opened { .. }) => 0,
+            BankEvent::Account(AccountEvent::Credited { cents }) => cents,
+            BankEvent::Account(AccountEvent::Debited { cents }) => -cents,
+            BankEvent::Transfer(TransferCompleted { from, to, .. }) => {
+                // The transfer and the accounts' events are of different aggregates, applied
+                // in no set order between them: an upsert that adds commutes with theirs.
+                diesel::sql_query(
+                    "INSERT INTO bank_balances (id, cents, transfers) VALUES ($1, 0, 1), ($2, 0, 1) \
+                     ON CONFLICT (id) DO UPDATE SET transfers = bank_balances.transfers + 1",
+                )
+                .bind::<Text, _>(from)
+                .bind::<Text, _>(to)
+                .execute(uow.conn())
+                .await?;
+                return Ok(());
+            }
         };
         let account = message.aggregate_id.as_str();
         diesel::sql_query(
@@ -177,6 +217,8 @@ struct Balance {
     id: String,
     #[diesel(sql_type = BigInt)]
     cents: i64,
+    #[diesel(sql_type = BigInt)]
+    transfers: i64,
 }
 
 #[tokio::main]
@@ -190,22 +232,24 @@ async fn main() -> Result<(), BoxError> {
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut conn,
         "CREATE TABLE IF NOT EXISTS bank_accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-         CREATE TABLE IF NOT EXISTS bank_balances (id text PRIMARY KEY, cents bigint NOT NULL);",
+         CREATE TABLE IF NOT EXISTS bank_balances (id text PRIMARY KEY, cents bigint NOT NULL);
+         ALTER TABLE bank_balances ADD COLUMN IF NOT EXISTS transfers bigint NOT NULL DEFAULT 0;",
     )
     .await?;
 
     let nats = outbox_runtime::nats::connect(&nats_url).await?;
-    let outbox = Outbox::new().with_subject_prefix("bank")?;
-    let mut relay_config = RelayConfig::new(&database_url);
-    relay_config.subject_prefix = "bank".to_owned();
-    relay_config.stream = StreamSettings {
+    // The bank's topology, configured once for its units of work, its relay and its inbox.
+    let stream = StreamSettings {
         name: "BANK".to_owned(),
         ..StreamSettings::default()
     };
+    let topology = Topology::new("bank".parse()?, stream);
+    let outbox = Outbox::with_topology(topology.clone());
+    let mut relay_config = RelayConfig::new(&database_url);
+    relay_config.topology = topology.clone();
     let relay = Relay::connect(relay_config, nats.clone()).await?.spawn();
-    let mut inbox_config = InboxConfig::new("bank-balances", &database_url);
-    inbox_config.stream = "BANK".to_owned();
-    inbox_config.filter_subject = "bank.Account.>".to_owned();
+    let mut inbox_config = InboxConfig::new("bank-read-model", &database_url);
+    inbox_config.topology = topology; // every subject of it: bank.>
     let inbox = Inbox::connect(inbox_config, nats, Balances).await?.spawn();
 
     // Two accounts, opened and funded in one unit of work.
@@ -235,16 +279,19 @@ async fn main() -> Result<(), BoxError> {
     }
 
     // The inbox builds the read model from the published events.
-    let expected = [(ada.id.clone(), 7_500), (bob.id.clone(), 2_500)];
+    let expected = [(ada.id.clone(), 7_500, 1), (bob.id.clone(), 2_500, 1)];
     let balances = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
             let balances: Vec<Balance> = diesel::sql_query(
-                "SELECT id, cents FROM bank_balances WHERE id = ANY($1) ORDER BY id",
+                "SELECT id, cents, transfers FROM bank_balances WHERE id = ANY($1) ORDER BY id",
             )
             .bind::<diesel::sql_types::Array<Text>, _>(vec![&ada.id, &bob.id])
             .load(&mut conn)
             .await?;
-            let seen: Vec<(String, i64)> = balances.into_iter().map(|b| (b.id, b.cents)).collect();
+            let seen: Vec<(String, i64, i64)> = balances
+                .into_iter()
+                .map(|b| (b.id, b.cents, b.transfers))
+                .collect();
             if seen == expected {
                 return Ok::<_, BoxError>(seen);
             }
@@ -253,9 +300,9 @@ async fn main() -> Result<(), BoxError> {
     })
     .await
     .map_err(|_| "the read model did not catch up in 30 s")??;
-    for (account, cents) in balances {
+    for (account, cents, transfers) in balances {
         println!(
-            "read model: {account} holds {}.{:02}",
+            "read model: {account} holds {}.{:02}, {transfers} transfer",
             cents / 100,
             cents % 100
         );

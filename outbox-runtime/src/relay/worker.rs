@@ -50,7 +50,13 @@ pub struct BatchReport {
 /// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
 /// connect timeout, with its statement timeout.
 pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, database::ConnectError> {
-    database::connect(&shared.config.database_url, "outbox-relay", shared.limits()).await
+    database::connect(
+        &shared.config.database_url,
+        shared.config.connector.as_ref(),
+        "outbox-relay",
+        shared.limits(),
+    )
+    .await
 }
 
 /// The worker loop: batches until `stop`, then returns after the batch in progress.
@@ -354,7 +360,7 @@ async fn batch(
                             "{error}: no publish ack within {:?} while the stream {:?} answered; \
                              the server dropped the message (a publish permission that denies \
                              the subject is the usual cause; see the server's log)",
-                            config.ack_timeout, config.stream.name
+                            config.ack_timeout, config.topology.stream.name
                         ),
                     }
                 } else {
@@ -439,7 +445,9 @@ async fn stream_answers_now(shared: &Shared, connects: u64) -> bool {
     if publisher.connects() != connects || shared.nats.connection_state() != State::Connected {
         return false;
     }
-    let info = publisher.jetstream().get_stream(&shared.config.stream.name);
+    let info = publisher
+        .jetstream()
+        .get_stream(&shared.config.topology.stream.name);
     matches!(
         tokio::time::timeout(shared.config.ack_timeout, info).await,
         Ok(Ok(_))

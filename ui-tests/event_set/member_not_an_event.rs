@@ -1,0 +1,15 @@
+use outbox_runtime::{DomainEvent, EventSet};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, DomainEvent)]
+enum AccountEvent {
+    Opened { owner: String },
+}
+
+#[derive(EventSet)]
+enum BankEvent {
+    Account(AccountEvent),
+    Note(String),
+}
+
+fn main() {}
