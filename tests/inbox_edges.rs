@@ -29,7 +29,9 @@ async fn receive_and_die(inbox: &Inbox<impl Handler>, count: usize) -> usize {
         .consumer()
         .fetch()
         .max_messages(count)
-        .expires(Duration::from_secs(2))
+        // Longer than any test's ack_wait: a redelivery reaches this request, never an
+        // expired one.
+        .expires(Duration::from_secs(5))
         .messages()
         .await
         .unwrap();
@@ -211,6 +213,10 @@ async fn crashes_do_not_use_up_a_messages_attempts() {
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "crashing");
     config.max_attempts = 2;
+    // The delivery count is asserted exactly: an ack_wait that a loaded CI host's late
+    // progress ack cannot outrun (one run saw a fifth delivery with the 1 s of the other
+    // tests, the message still handled once and nothing dead-lettered).
+    config.ack_wait = Duration::from_secs(3);
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
         .await
         .unwrap();

@@ -45,7 +45,7 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 /// (and one an hour after) registers the prefix in `outbox_topologies`, in its own statement
 /// before `BEGIN`, and logs a warning when a relay of this outbox publishes another prefix
 /// (see [`crate::topology`]).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Outbox {
     topology: Arc<Topology>,
     /// When this outbox (and its clones) last registered its topology.
@@ -91,6 +91,14 @@ impl Outbox {
         if let Err(error) = topology::register(conn, Role::Outbox, &self.topology).await {
             tracing::warn!(%error, "cannot register the outbox's topology in outbox_topologies");
         }
+    }
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("topology", &self.topology)
+            .finish_non_exhaustive()
     }
 }
 
