@@ -8,7 +8,7 @@
 //! 1. the ceiling: raw async JetStream publishes of the same messages to the same stream;
 //! 2. the naive relay of the well-known articles: batches of 100, one publish awaited at a
 //!    time, one UPDATE per row;
-//! 3. this relay with its defaults, with 2 instances, and with each other way of finishing
+//! 3. this relay with its defaults, with 2 and 3 instances, and with each other way of finishing
 //!    published rows (marking them, archiving them to daily partitions);
 //! 4. the ratios 3/1 and 3/2;
 //! 5. commit-to-ack latency at a fixed offered load, with notifications and polling only (the
@@ -161,6 +161,13 @@ impl Bench {
             report("3. this relay, defaults", relay, "events/s");
             let relay2 = self.drain("Relay2", 2, self.place.relay_config()).await?;
             report("3. this relay, 2 instances", relay2, "events/s");
+            let relay3 = self.drain("Relay3x", 3, self.place.relay_config()).await?;
+            report("3. this relay, 3 instances", relay3, "events/s");
+            println!(
+                "   scale-out: 2 instances / 1 = {:.2}x, 3 instances / 1 = {:.2}x (target: never below 1)",
+                relay2 / relay,
+                relay3 / relay
+            );
             let defaults = self.place.relay_config().published;
             let others = [
                 PublishedRows::Delete,
