@@ -187,7 +187,7 @@ async fn main() -> Result<(), BoxError> {
     let mut inbox_config = InboxConfig::new("inventory-reservations", &inventory_url);
     inbox_config.outbox = inventory_outbox;
     inbox_config.topology = shop;
-    inbox_config.filter_subject = Some("shop.Order.*.Placed".to_owned());
+    inbox_config.filter_subjects = vec!["shop.Order.*.Placed".to_owned()];
     let inbox = Inbox::connect(inbox_config, nats.clone(), Reservations)
         .await?
         .spawn();

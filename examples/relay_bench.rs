@@ -867,7 +867,7 @@ impl Bench {
             let mut config = InboxConfig::new(consumer, &self.place.database_url);
             config.outbox = Outbox::with_topology(self.place.topology());
             config.topology = self.place.topology();
-            config.filter_subject = Some(format!("{}.{kind}.>", self.place.prefix));
+            config.filter_subjects = vec![format!("{}.{kind}.>", self.place.prefix)];
             config
         };
 
@@ -878,7 +878,7 @@ impl Bench {
             .await?
             .create_consumer(pull::Config {
                 durable_name: Some("plain".to_owned()),
-                filter_subject: plain_config.filter(),
+                filter_subject: plain_config.filters().remove(0),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ..Default::default()
             })

@@ -728,8 +728,8 @@ async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once(
 
     let consumer = consumer_database().await;
     let config = consumer_config(&consumer, &producer, "commerce");
-    assert_eq!(
-        config.filter_subject, None,
+    assert!(
+        config.filter_subjects.is_empty(),
         "all of the producer's subjects"
     );
     let inbox = Inbox::connect(config, producer.nats.clone(), Dispatching)
@@ -759,4 +759,85 @@ async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once(
         .collect()
         .await;
     assert_eq!(consumers, ["commerce"], "one durable consumer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_filter_subjects_make_one_consumer_on_a_current_server_and_are_refused_by_2_9() {
+    let producer = TestEnv::new().await;
+    for id in ["o-1", "o-2"] {
+        let mut order = Order::place(id, "ada", 10);
+        order.record(OrderEvent::Shipped);
+        producer
+            .outbox()
+            .transaction(&mut producer.conn().await, async |uow| {
+                uow.track(&mut order);
+                uow.emit(
+                    "Payment",
+                    &format!("pay-{id}"),
+                    &support::domain::PaymentCaptured {
+                        merchant: "m-7".to_owned(),
+                        amount_cents: 10,
+                    },
+                );
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+    relay_all(&producer).await;
+
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "placed-and-paid");
+    config.filter_subjects = vec![
+        format!("{}.Order.*.Placed", producer.prefix),
+        format!("{}.Payment.>", producer.prefix),
+    ];
+    let version = producer.nats.server_info().version;
+    let current = !version.starts_with("2.9.") && !version.starts_with("2.8.");
+    let connected = Inbox::connect(config, producer.nats.clone(), Dispatching).await;
+    if !current {
+        let error = connected
+            .err()
+            .expect("2.9 takes one filter subject")
+            .to_string();
+        assert!(
+            error.contains("2.10") && error.contains(&version),
+            "{error}"
+        );
+        return;
+    }
+    run_until_settled(
+        connected.unwrap(),
+        "placed orders and payments",
+        Duration::from_secs(20),
+    )
+    .await;
+    let expected: BTreeMap<String, i64> = [
+        "placed:o-1",
+        "paid:m-7:pay-o-1",
+        "placed:o-2",
+        "paid:m-7:pay-o-2",
+    ]
+    .into_iter()
+    .map(|key| (key.to_owned(), 1))
+    .collect();
+    assert_eq!(
+        effects(&consumer).await,
+        expected,
+        "no Shipped: it is filtered out"
+    );
+    let info = producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap()
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>("placed-and-paid")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    assert_eq!(info.filter_subjects.len(), 2, "{info:?}");
 }

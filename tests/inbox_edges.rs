@@ -521,7 +521,7 @@ async fn a_consumer_of_some_event_types_applies_them_without_waiting_for_the_oth
     relay_all(&producer).await;
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "shipments");
-    config.filter_subject = Some(format!("{}.Order.*.Shipped", producer.prefix));
+    config.filter_subjects = vec![format!("{}.Order.*.Shipped", producer.prefix)];
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
         .await
         .unwrap();

@@ -413,7 +413,7 @@ async fn a_consumer_whose_filter_lies_outside_its_topology_is_refused_naming_bot
     env.create_stream(Duration::from_secs(120)).await;
     let mut config = InboxConfig::new("astray", &env.database_url);
     config.topology = env.topology();
-    config.filter_subject = Some("events.Order.>".to_owned());
+    config.filter_subjects = vec!["events.Order.>".to_owned()];
     let error = Inbox::connect(config, env.nats.clone(), Nothing)
         .await
         .err()

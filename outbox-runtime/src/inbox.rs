@@ -183,10 +183,14 @@ pub struct InboxConfig {
     /// work and relay take, [`crate::topology`]); the consumer reads its stream. Default
     /// [`Topology::default`]: prefix `events`, stream `EVENTS`.
     pub topology: Topology,
-    /// The subjects to consume, as one NATS subject filter under the topology's prefix, e.g.
-    /// `events.Order.*.Placed`. Default `None`: all of them, `{prefix}.>`. A filter that
-    /// cannot match a subject under the prefix is refused by [`Inbox::connect`].
-    pub filter_subject: Option<String>,
+    /// The subjects to consume, as NATS subject filters under the topology's prefix, e.g.
+    /// `["events.Order.*.Placed", "events.Payment.>"]`. Default empty: all of them,
+    /// `{prefix}.>`. One filter works on every server; several make one durable consumer
+    /// take several subjects (the consumer's `filter_subjects`, nats-server 2.10 and later;
+    /// NATS docs, JetStream consumers, "FilterSubjects"), and [`Inbox::connect`] refuses them
+    /// on an older server, naming its version. A filter that cannot match a subject under the
+    /// prefix is refused too.
+    pub filter_subjects: Vec<String>,
     /// Handler failures (errors or panics) before a message is dead-lettered. Deliveries do
     /// not count: a crash or a restart never dead-letters a message. Default 5.
     pub max_attempts: u32,
@@ -242,7 +246,7 @@ impl fmt::Debug for InboxConfig {
             .field("database_url", &Redacted(&self.database_url))
             .field("outbox", &self.outbox)
             .field("topology", &self.topology)
-            .field("filter_subject", &self.filter_subject)
+            .field("filter_subjects", &self.filter_subjects)
             .field("max_attempts", &self.max_attempts)
             .field("ack_wait", &self.ack_wait)
             .field("retry_delay", &self.retry_delay)
@@ -269,7 +273,7 @@ impl InboxConfig {
             database_url: database_url.into(),
             outbox: Outbox::new(),
             topology: Topology::default(),
-            filter_subject: None,
+            filter_subjects: Vec::new(),
             max_attempts: 5,
             ack_wait: Duration::from_secs(5),
             retry_delay: Duration::from_secs(1),
@@ -287,21 +291,25 @@ impl InboxConfig {
         }
     }
 
-    /// The subject filter the consumer takes: `filter_subject`, or all the topology's
+    /// The subject filters the consumer takes: `filter_subjects`, or all the topology's
     /// subjects.
-    pub fn filter(&self) -> String {
-        self.filter_subject
-            .clone()
-            .unwrap_or_else(|| self.topology.subject_prefix.all_subjects())
+    pub fn filters(&self) -> Vec<String> {
+        if self.filter_subjects.is_empty() {
+            vec![self.topology.subject_prefix.all_subjects()]
+        } else {
+            self.filter_subjects.clone()
+        }
     }
 
     fn validate(&self) -> Result<(), InboxError> {
         let prefix = &self.topology.subject_prefix;
-        if let Some(filter) = &self.filter_subject
-            && !prefix.can_match(filter)
+        if let Some(filter) = self
+            .filter_subjects
+            .iter()
+            .find(|filter| !prefix.can_match(filter))
         {
             return Err(InboxError::Config(format!(
-                "filter_subject {filter:?} matches no subject under the topology's prefix \
+                "filter subject {filter:?} matches no subject under the topology's prefix \
                  {prefix:?}: the relay publishes only \"{prefix}.>\"; use the producer's \
                  topology, or a filter under its prefix"
             )));
@@ -583,8 +591,8 @@ impl Failure {
 
 struct Shared<H> {
     config: InboxConfig,
-    /// The consumer's subject filter ([`InboxConfig::filter`]).
-    filter: String,
+    /// The consumer's subject filters ([`InboxConfig::filters`]).
+    filters: Vec<String>,
     /// The database URL without its password.
     target: String,
     handler: H,
@@ -612,7 +620,7 @@ impl<H: Handler> Clone for Inbox<H> {
 
 impl<H: Handler> Inbox<H> {
     /// Checks the configuration, gets or creates the durable pull consumer (explicit acks,
-    /// `ack_wait`, `max_ack_pending`, `filter_subject`, unlimited deliveries: the inbox
+    /// `ack_wait`, `max_ack_pending`, the filter subjects, unlimited deliveries: the inbox
     /// counts handler failures itself; an existing consumer's filter is checked, and its
     /// other settings are updated to these), opens the database pool and checks that the
     /// inbox tables are migrated.
@@ -633,13 +641,30 @@ impl<H: Handler> Inbox<H> {
             stream: config.topology.stream.name.clone(),
             message,
         };
+        let filters = config.filters();
+        if filters.len() > 1 {
+            let version = nats.server_info().version;
+            if !supports_filter_subjects(&version) {
+                return Err(InboxError::Config(format!(
+                    "{} filter subjects need nats-server 2.10 or later (a consumer's \
+                     filter_subjects), and the server is {version}; use one filter, or one \
+                     consumer per filter",
+                    filters.len()
+                )));
+            }
+        }
         let stream = jetstream::new(nats)
             .get_stream(&config.topology.stream.name)
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
+        let (filter_subject, filter_subjects) = match filters.as_slice() {
+            [one] => (one.clone(), Vec::new()),
+            several => (String::new(), several.to_vec()),
+        };
         let wanted = pull::Config {
             durable_name: Some(config.consumer.clone()),
-            filter_subject: config.filter(),
+            filter_subject,
+            filter_subjects,
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
             ack_wait: config.ack_wait,
             max_deliver: -1,
@@ -656,11 +681,18 @@ impl<H: Handler> Inbox<H> {
             .map_err(|e| consumer_error(e.to_string()))?
             .config
             .clone();
-        if existing.filter_subject != wanted.filter_subject {
+        let mut existing_filters = if existing.filter_subjects.is_empty() {
+            vec![existing.filter_subject.clone()]
+        } else {
+            existing.filter_subjects.clone()
+        };
+        existing_filters.sort();
+        let mut wanted_filters = filters.clone();
+        wanted_filters.sort();
+        if existing_filters != wanted_filters {
             return Err(consumer_error(format!(
-                "the consumer exists with filter subject {:?}, not {:?}; delete it or \
-                 choose another consumer name",
-                existing.filter_subject, wanted.filter_subject
+                "the consumer exists with filter subjects {existing_filters:?}, not \
+                 {wanted_filters:?}; delete it or choose another consumer name"
             )));
         }
         let outdated = existing.ack_wait != wanted.ack_wait
@@ -718,7 +750,7 @@ impl<H: Handler> Inbox<H> {
 
         Ok(Self {
             shared: Arc::new(Shared {
-                filter: wanted.filter_subject,
+                filters,
                 config,
                 target,
                 handler,
@@ -1136,7 +1168,7 @@ impl<H: Handler> Inbox<H> {
         loop {
             let found = order::predecessor(
                 &shared.stream,
-                &shared.filter,
+                &shared.filters,
                 metadata,
                 last_seq,
                 from,
@@ -1294,6 +1326,16 @@ pub(crate) struct Gap {
     record: bool,
 }
 
+/// Whether a nats-server of `version` (`2.9.10`, `2.10.0-RC.1`, ...) takes a consumer with
+/// several `filter_subjects`: 2.10 and later.
+fn supports_filter_subjects(version: &str) -> bool {
+    let mut numbers = version
+        .split(['.', '-'])
+        .map(|part| part.parse::<u64>().unwrap_or(0));
+    let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    (major, minor) >= (2, 10)
+}
+
 /// A consumer's settings on the server, as a pull consumer's configuration for an update.
 fn updated_pull_config(info: &jetstream::consumer::Config) -> pull::Config {
     pull::Config {
@@ -1305,6 +1347,7 @@ fn updated_pull_config(info: &jetstream::consumer::Config) -> pull::Config {
         ack_wait: info.ack_wait,
         max_deliver: info.max_deliver,
         filter_subject: info.filter_subject.clone(),
+        filter_subjects: info.filter_subjects.clone(),
         replay_policy: info.replay_policy,
         rate_limit: info.rate_limit,
         sample_frequency: info.sample_frequency,
@@ -1407,6 +1450,21 @@ pub async fn consumers(conn: &mut AsyncPgConnection) -> diesel::QueryResult<Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filter_subjects_need_2_10() {
+        for (version, supported) in [
+            ("2.9.10", false),
+            ("2.9.25", false),
+            ("2.10.0", true),
+            ("2.10.0-RC.1", true),
+            ("2.15.1", true),
+            ("3.0.0", true),
+            ("", false),
+        ] {
+            assert_eq!(supports_filter_subjects(version), supported, "{version}");
+        }
+    }
 
     #[test]
     fn holds_come_back_soon() {

@@ -61,12 +61,12 @@ pub(super) enum Predecessor {
 const MAX_SCANNED: usize = 256;
 
 /// Looks in `stream` for the predecessor of `event` (at stream sequence
-/// `metadata.stream_sequence`), given the consumer's `filter`, the last applied sequence
+/// `metadata.stream_sequence`), given the consumer's `filters`, the last applied sequence
 /// `last_seq` of its aggregate and that event's stream sequence `from`, and the consumer's
 /// ack floor (every message at or below it is settled).
 pub(super) async fn predecessor(
     stream: &Stream,
-    filter: &str,
+    filters: &[String],
     metadata: &Metadata,
     last_seq: i64,
     from: u64,
@@ -79,56 +79,64 @@ pub(super) async fn predecessor(
     let mut filtered = false;
     let mut scanned = 0;
     for pattern in aggregate_patterns(&metadata.subject, aggregate_type, aggregate_id) {
-        let Some(wanted) = intersect(filter, &pattern) else {
+        // The aggregate's subjects the consumer takes: the whole pattern when one filter
+        // covers it, else each part some filter takes.
+        let mut parts: Vec<String> = filters
+            .iter()
+            .filter_map(|filter| intersect(filter, &pattern))
+            .collect();
+        if parts.contains(&pattern) {
+            parts = vec![pattern.clone()];
+        } else {
             filtered = true;
-            continue;
-        };
-        filtered |= wanted != pattern;
-        let mut next = from.max(ack_floor) + 1;
-        while next < metadata.stream_sequence {
-            if scanned == MAX_SCANNED {
-                return Predecessor::Unknown(format!(
-                    "{MAX_SCANNED} messages of other aggregates on {pattern} lie between; \
+        }
+        for wanted in parts {
+            let mut next = from.max(ack_floor) + 1;
+            while next < metadata.stream_sequence {
+                if scanned == MAX_SCANNED {
+                    return Predecessor::Unknown(format!(
+                        "{MAX_SCANNED} messages of other aggregates on {pattern} lie between; \
                      asking again later"
-                ));
-            }
-            scanned += 1;
-            let request = stream
-                .raw_message_builder()
-                .sequence(next)
-                .next_by_subject(wanted.clone())
-                .send();
-            let found = match tokio::time::timeout(timeout, request).await {
-                Err(_) => return Predecessor::Unknown("the stream did not answer".to_owned()),
-                Ok(Err(error)) if error.kind() == RawMessageErrorKind::NoMessageFound => break,
-                Ok(Err(error)) => return Predecessor::Unknown(error.to_string()),
-                Ok(Ok(found)) => found,
-            };
-            if found.sequence >= metadata.stream_sequence {
-                break;
-            }
-            let header = |name: &str| {
-                found
-                    .headers
-                    .get(name)
-                    .and_then(|value| percent_decode_str(value.as_str()).decode_utf8().ok())
-                    .map(|value| value.into_owned())
-            };
-            let same_aggregate = header("ce-source") == metadata.source
-                && header("ce-aggregatetype").as_deref() == Some(aggregate_type)
-                && header("ce-subject").as_deref() == Some(aggregate_id);
-            let found_seq = header("ce-sequence").and_then(|text| text.parse::<i64>().ok());
-            if let (true, Some(found_seq)) = (same_aggregate, found_seq)
-                && found_seq > last_seq
-                && found_seq < seq
-            {
-                return Predecessor::Pending {
-                    seq: found_seq,
-                    stream_sequence: found.sequence,
-                    id: header("ce-id").or_else(|| header("Nats-Msg-Id")),
+                    ));
+                }
+                scanned += 1;
+                let request = stream
+                    .raw_message_builder()
+                    .sequence(next)
+                    .next_by_subject(wanted.clone())
+                    .send();
+                let found = match tokio::time::timeout(timeout, request).await {
+                    Err(_) => return Predecessor::Unknown("the stream did not answer".to_owned()),
+                    Ok(Err(error)) if error.kind() == RawMessageErrorKind::NoMessageFound => break,
+                    Ok(Err(error)) => return Predecessor::Unknown(error.to_string()),
+                    Ok(Ok(found)) => found,
                 };
+                if found.sequence >= metadata.stream_sequence {
+                    break;
+                }
+                let header = |name: &str| {
+                    found
+                        .headers
+                        .get(name)
+                        .and_then(|value| percent_decode_str(value.as_str()).decode_utf8().ok())
+                        .map(|value| value.into_owned())
+                };
+                let same_aggregate = header("ce-source") == metadata.source
+                    && header("ce-aggregatetype").as_deref() == Some(aggregate_type)
+                    && header("ce-subject").as_deref() == Some(aggregate_id);
+                let found_seq = header("ce-sequence").and_then(|text| text.parse::<i64>().ok());
+                if let (true, Some(found_seq)) = (same_aggregate, found_seq)
+                    && found_seq > last_seq
+                    && found_seq < seq
+                {
+                    return Predecessor::Pending {
+                        seq: found_seq,
+                        stream_sequence: found.sequence,
+                        id: header("ce-id").or_else(|| header("Nats-Msg-Id")),
+                    };
+                }
+                next = found.sequence + 1;
             }
-            next = found.sequence + 1;
         }
     }
     Predecessor::Missing { filtered }
