@@ -50,6 +50,9 @@
 //! - [`database`] and [`nats`]: the toolkit's connections, bounded by timeouts and shown
 //!   without their secrets.
 
+// Every public item says what it is: shapes, units, errors (the crate's own rule).
+#![warn(missing_docs)]
+
 /// A crash point: with the `failpoints` feature, a test can make the code return `$e` here,
 /// as if the process died at this point (the `fail` crate's `return` action); without the
 /// feature it compiles to nothing.

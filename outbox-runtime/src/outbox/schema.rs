@@ -8,24 +8,37 @@ diesel::table! {
     outbox_events (id) {
         /// UUIDv7; the message's `Nats-Msg-Id` and `ce-id`.
         id -> Uuid,
+        /// The aggregate type: the subject's second token and `ce-aggregatetype`.
         aggregate_type -> Text,
+        /// The aggregate id: `ce-subject`, and the partition key by default.
         aggregate_id -> Text,
         /// 1, 2, 3, ... per aggregate, in commit order.
         aggregate_seq -> Int8,
+        /// The event type name: the subject's last token and `ce-type`.
         event_type -> Text,
+        /// The payload schema version, 1 or more: `ce-eventversion`.
         event_version -> Int4,
+        /// The subject's third token: the aggregate id, or the `#[event(partition_key)]` field.
         partition_key -> Text,
         /// The resolved NATS subject.
         subject -> Text,
+        /// The event's JSON (PostgreSQL's rendering of it is what is published).
         payload -> Jsonb,
         /// Extra message headers: a JSON object of name to string or array of strings.
         headers -> Jsonb,
+        /// When the unit of work recorded it: `ce-time`.
         occurred_at -> Timestamptz,
+        /// Not published before this time: the relay's retry backoff moves it forward.
         available_at -> Timestamptz,
+        /// Rejections by the broker so far.
         attempts -> Int4,
+        /// The last rejection's reason; `None` before any.
         last_error -> Nullable<Text>,
+        /// When JetStream acked it (rows kept with `PublishedRows::Mark`); `None` while queued.
         published_at -> Nullable<Timestamptz>,
+        /// When it became a dead letter; `None` otherwise.
         dead_lettered_at -> Nullable<Timestamptz>,
+        /// When a dead letter was skipped (by policy or an operator); `None` otherwise.
         skipped_at -> Nullable<Timestamptz>,
         /// The conversation; `None` for a row inserted without one (its id stands in).
         correlation_id -> Nullable<Text>,
@@ -37,9 +50,13 @@ diesel::table! {
 diesel::table! {
     /// The last `aggregate_seq` handed out per aggregate.
     outbox_aggregates (aggregate_type, aggregate_id) {
+        /// The aggregate type.
         aggregate_type -> Text,
+        /// The aggregate id.
         aggregate_id -> Text,
+        /// The last `aggregate_seq` handed out.
         last_seq -> Int8,
+        /// Until when the aggregate's queue is blocked (a rejected row waiting for its retry, or `infinity` behind a dead letter); `None` when it flows.
         blocked_until -> Nullable<Timestamptz>,
     }
 }
@@ -47,11 +64,13 @@ diesel::table! {
 diesel::table! {
     /// The messages each inbox consumer handled (applied, skipped or dead-lettered).
     outbox_inbox (consumer, source, message_id) {
+        /// The consumer's name.
         consumer -> Text,
         /// `ce-source`; empty for a message without one.
         source -> Text,
         /// `ce-id` (or `Nats-Msg-Id`); `stream-sequence-N` for a message that could not be read.
         message_id -> Text,
+        /// When it was handled: retention deletes by it.
         handled_at -> Timestamptz,
     }
 }
@@ -59,15 +78,25 @@ diesel::table! {
 diesel::table! {
     /// The messages inbox consumers dead-lettered.
     outbox_inbox_dead_letters (consumer, source, message_id) {
+        /// The consumer's name.
         consumer -> Text,
+        /// `ce-source`; empty for a message without one.
         source -> Text,
+        /// `ce-id` (or `Nats-Msg-Id`); `stream-sequence-N` for a message that could not be read.
         message_id -> Text,
+        /// The message's subject.
         subject -> Text,
+        /// The message's headers, as a JSON object of name to array of values.
         headers -> Jsonb,
+        /// The message's payload, as received.
         payload -> Bytea,
+        /// Why it was dead-lettered: the handler's last error, or what could not be read.
         error -> Text,
+        /// JetStream's delivery count at the end.
         deliveries -> Int8,
+        /// The message's stream sequence.
         stream_sequence -> Int8,
+        /// When it was dead-lettered.
         dead_lettered_at -> Timestamptz,
     }
 }
@@ -75,14 +104,19 @@ diesel::table! {
 diesel::table! {
     /// Each consumer's position in each aggregate: the last `ce-sequence` it applied.
     outbox_inbox_positions (consumer, source, aggregate_type, aggregate_id) {
+        /// The consumer's name.
         consumer -> Text,
+        /// `ce-source` of the producer.
         source -> Text,
+        /// The aggregate type.
         aggregate_type -> Text,
+        /// The aggregate id.
         aggregate_id -> Text,
         /// 0 before the first event.
         last_seq -> Int8,
         /// The stream sequence of that event's message.
         stream_sequence -> Int8,
+        /// When the position last moved.
         updated_at -> Timestamptz,
     }
 }
@@ -90,11 +124,17 @@ diesel::table! {
 diesel::table! {
     /// Handler failures per message: these alone count toward dead-lettering.
     outbox_inbox_attempts (consumer, source, message_id) {
+        /// The consumer's name.
         consumer -> Text,
+        /// `ce-source`; empty for a message without one.
         source -> Text,
+        /// `ce-id` (or `Nats-Msg-Id`).
         message_id -> Text,
+        /// Handler failures (errors or panics) so far.
         failures -> Int4,
+        /// The last failure's text.
         last_error -> Text,
+        /// When it last failed.
         failed_at -> Timestamptz,
     }
 }
@@ -102,16 +142,23 @@ diesel::table! {
 diesel::table! {
     /// Events a consumer applied over a gap in their aggregate's sequence.
     outbox_inbox_gaps (consumer, source, aggregate_type, aggregate_id, recorded_at) {
+        /// The consumer's name.
         consumer -> Text,
+        /// `ce-source` of the producer.
         source -> Text,
+        /// The aggregate type.
         aggregate_type -> Text,
+        /// The aggregate id.
         aggregate_id -> Text,
         /// The last sequence applied before the gap.
         after_seq -> Int8,
         /// The sequence applied over it.
         next_seq -> Int8,
+        /// The stream sequence of the event applied over the gap.
         stream_sequence -> Int8,
+        /// Why the missing events were given up (not in the stream, or waited past `gap_timeout`).
         reason -> Text,
+        /// When the gap was recorded.
         recorded_at -> Timestamptz,
     }
 }
