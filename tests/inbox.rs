@@ -701,9 +701,9 @@ impl Handler for Dispatching {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once() {
-    let producer = TestEnv::new().await;
+/// Commits orders `o-1` and `o-2` (Placed, Shipped), each with a payment of merchant `m-7`
+/// (aggregate `pay-o-N`) in the same unit of work, and relays them.
+async fn commit_orders_and_payments(producer: &TestEnv) {
     for id in ["o-1", "o-2"] {
         let mut order = Order::place(id, "ada", 10);
         order.record(OrderEvent::Shipped);
@@ -724,7 +724,13 @@ async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once(
             .await
             .unwrap();
     }
-    relay_all(&producer).await;
+    relay_all(producer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once() {
+    let producer = TestEnv::new().await;
+    commit_orders_and_payments(&producer).await;
 
     let consumer = consumer_database().await;
     let config = consumer_config(&consumer, &producer, "commerce");
@@ -764,27 +770,7 @@ async fn one_durable_consumer_dispatches_the_events_of_two_aggregates_each_once(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_filter_subjects_make_one_consumer_on_a_current_server_and_are_refused_by_2_9() {
     let producer = TestEnv::new().await;
-    for id in ["o-1", "o-2"] {
-        let mut order = Order::place(id, "ada", 10);
-        order.record(OrderEvent::Shipped);
-        producer
-            .outbox()
-            .transaction(&mut producer.conn().await, async |uow| {
-                uow.track(&mut order);
-                uow.emit(
-                    "Payment",
-                    &format!("pay-{id}"),
-                    &support::domain::PaymentCaptured {
-                        merchant: "m-7".to_owned(),
-                        amount_cents: 10,
-                    },
-                );
-                Ok::<_, UnitOfWorkError>(())
-            })
-            .await
-            .unwrap();
-    }
-    relay_all(&producer).await;
+    commit_orders_and_payments(&producer).await;
 
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "placed-and-paid");

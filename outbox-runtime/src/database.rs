@@ -161,8 +161,9 @@ impl Connector {
     /// A connector that opens connections through the service's deadpool `pool` (its
     /// manager's URL and `custom_setup`: TLS, credentials) and takes each out of the pool
     /// (deadpool's `Object::take`): the toolkit's long-lived connections never hold the
-    /// pool's slots, and the pool opens new ones in their place. A relay opens `workers + 1`
-    /// this way, an inbox up to `max_concurrency`.
+    /// pool's slots, and the pool opens new ones in their place. How many each holds:
+    /// [`RelayConfig::connector`](crate::RelayConfig::connector),
+    /// [`InboxConfig::connector`](crate::InboxConfig::connector).
     pub fn from_pool(
         pool: diesel_async::pooled_connection::deadpool::Pool<AsyncPgConnection>,
     ) -> Self {

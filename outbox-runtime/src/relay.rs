@@ -270,6 +270,15 @@ pub enum RelayError {
     Task(#[from] tokio::task::JoinError),
 }
 
+impl From<Bounded<diesel::result::Error>> for RelayError {
+    fn from(error: Bounded<diesel::result::Error>) -> Self {
+        match error {
+            Bounded::Failed(error) => Self::Database(error),
+            Bounded::TimedOut(timed_out) => Self::TimedOut(timed_out),
+        }
+    }
+}
+
 impl From<InvalidSource> for RelayError {
     fn from(error: InvalidSource) -> Self {
         Self::Config(error.to_string())
@@ -289,6 +298,21 @@ struct Shared {
 }
 
 impl Shared {
+    /// Registers the relay's topology, reporting the units of work that write under another
+    /// prefix ([`topology::register`]), within the statement timeout.
+    async fn register_topology(
+        &self,
+        conn: &mut AsyncPgConnection,
+    ) -> Result<(), Bounded<diesel::result::Error>> {
+        database::bounded(
+            self.config.statement_timeout,
+            &self.target,
+            "registering the topology",
+            topology::register(conn, Role::Relay, &self.config.topology),
+        )
+        .await
+    }
+
     fn limits(&self) -> database::Limits {
         database::Limits {
             connect_timeout: self.config.connect_timeout,
@@ -474,17 +498,7 @@ impl Relay {
         }
         // Reports, now, the units of work that write under another prefix than this relay
         // publishes (their rows would be dead-lettered).
-        database::bounded(
-            limit,
-            &shared.target,
-            "registering the topology",
-            topology::register(&mut conn, Role::Relay, &shared.config.topology),
-        )
-        .await
-        .map_err(|error| match error {
-            Bounded::Failed(error) => RelayError::Database(error),
-            Bounded::TimedOut(timed_out) => RelayError::TimedOut(timed_out),
-        })?;
+        shared.register_topology(&mut conn).await?;
         Ok(Self {
             shared,
             duplicate_window: stream.duplicate_window,
@@ -590,10 +604,7 @@ impl Relay {
             Ok(outcome) => Ok(outcome.report),
             Err(error) => {
                 self.conn = None;
-                Err(match error {
-                    Bounded::Failed(error) => error.into(),
-                    Bounded::TimedOut(timed_out) => timed_out.into(),
-                })
+                Err(error.into())
             }
         }
     }
@@ -639,12 +650,11 @@ async fn read_stats(shared: &Shared, stop: CancellationToken) {
     }
 }
 
-/// In [`PublishedRows::Archive`] mode: creates `outbox_published`'s partitions two days
-/// ahead at start and every hour until `stop`, so that a day's first archived rows never wait
-/// for its partition (the archive creates a missing one itself, as a last resort).
-/// The relay's hourly chores: registers its topology again (the registry forgets a relay
-/// unseen for a day, see [`crate::topology`]) and, under [`PublishedRows::Archive`], creates
-/// the archive's partitions two days ahead.
+/// The relay's hourly chores until `stop`: registers its topology again (the registry forgets
+/// a relay unseen for a day, see [`crate::topology`]) and, under [`PublishedRows::Archive`],
+/// creates `outbox_published`'s partitions two days ahead, at start too, so that a day's
+/// first archived rows never wait for its partition (the archive creates a missing one
+/// itself, as a last resort).
 async fn keep_house(shared: &Shared, stop: CancellationToken) {
     let archive = shared.config.published == PublishedRows::Archive;
     // Registered by `connect` a moment ago; partitions are wanted at once.
@@ -653,22 +663,17 @@ async fn keep_house(shared: &Shared, stop: CancellationToken) {
         if register || archive {
             let chores = async {
                 let mut conn = worker::connect(shared).await.map_err(|e| e.to_string())?;
-                let limit = shared.config.statement_timeout;
                 if register {
-                    database::bounded(
-                        limit,
-                        &shared.target,
-                        "registering the topology",
-                        topology::register(&mut conn, Role::Relay, &shared.config.topology),
-                    )
-                    .await
-                    .map_err(|e| format!("cannot register the relay's topology: {e}"))?;
+                    shared
+                        .register_topology(&mut conn)
+                        .await
+                        .map_err(|e| format!("cannot register the relay's topology: {e}"))?;
                 }
                 if !archive {
                     return Ok(0);
                 }
                 database::bounded(
-                    limit,
+                    shared.config.statement_timeout,
                     &shared.target,
                     "creating archive partitions",
                     crate::outbox::create_archive_partitions(&mut conn, 2),

@@ -182,15 +182,15 @@ impl Role {
 
 /// A topology another process registered, whose prefix differs from the caller's.
 #[derive(Debug, QueryableByName)]
-pub(crate) struct Registered {
+struct Registered {
     #[diesel(sql_type = Text)]
-    pub role: String,
+    role: String,
     #[diesel(sql_type = Text)]
-    pub subject_prefix: String,
+    subject_prefix: String,
     #[diesel(sql_type = Text)]
-    pub stream: String,
+    stream: String,
     #[diesel(sql_type = Timestamptz)]
-    pub seen_at: time::OffsetDateTime,
+    seen_at: time::OffsetDateTime,
 }
 
 /// How often a long-running process registers its topology again: the registry forgets a
@@ -199,7 +199,7 @@ pub(crate) const REGISTER_EVERY: Duration = Duration::from_secs(3600);
 
 /// Records that `role` uses `topology` now, and logs a warning for each process of the other
 /// role, seen in the last day, whose prefix differs: the mismatch that would dead-letter
-/// every row. Returns what it reported.
+/// every row.
 ///
 /// # Errors
 /// The query's error (the table is missing before the migration `000008_topologies`).
@@ -207,7 +207,7 @@ pub(crate) async fn register(
     conn: &mut AsyncPgConnection,
     role: Role,
     topology: &Topology,
-) -> QueryResult<Vec<Registered>> {
+) -> QueryResult<()> {
     let others: Vec<Registered> = diesel::sql_query(
         "SELECT role, subject_prefix, stream, seen_at FROM outbox_register_topology($1, $2, $3)",
     )
@@ -233,7 +233,7 @@ pub(crate) async fn register(
             other.stream,
         );
     }
-    Ok(others)
+    Ok(())
 }
 
 #[cfg(test)]
