@@ -158,6 +158,47 @@ async fn two_instances_of_one_consumer_apply_each_aggregate_in_order() {
     );
 }
 
+/// Every event on one aggregate, two live instances: JetStream hands each instance its own
+/// run of the aggregate's messages, so most of them arrive while their predecessor is being
+/// applied by the other instance. Naked back with a delay, each would wait 100 ms to 1 s
+/// (the aggregate advanced about one event a second); waiting for the other instance to
+/// commit, they follow within milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_one_hot_aggregate_keep_its_pace_and_its_order() {
+    const EVENTS: usize = 300;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "hot");
+    let handler = Recording::default();
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let nats = outbox_runtime::nats::connect(&support::nats_url())
+            .await
+            .unwrap();
+        running.push(
+            Inbox::connect(config.clone(), nats, handler.clone())
+                .await
+                .unwrap()
+                .spawn(),
+        );
+    }
+    let started = Instant::now();
+    // One instance applies these in about a second; a minute is room for a loaded machine,
+    // and a fraction of the five minutes the naks cost.
+    wait_until("every event applied", Duration::from_secs(60), || async {
+        (applied_count(&mut consumer.conn().await).await == EVENTS).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    for running in running {
+        running.shutdown().await.unwrap();
+    }
+    assert_applied_in_order(&applied(&mut consumer.conn().await).await, 1, EVENTS as i64);
+    println!("{EVENTS} events of one aggregate through two instances in {took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_consumer_does_not_wait_for_what_a_killed_one_held() {
     const AGGREGATES: usize = 1500;

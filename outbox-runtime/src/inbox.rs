@@ -514,6 +514,13 @@ enum Body<E> {
 }
 
 /// Why the transaction that applies a message did not commit.
+/// How long an event waits in place for its predecessor while the aggregate's position
+/// does not move, before it is nak'd (see [`Inbox::wait_for_predecessor`]).
+const PREDECESSOR_STALL: Duration = Duration::from_millis(250);
+
+/// The longest pause between two tries of an event waiting in place for its predecessor.
+const PREDECESSOR_POLL: Duration = Duration::from_millis(16);
+
 enum Failure {
     /// The handler returned an error or panicked: counts toward `max_attempts`.
     Handler(String),
@@ -874,27 +881,33 @@ impl<H: Handler> Inbox<H> {
                 .look_for_predecessor(metadata, last_seq, stream_sequence)
                 .await
             {
-                Ok(gap) => gap,
+                Ok(gap) => Some(gap),
                 Err(predecessor) if held_for < config.gap_timeout => {
-                    let delay = InboxConfig::hold_delay(metadata.deliveries);
-                    tracing::debug!(%predecessor, ?delay, "waiting for an earlier event of the aggregate");
-                    return Outcome::Held {
-                        delay,
-                        reason: predecessor,
+                    result = self.wait_for_predecessor(message, metadata, last_seq).await;
+                    if let Err(Failure::Gap { .. }) = result {
+                        let delay = InboxConfig::hold_delay(metadata.deliveries);
+                        tracing::debug!(%predecessor, ?delay, "waiting for an earlier event of the aggregate");
+                        return Outcome::Held {
+                            delay,
+                            reason: predecessor,
+                        }
+                        .into();
                     }
-                    .into();
+                    None
                 }
-                Err(predecessor) => Gap {
+                Err(predecessor) => Some(Gap {
                     reason: format!(
                         "{predecessor}, and it did not settle within gap_timeout ({:?})",
                         config.gap_timeout
                     ),
                     record: true,
-                },
+                }),
             };
-            result = self
-                .apply(message, metadata, self.body(message, metadata), Some(&gap))
-                .await;
+            if let Some(gap) = gap {
+                result = self
+                    .apply(message, metadata, self.body(message, metadata), Some(&gap))
+                    .await;
+            }
         }
         let failure = match result {
             Ok(outcome) => return outcome.into(),
@@ -929,6 +942,44 @@ impl<H: Handler> Inbox<H> {
                     error: failure.to_string(),
                 }
                 .into()
+            }
+        }
+    }
+
+    /// Waits here for an event whose predecessor is in the stream and not applied, trying
+    /// it again as the aggregate's position moves: the predecessor is most often being
+    /// applied by another instance right now (JetStream hands each instance its own run of
+    /// a busy aggregate's messages), and commits within milliseconds, where a nak would cost
+    /// its delay. Gives up, returning the last [`Failure::Gap`], when the position has not
+    /// moved for [`PREDECESSOR_STALL`] (the predecessor waits for a redelivery or a retry of
+    /// its own: the caller naks the event, freeing its handler slot) or after a third of
+    /// `ack_wait` in all.
+    async fn wait_for_predecessor(
+        &self,
+        message: &jetstream::Message,
+        metadata: &Metadata,
+        mut last_seq: i64,
+    ) -> Result<Outcome, Failure> {
+        let started = tokio::time::Instant::now();
+        let limit = self.shared.config.ack_wait / 3;
+        let mut moved = started;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(PREDECESSOR_POLL);
+            let result = self
+                .apply(message, metadata, self.body(message, metadata), None)
+                .await;
+            let now = tokio::time::Instant::now();
+            match result {
+                Err(Failure::Gap { last_seq: seq, .. })
+                    if now - started < limit && now - moved < PREDECESSOR_STALL =>
+                {
+                    if seq > last_seq {
+                        (last_seq, moved, pause) = (seq, now, Duration::from_millis(1));
+                    }
+                }
+                result => return result,
             }
         }
     }
