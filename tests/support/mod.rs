@@ -7,6 +7,7 @@
 
 #![allow(dead_code)] // each test binary uses part of the harness
 
+pub mod cluster;
 pub mod consumer;
 pub mod counters;
 pub mod domain;
@@ -358,15 +359,7 @@ impl NatsServer {
     }
 
     fn binary() -> std::path::PathBuf {
-        if let Ok(path) = std::env::var("NATS_SERVER_BIN") {
-            return path.into();
-        }
-        let on_path = std::env::var_os("PATH").and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join("nats-server"))
-                .find(|candidate| candidate.is_file())
-        });
-        on_path.unwrap_or_else(|| "/usr/sbin/nats-server".into())
+        cluster::nats_server_binary()
     }
 
     /// Starts the server (again, with the same port and store) and waits until it accepts

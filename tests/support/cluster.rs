@@ -1,0 +1,280 @@
+//! A three-node JetStream cluster on loopback: three nats-server processes with routes to
+//! each other, each on its own client and cluster ports with its own store, for the tests
+//! and the benchmark that kill and restart nodes. Shared with `examples/relay_bench.rs`
+//! through `#[path]`, so it depends on nothing of the tests' harness.
+//!
+//! The binary is `NATS_SERVER_BIN`, else `nats-server` on the PATH, else
+//! `/usr/sbin/nats-server`. JetStream clustering needs each server named and the cluster
+//! named (nats-server docs, "JetStream Clustering": `server_name`, `cluster.name`,
+//! `cluster.routes`); a node may list itself among the routes.
+
+#![allow(dead_code)] // each user takes part of it
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+
+/// The nats-server binary to run: `NATS_SERVER_BIN`, else `nats-server` on the PATH, else
+/// Debian's `/usr/sbin/nats-server`.
+pub fn nats_server_binary() -> PathBuf {
+    if let Ok(path) = std::env::var("NATS_SERVER_BIN") {
+        return path.into();
+    }
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("nats-server"))
+            .find(|candidate| candidate.is_file())
+    });
+    on_path.unwrap_or_else(|| "/usr/sbin/nats-server".into())
+}
+
+/// A free TCP port on loopback.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+struct Node {
+    name: String,
+    port: u16,
+    cluster_port: u16,
+    store: PathBuf,
+    child: Option<Child>,
+}
+
+/// Three nats-server processes forming one JetStream cluster. Dropping it kills them and
+/// removes their stores.
+pub struct NatsCluster {
+    name: String,
+    nodes: Vec<Node>,
+    routes: String,
+}
+
+impl NatsCluster {
+    /// Starts three nodes and waits (up to 30 s) until the cluster has elected its
+    /// JetStream meta leader, so that streams can be created.
+    pub async fn start() -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        let nodes: Vec<Node> = (0..3)
+            .map(|i| Node {
+                name: format!("n{i}-{tag}"),
+                port: free_port(),
+                cluster_port: free_port(),
+                store: std::env::temp_dir().join(format!("outbox-cluster-{tag}-n{i}")),
+                child: None,
+            })
+            .collect();
+        let routes = nodes
+            .iter()
+            .map(|node| format!("nats://127.0.0.1:{}", node.cluster_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Self {
+            name: format!("outbox-{tag}"),
+            nodes,
+            routes,
+        };
+        for node in 0..3 {
+            cluster.spawn(node);
+        }
+        for node in 0..3 {
+            cluster.until_listening(node).await;
+        }
+        cluster.until_jetstream_answers().await;
+        cluster
+    }
+
+    /// The three client URLs, separated by commas: a server list for a client that fails
+    /// over.
+    pub fn urls(&self) -> String {
+        (0..self.nodes.len())
+            .map(|node| self.url(node))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The client URL of `node` (0, 1 or 2).
+    pub fn url(&self, node: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.nodes[node].port)
+    }
+
+    /// The server name of `node`, as stream and connection infos report it.
+    pub fn name(&self, node: usize) -> &str {
+        &self.nodes[node].name
+    }
+
+    /// The node whose server name is `name`.
+    pub fn node_named(&self, name: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|node| node.name == name)
+            .unwrap_or_else(|| panic!("no node is named {name}"))
+    }
+
+    /// Whether `node` runs.
+    pub fn is_running(&self, node: usize) -> bool {
+        self.nodes[node].child.is_some()
+    }
+
+    /// The node that leads `stream` now (its Raft group's leader), asked through `js`;
+    /// waits up to 30 s while the stream has no leader (an election).
+    pub async fn stream_leader(&self, js: &jetstream::Context, stream: &str) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut handle) = js.get_stream(stream).await
+                && let Ok(info) = handle.info().await
+                && let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone())
+            {
+                return self.node_named(&leader);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "stream {stream} had no leader for 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits up to 60 s until every replica of `stream` is current (none offline or lagging
+    /// behind its leader), as after a killed node has rejoined and caught up.
+    pub async fn until_replicas_current(&self, js: &jetstream::Context, stream: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(mut handle) = js.get_stream(stream).await
+                && let Ok(info) = handle.info().await
+                && let Some(cluster) = info.cluster.as_ref()
+                && cluster.leader.is_some()
+                && cluster.replicas.iter().all(|replica| {
+                    replica.current && !replica.offline && replica.lag.unwrap_or(0) == 0
+                })
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replicas of {stream} did not catch up within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills `node` with SIGKILL, as a crash would: no shutdown, no flush.
+    pub fn kill(&mut self, node: usize) {
+        if let Some(mut child) = self.nodes[node].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts `node` again, with its ports and store, and waits until it listens.
+    pub async fn restart(&mut self, node: usize) {
+        self.spawn(node);
+        self.until_listening(node).await;
+    }
+
+    fn spawn(&mut self, node: usize) {
+        let binary = nats_server_binary();
+        let routes = self.routes.clone();
+        let cluster_name = self.name.clone();
+        let this = &mut self.nodes[node];
+        assert!(this.child.is_none(), "node {} already runs", this.name);
+        std::fs::create_dir_all(&this.store).expect("the node's store");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(this.store.with_extension("log"))
+            .expect("the node's log file");
+        let child = Command::new(&binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &this.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&this.store)
+            .args(["--server_name", &this.name, "--cluster_name", &cluster_name])
+            .args([
+                "--cluster",
+                &format!("nats://127.0.0.1:{}", this.cluster_port),
+            ])
+            .args(["--routes", &routes])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {} (set NATS_SERVER_BIN): {e}",
+                    binary.display()
+                )
+            });
+        this.child = Some(child);
+    }
+
+    async fn until_listening(&self, node: usize) {
+        let address = format!("127.0.0.1:{}", self.nodes[node].port);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(&address).await.is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "node {} did not listen within 10 s; its log:\n{}",
+                self.nodes[node].name,
+                self.log(node)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn until_jetstream_answers(&self) {
+        let servers: Vec<async_nats::ServerAddr> = (0..self.nodes.len())
+            .map(|node| self.url(node).parse().expect("a server address"))
+            .collect();
+        let client = async_nats::connect(servers)
+            .await
+            .expect("connect to the cluster");
+        // async-nats's account info does not decode 2.9's answer, so the raw API: an answer
+        // without an `error` means a meta leader serves the JetStream API.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let answer = match client.request("$JS.API.INFO", "".into()).await {
+                Ok(reply) => {
+                    match outbox_runtime::serde_json::from_slice::<outbox_runtime::serde_json::Value>(
+                        &reply.payload,
+                    ) {
+                        Ok(info) if info.get("error").is_none() => return,
+                        Ok(info) => info.to_string(),
+                        Err(error) => error.to_string(),
+                    }
+                }
+                Err(error) => error.to_string(),
+            };
+            assert!(
+                Instant::now() < deadline,
+                "JetStream did not answer within 30 s ({answer}); node 0's log:\n{}",
+                self.log(0)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `node`'s log so far.
+    pub fn log(&self, node: usize) -> String {
+        std::fs::read_to_string(self.nodes[node].store.with_extension("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for node in 0..self.nodes.len() {
+            self.kill(node);
+            let store = &self.nodes[node].store;
+            let _ = std::fs::remove_dir_all(store);
+            let _ = std::fs::remove_file(store.with_extension("log"));
+        }
+    }
+}
