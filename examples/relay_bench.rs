@@ -17,7 +17,14 @@
 //!    one unit of work of 10,000 events over as many aggregates, new and again;
 //! 7. the claim rate with a million published rows kept against an empty table;
 //! 8. the inbox: messages handled per second with a one-row business write, against a plain
-//!    consumer doing the same write without an inbox; with an emitted event; on one key.
+//!    consumer doing the same write without an inbox; with 2 and 3 instances of the consumer;
+//!    with an emitted event; on one key, with 1 and 2 instances; with handlers that wait
+//!    20 ms before the write (a call to another service), with 1, 2 and 3 instances;
+//! 9. a three-node JetStream cluster on loopback (three nats-server processes the benchmark
+//!    starts: `NATS_SERVER_BIN`, else `nats-server` on the PATH, else Debian's): the ceiling,
+//!    this relay and its commit-to-ack latency, on a stream of one replica and of three.
+//! 10. on nats-server 2.12 and later: atomic batch publish (ADR-50) of the same messages,
+//!     several batches in flight, against figure 1's pipelined publishes, on one stream.
 //!
 //! It works in a database and a stream of its own, removed at the end. `OUTBOX_BENCH_DATABASE_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and `NATS_URL` point it elsewhere.
@@ -43,6 +50,8 @@ use outbox_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
+#[path = "../tests/support/cluster.rs"]
+mod cluster;
 #[path = "support/place.rs"]
 mod place;
 
@@ -72,9 +81,9 @@ struct Args {
     /// Published rows kept in the table for the claim measurement.
     #[arg(long, default_value_t = 1_000_000)]
     published_rows: usize,
-    /// The measurements to run, by number (1 to 8); all by default. Ratios are printed when
+    /// The measurements to run, by number (1 to 10); all by default. Ratios are printed when
     /// both their parts ran.
-    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7, 8])]
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7, 8, 9, 10])]
     phases: Vec<u8>,
 }
 
@@ -135,7 +144,7 @@ impl Bench {
         );
 
         let ceiling = if phase(1) {
-            let ceiling = self.ceiling().await?;
+            let ceiling = self.ceiling(&self.place.nats).await?;
             report(
                 "1. ceiling: raw async JetStream publishes",
                 ceiling,
@@ -157,11 +166,17 @@ impl Bench {
             None
         };
         if phase(3) {
-            let relay = self.drain("Relay1", 1, self.place.relay_config()).await?;
+            let relay = self
+                .drain(&self.place.nats, "Relay1", 1, self.place.relay_config())
+                .await?;
             report("3. this relay, defaults", relay, "events/s");
-            let relay2 = self.drain("Relay2", 2, self.place.relay_config()).await?;
+            let relay2 = self
+                .drain(&self.place.nats, "Relay2", 2, self.place.relay_config())
+                .await?;
             report("3. this relay, 2 instances", relay2, "events/s");
-            let relay3 = self.drain("Relay3x", 3, self.place.relay_config()).await?;
+            let relay3 = self
+                .drain(&self.place.nats, "Relay3x", 3, self.place.relay_config())
+                .await?;
             report("3. this relay, 3 instances", relay3, "events/s");
             println!(
                 "   scale-out: 2 instances / 1 = {:.2}x, 3 instances / 1 = {:.2}x (target: never below 1)",
@@ -177,7 +192,9 @@ impl Bench {
             for (i, mode) in others.into_iter().filter(|m| *m != defaults).enumerate() {
                 let mut other = self.place.relay_config();
                 other.published = mode;
-                let other_rate = self.drain(&format!("Relay{}", i + 3), 1, other).await?;
+                let other_rate = self
+                    .drain(&self.place.nats, &format!("Relay{}", i + 3), 1, other)
+                    .await?;
                 report(
                     &format!("3. this relay, published rows: {mode:?}"),
                     other_rate,
@@ -203,11 +220,13 @@ impl Bench {
 
         if phase(5) {
             let notified = self
-                .latency("LatencyNotify", self.place.relay_config())
+                .latency(&self.place.nats, "LatencyNotify", self.place.relay_config())
                 .await?;
             let mut polling = self.place.relay_config();
             polling.listen = false;
-            let polled = self.latency("LatencyPoll", polling.clone()).await?;
+            let polled = self
+                .latency(&self.place.nats, "LatencyPoll", polling.clone())
+                .await?;
             for (label, l) in [
                 ("notifications".to_owned(), &notified),
                 (
@@ -275,6 +294,21 @@ impl Bench {
             );
             report("8. inbox: the same write", inbox.inbox, "messages/s");
             report(
+                "8. inbox: the same write, 2 instances",
+                inbox.inbox2,
+                "messages/s",
+            );
+            report(
+                "8. inbox: the same write, 3 instances",
+                inbox.inbox3,
+                "messages/s",
+            );
+            println!(
+                "   scale-out: 2 instances / 1 = {:.2}x, 3 instances / 1 = {:.2}x",
+                inbox.inbox2 / inbox.inbox,
+                inbox.inbox3 / inbox.inbox
+            );
+            report(
                 "8. inbox: the same write and one emitted event",
                 inbox.emitting,
                 "messages/s",
@@ -287,8 +321,171 @@ impl Bench {
                 inbox.hot,
                 "messages/s",
             );
+            report(
+                &format!(
+                    "8. inbox: every message on one partition key, 2 instances ({} messages)",
+                    inbox.hot_count
+                ),
+                inbox.hot2,
+                "messages/s",
+            );
+            for (n, rate) in inbox.waiting.iter().enumerate() {
+                report(
+                    &format!(
+                        "8. inbox: a {HANDLER_WAIT_MS} ms wait, then the write, {} instance(s) ({} messages)",
+                        n + 1,
+                        inbox.hot_count
+                    ),
+                    *rate,
+                    "messages/s",
+                );
+            }
+            println!(
+                "   scale-out with waiting handlers: 2 instances / 1 = {:.2}x, 3 instances / 1 = {:.2}x",
+                inbox.waiting[1] / inbox.waiting[0],
+                inbox.waiting[2] / inbox.waiting[0]
+            );
             untargeted_ratio("8. inbox / plain consumer", inbox.inbox / inbox.plain);
         }
+        if phase(9) {
+            self.cluster_figures().await?;
+            println!();
+        }
+        if phase(10) {
+            self.atomic_batch_figures().await?;
+        }
+        Ok(())
+    }
+
+    /// Figure 10: the same messages published in atomic batches (nats-server 2.12+, ADR-50:
+    /// `Nats-Batch-Id`, `Nats-Batch-Sequence`, `Nats-Batch-Commit`; a request opens the
+    /// batch, the middle messages go without a reply, the commit's reply is the pub ack),
+    /// [`BATCHES_IN_FLIGHT`] batches at a time, against pipelined publishes to the same
+    /// stream (its own, allowing atomic publish).
+    async fn atomic_batch_figures(&self) -> Result<(), BoxError> {
+        let version = self.place.nats.server_info().version;
+        if !at_least(&version, 2, 12) {
+            println!(
+                "10. atomic batch publish: skipped, nats-server {version} is older than 2.12 \
+                 (set NATS_URL to a current server)"
+            );
+            return Ok(());
+        }
+        let js = jetstream::new(self.place.nats.clone());
+        let prefix = format!("{}atomic", self.place.prefix);
+        let stream = format!("{}_ATOMIC", self.place.stream);
+        js.create_stream(jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            allow_atomic_publish: true,
+            ..Default::default()
+        })
+        .await?;
+        let result = self.atomic_batch_runs(&js, &prefix, &version).await;
+        js.delete_stream(&stream).await?;
+        result
+    }
+
+    async fn atomic_batch_runs(
+        &self,
+        js: &jetstream::Context,
+        prefix: &str,
+        version: &str,
+    ) -> Result<(), BoxError> {
+        let aggregates = self.args.aggregates.max(1);
+        let messages = |kind: &str| -> Vec<(String, HeaderMap)> {
+            (0..self.args.events)
+                .map(|i| {
+                    let aggregate = format!("a{}", i % aggregates);
+                    let seq = (i / aggregates) as i64 + 1;
+                    let headers = message_headers(uuid::Uuid::now_v7(), kind, &aggregate, seq);
+                    (format!("{prefix}.{kind}.{aggregate}.Ticked"), headers)
+                })
+                .collect()
+        };
+        let payload = bytes::Bytes::from(self.payload.clone());
+        println!("10. atomic batch publish, nats-server {version}, one stream");
+        let started = Instant::now();
+        publish_pipelined(js, messages("Pipelined"), payload.clone()).await?;
+        let pipelined = self.args.events as f64 / started.elapsed().as_secs_f64();
+        report(
+            "10. pipelined publishes (figure 1's way)",
+            pipelined,
+            "events/s",
+        );
+        for size in [10, 100, 1000] {
+            let kind = format!("Atomic{size}");
+            let started = Instant::now();
+            publish_atomic_batches(&self.place.nats, messages(&kind), payload.clone(), size)
+                .await?;
+            let rate = self.args.events as f64 / started.elapsed().as_secs_f64();
+            report(
+                &format!("10. atomic batches of {size}, {BATCHES_IN_FLIGHT} in flight"),
+                rate,
+                "events/s",
+            );
+            untargeted_ratio(
+                &format!("10. atomic batches of {size} / pipelined"),
+                rate / pipelined,
+            );
+        }
+        Ok(())
+    }
+
+    /// Figure 9: the ceiling, the relay and its latency on a three-node cluster, with one
+    /// replica and with three.
+    async fn cluster_figures(&self) -> Result<(), BoxError> {
+        let cluster = cluster::NatsCluster::start().await;
+        let nats = outbox_runtime::nats::connect(&cluster.urls()).await?;
+        let js = jetstream::new(nats.clone());
+        println!(
+            "9. a three-node cluster on loopback, nats-server {}",
+            nats.server_info().version
+        );
+        let mut relayed = Vec::new();
+        for replicas in [1, 3] {
+            js.create_stream(jetstream::stream::Config {
+                name: self.place.stream.clone(),
+                subjects: vec![format!("{}.>", self.place.prefix)],
+                num_replicas: replicas,
+                ..Default::default()
+            })
+            .await?;
+            let ceiling = self.ceiling(&nats).await?;
+            let relay = self
+                .drain(
+                    &nats,
+                    &format!("ClusterR{replicas}"),
+                    1,
+                    self.place.relay_config(),
+                )
+                .await?;
+            let l = self
+                .latency(
+                    &nats,
+                    &format!("ClusterLatencyR{replicas}"),
+                    self.place.relay_config(),
+                )
+                .await?;
+            js.delete_stream(&self.place.stream).await?;
+            report(
+                &format!("9. R{replicas}: ceiling, raw async JetStream publishes"),
+                ceiling,
+                "events/s",
+            );
+            report(&format!("9. R{replicas}: this relay"), relay, "events/s");
+            println!(
+                "9. R{replicas}: this relay / ceiling {:.2}; commit-to-ack latency, offered {:.0} events/s: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
+                relay / ceiling,
+                l.offered_rate,
+                l.p50_ms,
+                l.p99_ms,
+                l.max_ms,
+                l.count
+            );
+            relayed.push(relay);
+        }
+        untargeted_ratio("9. this relay, R3 / R1", relayed[1] / relayed[0]);
         Ok(())
     }
 }
@@ -441,8 +638,13 @@ struct Claims {
 struct InboxRates {
     plain: f64,
     inbox: f64,
+    inbox2: f64,
+    inbox3: f64,
     emitting: f64,
     hot: f64,
+    hot2: f64,
+    /// Handlers that wait [`HANDLER_WAIT_MS`] first, with 1, 2 and 3 instances.
+    waiting: [f64; 3],
     hot_count: usize,
 }
 
@@ -499,8 +701,8 @@ impl Bench {
     }
 
     /// Figure 1: raw async publishes of the same messages, acks awaited together.
-    async fn ceiling(&self) -> Result<f64, BoxError> {
-        let js = jetstream::new(self.place.nats.clone());
+    async fn ceiling(&self, nats: &async_nats::Client) -> Result<f64, BoxError> {
+        let js = jetstream::new(nats.clone());
         let aggregates = self.args.aggregates.max(1);
         let messages: Vec<(String, HeaderMap)> = (0..self.args.events)
             .map(|i| {
@@ -587,6 +789,7 @@ impl Bench {
     /// Figure 3: seeds the events, then times `instances` relays until none is queued.
     async fn drain(
         &self,
+        nats: &async_nats::Client,
         kind: &str,
         instances: usize,
         config: RelayConfig,
@@ -595,11 +798,11 @@ impl Bench {
         self.seed(&mut conn, kind, self.args.events).await?;
         let mut relays = Vec::new();
         for _ in 0..instances {
-            relays.push(Relay::connect(config.clone(), self.place.nats.clone()).await?);
+            relays.push(Relay::connect(config.clone(), nats.clone()).await?);
         }
         // Progress is watched on the stream (cheap for NATS), then the last marks in the
         // database: polling the table would load the PostgreSQL being measured.
-        let mut stream = jetstream::new(self.place.nats.clone())
+        let mut stream = jetstream::new(nats.clone())
             .get_stream(&self.place.stream)
             .await?;
         let done = stream.info().await?.state.messages + self.args.events as u64;
@@ -622,15 +825,18 @@ impl Bench {
 
     /// Figure 5: commits one event per unit of work at `rate` for `latency_secs`, with the relay
     /// running; the latency of an event is its stream store time minus its commit time.
-    async fn latency(&self, kind: &str, config: RelayConfig) -> Result<Latency, BoxError> {
+    async fn latency(
+        &self,
+        nats: &async_nats::Client,
+        kind: &str,
+        config: RelayConfig,
+    ) -> Result<Latency, BoxError> {
         const PRODUCERS: u64 = 4;
-        let mut stream = jetstream::new(self.place.nats.clone())
+        let mut stream = jetstream::new(nats.clone())
             .get_stream(&self.place.stream)
             .await?;
         let first_new = stream.info().await?.state.last_sequence + 1;
-        let relay = Relay::connect(config, self.place.nats.clone())
-            .await?
-            .spawn();
+        let relay = Relay::connect(config, nats.clone()).await?.spawn();
         let outbox = Outbox::with_topology(self.place.topology());
         let committed: Arc<Mutex<HashMap<u64, SystemTime>>> = Arc::default();
         let duration = Duration::from_secs(self.args.latency_secs);
@@ -918,34 +1124,52 @@ impl Bench {
         drop(pool);
 
         let mut rates = Vec::new();
-        for (consumer, kind, count, emit) in [
-            ("inbox", "Inbox", events, false),
-            ("emitting", "Inbox", events, true),
-            ("hot", "Hot", hot_count, false),
+        let waiting = Duration::from_millis(HANDLER_WAIT_MS);
+        for (consumer, kind, count, emit, instances, wait) in [
+            ("inbox", "Inbox", events, false, 1, Duration::ZERO),
+            ("inbox2", "Inbox", events, false, 2, Duration::ZERO),
+            ("inbox3", "Inbox", events, false, 3, Duration::ZERO),
+            ("emitting", "Inbox", events, true, 1, Duration::ZERO),
+            ("hot", "Hot", hot_count, false, 1, Duration::ZERO),
+            ("hot2", "Hot", hot_count, false, 2, Duration::ZERO),
+            ("waiting1", "Inbox", hot_count, false, 1, waiting),
+            ("waiting2", "Inbox", hot_count, false, 2, waiting),
+            ("waiting3", "Inbox", hot_count, false, 3, waiting),
         ] {
             let handled = Arc::new(AtomicUsize::new(0));
             let handler = Effects {
                 handled: Arc::clone(&handled),
                 emit,
+                wait,
             };
-            let inbox =
-                Inbox::connect(config(consumer, kind), self.place.nats.clone(), handler).await?;
+            // Each instance on a client of its own, as separate processes would be.
+            let mut inboxes = Vec::new();
+            for _ in 0..instances {
+                let nats = outbox_runtime::nats::connect(&self.place.nats_url).await?;
+                inboxes.push(Inbox::connect(config(consumer, kind), nats, handler.clone()).await?);
+            }
             let cpu = CpuTimes::now();
             let started = Instant::now();
-            let running = inbox.spawn();
+            let running: Vec<_> = inboxes.into_iter().map(Inbox::spawn).collect();
             while AtomicUsize::load(&handled, Ordering::Relaxed) < count {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             let elapsed = started.elapsed();
             println!("   {}", CpuTimes::per_event_since(cpu, count));
-            running.shutdown().await?;
+            for running in running {
+                running.shutdown().await?;
+            }
             rates.push(count as f64 / elapsed.as_secs_f64());
         }
         Ok(InboxRates {
             plain,
             inbox: rates[0],
-            emitting: rates[1],
-            hot: rates[2],
+            inbox2: rates[1],
+            inbox3: rates[2],
+            emitting: rates[3],
+            hot: rates[4],
+            hot2: rates[5],
+            waiting: [rates[6], rates[7], rates[8]],
             hot_count,
         })
     }
@@ -975,6 +1199,68 @@ async fn publish_pipelined(
     Ok(())
 }
 
+/// Atomic batches open at once in figure 10 (the server allows 50 per stream).
+const BATCHES_IN_FLIGHT: usize = 16;
+
+/// Whether a nats-server `version` ("2.15.1", "2.12.0-beta") is `major.minor` or later.
+fn at_least(version: &str, major: u64, minor: u64) -> bool {
+    let mut parts = version
+        .split(['.', '-'])
+        .map(|part| part.parse::<u64>().unwrap_or(0));
+    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    found >= (major, minor)
+}
+
+/// Publishes `messages` in atomic batches of `size` (ADR-50), [`BATCHES_IN_FLIGHT`] at a
+/// time: the first message of a batch is a request (the server answers it empty, or with an
+/// error), the middle ones go without a reply, the last carries `Nats-Batch-Commit: 1` and
+/// its reply is the batch's pub ack.
+async fn publish_atomic_batches(
+    nats: &async_nats::Client,
+    messages: Vec<(String, HeaderMap)>,
+    payload: bytes::Bytes,
+    size: usize,
+) -> Result<(), BoxError> {
+    use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
+    let failed = |reply: &async_nats::Message| -> Option<String> {
+        let answer: serde_json::Value = serde_json::from_slice(&reply.payload).ok()?;
+        answer.get("error").map(|error| error.to_string())
+    };
+    let batches: Vec<Vec<(String, HeaderMap)>> =
+        messages.chunks(size).map(|chunk| chunk.to_vec()).collect();
+    futures::stream::iter(batches)
+        .map(|batch| {
+            let payload = payload.clone();
+            async move {
+                let id = uuid::Uuid::new_v4().simple().to_string();
+                let last = batch.len();
+                for (n, (subject, mut headers)) in batch.into_iter().enumerate() {
+                    headers.insert(NATS_BATCH_ID, id.as_str());
+                    headers.insert(NATS_BATCH_SEQUENCE, (n + 1).to_string().as_str());
+                    if n + 1 == last {
+                        headers.insert(NATS_BATCH_COMMIT, "1");
+                    }
+                    if n == 0 || n + 1 == last {
+                        let reply = nats
+                            .request_with_headers(subject, headers, payload.clone())
+                            .await?;
+                        if let Some(error) = failed(&reply) {
+                            return Err(BoxError::from(format!("batch {id}: {error}")));
+                        }
+                    } else {
+                        nats.publish_with_headers(subject, headers, payload.clone())
+                            .await?;
+                    }
+                }
+                Ok(())
+            }
+        })
+        .buffer_unordered(BATCHES_IN_FLIGHT)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
 /// The business write of figure 8: one upsert per message, keyed by its partition key.
 async fn count_effect(conn: &mut AsyncPgConnection, key: &str) -> diesel::QueryResult<usize> {
     diesel::sql_query(
@@ -986,11 +1272,16 @@ async fn count_effect(conn: &mut AsyncPgConnection, key: &str) -> diesel::QueryR
     .await
 }
 
-/// Figure 8's handler: the business write, and when `emit` is set one event back.
+/// How long figure 8's waiting handlers wait before their write: a call to another service.
+const HANDLER_WAIT_MS: u64 = 20;
+
+/// Figure 8's handler: waits `wait` (a call to another service), does the business write,
+/// and when `emit` is set emits one event back.
 #[derive(Clone)]
 struct Effects {
     handled: Arc<AtomicUsize>,
     emit: bool,
+    wait: Duration,
 }
 
 impl Handler for Effects {
@@ -1003,6 +1294,9 @@ impl Handler for Effects {
         message: &Metadata,
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
+        if !self.wait.is_zero() {
+            tokio::time::sleep(self.wait).await;
+        }
         count_effect(uow.conn(), &message.partition_key).await?;
         if self.emit {
             uow.emit("Counted", &message.partition_key, &event);

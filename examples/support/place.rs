@@ -18,6 +18,9 @@ pub struct Place {
     pub database: String,
     pub database_url: String,
     pub nats: async_nats::Client,
+    /// Where `nats` is connected, for a benchmark that opens clients of its own.
+    #[allow(dead_code)] // not every benchmark does
+    pub nats_url: String,
     pub prefix: String,
     pub stream: String,
 }
@@ -52,6 +55,7 @@ impl Place {
             database,
             database_url,
             nats,
+            nats_url,
             prefix,
             stream,
         })
