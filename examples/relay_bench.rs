@@ -24,7 +24,8 @@
 //!    starts: `NATS_SERVER_BIN`, else `nats-server` on the PATH, else Debian's): the ceiling,
 //!    this relay and its commit-to-ack latency, on a stream of one replica and of three.
 //! 10. on nats-server 2.12 and later: atomic batch publish (ADR-50) of the same messages,
-//!     several batches in flight, against figure 1's pipelined publishes, on one stream.
+//!     several batches in flight, and on 2.14 and later batched fast publish, against
+//!     figure 1's pipelined publishes, on one stream.
 //!
 //! It works in a database and a stream of its own, removed at the end. `OUTBOX_BENCH_DATABASE_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and `NATS_URL` point it elsewhere.
@@ -378,6 +379,7 @@ impl Bench {
             name: stream.clone(),
             subjects: vec![format!("{prefix}.>")],
             allow_atomic_publish: true,
+            allow_batch_publish: at_least(&version, 2, 14),
             ..Default::default()
         })
         .await?;
@@ -426,6 +428,26 @@ impl Bench {
             );
             untargeted_ratio(
                 &format!("10. atomic batches of {size} / pipelined"),
+                rate / pipelined,
+            );
+        }
+        if !at_least(version, 2, 14) {
+            println!("10. batched fast publish: skipped, nats-server {version} is older than 2.14");
+            return Ok(());
+        }
+        for batches in [1, 4] {
+            let kind = format!("Fast{batches}");
+            let started = Instant::now();
+            publish_fast_batches(&self.place.nats, messages(&kind), payload.clone(), batches)
+                .await?;
+            let rate = self.args.events as f64 / started.elapsed().as_secs_f64();
+            report(
+                &format!("10. batched fast publish, {batches} batch(es) at once"),
+                rate,
+                "events/s",
+            );
+            untargeted_ratio(
+                &format!("10. batched fast publish, {batches} at once / pipelined"),
                 rate / pipelined,
             );
         }
@@ -1258,6 +1280,85 @@ async fn publish_atomic_batches(
         .buffer_unordered(BATCHES_IN_FLIGHT)
         .try_collect::<Vec<()>>()
         .await?;
+    Ok(())
+}
+
+/// The most messages a fast batch asks the server to ack at once (it ramps up to it).
+const FAST_BATCH_FLOW: u64 = 500;
+
+/// Publishes `messages` as `batches` batched fast publishes (nats-server 2.14+, ADR-50
+/// revision 5, as nats-server's `server/stream.go` parses it): each message goes without
+/// waiting, its reply subject `<inbox>.<batch id>.<flow>.<gap mode>.<batch seq>.<op>.$FI`
+/// carrying the batch; the server answers on it with a flow ack (`{"type":"ack","seq",
+/// "msgs"}`) every `msgs` messages, which this keeps within two of, and the last message
+/// (op commit) with the batch's pub ack once everything is stored.
+async fn publish_fast_batches(
+    nats: &async_nats::Client,
+    messages: Vec<(String, HeaderMap)>,
+    payload: bytes::Bytes,
+    batches: usize,
+) -> Result<(), BoxError> {
+    let per_batch = messages.len().div_ceil(batches.max(1));
+    let chunks: Vec<Vec<(String, HeaderMap)>> = messages
+        .chunks(per_batch.max(1))
+        .map(|chunk| chunk.to_vec())
+        .collect();
+    futures::future::try_join_all(
+        chunks
+            .into_iter()
+            .map(|chunk| publish_fast_batch(nats, chunk, payload.clone())),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn publish_fast_batch(
+    nats: &async_nats::Client,
+    messages: Vec<(String, HeaderMap)>,
+    payload: bytes::Bytes,
+) -> Result<(), BoxError> {
+    const START: u8 = 0;
+    const APPEND: u8 = 1;
+    const COMMIT: u8 = 2;
+    let inbox = nats.new_inbox();
+    let mut replies = nats.subscribe(format!("{inbox}.>")).await?;
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let last = messages.len() as u64;
+    let (mut acked, mut every) = (0_u64, FAST_BATCH_FLOW);
+    // Reads one answer of the server: a flow ack moves `acked`; anything else is the end.
+    let mut next = async |acked: &mut u64, every: &mut u64| -> Result<bool, BoxError> {
+        let reply = tokio::time::timeout(Duration::from_secs(10), replies.next())
+            .await
+            .map_err(|_| "no answer to a fast batch within 10 s")?
+            .ok_or("the reply subscription ended")?;
+        let answer: serde_json::Value = serde_json::from_slice(&reply.payload)?;
+        match answer.get("type").and_then(|kind| kind.as_str()) {
+            Some("ack") => {
+                *acked = (*acked).max(answer["seq"].as_u64().unwrap_or(0));
+                *every = answer["msgs"].as_u64().unwrap_or(*every).max(1);
+                Ok(false)
+            }
+            None if answer.get("error").is_none() => Ok(true), // the pub ack
+            _ => Err(format!("fast batch {id}: {answer}").into()),
+        }
+    };
+    for (n, (subject, headers)) in messages.into_iter().enumerate() {
+        let seq = n as u64 + 1;
+        let op = match seq {
+            _ if seq == last => COMMIT,
+            1 => START,
+            _ => APPEND,
+        };
+        let reply = format!("{inbox}.{id}.{FAST_BATCH_FLOW}.fail.{seq}.{op}.$FI");
+        nats.publish_with_reply_and_headers(subject, reply, headers, payload.clone())
+            .await?;
+        while seq != last && seq - acked >= 2 * every {
+            if next(&mut acked, &mut every).await? {
+                return Err("a fast batch ended before its commit".into());
+            }
+        }
+    }
+    while !next(&mut acked, &mut every).await? {}
     Ok(())
 }
 

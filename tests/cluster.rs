@@ -137,8 +137,17 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
             let node = match target {
                 Target::StreamLeader => cluster.stream_leader(&js, &producer.stream).await,
                 Target::ConsumerLeader => {
-                    let info = probe.consumer().clone().info().await.unwrap().clone();
-                    let leader = info.cluster.and_then(|c| c.leader).expect("a leader");
+                    // Right after the stream's leader rejoined, the consumer may be between
+                    // leaders: wait for one.
+                    let leader = wait_until(
+                        "the consumer has a leader",
+                        Duration::from_secs(30),
+                        || async {
+                            let info = probe.consumer().clone().info().await.ok()?.clone();
+                            info.cluster.and_then(|c| c.leader)
+                        },
+                    )
+                    .await;
                     cluster.node_named(&leader)
                 }
                 Target::RelaysNode => cluster.node_named(&relay_nats.server_info().server_name),
@@ -154,15 +163,20 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
             // While the node is down, events keep reaching the stream and the handlers:
             // a new leader took over, and the clients of the dead node reconnected.
             wait_until(
-                &format!("progress while {target:?} ({name}) is down"),
+                &format!("events applied while {target:?} ({name}) is down"),
                 Duration::from_secs(30),
                 || async {
-                    let now = (
-                        producer.stream_len().await,
-                        applied_count(&mut consumer.conn().await).await,
-                    );
-                    (now.0 >= stored + 2 * AGGREGATES as u64 && now.1 >= handled + 2 * AGGREGATES)
-                        .then_some(())
+                    let applied = applied_count(&mut consumer.conn().await).await;
+                    (applied >= handled + 2 * AGGREGATES).then_some(())
+                },
+            )
+            .await;
+            let applied_in = down.elapsed();
+            wait_until(
+                &format!("events stored while {target:?} ({name}) is down"),
+                Duration::from_secs(30),
+                || async {
+                    (producer.stream_len().await >= stored + 2 * AGGREGATES as u64).then_some(())
                 },
             )
             .await;
@@ -176,8 +190,8 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
                 _ => {}
             }
             killed.push(format!(
-                "{target:?} {name}: {} stored and {} applied in {:.1?} while down",
-                2 * AGGREGATES,
+                "{target:?} {name}: while down, {} more applied in {applied_in:.1?}, and stored \
+                 in {:.1?}",
                 2 * AGGREGATES,
                 down.elapsed()
             ));
