@@ -199,6 +199,57 @@ async fn two_instances_on_one_hot_aggregate_keep_its_pace_and_its_order() {
     println!("{EVENTS} events of one aggregate through two instances in {took:?}");
 }
 
+/// A dead instance took the first events of every aggregate; two live instances receive
+/// the rest at once, and those come back by redelivery after `ack_wait`: every aggregate's
+/// later events must wait for them, then follow without bouncing between the instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_live_instances_drain_behind_what_a_dead_one_held() {
+    const AGGREGATES: usize = 12;
+    const EVENTS: usize = 30;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "behind");
+    let handler = Recording::default();
+    let dead = Inbox::connect(config.clone(), producer.nats.clone(), handler.clone())
+        .await
+        .unwrap();
+    assert_eq!(receive_and_die(&dead, 3 * AGGREGATES).await, 3 * AGGREGATES);
+    let started = Instant::now();
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let nats = outbox_runtime::nats::connect(&support::nats_url())
+            .await
+            .unwrap();
+        running.push(
+            Inbox::connect(config.clone(), nats, handler.clone())
+                .await
+                .unwrap()
+                .spawn(),
+        );
+    }
+    // About ack_wait (1 s) plus the work; before events were parked, the two instances
+    // bounced the aggregates' later events between them on nak delays for 14-17 s.
+    wait_until("every event applied", Duration::from_secs(12), || async {
+        (applied_count(&mut consumer.conn().await).await == AGGREGATES * EVENTS).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    for running in running {
+        running.shutdown().await.unwrap();
+    }
+    assert_applied_in_order(
+        &applied(&mut consumer.conn().await).await,
+        AGGREGATES,
+        EVENTS as i64,
+    );
+    println!(
+        "{} events behind a dead instance's, drained in {took:?} (ack_wait 1 s)",
+        AGGREGATES * EVENTS
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_consumer_does_not_wait_for_what_a_killed_one_held() {
     const AGGREGATES: usize = 1500;

@@ -16,8 +16,9 @@
 //! Each aggregate's events are applied in `ce-sequence` order, across restarts and across
 //! several instances of one consumer. The same transaction moves the consumer's position in
 //! the aggregate (`outbox_inbox_positions`) to the event, and only when it is the next one;
-//! an event whose predecessor the consumer has not applied waits for it (a nak with a short
-//! delay, which counts no failure), and one whose predecessor will never come (skipped on the
+//! an event whose predecessor the consumer has not applied waits for it (in place while the
+//! aggregate's position moves, then parked in the instance until the position reaches it,
+//! else a nak with a short delay; none counts a failure: see `dispatch`), and one whose predecessor will never come (skipped on the
 //! producer side, cut from the stream) is applied over the gap, which is recorded in
 //! `outbox_inbox_gaps`. The stream tells the two apart: the relay publishes an aggregate's
 //! events in order, so a predecessor still to come is in the stream between the message of

@@ -6,8 +6,17 @@
 //! leaves unacked is small beside the consumer's `max_ack_pending`, and another instance
 //! keeps receiving messages meanwhile.
 //!
-//! A message that must wait (its handler failed, or an earlier event of its aggregate is not
-//! applied) is nak'd with a delay and holds its key: the later messages of that key that
+//! An event whose predecessor is in the stream and not applied is *parked*: kept here (with
+//! progress acks), its key's later messages queued behind it, while the consumer's position
+//! in its aggregate is checked every [`PARK_CHECK`]; it runs again as soon as the position
+//! reaches its predecessor, which another instance applied or JetStream redelivered. A
+//! parked event costs no handler and no redelivery, so the messages of one aggregate that
+//! JetStream spread over several instances follow each other within milliseconds instead
+//! of bouncing between them on nak delays. Parking is bounded: at most half the buffer's
+//! worth of keys, each event for `ack_wait` + 1 s at a time and `2 x ack_wait` + 1 s in all.
+//!
+//! A message that must wait otherwise (its handler failed, or parking is full or over its
+//! time) is nak'd with a delay and holds its key: the later messages of that key that
 //! arrive meanwhile are nak'd back too, rather than kept, so the buffer holds only messages
 //! that can run. The key is released when the held message comes back and is processed, or,
 //! if it went to another instance, after its delay plus `ack_wait`. The database's order
@@ -35,11 +44,20 @@ use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::message::ordering_key;
+use super::message::{Metadata, ordering_key};
+use super::queries::{self, Aggregate};
 use super::{Handler, Inbox, InboxError, Outcome};
 
 /// How many messages an instance holds that it has not started, per handler it runs.
 const BUFFERED_PER_HANDLER: usize = 4;
+
+/// Beyond `ack_wait`, how long an event stays parked at a time (beyond `2 x ack_wait`, in
+/// all): time for a predecessor a dead instance held to be redelivered and applied.
+const PARK_SLACK: Duration = Duration::from_secs(1);
+
+/// The nak delay of a message that arrives behind a parked event when half the buffer
+/// waits behind parked events already.
+const BEHIND_PARKED_DELAY: Duration = Duration::from_millis(250);
 
 pub(super) async fn run<H: Handler>(
     inbox: Inbox<H>,
@@ -49,7 +67,12 @@ pub(super) async fn run<H: Handler>(
     let stop = CancellationToken::new();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
     let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
-    let mut queues = Queues::new(config.max_concurrency, config.ack_wait);
+    let mut queues = Queues::new(config.max_concurrency, max_buffered, config.ack_wait);
+    // The position check of the parked events in progress: a task of its own, since it
+    // waits for a pooled connection that only the handlers this loop drives give back.
+    let mut checking: Option<tokio::task::JoinHandle<Option<Positions>>> = None;
+    let mut park_check = tokio::time::interval(PARK_CHECK);
+    park_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut jobs: FuturesUnordered<BoxFuture<'static, Finished>> = FuturesUnordered::new();
     // The pull request in progress: at most as many messages as the buffer has room for,
     // ended by JetStream when they are delivered or after `PULL_EXPIRES`. One at a time, so
@@ -113,6 +136,18 @@ pub(super) async fn run<H: Handler>(
                 }
             },
             _ = heartbeat.tick() => queues.heartbeat().await,
+            _ = park_check.tick(), if checking.is_none() && queues.has_parked() => {
+                checking = Some(tokio::spawn(check_positions(
+                    inbox.clone(),
+                    queues.parked_aggregates(),
+                )));
+                Vec::new()
+            }
+            checked = async { checking.as_mut().expect("guarded").await }, if checking.is_some() => {
+                checking = None;
+                queues.unpark(checked.ok().flatten().unwrap_or_default());
+                Vec::new()
+            }
         };
         nak_all(naks).await;
         while let Some(job) = queues.next_to_start() {
@@ -141,10 +176,38 @@ pub(super) async fn run<H: Handler>(
         }
     }
     nak_all(handed_back).await;
+    if let Some(checking) = checking {
+        checking.abort();
+    }
     while jobs.next().await.is_some() {}
     stop.cancel();
     purging.await?;
     Ok(())
+}
+
+/// The consumer's last applied sequence in some aggregates.
+type Positions = Vec<(Aggregate, i64)>;
+
+/// How often the positions of the parked events' aggregates are read.
+const PARK_CHECK: Duration = Duration::from_millis(5);
+
+/// The consumer's positions in `aggregates`; `None` when the database did not answer (the
+/// parked events wait for the next check, or their time).
+async fn check_positions<H: Handler>(
+    inbox: Inbox<H>,
+    aggregates: Vec<Aggregate>,
+) -> Option<Positions> {
+    let config = &inbox.shared.config;
+    let read = async {
+        let mut conn = inbox.shared.pool.get().await.ok()?;
+        queries::positions(&mut conn, &config.consumer, &aggregates)
+            .await
+            .ok()
+    };
+    tokio::time::timeout(config.statement_timeout, read)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// How long a pull request waits at JetStream for messages: also the longest a graceful stop
@@ -173,11 +236,13 @@ async fn nak_all(messages: Vec<(jetstream::Message, Duration)>) {
     }
 }
 
-/// A message to handle, with how long it has waited for its predecessor so far.
+/// A message to handle, with how long it has waited for its predecessor so far, and
+/// whether it may be parked if it must wait again.
 struct Job {
     key: String,
     message: jetstream::Message,
     held_for: Duration,
+    may_park: bool,
 }
 
 /// A message handled: its key, its stream sequence, what came of it, and whether it was
@@ -187,6 +252,19 @@ struct Finished {
     sequence: u64,
     outcome: Outcome,
     settled: bool,
+    /// A held event kept here instead of nak'd, and what it waits on.
+    parked: Option<(jetstream::Message, Parked)>,
+}
+
+/// An event kept by this instance until its aggregate's position reaches its predecessor.
+struct Parked {
+    /// Its stream sequence.
+    sequence: u64,
+    aggregate: Aggregate,
+    /// Its `ce-sequence`.
+    seq: i64,
+    /// Since when it is parked this time.
+    since: Instant,
 }
 
 async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
@@ -194,6 +272,7 @@ async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
         key,
         message,
         held_for,
+        may_park,
     } = job;
     let sequence = sequence(&message);
     let config = &inbox.shared.config;
@@ -232,7 +311,32 @@ async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
         sequence,
         outcome: processed.outcome.clone(),
         settled: false,
+        parked: None,
     });
+    if may_park
+        && settle
+        && matches!(processed.outcome, Outcome::Held { .. })
+        && let Ok(metadata) = Metadata::read(&message)
+        && let Some((aggregate_type, aggregate_id, seq)) = metadata.place()
+    {
+        let parked = Parked {
+            sequence,
+            aggregate: Aggregate {
+                source: metadata.source.clone().unwrap_or_default(),
+                aggregate_type: aggregate_type.to_owned(),
+                aggregate_id: aggregate_id.to_owned(),
+            },
+            seq,
+            since: Instant::now(),
+        };
+        return Finished {
+            key,
+            sequence,
+            outcome: processed.outcome,
+            settled: true,
+            parked: Some((message, parked)),
+        };
+    }
     if settle && let Err(error) = processed.outcome.settle(&message).await {
         metrics::counter!("outbox_inbox_settle_failures_total", "consumer" => consumer)
             .increment(1);
@@ -243,6 +347,7 @@ async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
         sequence,
         outcome: processed.outcome,
         settled: settle,
+        parked: None,
     }
 }
 
@@ -259,6 +364,8 @@ struct Key {
     running: Option<u64>,
     /// A nak'd message the key waits for, and until when at most.
     held_for: Option<(u64, Instant)>,
+    /// The parked event (in `waiting`) and what it waits on.
+    parked: Option<Parked>,
     /// Whether the key is in the ready queue.
     ready: bool,
 }
@@ -277,10 +384,17 @@ impl Key {
                 None => true,
                 Some((sequence, _)) => first <= sequence,
             }
+            && self
+                .parked
+                .as_ref()
+                .is_none_or(|parked| first < parked.sequence)
     }
 
     fn idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_none() && self.held_for.is_none()
+        self.waiting.is_empty()
+            && self.running.is_none()
+            && self.held_for.is_none()
+            && self.parked.is_none()
     }
 }
 
@@ -289,20 +403,25 @@ struct Queues {
     ready: VecDeque<String>,
     running: usize,
     buffered: usize,
+    /// Keys with a parked event.
+    parked: usize,
     max_running: usize,
+    max_buffered: usize,
     ack_wait: Duration,
     /// Since when each message (by stream sequence) has waited for its predecessor.
     held_since: HashMap<u64, Instant>,
 }
 
 impl Queues {
-    fn new(max_running: usize, ack_wait: Duration) -> Self {
+    fn new(max_running: usize, max_buffered: usize, ack_wait: Duration) -> Self {
         Self {
             keys: HashMap::new(),
             ready: VecDeque::new(),
             running: 0,
             buffered: 0,
+            parked: 0,
             max_running,
+            max_buffered,
             ack_wait,
             held_since: HashMap::new(),
         }
@@ -318,6 +437,7 @@ impl Queues {
         let now = Instant::now();
         let key_name = ordering_key(&message);
         let sequence = sequence(&message);
+        let blocked_full = self.blocked() >= self.max_buffered / 2;
         let key = self.keys.entry(key_name.clone()).or_default();
         if key.running == Some(sequence) {
             // Redelivered while being handled: the handling settles it.
@@ -328,6 +448,16 @@ impl Queues {
         {
             // It would only wait here: let JetStream keep it until the held one is back.
             return vec![(message, (until - now).min(Duration::from_secs(1)))];
+        }
+        if key
+            .parked
+            .as_ref()
+            .is_some_and(|parked| sequence > parked.sequence)
+            && blocked_full
+        {
+            // Half the buffer waits behind parked events already: keep room to receive the
+            // predecessors they wait for.
+            return vec![(message, BEHIND_PARKED_DELAY)];
         }
         if key.waiting.insert(sequence, message).is_none() {
             self.buffered += 1;
@@ -359,10 +489,13 @@ impl Queues {
                 .held_since
                 .get(&sequence)
                 .map_or(Duration::ZERO, |since| now - *since);
+            let may_park =
+                self.parked < self.max_buffered / 2 && held_for < 2 * self.ack_wait + PARK_SLACK;
             return Some(Job {
                 key: key_name,
                 message,
                 held_for,
+                may_park,
             });
         }
         None
@@ -373,6 +506,36 @@ impl Queues {
     fn finished(&mut self, finished: Finished) -> Vec<(jetstream::Message, Duration)> {
         self.running -= 1;
         let now = Instant::now();
+        if let Some((message, parked)) = finished.parked {
+            self.held_since.entry(finished.sequence).or_insert(now);
+            let key = self.keys.entry(finished.key.clone()).or_default();
+            key.running = None;
+            if key.waiting.insert(parked.sequence, message).is_none() {
+                self.buffered += 1;
+            }
+            let parked_at = parked.sequence;
+            if key.parked.replace(parked).is_none() {
+                self.parked += 1;
+            }
+            // An earlier message of the key that arrived meanwhile may run.
+            if key.can_start(now) && !key.ready {
+                key.ready = true;
+                self.ready.push_back(finished.key.clone());
+            }
+            // Keep room to receive the predecessors the parked events wait for: no more than
+            // half the buffer waits behind them; this key's latest messages go back.
+            let excess = self.blocked().saturating_sub(self.max_buffered / 2);
+            let key = self.keys.get_mut(&finished.key).expect("parked above");
+            let mut naks = Vec::new();
+            while naks.len() < excess
+                && let Some(entry) = key.waiting.last_entry()
+                && *entry.key() > parked_at
+            {
+                naks.push((entry.remove(), BEHIND_PARKED_DELAY));
+            }
+            self.buffered -= naks.len();
+            return naks;
+        }
         let wait = match &finished.outcome {
             Outcome::Retry { delay, .. } | Outcome::Held { delay, .. } if finished.settled => {
                 Some(*delay)
@@ -440,10 +603,73 @@ impl Queues {
         Vec::new()
     }
 
+    /// Messages waiting behind a parked event (the parked ones included).
+    fn blocked(&self) -> usize {
+        self.keys
+            .values()
+            .filter(|key| key.parked.is_some())
+            .map(|key| key.waiting.len())
+            .sum()
+    }
+
+    fn has_parked(&self) -> bool {
+        self.parked > 0
+    }
+
+    /// The aggregates the parked events wait on.
+    fn parked_aggregates(&self) -> Vec<Aggregate> {
+        let mut aggregates: Vec<Aggregate> = self
+            .keys
+            .values()
+            .filter_map(|key| key.parked.as_ref().map(|parked| parked.aggregate.clone()))
+            .collect();
+        aggregates.sort_by(|a, b| {
+            (&a.source, &a.aggregate_type, &a.aggregate_id).cmp(&(
+                &b.source,
+                &b.aggregate_type,
+                &b.aggregate_id,
+            ))
+        });
+        aggregates.dedup();
+        aggregates
+    }
+
+    /// Releases the parked events whose predecessor is applied (by `positions`, the
+    /// consumer's last applied sequence per aggregate), and those parked for `ack_wait` +
+    /// [`PARK_SLACK`]: they run again.
+    fn unpark(&mut self, positions: Positions) {
+        let now = Instant::now();
+        let positions: HashMap<Aggregate, i64> = positions.into_iter().collect();
+        let mut released = Vec::new();
+        for (name, key) in &mut self.keys {
+            let Some(parked) = &key.parked else {
+                continue;
+            };
+            let applied = positions
+                .get(&parked.aggregate)
+                .is_some_and(|last_seq| *last_seq >= parked.seq - 1);
+            if applied || now - parked.since >= self.ack_wait + PARK_SLACK {
+                key.parked = None;
+                self.parked -= 1;
+                released.push(name.clone());
+            }
+        }
+        for name in released {
+            if let Some(key) = self.keys.get_mut(&name)
+                && !key.ready
+            {
+                key.ready = true;
+                self.ready.push_back(name);
+            }
+        }
+    }
+
     /// Takes every message received and not started, to hand back on a graceful stop.
     fn release_waiting(&mut self) -> Vec<(jetstream::Message, Duration)> {
         let mut messages = Vec::with_capacity(self.buffered);
+        self.parked = 0;
         for key in self.keys.values_mut() {
+            key.parked = None;
             messages.extend(
                 std::mem::take(&mut key.waiting)
                     .into_values()

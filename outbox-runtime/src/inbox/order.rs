@@ -9,7 +9,8 @@
 //! from the stream by its limits). [`predecessor`] looks for it between the message of the
 //! last applied event and this one, on the subjects of the aggregate that the consumer's
 //! filter takes (`STREAM.MSG.GET` with `next_by_subj`, nats-server 2.9 and later):
-//! - found, and not applied: the event waits (a nak with a delay, counting no failure) until
+//! - found, and not applied: the event waits (in place, parked, or nak'd with a delay;
+//!   counting no failure) until
 //!   the predecessor is applied, or dead-lettered, which also moves the position. The
 //!   predecessor is with another instance, or with one that died and whose messages JetStream
 //!   delivers again after `ack_wait`.

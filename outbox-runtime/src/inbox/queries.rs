@@ -11,7 +11,7 @@
 //! - [`count_failure`] runs after a handler failure rolled back: handler failures, not
 //!   deliveries, decide when a message is dead-lettered.
 
-use diesel::sql_types::{Bool, Bytea, Int4, Int8, Jsonb, Nullable, Text};
+use diesel::sql_types::{Array, Bool, Bytea, Int4, Int8, Jsonb, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
@@ -285,6 +285,62 @@ pub(crate) async fn settled(
     .get_result(conn)
     .await?;
     Ok(row.settled)
+}
+
+/// An aggregate whose position a parked event waits on (see `dispatch`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Aggregate {
+    /// `ce-source`, or empty.
+    pub source: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+}
+
+/// The consumer's position (last applied sequence) in each of `aggregates` that has one.
+pub(crate) async fn positions(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    aggregates: &[Aggregate],
+) -> QueryResult<Vec<(Aggregate, i64)>> {
+    #[derive(QueryableByName)]
+    struct Position {
+        #[diesel(sql_type = Text)]
+        source: String,
+        #[diesel(sql_type = Text)]
+        aggregate_type: String,
+        #[diesel(sql_type = Text)]
+        aggregate_id: String,
+        #[diesel(sql_type = Int8)]
+        last_seq: i64,
+    }
+    let column = |field: fn(&Aggregate) -> &String| -> Vec<&str> {
+        aggregates.iter().map(|a| field(a).as_str()).collect()
+    };
+    let rows: Vec<Position> = diesel::sql_query(
+        "SELECT p.source, p.aggregate_type, p.aggregate_id, p.last_seq \
+         FROM unnest($2::text[], $3::text[], $4::text[]) AS w(source, aggregate_type, aggregate_id) \
+         JOIN outbox_inbox_positions p ON p.consumer = $1 AND p.source = w.source \
+           AND p.aggregate_type = w.aggregate_type AND p.aggregate_id = w.aggregate_id",
+    )
+    .bind::<Text, _>(consumer)
+    .bind::<Array<Text>, _>(column(|a| &a.source))
+    .bind::<Array<Text>, _>(column(|a| &a.aggregate_type))
+    .bind::<Array<Text>, _>(column(|a| &a.aggregate_id))
+    .load(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            (
+                Aggregate {
+                    source: row.source,
+                    aggregate_type: row.aggregate_type,
+                    aggregate_id: row.aggregate_id,
+                },
+                row.last_seq,
+            )
+        })
+        .collect())
 }
 
 /// The id under which the inbox records a message it could not read: its stream sequence.
