@@ -191,8 +191,12 @@ type Positions = Vec<(Aggregate, i64)>;
 /// How often the positions of the parked events' aggregates are read.
 const PARK_CHECK: Duration = Duration::from_millis(5);
 
-/// The consumer's positions in `aggregates`; `None` when the database did not answer (the
-/// parked events wait for the next check, or their time).
+/// The longest one position check may take (a pooled connection may be slow to come back):
+/// the parked events wait for the next check, or their time.
+const PARK_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The consumer's positions in `aggregates`; `None` when the database did not answer in
+/// time (the parked events wait for the next check, or their time).
 async fn check_positions<H: Handler>(
     inbox: Inbox<H>,
     aggregates: Vec<Aggregate>,
@@ -204,7 +208,7 @@ async fn check_positions<H: Handler>(
             .await
             .ok()
     };
-    tokio::time::timeout(config.statement_timeout, read)
+    tokio::time::timeout(config.statement_timeout.min(PARK_CHECK_TIMEOUT), read)
         .await
         .ok()
         .flatten()
@@ -572,7 +576,8 @@ impl Queues {
     }
 
     /// Keeps waiting messages from redelivery, releases keys whose held message did not
-    /// come back in time, and forgets holds of messages long gone to other instances.
+    /// come back in time and parked events whose time is up, and forgets holds of messages
+    /// long gone to other instances.
     async fn heartbeat(&mut self) -> Vec<(jetstream::Message, Duration)> {
         let now = Instant::now();
         let mut released = Vec::new();
@@ -587,6 +592,8 @@ impl Queues {
                 released.push(name.clone());
             }
         }
+        // Parked events whose time is up run again, whether or not a position check ends.
+        self.unpark(Vec::new());
         for name in released {
             if let Some(key) = self.keys.get_mut(&name) {
                 if key.idle() {
