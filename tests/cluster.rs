@@ -13,13 +13,12 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
 use outbox_runtime::outbox::schema::outbox_events;
-use outbox_runtime::{Inbox, Relay, UnitOfWorkError};
+use outbox_runtime::{Inbox, Relay};
 use support::cluster::NatsCluster;
 use support::consumer::{
-    Recording, applied, applied_count, assert_applied_in_order, consumer_config, consumer_database,
-    wait_until_settled,
+    Recording, applied, applied_count, assert_applied_in_order, commit_round, consumer_config,
+    consumer_database, orders, wait_until_settled,
 };
-use support::domain::{Order, OrderEvent};
 use support::{TestEnv, sequences, wait_until};
 
 const AGGREGATES: usize = 12;
@@ -35,24 +34,10 @@ async fn produce_until(
     rounds_done: &AtomicUsize,
 ) -> usize {
     let mut conn = producer.conn().await;
-    let mut orders: Vec<Order> = (0..AGGREGATES)
-        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
-        .collect();
+    let mut orders = orders(AGGREGATES);
     let mut round = 0;
     while round < min_rounds || !stop.load(Ordering::SeqCst) {
-        for order in &mut orders {
-            if round > 0 {
-                order.record(OrderEvent::Shipped);
-            }
-            producer
-                .outbox()
-                .transaction(&mut conn, async |uow| {
-                    uow.track(order);
-                    Ok::<_, UnitOfWorkError>(())
-                })
-                .await
-                .expect("the unit of work commits: PostgreSQL is not part of the faults");
-        }
+        commit_round(producer, &mut conn, &mut orders, round).await;
         round += 1;
         rounds_done.store(round, Ordering::SeqCst);
         tokio::time::sleep(pause).await;

@@ -17,7 +17,7 @@ use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gap
 use outbox_runtime::{Handler, Inbox, Metadata, UnitOfWork};
 use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_rounds, consumer_config,
-    consumer_database, relay_all, run_until_settled, wait_until_settled,
+    consumer_database, relay_all, run_until_settled, spawn_instances, wait_until_settled,
 };
 use support::domain::OrderEvent;
 use support::{TestEnv, wait_until};
@@ -160,7 +160,7 @@ async fn two_instances_of_one_consumer_apply_each_aggregate_in_order() {
 
 /// Every event on one aggregate, two live instances: JetStream hands each instance its own
 /// run of the aggregate's messages, so most of them arrive while their predecessor is being
-/// applied by the other instance. Naked back with a delay, each would wait 100 ms to 1 s
+/// applied by the other instance. Nak'd back with a delay, each would wait 100 ms to 1 s
 /// (the aggregate advanced about one event a second); waiting for the other instance to
 /// commit, they follow within milliseconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,18 +172,7 @@ async fn two_instances_on_one_hot_aggregate_keep_its_pace_and_its_order() {
     let consumer = consumer_database().await;
     let config = consumer_config(&consumer, &producer, "hot");
     let handler = Recording::default();
-    let mut running = Vec::new();
-    for _ in 0..2 {
-        let nats = outbox_runtime::nats::connect(&support::nats_url())
-            .await
-            .unwrap();
-        running.push(
-            Inbox::connect(config.clone(), nats, handler.clone())
-                .await
-                .unwrap()
-                .spawn(),
-        );
-    }
+    let running = spawn_instances(&config, &handler, &support::nats_url(), 2).await;
     let started = Instant::now();
     // One instance applies these in about a second; a minute is room for a loaded machine,
     // and a fraction of the five minutes the naks cost.
@@ -217,18 +206,7 @@ async fn two_live_instances_drain_behind_what_a_dead_one_held() {
         .unwrap();
     assert_eq!(receive_and_die(&dead, 3 * AGGREGATES).await, 3 * AGGREGATES);
     let started = Instant::now();
-    let mut running = Vec::new();
-    for _ in 0..2 {
-        let nats = outbox_runtime::nats::connect(&support::nats_url())
-            .await
-            .unwrap();
-        running.push(
-            Inbox::connect(config.clone(), nats, handler.clone())
-                .await
-                .unwrap()
-                .spawn(),
-        );
-    }
+    let running = spawn_instances(&config, &handler, &support::nats_url(), 2).await;
     // About ack_wait (1 s) plus the work; before events were parked, the two instances
     // bounced the aggregates' later events between them on nak delays for 14-17 s.
     wait_until("every event applied", Duration::from_secs(12), || async {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use outbox_runtime::{Handler, Inbox, InboxConfig, Metadata, Relay, UnitOfWork};
+use outbox_runtime::{Handler, Inbox, InboxConfig, InboxHandle, Metadata, Relay, UnitOfWork};
 
 use super::domain::{Order, OrderEvent};
 use super::{TestEnv, wait_until};
@@ -147,22 +147,59 @@ pub fn assert_applied_in_order(
 /// interleave in the stream.
 pub async fn commit_rounds(producer: &TestEnv, aggregates: usize, events: usize) {
     let mut conn = producer.conn().await;
-    let mut orders: Vec<Order> = (0..aggregates)
-        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
-        .collect();
+    let mut orders = orders(aggregates);
     for round in 0..events {
-        for order in &mut orders {
-            if round > 0 {
-                order.record(OrderEvent::Shipped);
-            }
-            producer
-                .outbox()
-                .transaction(&mut conn, async |uow| {
-                    uow.track(order);
-                    Ok::<_, outbox_runtime::UnitOfWorkError>(())
-                })
-                .await
-                .unwrap();
-        }
+        commit_round(producer, &mut conn, &mut orders, round).await;
     }
+}
+
+/// `aggregates` orders `o-0`, `o-1`, ..., placed and not committed.
+pub fn orders(aggregates: usize) -> Vec<Order> {
+    (0..aggregates)
+        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+        .collect()
+}
+
+/// Commits round `round` of [`commit_rounds`]: one event of each order (`Placed` in round
+/// 0, else `Shipped`), one unit of work each.
+pub async fn commit_round(
+    producer: &TestEnv,
+    conn: &mut AsyncPgConnection,
+    orders: &mut [Order],
+    round: usize,
+) {
+    for order in orders {
+        if round > 0 {
+            order.record(OrderEvent::Shipped);
+        }
+        producer
+            .outbox()
+            .transaction(conn, async |uow| {
+                uow.track(order);
+                Ok::<_, outbox_runtime::UnitOfWorkError>(())
+            })
+            .await
+            .expect("the unit of work commits");
+    }
+}
+
+/// Spawns `count` instances of the consumer `config` describes, each on a NATS client of
+/// its own (as separate processes would be), at `nats_url`.
+pub async fn spawn_instances<H: Handler + Clone>(
+    config: &InboxConfig,
+    handler: &H,
+    nats_url: &str,
+    count: usize,
+) -> Vec<InboxHandle> {
+    let mut running = Vec::new();
+    for _ in 0..count {
+        let nats = outbox_runtime::nats::connect(nats_url).await.unwrap();
+        running.push(
+            Inbox::connect(config.clone(), nats, handler.clone())
+                .await
+                .unwrap()
+                .spawn(),
+        );
+    }
+    running
 }
