@@ -365,7 +365,7 @@ impl Bench {
     /// stream (its own, allowing atomic publish).
     async fn atomic_batch_figures(&self) -> Result<(), BoxError> {
         let version = self.place.nats.server_info().version;
-        if !at_least(&version, 2, 12) {
+        if !outbox_runtime::nats::server_at_least(&version, 2, 12) {
             println!(
                 "10. atomic batch publish: skipped, nats-server {version} is older than 2.12 \
                  (set NATS_URL to a current server)"
@@ -379,7 +379,7 @@ impl Bench {
             name: stream.clone(),
             subjects: vec![format!("{prefix}.>")],
             allow_atomic_publish: true,
-            allow_batch_publish: at_least(&version, 2, 14),
+            allow_batch_publish: outbox_runtime::nats::server_at_least(&version, 2, 14),
             ..Default::default()
         })
         .await?;
@@ -431,7 +431,7 @@ impl Bench {
                 rate / pipelined,
             );
         }
-        if !at_least(version, 2, 14) {
+        if !outbox_runtime::nats::server_at_least(version, 2, 14) {
             println!("10. batched fast publish: skipped, nats-server {version} is older than 2.14");
             return Ok(());
         }
@@ -1223,15 +1223,6 @@ async fn publish_pipelined(
 
 /// Atomic batches open at once in figure 10 (the server allows 50 per stream).
 const BATCHES_IN_FLIGHT: usize = 16;
-
-/// Whether a nats-server `version` ("2.15.1", "2.12.0-beta") is `major.minor` or later.
-fn at_least(version: &str, major: u64, minor: u64) -> bool {
-    let mut parts = version
-        .split(['.', '-'])
-        .map(|part| part.parse::<u64>().unwrap_or(0));
-    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    found >= (major, minor)
-}
 
 /// Publishes `messages` in atomic batches of `size` (ADR-50), [`BATCHES_IN_FLIGHT`] at a
 /// time: the first message of a batch is a request (the server answers it empty, or with an

@@ -779,7 +779,7 @@ async fn several_filter_subjects_make_one_consumer_on_a_current_server_and_are_r
         format!("{}.Payment.>", producer.prefix),
     ];
     let version = producer.nats.server_info().version;
-    let current = !version.starts_with("2.9.") && !version.starts_with("2.8.");
+    let current = outbox_runtime::nats::server_at_least(&version, 2, 10);
     let connected = Inbox::connect(config, producer.nats.clone(), Dispatching).await;
     if !current {
         let error = connected

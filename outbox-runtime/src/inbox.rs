@@ -18,8 +18,9 @@
 //! the aggregate (`outbox_inbox_positions`) to the event, and only when it is the next one;
 //! an event whose predecessor the consumer has not applied waits for it (in place while the
 //! aggregate's position moves, then parked in the instance until the position reaches it,
-//! else a nak with a short delay; none counts a failure: see `dispatch`), and one whose predecessor will never come (skipped on the
-//! producer side, cut from the stream) is applied over the gap, which is recorded in
+//! else a nak with a short delay; none counts a failure: see `dispatch`), and one whose
+//! predecessor will never come (skipped on the producer side, cut from the stream) is
+//! applied over the gap, which is recorded in
 //! `outbox_inbox_gaps`. The stream tells the two apart: the relay publishes an aggregate's
 //! events in order, so a predecessor still to come is in the stream between the message of
 //! the last applied event and this one, on the aggregate's subjects that the consumer's
@@ -514,14 +515,14 @@ enum Body<E> {
     DeadLetter(String),
 }
 
-/// Why the transaction that applies a message did not commit.
 /// How long an event waits in place for its predecessor while the aggregate's position
-/// does not move, before it is nak'd (see [`Inbox::wait_for_predecessor`]).
+/// does not move, before it is parked or nak'd (see [`Inbox::wait_for_predecessor`]).
 const PREDECESSOR_STALL: Duration = Duration::from_millis(250);
 
 /// The longest pause between two tries of an event waiting in place for its predecessor.
 const PREDECESSOR_POLL: Duration = Duration::from_millis(16);
 
+/// Why the transaction that applies a message did not commit.
 enum Failure {
     /// The handler returned an error or panicked: counts toward `max_attempts`.
     Handler(String),
@@ -953,8 +954,8 @@ impl<H: Handler> Inbox<H> {
     /// a busy aggregate's messages), and commits within milliseconds, where a nak would cost
     /// its delay. Gives up, returning the last [`Failure::Gap`], when the position has not
     /// moved for [`PREDECESSOR_STALL`] (the predecessor waits for a redelivery or a retry of
-    /// its own: the caller naks the event, freeing its handler slot) or after a third of
-    /// `ack_wait` in all.
+    /// its own: the event is then parked or nak'd, freeing its handler slot) or after a
+    /// third of `ack_wait` in all.
     async fn wait_for_predecessor(
         &self,
         message: &jetstream::Message,
@@ -1381,11 +1382,7 @@ pub(crate) struct Gap {
 /// Whether a nats-server of `version` (`2.9.10`, `2.10.0-RC.1`, ...) takes a consumer with
 /// several `filter_subjects`: 2.10 and later.
 fn supports_filter_subjects(version: &str) -> bool {
-    let mut numbers = version
-        .split(['.', '-'])
-        .map(|part| part.parse::<u64>().unwrap_or(0));
-    let (major, minor) = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
-    (major, minor) >= (2, 10)
+    crate::nats::server_at_least(version, 2, 10)
 }
 
 /// A consumer's settings on the server, as a pull consumer's configuration for an update.

@@ -92,6 +92,17 @@ pub fn redacted(urls: &str) -> String {
     }
 }
 
+/// Whether a nats-server `version`, as its INFO reports it (`2.9.10`, `2.10.0-RC.1`,
+/// `2.15.1`; `async_nats::Client::server_info().version`), is `major.minor` or later. A part
+/// that is not a number counts as 0.
+pub fn server_at_least(version: &str, major: u64, minor: u64) -> bool {
+    let mut numbers = version
+        .split(['.', '-'])
+        .map(|part| part.parse::<u64>().unwrap_or(0));
+    let found = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    found >= (major, minor)
+}
+
 /// The options and servers to connect to `urls` with: the credentials of the URLs as
 /// options, the servers without them. Add options of your own (TLS, a name) before
 /// connecting with `options.connect(servers)`.

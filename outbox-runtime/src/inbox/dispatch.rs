@@ -441,7 +441,13 @@ impl Queues {
         let now = Instant::now();
         let key_name = ordering_key(&message);
         let sequence = sequence(&message);
-        let blocked_full = self.blocked() >= self.max_buffered / 2;
+        // Counted only for a message behind a parked event: route runs for every message.
+        let behind_parked = self
+            .keys
+            .get(&key_name)
+            .and_then(|key| key.parked.as_ref())
+            .is_some_and(|parked| sequence > parked.sequence);
+        let blocked_full = behind_parked && self.blocked() >= self.max_buffered / 2;
         let key = self.keys.entry(key_name.clone()).or_default();
         if key.running == Some(sequence) {
             // Redelivered while being handled: the handling settles it.
@@ -453,12 +459,7 @@ impl Queues {
             // It would only wait here: let JetStream keep it until the held one is back.
             return vec![(message, (until - now).min(Duration::from_secs(1)))];
         }
-        if key
-            .parked
-            .as_ref()
-            .is_some_and(|parked| sequence > parked.sequence)
-            && blocked_full
-        {
+        if blocked_full {
             // Half the buffer waits behind parked events already: keep room to receive the
             // predecessors they wait for.
             return vec![(message, BEHIND_PARKED_DELAY)];
@@ -623,22 +624,13 @@ impl Queues {
         self.parked > 0
     }
 
-    /// The aggregates the parked events wait on.
+    /// The aggregates the parked events wait on (one per key: an event with an aggregate
+    /// is ordered by it).
     fn parked_aggregates(&self) -> Vec<Aggregate> {
-        let mut aggregates: Vec<Aggregate> = self
-            .keys
+        self.keys
             .values()
             .filter_map(|key| key.parked.as_ref().map(|parked| parked.aggregate.clone()))
-            .collect();
-        aggregates.sort_by(|a, b| {
-            (&a.source, &a.aggregate_type, &a.aggregate_id).cmp(&(
-                &b.source,
-                &b.aggregate_type,
-                &b.aggregate_id,
-            ))
-        });
-        aggregates.dedup();
-        aggregates
+            .collect()
     }
 
     /// Releases the parked events whose predecessor is applied (by `positions`, the
