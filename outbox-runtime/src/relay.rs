@@ -8,10 +8,15 @@
 //!   JetStream acks awaited, record what the broker rejected, mark (or delete) the acked rows
 //!   in one statement, commit. Workers overlap one batch's commit with the next one's
 //!   publishes; several relay processes on one outbox behave like more workers.
-//! - the listener holds a dedicated connection that `LISTEN`s on
-//!   `outbox_events`; the outbox's insert trigger notifies it at COMMIT, and it wakes the
-//!   workers. Workers also poll every [`poll_interval`](RelayConfig::poll_interval), so a
-//!   lost notification or a dropped listening connection only delays a batch.
+//! - the listener holds a dedicated connection that `LISTEN`s on `outbox_events` and wakes
+//!   the workers at each notification. The outbox's insert trigger notifies only while a
+//!   relay waits for rows: when all its workers found nothing to claim, the listener takes
+//!   the *doorbell*, an advisory lock each inserting transaction tries in shared mode (see
+//!   [`DOORBELL_LOCK`]), and a worker claims once more before they sleep. A notifying
+//!   transaction serialises its COMMIT with every other notifying one, so under load, when
+//!   the relay is busy, units of work do not notify. Workers also poll every
+//!   [`poll_interval`](RelayConfig::poll_interval), so a lost notification or a dropped
+//!   listening connection only delays a batch.
 //!
 //! Delivery is at-least-once: a relay that dies after an ack and before its commit leaves the
 //! row queued, and the next claim publishes it again with the same `Nats-Msg-Id`, which
@@ -26,6 +31,7 @@
 //! stops answering is dropped after the statement timeout. The relay stops only when told
 //! to, after finishing its batches.
 
+mod doorbell;
 mod listener;
 mod worker;
 
@@ -37,6 +43,9 @@ use diesel_async::AsyncPgConnection;
 use tokio::sync::Notify;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
+
+pub use doorbell::DOORBELL_LOCK;
+use doorbell::Doorbell;
 
 use crate::database::{
     self, Bounded, ConnectError, Connector, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
@@ -85,8 +94,8 @@ pub struct RelayConfig {
     /// The most publishes awaiting their ack at once, across the relay's workers
     /// (async-nats's `max_ack_inflight`, with backpressure). Default 1024.
     pub max_in_flight: usize,
-    /// Wake on `LISTEN/NOTIFY` when rows commit. When `false`, the relay only polls.
-    /// Default `true`.
+    /// Wake on `LISTEN/NOTIFY` when rows commit (inserts notify only while the relay waits:
+    /// see the module's documentation). When `false`, the relay only polls. Default `true`.
     pub listen: bool,
     /// How long an idle worker waits before it looks again without a notification.
     /// Default 500 ms.
@@ -534,6 +543,11 @@ impl Relay {
         let wakers: Vec<Arc<Notify>> = (0..self.shared.config.workers)
             .map(|_| Arc::new(Notify::new()))
             .collect();
+        let doorbell = self
+            .shared
+            .config
+            .listen
+            .then(|| Arc::new(Doorbell::new(self.shared.config.workers)));
         let mut workers = JoinSet::new();
         let mut first_conn = self.conn;
         for (index, wake) in wakers.iter().enumerate() {
@@ -545,11 +559,14 @@ impl Relay {
                 .map(|(_, peer)| Arc::clone(peer))
                 .collect();
             let conn = first_conn.take();
-            workers.spawn(async move { worker::run(shared, index, conn, wake, peers, stop).await });
+            let doorbell = doorbell.clone();
+            workers.spawn(async move {
+                worker::run(shared, index, conn, wake, peers, doorbell, stop).await
+            });
         }
-        let listener = self.shared.config.listen.then(|| {
+        let listener = doorbell.map(|doorbell| {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
-            tokio::spawn(async move { listener::run(&shared, wakers, stop).await })
+            tokio::spawn(async move { listener::run(&shared, wakers, &doorbell, stop).await })
         });
         let housekeeping = {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());

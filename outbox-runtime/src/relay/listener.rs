@@ -1,10 +1,15 @@
-//! The relay's wake-up: a dedicated connection that `LISTEN`s on `outbox_events`.
+//! The relay's wake-up: a dedicated connection that `LISTEN`s on `outbox_events` and rings
+//! the [doorbell](super::doorbell).
 //!
-//! The outbox's insert trigger calls `pg_notify('outbox_events', '')`; PostgreSQL delivers
-//! the notification when the inserting transaction commits and drops it when it rolls back
-//! (PostgreSQL docs, NOTIFY), so a notification means committed rows. Each one wakes every
-//! worker; a worker woken while busy keeps the wake-up for its next wait, so none is lost
-//! between a notification and the worker's next claim.
+//! The outbox's insert trigger calls `pg_notify('outbox_events', '')` while the doorbell is
+//! armed; PostgreSQL delivers the notification when the inserting transaction commits and
+//! drops it when it rolls back (PostgreSQL docs, NOTIFY), so a notification means committed
+//! rows. Each one wakes every worker; a worker woken while busy keeps the wake-up for its
+//! next wait, so none is lost between a notification and the worker's next claim.
+//!
+//! The same connection holds the doorbell's advisory lock, taken and released as the
+//! workers ask: a session-level lock needs no open transaction, and it goes with the
+//! connection, which the listener notices as it notices lost notifications.
 //!
 //! Notifications are an accelerator, not the mechanism: when the connection drops the
 //! listener reconnects with backoff and, once listening again, wakes the workers (rows may
@@ -12,31 +17,75 @@
 
 use std::sync::Arc;
 
-use diesel_async::RunQueryDsl;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::doorbell::{self, Doorbell};
 use super::{Backoff, Shared};
 
 /// The channel the outbox's insert trigger notifies.
 pub(crate) const CHANNEL: &str = "outbox_events";
 
-pub(super) async fn run(shared: &Shared, wakers: Vec<Arc<Notify>>, stop: CancellationToken) {
+pub(super) async fn run(
+    shared: &Shared,
+    wakers: Vec<Arc<Notify>>,
+    doorbell: &Doorbell,
+    stop: CancellationToken,
+) {
     let wake_all = || wakers.iter().for_each(|wake| wake.notify_one());
     let mut backoff = Backoff::new(shared.config.max_backoff);
+    let mut wanted = doorbell.wanted();
+    let mut epoch = 0_u64;
     while !stop.is_cancelled() {
         match listen(shared).await {
             Ok(mut conn) => {
                 backoff.reset();
                 wake_all();
-                let mut notifications = std::pin::pin!(conn.notifications_stream());
+                let mut holding = false;
+                // When the next attempt to arm may be made.
+                let mut attempt_at = tokio::time::Instant::now();
                 loop {
+                    let want = *wanted.borrow_and_update();
+                    let now = tokio::time::Instant::now();
+                    let rung = match (want, holding) {
+                        (true, false) if now >= attempt_at => {
+                            arm(shared, &mut conn).await.map(|granted| {
+                                if granted {
+                                    holding = true;
+                                    epoch += 1;
+                                    doorbell.set_armed(epoch);
+                                    metrics::counter!("outbox_relay_doorbell_armed_total")
+                                        .increment(1);
+                                } else {
+                                    attempt_at = now + doorbell::ARM_RETRY;
+                                }
+                            })
+                        }
+                        (false, true) => {
+                            doorbell.set_disarmed();
+                            holding = false;
+                            bounded(shared, &mut conn, doorbell::DISARM).await
+                        }
+                        _ => Ok(()),
+                    };
+                    if let Err(error) = rung {
+                        tracing::warn!(%error, "the relay's LISTEN connection failed; polling until it is back");
+                        break;
+                    }
+                    // An attempt to arm that timed out is retried after ARM_RETRY of listening.
+                    let retry = want && !holding;
+                    let mut notifications = std::pin::pin!(conn.notifications_stream());
                     tokio::select! {
                         biased;
-                        () = stop.cancelled() => return,
+                        () = stop.cancelled() => {
+                            doorbell.set_disarmed();
+                            return;
+                        }
                         notification = notifications.next() => match notification {
-                            Some(Ok(_)) => {
+                            Some(Ok(notification)) => {
+                                doorbell.notified_by(notification.process_id);
                                 metrics::counter!("outbox_relay_notifications_total").increment(1);
                                 wake_all();
                             }
@@ -49,8 +98,12 @@ pub(super) async fn run(shared: &Shared, wakers: Vec<Arc<Notify>>, stop: Cancell
                                 break;
                             }
                         },
+                        _ = wanted.changed() => {}
+                        () = tokio::time::sleep_until(attempt_at), if retry => {}
                     }
                 }
+                // The lock went with the connection, or will when the server notices.
+                doorbell.set_disarmed();
             }
             Err(error) => {
                 tracing::warn!(%error, "the relay cannot LISTEN; polling until it can");
@@ -64,11 +117,16 @@ pub(super) async fn run(shared: &Shared, wakers: Vec<Arc<Notify>>, stop: Cancell
     }
 }
 
-async fn listen(shared: &Shared) -> Result<diesel_async::AsyncPgConnection, String> {
+async fn listen(shared: &Shared) -> Result<AsyncPgConnection, String> {
     let mut conn = super::worker::connect(shared)
         .await
         .map_err(|e| e.to_string())?;
-    let listening = diesel::sql_query(format!("LISTEN {CHANNEL}")).execute(&mut conn);
+    // One attempt to arm the doorbell waits at most ARM_ATTEMPT for its lock.
+    let setup = format!(
+        "SET lock_timeout = {}; LISTEN {CHANNEL}",
+        doorbell::ARM_ATTEMPT.as_millis()
+    );
+    let listening = conn.batch_execute(&setup);
     tokio::time::timeout(shared.config.statement_timeout, listening)
         .await
         .map_err(|_| {
@@ -79,4 +137,29 @@ async fn listen(shared: &Shared) -> Result<diesel_async::AsyncPgConnection, Stri
         })?
         .map_err(|e| e.to_string())?;
     Ok(conn)
+}
+
+/// One attempt to take the doorbell's lock: `Ok(false)` when it timed out (transactions
+/// holding it in shared mode, or another relay holding it).
+async fn arm(shared: &Shared, conn: &mut AsyncPgConnection) -> Result<bool, String> {
+    match bounded(shared, conn, doorbell::ARM).await {
+        Ok(()) => Ok(true),
+        Err(error) if error.starts_with(LOCK_TIMEOUT) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// PostgreSQL's message for a `lock_timeout` (SQLSTATE 55P03).
+const LOCK_TIMEOUT: &str = "canceling statement due to lock timeout";
+
+async fn bounded(shared: &Shared, conn: &mut AsyncPgConnection, sql: &str) -> Result<(), String> {
+    let run = diesel::sql_query(sql).execute(conn);
+    match tokio::time::timeout(shared.config.statement_timeout, run).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err(format!(
+            "{sql} did not answer within {:?}",
+            shared.config.statement_timeout
+        )),
+    }
 }

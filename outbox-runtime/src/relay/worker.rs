@@ -21,6 +21,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::doorbell::{Doorbell, Rest};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
 use crate::outbox::queries::{self, ClaimedEvent, Held, RetryPolicy};
@@ -70,25 +71,49 @@ pub(super) async fn run(
     mut conn: Option<AsyncPgConnection>,
     wake: Arc<Notify>,
     peers: Vec<Arc<Notify>>,
+    doorbell: Option<Arc<Doorbell>>,
     stop: CancellationToken,
 ) {
     let config = &shared.config;
     let mut backoff = Backoff::new(config.max_backoff);
+    // Batches in a row that claimed rows.
+    let mut streak = 0;
     while !stop.is_cancelled() {
+        let epoch = doorbell.as_ref().map_or(0, |doorbell| doorbell.epoch());
         let step = step(&shared, me, &mut conn, &stop).await;
         if matches!(step, Step::Busy) {
+            streak += 1;
+            if let Some(doorbell) = &doorbell {
+                doorbell.busy(streak);
+            }
             peers.iter().for_each(|peer| peer.notify_one());
+        } else {
+            streak = 0;
         }
         match step {
             Step::Busy => backoff.reset(),
-            // Woken by a notification, or after the poll interval.
+            // Woken by a notification, by another worker's batch, or after the poll
+            // interval; without a listener, polling alone.
             Step::Idle => {
                 backoff.reset();
+                let rest = doorbell
+                    .as_ref()
+                    .map_or(Rest::Sleep, |doorbell| doorbell.idle(epoch));
+                let armed = async {
+                    match (&doorbell, rest) {
+                        (Some(doorbell), Rest::Arm) => doorbell.armed().await,
+                        _ => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     biased;
                     () = stop.cancelled() => {}
                     () = wake.notified() => {}
+                    () = armed => {}
                     () = tokio::time::sleep(config.poll_interval) => {}
+                }
+                if let (Some(doorbell), Rest::Sleep) = (&doorbell, rest) {
+                    doorbell.awake();
                 }
             }
             // Nothing to do until the client is connected again: look every 100 ms, so the

@@ -1,0 +1,256 @@
+//! The doorbell: the relay asks inserting transactions to notify it only while it waits.
+//!
+//! A transaction that issues `NOTIFY` takes a database-wide lock at COMMIT and keeps it until
+//! its commit record is flushed (PostgreSQL's `src/backend/commands/async.c`,
+//! `PreCommit_Notify`): notifying commits flush one after another instead of together. With
+//! 32 concurrent writers, a notification from every unit of work cost half their throughput
+//! (the benchmark's figure 11). Only a relay with nothing to do needs a notification, so the
+//! outbox's insert trigger notifies only while one waits, told by an advisory lock
+//! ([`DOORBELL_LOCK`]):
+//!
+//! - the relay *arms* the doorbell when all its workers found nothing to claim: its `LISTEN`
+//!   connection takes the lock exclusively (`pg_advisory_lock`), then a worker claims once
+//!   more before they sleep;
+//! - each inserting transaction tries the lock in shared mode (`pg_try_advisory_xact_lock_shared`,
+//!   kept until COMMIT) and notifies when the try fails: a relay holds the lock or waits for
+//!   it;
+//! - a transaction whose try succeeded did not notify, but the relay's exclusive lock waits
+//!   for it to end (an advisory lock conflicts like any other: PostgreSQL docs, "Advisory
+//!   Locks"), so the claim the relay makes once it holds the lock sees its rows;
+//! - a worker that claimed rows *disarms* the doorbell (the lock is released, the trigger
+//!   stops notifying); workers claim again at once after each batch, and a batch that claimed
+//!   rows wakes the others.
+//!
+//! So every committed row is seen by a claim or followed by a notification, as when every
+//! insert notified; under load, when the relay is always busy, no unit of work notifies.
+//!
+//! A worker knows the doorbell was armed for the whole of its claim by the *epoch*: a number
+//! set when the lock is granted and cleared before it is released, read before the claim and
+//! again after it.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+/// The advisory lock of the relay's doorbell, as `pg_advisory_lock(DOORBELL_LOCK.0,
+/// DOORBELL_LOCK.1)`: `'outb'` as a big-endian `int4`, and 1. The outbox's insert trigger
+/// (`outbox_events_notify()`, migration `2026-11-24-000009_relay_doorbell`) tries it in
+/// shared mode; an idle relay holds it exclusively on its `LISTEN` connection. Advisory
+/// locks are one key space per database: an application must not take this pair itself (a
+/// transaction holding it in shared mode delays an idle relay's wake-up by up to 50 ms per
+/// attempt; holding it exclusively makes every insert notify).
+pub const DOORBELL_LOCK: (i32, i32) = (1_869_968_482, 1);
+
+/// The statement that arms the doorbell. It waits for the transactions that took the lock in
+/// shared mode, up to the listener connection's `lock_timeout`.
+pub(super) const ARM: &str = "SELECT pg_advisory_lock(1869968482, 1)";
+
+/// The statement that disarms it.
+pub(super) const DISARM: &str = "SELECT pg_advisory_unlock(1869968482, 1)";
+
+/// How long one attempt to arm waits for the lock ([`ARM`]): the inserting transactions it
+/// waits for hold it from their outbox insert to their COMMIT, well under a millisecond for
+/// a unit of work. The listener reads no notification while it waits.
+pub(super) const ARM_ATTEMPT: Duration = Duration::from_millis(10);
+
+/// How long the listener listens before it tries again to arm, after an attempt timed out:
+/// another relay holds the doorbell (inserts notify it, and this relay too), or a transaction
+/// holds the lock in shared mode for long (a plain `INSERT` into the outbox early in a long
+/// transaction). In the second case, rows committed meanwhile by other transactions wait for
+/// the next attempt: up to this long, instead of the poll interval.
+pub(super) const ARM_RETRY: Duration = Duration::from_millis(40);
+
+/// Batches in a row that claimed rows before a worker releases the doorbell
+/// ([`Doorbell::busy`]).
+pub(super) const SUSTAINED: u32 = 2;
+
+/// Two notifications from different connections closer than this mean overlapping commits.
+pub(super) const OVERLAP: Duration = Duration::from_millis(10);
+
+/// What an idle worker does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Rest {
+    /// Sleep until woken or the poll interval: a notification, or another worker, will see
+    /// the rows that commit from now on.
+    Sleep,
+    /// Wait for the doorbell to be armed (or a wake-up), then claim once more.
+    Arm,
+}
+
+/// The doorbell's state in the relay: what the workers want, and whether the lock is held.
+pub(super) struct Doorbell {
+    workers: usize,
+    /// Workers asleep (having chosen [`Rest::Sleep`]).
+    asleep: Mutex<usize>,
+    /// Whether the workers want the doorbell armed; the listener follows it.
+    wanted: watch::Sender<bool>,
+    /// The epoch of the armed doorbell; 0 while it is not.
+    armed: watch::Sender<u64>,
+    /// The backend and time of the last notification.
+    last_notifier: Mutex<Option<(i32, Instant)>>,
+    /// Whether the last two notifications came from overlapping commits.
+    overlapping: AtomicBool,
+}
+
+impl Doorbell {
+    pub(super) fn new(workers: usize) -> Self {
+        Self {
+            workers,
+            asleep: Mutex::new(0),
+            wanted: watch::Sender::new(false),
+            armed: watch::Sender::new(0),
+            last_notifier: Mutex::new(None),
+            overlapping: AtomicBool::new(false),
+        }
+    }
+
+    /// The epoch now: read it before a claim, and pass it to [`idle`](Self::idle) after.
+    pub(super) fn epoch(&self) -> u64 {
+        *self.armed.borrow()
+    }
+
+    /// A worker's claim, begun at `epoch`, found nothing. It may sleep when the doorbell was
+    /// armed for the whole claim (every row the claim did not see is followed by a
+    /// notification), or when another worker is awake (that one will claim, or arm the
+    /// doorbell and claim, before it sleeps). The last one awake asks for the doorbell and
+    /// must claim once more when it is armed.
+    pub(super) fn idle(&self, epoch: u64) -> Rest {
+        let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.epoch();
+        if (now != 0 && now == epoch) || *asleep + 1 < self.workers {
+            *asleep += 1;
+            return Rest::Sleep;
+        }
+        self.wanted
+            .send_if_modified(|wanted| !std::mem::replace(wanted, true));
+        Rest::Arm
+    }
+
+    /// A worker that chose [`Rest::Sleep`] woke.
+    pub(super) fn awake(&self) {
+        let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
+        *asleep = asleep.saturating_sub(1);
+    }
+
+    /// A worker claimed rows in `streak` batches in a row, without waiting in between.
+    ///
+    /// The doorbell is released when the relay is under load ([`SUSTAINED`] batches in a
+    /// row: it claims again at once after each batch, and wakes the other workers) *and* the
+    /// last notifications came from several connections at once: only commits that overlap
+    /// wait for one another on the notification lock. A single writer's commits never
+    /// overlap, and keeping the doorbell for it costs nothing, while releasing it would make
+    /// the relay claim again after every event instead of once per notification (one claim
+    /// per event, on cores the writer shares: 0.6-0.9x of its throughput, measured).
+    pub(super) fn busy(&self, streak: u32) {
+        if streak >= SUSTAINED && self.overlapping.load(Ordering::Relaxed) {
+            self.wanted
+                .send_if_modified(|wanted| std::mem::replace(wanted, false));
+        }
+    }
+
+    /// For the listener: a notification came from the backend `pid`. Commits overlap when
+    /// two notifications in a row come from different connections within [`OVERLAP`].
+    pub(super) fn notified_by(&self, pid: i32) {
+        let now = Instant::now();
+        let mut last = self.last_notifier.lock().unwrap_or_else(|e| e.into_inner());
+        let overlapping = matches!(*last, Some((other, at)) if other != pid && now - at < OVERLAP);
+        self.overlapping.store(overlapping, Ordering::Relaxed);
+        *last = Some((pid, now));
+    }
+
+    /// Completes once the doorbell is armed.
+    pub(super) async fn armed(&self) {
+        let mut armed = self.armed.subscribe();
+        // The sender lives as long as `self`.
+        let _ = armed.wait_for(|epoch| *epoch != 0).await;
+    }
+
+    /// For the listener: what the workers want.
+    pub(super) fn wanted(&self) -> watch::Receiver<bool> {
+        self.wanted.subscribe()
+    }
+
+    /// For the listener: the lock was granted; `epoch` is new and not 0.
+    pub(super) fn set_armed(&self, epoch: u64) {
+        debug_assert_ne!(epoch, 0);
+        self.armed.send_replace(epoch);
+    }
+
+    /// For the listener: the lock is about to be released, or was lost with its connection.
+    /// Called before the release, so that no worker trusts a doorbell that stops ringing.
+    pub(super) fn set_disarmed(&self) {
+        self.armed.send_replace(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_migration_names_the_same_key() {
+        let sql = include_str!("../../migrations/2026-11-24-000009_relay_doorbell/up.sql");
+        let call = format!(
+            "pg_try_advisory_xact_lock_shared({}, {})",
+            DOORBELL_LOCK.0, DOORBELL_LOCK.1
+        );
+        assert!(sql.contains(&call), "{call} not in the migration");
+        assert_eq!(
+            ARM,
+            format!(
+                "SELECT pg_advisory_lock({}, {})",
+                DOORBELL_LOCK.0, DOORBELL_LOCK.1
+            )
+        );
+        assert_eq!(
+            DISARM,
+            format!(
+                "SELECT pg_advisory_unlock({}, {})",
+                DOORBELL_LOCK.0, DOORBELL_LOCK.1
+            )
+        );
+        assert_eq!(DOORBELL_LOCK.0, i32::from_be_bytes(*b"outb"));
+    }
+
+    #[test]
+    fn only_the_last_worker_awake_asks_for_the_doorbell() {
+        let doorbell = Doorbell::new(3);
+        assert_eq!(doorbell.idle(0), Rest::Sleep);
+        assert_eq!(doorbell.idle(0), Rest::Sleep);
+        assert_eq!(doorbell.idle(0), Rest::Arm);
+        assert!(*doorbell.wanted().borrow());
+        // Armed: the last worker claims once more; found nothing, it may sleep too.
+        doorbell.set_armed(7);
+        assert_eq!(doorbell.idle(7), Rest::Sleep);
+        // One wakes and claims rows, again and again: one writer's notifications keep the
+        // doorbell.
+        doorbell.awake();
+        doorbell.notified_by(100);
+        doorbell.notified_by(100);
+        doorbell.busy(SUSTAINED);
+        assert!(*doorbell.wanted().borrow());
+        // Two writers' commits overlap: once busy in a row, the doorbell goes.
+        doorbell.notified_by(101);
+        doorbell.busy(1);
+        assert!(*doorbell.wanted().borrow());
+        doorbell.busy(SUSTAINED);
+        assert!(!*doorbell.wanted().borrow());
+    }
+
+    #[test]
+    fn a_claim_that_began_before_the_doorbell_was_armed_is_not_trusted() {
+        let doorbell = Doorbell::new(1);
+        assert_eq!(doorbell.idle(0), Rest::Arm);
+        doorbell.set_armed(1);
+        // The claim began at epoch 0: rows may have committed unnotified during it.
+        assert_eq!(doorbell.idle(0), Rest::Arm);
+        assert_eq!(doorbell.idle(1), Rest::Sleep);
+        doorbell.awake();
+        // Disarmed and armed again during a claim: another epoch, claim again.
+        doorbell.set_disarmed();
+        doorbell.set_armed(2);
+        assert_eq!(doorbell.idle(1), Rest::Arm);
+    }
+}
