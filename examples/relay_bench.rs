@@ -55,6 +55,8 @@ use serde::{Deserialize, Serialize};
 mod cluster;
 #[path = "support/place.rs"]
 mod place;
+#[path = "support/writers.rs"]
+mod writers;
 
 use place::{BoxError, Place};
 
@@ -82,9 +84,12 @@ struct Args {
     /// Published rows kept in the table for the claim measurement.
     #[arg(long, default_value_t = 1_000_000)]
     published_rows: usize,
-    /// The measurements to run, by number (1 to 10); all by default. Ratios are printed when
+    /// Length of each write-throughput run of figure 11, in seconds.
+    #[arg(long, default_value_t = 3.0)]
+    writer_secs: f64,
+    /// The measurements to run, by number (1 to 11); all by default. Ratios are printed when
     /// both their parts ran.
-    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7, 8, 9, 10])]
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7, 8, 9, 10, 11])]
     phases: Vec<u8>,
 }
 
@@ -355,6 +360,62 @@ impl Bench {
         if phase(10) {
             self.atomic_batch_figures().await?;
         }
+        if phase(11) {
+            self.writer_figures().await?;
+        }
+        Ok(())
+    }
+
+    /// Figure 11: write throughput under 1, 8, 32 and 64 writers, with and without the
+    /// outbox, and commit-to-ack latency under 32 writers.
+    async fn writer_figures(&self) -> Result<(), BoxError> {
+        let secs = self.args.writer_secs;
+        println!(
+            "11. write throughput, {secs} s per run, one business insert per transaction (and one event with the outbox), a relay draining"
+        );
+        for writers in writers::WRITERS {
+            let mut rates = Vec::new();
+            for way in writers::Way::ALL {
+                let run = writers::run(
+                    &self.place,
+                    way,
+                    writers,
+                    secs,
+                    self.args.payload,
+                    writers == 32,
+                )
+                .await?;
+                if !run.latencies_ms.is_empty() {
+                    println!(
+                        "11. {writers} writers, {}: commit-to-ack p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
+                        way.label(),
+                        run.percentile(0.5),
+                        run.percentile(0.99),
+                        run.percentile(1.0),
+                        run.latencies_ms.len()
+                    );
+                }
+                rates.push((way, run.commits_per_sec));
+            }
+            let bare = rates[0].1;
+            let line: Vec<String> = rates
+                .iter()
+                .map(|(way, rate)| format!("{} {rate:.0}/s ({:.2}x)", way.label(), rate / bare))
+                .collect();
+            println!("11. {writers} writers: {}", line.join(", "));
+            match writers::pgbench_floor(&self.place.database_url, writers, secs) {
+                Some((bare, extra)) => println!(
+                    "11. {writers} writers, pgbench floor: bare {bare:.0}/s, one more insert {extra:.0}/s ({:.2}x)",
+                    extra / bare
+                ),
+                None => println!("11. pgbench floor: pgbench or psql is not installed"),
+            }
+            if writers == 32 {
+                let r = rates[1].1 / bare;
+                ratio("11. 32 writers, outbox / no outbox", r, ">= 0.8", r >= 0.8);
+            }
+        }
+        println!();
         Ok(())
     }
 

@@ -1,0 +1,257 @@
+//! Figure 11 of `relay_bench`: write throughput with 1, 8, 32 and 64 concurrent writers,
+//! without the outbox, with it, and with it notifying at every commit (the insert trigger
+//! of before the relay's doorbell), with a relay draining the outbox all along; and
+//! commit-to-ack latency under 32 writers.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull};
+use diesel::sql_types::Int8;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures::StreamExt;
+use outbox_runtime::{Outbox, PendingEvents, Relay, UnitOfWorkError};
+
+use crate::place::{BoxError, Place};
+use crate::{Probe, Ticked};
+
+/// `outbox_events_notify()` before the doorbell, and with it.
+const EVERY_INSERT_NOTIFIES: &str =
+    include_str!("../../outbox-runtime/migrations/2026-11-24-000009_relay_doorbell/down.sql");
+const DOORBELL: &str =
+    include_str!("../../outbox-runtime/migrations/2026-11-24-000009_relay_doorbell/up.sql");
+
+/// The writer counts of the figure.
+pub const WRITERS: [usize; 4] = [1, 8, 32, 64];
+
+/// How each run writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// The business insert alone, in a diesel transaction.
+    Bare,
+    /// The same insert and one event, in a unit of work.
+    Outbox,
+    /// The same, with the insert trigger of before the doorbell: every commit notifies.
+    EveryCommitNotifies,
+}
+
+impl Way {
+    pub const ALL: [Way; 3] = [Way::Bare, Way::Outbox, Way::EveryCommitNotifies];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Way::Bare => "no outbox",
+            Way::Outbox => "outbox",
+            Way::EveryCommitNotifies => "outbox, every commit notifies",
+        }
+    }
+}
+
+/// One run's figures.
+pub struct Run {
+    pub commits_per_sec: f64,
+    /// Commit-to-ack latencies of the run's events, in ms, sorted; empty for [`Way::Bare`]
+    /// and when latencies were not asked for.
+    pub latencies_ms: Vec<f64>,
+}
+
+impl Run {
+    pub fn percentile(&self, p: f64) -> f64 {
+        let l = &self.latencies_ms;
+        l[((l.len() - 1) as f64 * p).round() as usize]
+    }
+}
+
+/// Writes with `writers` concurrent connections for `secs` seconds, each writer on
+/// aggregates of its own, while a relay (started before, running after) drains the outbox.
+pub async fn run(
+    place: &Place,
+    way: Way,
+    writers: usize,
+    secs: f64,
+    payload: usize,
+    latencies: bool,
+) -> Result<Run, BoxError> {
+    let mut admin = AsyncPgConnection::establish(&place.database_url).await?;
+    admin
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS bench_writes (id bigint PRIMARY KEY, total_cents bigint NOT NULL)",
+        )
+        .await?;
+    // The trigger as it was before the doorbell (the doorbell migration's down.sql): every
+    // insert notifies. Put back after the run (its up.sql).
+    if way == Way::EveryCommitNotifies {
+        admin.batch_execute(EVERY_INSERT_NOTIFIES).await?;
+    }
+    let mut stream = jetstream::new(place.nats.clone())
+        .get_stream(&place.stream)
+        .await?;
+    let first_new = stream.info().await?.state.last_sequence + 1;
+    let tag = format!("W{}{writers}", way as u8);
+    let relay = Relay::connect(place.relay_config(), place.nats.clone())
+        .await?
+        .spawn();
+
+    static NEXT_ID: AtomicI64 = AtomicI64::new(0);
+    let committed: Arc<Mutex<HashMap<u64, SystemTime>>> = Arc::default();
+    let commits = Arc::new(AtomicU64::new(0));
+    let pad = "x".repeat(payload.saturating_sub(30));
+    let outbox = Outbox::with_topology(place.topology());
+    let mut conns = Vec::with_capacity(writers);
+    for _ in 0..writers {
+        conns.push(AsyncPgConnection::establish(&place.database_url).await?);
+    }
+    let go = Arc::new(tokio::sync::Barrier::new(writers + 1));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for (writer, mut conn) in conns.into_iter().enumerate() {
+        let (outbox, committed, commits, pad, go, stop, tag) = (
+            outbox.clone(),
+            Arc::clone(&committed),
+            Arc::clone(&commits),
+            pad.clone(),
+            Arc::clone(&go),
+            Arc::clone(&stop),
+            tag.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            go.wait().await;
+            let mut n = 0_u64;
+            while !std::sync::atomic::AtomicBool::load(&stop, Ordering::Relaxed) {
+                let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+                let insert = diesel::sql_query("INSERT INTO bench_writes VALUES ($1, 4200)")
+                    .bind::<Int8, _>(id);
+                if way == Way::Bare {
+                    conn.transaction(async |conn| {
+                        insert.execute(conn).await?;
+                        Ok::<_, diesel::result::Error>(())
+                    })
+                    .await?;
+                } else {
+                    let key = (writer as u64) << 32 | n;
+                    let mut probe = Probe {
+                        id: format!("{tag}-{writer}-{}", n % 16),
+                        pending_events: PendingEvents::new(),
+                    };
+                    probe.record(Ticked {
+                        n: key,
+                        pad: pad.clone(),
+                    });
+                    outbox
+                        .transaction(&mut conn, async |uow| {
+                            insert.execute(uow.conn()).await?;
+                            uow.track(&mut probe);
+                            Ok::<_, UnitOfWorkError>(())
+                        })
+                        .await?;
+                    if latencies {
+                        committed
+                            .lock()
+                            .expect("not poisoned")
+                            .insert(key, SystemTime::now());
+                    }
+                }
+                commits.fetch_add(1, Ordering::Relaxed);
+                n += 1;
+            }
+            Ok::<_, BoxError>(())
+        }));
+    }
+    go.wait().await;
+    let started = Instant::now();
+    let before = AtomicU64::load(&commits, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    let done = AtomicU64::load(&commits, Ordering::Relaxed) - before;
+    let elapsed = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await??;
+    }
+    let total = AtomicU64::load(&commits, Ordering::Relaxed);
+    let committed = std::mem::take(&mut *committed.lock().expect("not poisoned"));
+
+    let mut latencies_ms = Vec::new();
+    if way != Way::Bare {
+        // Every event of the run reaches the stream (the relay drains it): read them all.
+        let consumer = stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: format!("{}.Probe.*.Ticked", place.prefix),
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: first_new,
+                },
+                ..Default::default()
+            })
+            .await?;
+        let mut messages = consumer.messages().await?;
+        let mut seen = 0_u64;
+        while seen < total {
+            let message = tokio::time::timeout(Duration::from_secs(60), messages.next())
+                .await?
+                .ok_or("the consumer ended")??;
+            seen += 1;
+            if let Some(commit) =
+                committed.get(&serde_json::from_slice::<Ticked>(&message.payload)?.n)
+            {
+                let stored = message.info()?.published;
+                let commit = time::OffsetDateTime::from(*commit);
+                latencies_ms.push((stored - commit).as_seconds_f64() * 1e3);
+            }
+        }
+        latencies_ms.sort_by(f64::total_cmp);
+    }
+    relay.shutdown().await?;
+    if way == Way::EveryCommitNotifies {
+        admin.batch_execute(DOORBELL).await?;
+    }
+    Ok(Run {
+        commits_per_sec: done as f64 / elapsed.as_secs_f64(),
+        latencies_ms,
+    })
+}
+
+/// The floor of figure 11, from pgbench on the same server: transactions per second of the
+/// bare business insert, and of the same with one more trivial insert (what any outbox
+/// writes at least: one more row, one more statement), with `clients` connections for
+/// `secs` seconds each. `None` when pgbench is not installed.
+pub fn pgbench_floor(database_url: &str, clients: usize, secs: f64) -> Option<(f64, f64)> {
+    let dir = std::env::temp_dir().join(format!("relay-bench-pgbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let bare = "\\set id random(1, 1000000000000)\nBEGIN;\nINSERT INTO bench_floor_orders VALUES (:id, 4200);\nCOMMIT;\n";
+    let extra = "\\set id random(1, 1000000000000)\nBEGIN;\nINSERT INTO bench_floor_orders VALUES (:id, 4200);\nINSERT INTO bench_floor_events VALUES (:id, 'Order', '{\"total_cents\": 4200}');\nCOMMIT;\n";
+    let setup = "CREATE TABLE IF NOT EXISTS bench_floor_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL); \
+                 CREATE TABLE IF NOT EXISTS bench_floor_events (id bigint PRIMARY KEY, kind text NOT NULL, payload jsonb NOT NULL)";
+    let status = std::process::Command::new("psql")
+        .args(["-q", "-c", setup, database_url])
+        .status()
+        .ok()?;
+    if !status.success() {
+        return None;
+    }
+    let mut rates = Vec::new();
+    for (name, script) in [("bare.sql", bare), ("extra.sql", extra)] {
+        let path = dir.join(name);
+        std::fs::write(&path, script).ok()?;
+        let output = std::process::Command::new("pgbench")
+            .args(["-n", "-M", "prepared", "-j", "2"])
+            .arg(format!("-c{clients}"))
+            .arg(format!("-T{}", secs.ceil() as u64))
+            .arg("-f")
+            .arg(&path)
+            .arg(database_url)
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        let tps = text
+            .lines()
+            .find_map(|line| line.strip_prefix("tps = "))?
+            .split_whitespace()
+            .next()?
+            .parse::<f64>()
+            .ok()?;
+        rates.push(tps);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Some((rates[0], rates[1]))
+}
