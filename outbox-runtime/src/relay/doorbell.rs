@@ -128,6 +128,20 @@ impl Doorbell {
         Rest::Arm
     }
 
+    /// A worker pauses without claiming (a backoff, a broker away) until the guard drops:
+    /// it counts as asleep, so that an idle worker does not count on it to claim the rows
+    /// that commit meanwhile, and takes the doorbell instead.
+    pub(super) fn resting(&self) -> impl Drop + '_ {
+        struct Resting<'a>(&'a Doorbell);
+        impl Drop for Resting<'_> {
+            fn drop(&mut self) {
+                self.0.awake();
+            }
+        }
+        *self.asleep.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        Resting(self)
+    }
+
     /// A worker that chose [`Rest::Sleep`] woke.
     pub(super) fn awake(&self) {
         let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
@@ -237,6 +251,15 @@ mod tests {
         assert!(*doorbell.wanted().borrow());
         doorbell.busy(SUSTAINED);
         assert!(!*doorbell.wanted().borrow());
+    }
+
+    #[test]
+    fn a_worker_backing_off_is_not_counted_on_to_claim() {
+        let doorbell = Doorbell::new(2);
+        let resting = doorbell.resting();
+        assert_eq!(doorbell.idle(0), Rest::Arm);
+        drop(resting);
+        assert_eq!(doorbell.idle(0), Rest::Sleep);
     }
 
     #[test]

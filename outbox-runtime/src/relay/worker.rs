@@ -120,6 +120,7 @@ pub(super) async fn run(
             // relay resumes as soon as the broker is back, however long it was away.
             Step::BrokerDown => {
                 backoff.reset();
+                let _resting = doorbell.as_deref().map(Doorbell::resting);
                 tokio::select! {
                     biased;
                     () = stop.cancelled() => {}
@@ -130,6 +131,7 @@ pub(super) async fn run(
             // failing. A reconnect does: the failure was the connection's.
             Step::Failed { connects } => {
                 let pause = backoff.next();
+                let _resting = doorbell.as_deref().map(Doorbell::resting);
                 tokio::select! {
                     biased;
                     () = stop.cancelled() => {}
