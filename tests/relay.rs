@@ -209,7 +209,8 @@ async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
                                     partition_key, subject, payload, headers) \
          VALUES ('Invoice', 'inv-7', 5, 'Issued', 'inv-7', '{subject}', \
                  '{{\"amount_cents\": 990}}', \
-                 '{{\"traceparent\": \"00-4bf92f3577b34da6-00f067aa0ba902b7-01\", \"x-tenant\": [\"eu\", \"b2b\"]}}')"
+                 '{{\"traceparent\": \"00-4bf92f3577b34da6-00f067aa0ba902b7-01\", \"x-tenant\": [\"eu\", \"b2b\"], \
+                    \"ce-source\": \"/forged\", \"content-type\": \"text/plain\"}}')"
     ))
     .await
     .unwrap();
@@ -230,6 +231,10 @@ async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
         "its own conversation"
     );
     assert_eq!(message.header("ce-causationid"), id);
+    // The relay's own headers win over a row's headers of the same name.
+    assert_eq!(message.header("ce-source"), "/tests");
+    assert_eq!(message.header("content-type"), "application/json");
+    assert_eq!(message.header("ce-specversion"), "1.0");
     assert_eq!(
         message.header("traceparent"),
         "00-4bf92f3577b34da6-00f067aa0ba902b7-01"

@@ -200,6 +200,11 @@ pub(crate) struct Publisher {
     source: HeaderValue,
     spec_version: HeaderValue,
     json: HeaderValue,
+    /// Every header a message of a row without headers of its own carries, the constant ones
+    /// with their values: cloned per message, so that its map is allocated once at its size
+    /// and never grows (growing rehashed every name three times: 14% of the relay's
+    /// instructions, measured with callgrind).
+    template: HeaderMap,
 }
 
 impl Publisher {
@@ -234,13 +239,36 @@ impl Publisher {
             .max_ack_inflight(max_in_flight)
             .backpressure_on_inflight(true)
             .build(client.clone());
+        let spec_version = HeaderValue::from_static_str("1.0");
+        let json = HeaderValue::from_static_str(JSON);
+        let mut template = HeaderMap::new();
+        for name in [
+            NATS_MESSAGE_ID,
+            CE_ID,
+            CE_TYPE,
+            CE_TIME,
+            CE_SUBJECT,
+            CE_AGGREGATETYPE,
+            CE_SEQUENCE,
+            CE_PARTITIONKEY,
+            CE_EVENTVERSION,
+            CE_CORRELATIONID,
+            CE_CAUSATIONID,
+        ] {
+            template.insert(name, HeaderValue::new());
+        }
+        template.insert(CE_SPECVERSION, spec_version.clone());
+        template.insert(CE_SOURCE, source.clone());
+        template.insert(CE_DATACONTENTTYPE, json.clone());
+        template.insert(CONTENT_TYPE, json.clone());
         Ok(Self {
             client,
             prefix: prefix.to_owned(),
             jetstream,
             source,
-            spec_version: HeaderValue::from_static_str("1.0"),
-            json: HeaderValue::from_static_str(JSON),
+            spec_version,
+            json,
+            template,
         })
     }
 
@@ -281,10 +309,11 @@ impl Publisher {
 
     /// The headers of a row's message (see the module documentation).
     pub(crate) fn headers(&self, row: &ClaimedEvent) -> Result<HeaderMap, PublishFailure> {
-        let mut headers = if row.headers.0.as_slice() == b"{}" {
-            HeaderMap::new()
-        } else {
+        let own = row.headers.0.as_slice() != b"{}";
+        let mut headers = if own {
             row_headers(&row.headers.0).map_err(PublishFailure::Invalid)?
+        } else {
+            self.template.clone()
         };
         let encoded = |value: &str| {
             percent_encoded(value).map_err(|_| {
@@ -304,9 +333,7 @@ impl Publisher {
             None => id.clone(),
         };
         headers.insert(NATS_MESSAGE_ID, id.clone());
-        headers.insert(CE_SPECVERSION, self.spec_version.clone());
         headers.insert(CE_ID, id);
-        headers.insert(CE_SOURCE, self.source.clone());
         headers.insert(CE_TYPE, encoded(&row.event_type)?);
         headers.insert(CE_TIME, rfc3339_utc(row.occurred_at));
         headers.insert(CE_SUBJECT, encoded(&row.aggregate_id)?);
@@ -319,8 +346,14 @@ impl Publisher {
         );
         headers.insert(CE_CORRELATIONID, correlation);
         headers.insert(CE_CAUSATIONID, causation);
-        headers.insert(CE_DATACONTENTTYPE, self.json.clone());
-        headers.insert(CONTENT_TYPE, self.json.clone());
+        // The template holds the constant ones; a row's own headers may name them too, and
+        // the relay's values win.
+        if own {
+            headers.insert(CE_SPECVERSION, self.spec_version.clone());
+            headers.insert(CE_SOURCE, self.source.clone());
+            headers.insert(CE_DATACONTENTTYPE, self.json.clone());
+            headers.insert(CONTENT_TYPE, self.json.clone());
+        }
         Ok(headers)
     }
 }
