@@ -418,3 +418,43 @@ async fn in_mark_mode_published_rows_stay_with_their_time_and_are_not_claimed_ag
             .unwrap();
     assert_eq!(purged, 2);
 }
+
+/// An event whose JSON PostgreSQL's `jsonb` would rewrite: keys out of its order (shorter
+/// keys first), no spaces, a duplicate-free object with an escaped character.
+#[derive(serde::Serialize, serde::Deserialize, outbox_runtime::DomainEvent)]
+#[event(name = "Signed")]
+struct Signed {
+    zeta_long_key: u32,
+    a: String,
+}
+
+#[tokio::test]
+async fn a_message_carries_the_payload_bytes_the_producer_wrote() {
+    let env = TestEnv::new().await;
+    let event = Signed {
+        zeta_long_key: 7,
+        a: "tab\there, \u{e9}".to_owned(),
+    };
+    let written = serde_json::to_vec(&event).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&written),
+        r#"{"zeta_long_key":7,"a":"tab\there, é"}"#
+    );
+    env.outbox()
+        .transaction(&mut env.conn().await, async |uow| {
+            uow.emit("Document", "d-1", &event);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    assert_eq!(relay.relay_batch().await.unwrap().published, 1);
+    let messages = env.stream_messages().await;
+    assert_eq!(
+        String::from_utf8_lossy(&messages[0].payload),
+        String::from_utf8_lossy(&written),
+        "the payload as serde wrote it, byte for byte"
+    );
+}

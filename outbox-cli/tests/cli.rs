@@ -59,8 +59,8 @@ async fn migrate_applies_then_says_up_to_date() {
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
-        text(&first).contains("applied 9: 20261121000001")
-            && text(&first).contains("20261124000009"),
+        text(&first).contains("applied 10: 20261121000001")
+            && text(&first).contains("20261124000010"),
         "{}",
         text(&first)
     );
@@ -499,7 +499,7 @@ async fn tail_prints_each_event_with_its_subject_sequence_and_type() {
         lines,
         [
             format!(
-                "{}.Order.o-1.Placed  #1  Placed v1  {{\"customer\": \"ada\", \"total_cents\": 1}}",
+                "{}.Order.o-1.Placed  #1  Placed v1  {{\"customer\":\"ada\",\"total_cents\":1}}",
                 env.prefix
             ),
             format!("{}.Order.o-1.Shipped  #2  Shipped v1  {{}}", env.prefix),

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use diesel::deserialize::{self, FromSql};
 use diesel::pg::{Pg, PgValue};
 use diesel::sql_types::{
-    Array, Bool, Int4, Int8, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+    Array, Bool, Int4, Int8, Json, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
 };
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -142,7 +142,7 @@ pub(crate) struct ClaimedEvent {
     pub partition_key: String,
     #[diesel(sql_type = Text)]
     pub subject: String,
-    #[diesel(sql_type = Jsonb)]
+    #[diesel(sql_type = Json)]
     pub payload: JsonBytes,
     #[diesel(sql_type = Jsonb)]
     pub headers: JsonText,
@@ -163,7 +163,8 @@ pub(crate) struct ClaimedEvent {
 #[derive(Debug)]
 pub(crate) struct JsonText(pub Vec<u8>);
 
-/// The same, as shared bytes: the relay sends a payload as it is, without copying it.
+/// A `json` value's text, exactly as it was written, as shared bytes: the relay sends a
+/// payload as it is.
 #[derive(Debug)]
 pub(crate) struct JsonBytes(pub bytes::Bytes);
 
@@ -183,9 +184,11 @@ impl FromSql<Jsonb, Pg> for JsonText {
     }
 }
 
-impl FromSql<Jsonb, Pg> for JsonBytes {
+/// `json` in binary format is its text (PostgreSQL source, `json_send` in
+/// src/backend/utils/adt/json.c).
+impl FromSql<Json, Pg> for JsonBytes {
     fn from_sql(value: PgValue<'_>) -> deserialize::Result<Self> {
-        jsonb_text(value).map(|json| Self(bytes::Bytes::copy_from_slice(json)))
+        Ok(Self(bytes::Bytes::copy_from_slice(value.as_bytes())))
     }
 }
 

@@ -22,8 +22,9 @@ diesel::table! {
         partition_key -> Text,
         /// The resolved NATS subject.
         subject -> Text,
-        /// The event's JSON (PostgreSQL's rendering of it is what is published).
-        payload -> Jsonb,
+        /// The event's JSON, as the producer wrote it: `json`, so what is published is the
+        /// same bytes.
+        payload -> Json,
         /// Extra message headers: a JSON object of name to string or array of strings.
         headers -> Jsonb,
         /// When the unit of work recorded it: `ce-time`.
