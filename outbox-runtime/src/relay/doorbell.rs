@@ -3,8 +3,9 @@
 //! A transaction that issues `NOTIFY` takes a database-wide lock at COMMIT and keeps it until
 //! its commit record is flushed (PostgreSQL's `src/backend/commands/async.c`,
 //! `PreCommit_Notify`): notifying commits flush one after another instead of together. With
-//! 32 concurrent writers, a notification from every unit of work cost half their throughput
-//! (the benchmark's figure 11). Only a relay with nothing to do needs a notification, so the
+//! 32 concurrent writers, a notification from every unit of work cost a third to a half of
+//! their throughput (the benchmark's figure 11). Only a relay with nothing to do needs a
+//! notification, so the
 //! outbox's insert trigger notifies only while one waits, told by an advisory lock
 //! ([`DOORBELL_LOCK`]):
 //!
@@ -17,9 +18,10 @@
 //! - a transaction whose try succeeded did not notify, but the relay's exclusive lock waits
 //!   for it to end (an advisory lock conflicts like any other: PostgreSQL docs, "Advisory
 //!   Locks"), so the claim the relay makes once it holds the lock sees its rows;
-//! - a worker that claimed rows *disarms* the doorbell (the lock is released, the trigger
-//!   stops notifying); workers claim again at once after each batch, and a batch that claimed
-//!   rows wakes the others.
+//! - a relay under load *disarms* the doorbell (the lock is released, the trigger stops
+//!   notifying): a worker claimed rows in two batches in a row while notifications came from
+//!   overlapping commits ([`Doorbell::busy`]); workers claim again at once after each batch,
+//!   and a batch that claimed rows wakes the others.
 //!
 //! So every committed row is seen by a claim or followed by a notification, as when every
 //! insert notified; under load, when the relay is always busy, no unit of work notifies.
