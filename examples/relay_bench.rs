@@ -403,12 +403,12 @@ impl Bench {
                 .map(|(way, rate)| format!("{} {rate:.0}/s ({:.2}x)", way.label(), rate / bare))
                 .collect();
             println!("11. {writers} writers: {}", line.join(", "));
-            match writers::pgbench_floor(&self.place.database_url, writers, secs) {
-                Some((bare, extra)) => println!(
+            match writers::pgbench_floor(&self.place, writers, secs).await {
+                Ok((bare, extra)) => println!(
                     "11. {writers} writers, pgbench floor: bare {bare:.0}/s, one more insert {extra:.0}/s ({:.2}x)",
                     extra / bare
                 ),
-                None => println!("11. pgbench floor: pgbench or psql is not installed"),
+                Err(reason) => println!("11. {writers} writers, pgbench floor: none ({reason})"),
             }
             if writers == 32 {
                 let r = rates[1].1 / bare;

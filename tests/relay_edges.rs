@@ -12,21 +12,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{PublishedRows, Relay, UnitOfWorkError, dead_letter};
 use support::domain::{Order, OrderEvent};
-use support::{Logs, NatsServer, TestEnv, sequences, wait_until};
-
-/// Inserts a row by plain SQL, as another writer would: aggregate `Raw`, sequence 1.
-async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subject: &str) {
-    diesel::sql_query(
-        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                                    partition_key, subject, payload) \
-         VALUES ('Raw', $1, 1, 'Written', $1, $2, '{}')",
-    )
-    .bind::<diesel::sql_types::Text, _>(aggregate_id)
-    .bind::<diesel::sql_types::Text, _>(subject)
-    .execute(conn)
-    .await
-    .unwrap();
-}
+use support::{Logs, NatsServer, TestEnv, insert_raw, sequences, wait_until};
 
 /// The `last_error` and dead-letter state of the `Raw` row of `aggregate_id`.
 async fn raw_row(conn: &mut AsyncPgConnection, aggregate_id: &str) -> (i32, Option<String>, bool) {

@@ -10,8 +10,8 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use futures::StreamExt;
 use outbox_runtime::relay::DOORBELL_LOCK;
 use outbox_runtime::{Relay, UnitOfWorkError};
-use support::TestEnv;
 use support::domain::Order;
+use support::{TestEnv, insert_raw};
 
 /// A connection listening on the relay's channel.
 async fn listening(env: &TestEnv) -> AsyncPgConnection {
@@ -28,16 +28,22 @@ async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> bool {
         .is_ok()
 }
 
+/// `SELECT function(DOORBELL_LOCK)`: `pg_advisory_lock` takes the doorbell as an idle relay
+/// does, `pg_advisory_unlock` releases it.
+fn doorbell_sql(function: &str) -> String {
+    format!(
+        "SELECT {function}({}, {})",
+        DOORBELL_LOCK.0, DOORBELL_LOCK.1
+    )
+}
+
 /// Takes the doorbell's lock as an idle relay does, on a connection of its own.
 async fn hold_doorbell(env: &TestEnv) -> AsyncPgConnection {
     let mut conn = env.conn().await;
-    diesel::sql_query(format!(
-        "SELECT pg_advisory_lock({}, {})",
-        DOORBELL_LOCK.0, DOORBELL_LOCK.1
-    ))
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    diesel::sql_query(doorbell_sql("pg_advisory_lock"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
     conn
 }
 
@@ -54,29 +60,24 @@ async fn a_unit_of_work_notifies_only_while_a_relay_waits_for_rows() {
     );
 
     // A relay waits (holds the doorbell): the commit notifies it.
-    let relay = hold_doorbell(&env).await;
+    let mut relay = hold_doorbell(&env).await;
     env.commit(&mut Order::place("o-2", "ada", 100)).await;
     assert!(
         notified(&mut listener, Duration::from_secs(5)).await,
         "a unit of work did not notify the waiting relay"
     );
     // A row inserted by plain SQL too.
-    let mut conn = env.conn().await;
-    conn.batch_execute(
-        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                                    partition_key, subject, payload) \
-         VALUES ('Raw', 'r-1', 1, 'Written', 'r-1', 'x.Raw.r-1.Written', '{}')",
-    )
-    .await
-    .unwrap();
+    insert_raw(&mut env.conn().await, "r-1", "x.Raw.r-1.Written").await;
     assert!(
         notified(&mut listener, Duration::from_secs(5)).await,
         "a plain INSERT did not notify the waiting relay"
     );
 
-    // The relay went back to work (its connection closed: the lock goes with it).
-    drop(relay);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The relay went back to work: it released the doorbell.
+    diesel::sql_query(doorbell_sql("pg_advisory_unlock"))
+        .execute(&mut relay)
+        .await
+        .unwrap();
     env.commit(&mut Order::place("o-3", "ada", 100)).await;
     assert!(
         !notified(&mut listener, Duration::from_millis(300)).await,
@@ -90,21 +91,11 @@ async fn a_relay_arming_the_doorbell_waits_for_the_commits_that_did_not_notify()
     // A transaction inserts while no relay waits, and stays open.
     let mut writer = env.conn().await;
     writer.batch_execute("BEGIN").await.unwrap();
-    writer
-        .batch_execute(
-            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, \
-                                        event_type, partition_key, subject, payload) \
-             VALUES ('Raw', 'r-1', 1, 'Written', 'r-1', 'x.Raw.r-1.Written', '{}')",
-        )
-        .await
-        .unwrap();
+    insert_raw(&mut writer, "r-1", "x.Raw.r-1.Written").await;
     // A relay going to sleep cannot take the doorbell until that transaction ends.
     let mut relay = env.conn().await;
     relay.batch_execute("SET lock_timeout = 200").await.unwrap();
-    let arm = format!(
-        "SELECT pg_advisory_lock({}, {})",
-        DOORBELL_LOCK.0, DOORBELL_LOCK.1
-    );
+    let arm = doorbell_sql("pg_advisory_lock");
     let error = diesel::sql_query(&arm)
         .execute(&mut relay)
         .await

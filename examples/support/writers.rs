@@ -214,44 +214,55 @@ pub async fn run(
 /// The floor of figure 11, from pgbench on the same server: transactions per second of the
 /// bare business insert, and of the same with one more trivial insert (what any outbox
 /// writes at least: one more row, one more statement), with `clients` connections for
-/// `secs` seconds each. `None` when pgbench is not installed.
-pub fn pgbench_floor(database_url: &str, clients: usize, secs: f64) -> Option<(f64, f64)> {
+/// `secs` seconds each.
+///
+/// # Errors
+/// Why there is no figure: pgbench is not installed, or what it said when it failed.
+pub async fn pgbench_floor(place: &Place, clients: usize, secs: f64) -> Result<(f64, f64), String> {
+    place
+        .conn()
+        .await
+        .map_err(|e| e.to_string())?
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS bench_floor_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL); \
+             CREATE TABLE IF NOT EXISTS bench_floor_events (id bigint PRIMARY KEY, kind text NOT NULL, payload jsonb NOT NULL)",
+        )
+        .await
+        .map_err(|e| e.to_string())?;
     let dir = std::env::temp_dir().join(format!("relay-bench-pgbench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).ok()?;
-    let bare = "\\set id random(1, 1000000000000)\nBEGIN;\nINSERT INTO bench_floor_orders VALUES (:id, 4200);\nCOMMIT;\n";
-    let extra = "\\set id random(1, 1000000000000)\nBEGIN;\nINSERT INTO bench_floor_orders VALUES (:id, 4200);\nINSERT INTO bench_floor_events VALUES (:id, 'Order', '{\"total_cents\": 4200}');\nCOMMIT;\n";
-    let setup = "CREATE TABLE IF NOT EXISTS bench_floor_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL); \
-                 CREATE TABLE IF NOT EXISTS bench_floor_events (id bigint PRIMARY KEY, kind text NOT NULL, payload jsonb NOT NULL)";
-    let status = std::process::Command::new("psql")
-        .args(["-q", "-c", setup, database_url])
-        .status()
-        .ok()?;
-    if !status.success() {
-        return None;
-    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let order = "\\set id random(1, 1000000000000)\nBEGIN;\nINSERT INTO bench_floor_orders VALUES (:id, 4200);\n";
+    let bare = format!("{order}COMMIT;\n");
+    let extra = format!(
+        "{order}INSERT INTO bench_floor_events VALUES (:id, 'Order', '{{\"total_cents\": 4200}}');\nCOMMIT;\n"
+    );
     let mut rates = Vec::new();
     for (name, script) in [("bare.sql", bare), ("extra.sql", extra)] {
         let path = dir.join(name);
-        std::fs::write(&path, script).ok()?;
+        std::fs::write(&path, script).map_err(|e| format!("{}: {e}", path.display()))?;
         let output = std::process::Command::new("pgbench")
             .args(["-n", "-M", "prepared", "-j", "2"])
             .arg(format!("-c{clients}"))
             .arg(format!("-T{}", secs.ceil() as u64))
             .arg("-f")
             .arg(&path)
-            .arg(database_url)
+            .arg(&place.database_url)
             .output()
-            .ok()?;
+            .map_err(|e| format!("pgbench: {e}"))?;
         let text = String::from_utf8_lossy(&output.stdout);
         let tps = text
             .lines()
-            .find_map(|line| line.strip_prefix("tps = "))?
-            .split_whitespace()
-            .next()?
-            .parse::<f64>()
-            .ok()?;
+            .find_map(|line| line.strip_prefix("tps = "))
+            .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+            .ok_or_else(|| {
+                format!(
+                    "pgbench ({}) printed no tps: {}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr).trim()
+                )
+            })?;
         rates.push(tps);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    Some((rates[0], rates[1]))
+    Ok((rates[0], rates[1]))
 }

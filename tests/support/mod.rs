@@ -293,6 +293,21 @@ impl Drop for TestEnv {
     }
 }
 
+/// Inserts a row by plain SQL, as another writer would: aggregate `Raw`, sequence 1.
+pub async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subject: &str) {
+    use diesel_async::RunQueryDsl;
+    diesel::sql_query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         VALUES ('Raw', $1, 1, 'Written', $1, $2, '{}')",
+    )
+    .bind::<diesel::sql_types::Text, _>(aggregate_id)
+    .bind::<diesel::sql_types::Text, _>(subject)
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
 /// Waits until `check` returns `Some`, polling every 20 ms, for at most `timeout`; panics
 /// with `what` when it does not.
 pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T

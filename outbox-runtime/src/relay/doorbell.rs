@@ -19,9 +19,9 @@
 //!   for it to end (an advisory lock conflicts like any other: PostgreSQL docs, "Advisory
 //!   Locks"), so the claim the relay makes once it holds the lock sees its rows;
 //! - a relay under load *disarms* the doorbell (the lock is released, the trigger stops
-//!   notifying): a worker claimed rows in two batches in a row while notifications came from
-//!   overlapping commits ([`Doorbell::busy`]); workers claim again at once after each batch,
-//!   and a batch that claimed rows wakes the others.
+//!   notifying): a worker claimed rows in two batches in a row ([`Doorbell::busy`]);
+//!   workers claim again at once after each batch, and a batch that claimed rows wakes the
+//!   others.
 //!
 //! So every committed row is seen by a claim or followed by a notification, as when every
 //! insert notified; under load, when the relay is always busy, no unit of work notifies.
@@ -31,8 +31,7 @@
 //! again after it.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -68,9 +67,6 @@ pub(super) const ARM_RETRY: Duration = Duration::from_millis(40);
 /// ([`Doorbell::busy`]).
 pub(super) const SUSTAINED: u32 = 2;
 
-/// Two notifications from different connections closer than this mean overlapping commits.
-pub(super) const OVERLAP: Duration = Duration::from_millis(10);
-
 /// What an idle worker does next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Rest {
@@ -90,10 +86,6 @@ pub(super) struct Doorbell {
     wanted: watch::Sender<bool>,
     /// The epoch of the armed doorbell; 0 while it is not.
     armed: watch::Sender<u64>,
-    /// The backend and time of the last notification.
-    last_notifier: Mutex<Option<(i32, Instant)>>,
-    /// Whether the last two notifications came from overlapping commits.
-    overlapping: AtomicBool,
 }
 
 impl Doorbell {
@@ -103,8 +95,6 @@ impl Doorbell {
             asleep: Mutex::new(0),
             wanted: watch::Sender::new(false),
             armed: watch::Sender::new(0),
-            last_notifier: Mutex::new(None),
-            overlapping: AtomicBool::new(false),
         }
     }
 
@@ -150,30 +140,16 @@ impl Doorbell {
         *asleep = asleep.saturating_sub(1);
     }
 
-    /// A worker claimed rows in `streak` batches in a row, without waiting in between.
-    ///
-    /// The doorbell is released when the relay is under load ([`SUSTAINED`] batches in a
-    /// row: it claims again at once after each batch, and wakes the other workers) *and* the
-    /// last notifications came from several connections at once: only commits that overlap
-    /// wait for one another on the notification lock. A single writer's commits never
-    /// overlap, and keeping the doorbell for it costs nothing, while releasing it would make
-    /// the relay claim again after every event instead of once per notification (one claim
-    /// per event, on cores the writer shares: 0.6-0.9x of its throughput, measured).
+    /// A worker claimed rows in `streak` batches in a row, without waiting in between. From
+    /// [`SUSTAINED`] on the relay is under load: it claims again at once after each batch
+    /// and wakes the other workers, so inserts need not notify, and the doorbell is released.
+    /// A relay woken for a single batch goes back to sleep with the doorbell still armed,
+    /// without releasing the lock and taking it again.
     pub(super) fn busy(&self, streak: u32) {
-        if streak >= SUSTAINED && self.overlapping.load(Ordering::Relaxed) {
+        if streak >= SUSTAINED {
             self.wanted
                 .send_if_modified(|wanted| std::mem::replace(wanted, false));
         }
-    }
-
-    /// For the listener: a notification came from the backend `pid`. Commits overlap when
-    /// two notifications in a row come from different connections within [`OVERLAP`].
-    pub(super) fn notified_by(&self, pid: i32) {
-        let now = Instant::now();
-        let mut last = self.last_notifier.lock().unwrap_or_else(|e| e.into_inner());
-        let overlapping = matches!(*last, Some((other, at)) if other != pid && now - at < OVERLAP);
-        self.overlapping.store(overlapping, Ordering::Relaxed);
-        *last = Some((pid, now));
     }
 
     /// Completes once the doorbell is armed.
@@ -240,15 +216,8 @@ mod tests {
         // Armed: the last worker claims once more; found nothing, it may sleep too.
         doorbell.set_armed(7);
         assert_eq!(doorbell.idle(7), Rest::Sleep);
-        // One wakes and claims rows, again and again: one writer's notifications keep the
-        // doorbell.
+        // One wakes and claims rows once: the doorbell stays; twice in a row: it goes.
         doorbell.awake();
-        doorbell.notified_by(100);
-        doorbell.notified_by(100);
-        doorbell.busy(SUSTAINED);
-        assert!(*doorbell.wanted().borrow());
-        // Two writers' commits overlap: once busy in a row, the doorbell goes.
-        doorbell.notified_by(101);
         doorbell.busy(1);
         assert!(*doorbell.wanted().borrow());
         doorbell.busy(SUSTAINED);

@@ -17,6 +17,7 @@
 
 use std::sync::Arc;
 
+use diesel::result::DatabaseErrorKind;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use tokio::sync::Notify;
@@ -24,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::doorbell::{self, Doorbell};
 use super::{Backoff, Shared};
+use crate::database::{self, Bounded};
 
 /// The channel the outbox's insert trigger notifies.
 pub(crate) const CHANNEL: &str = "outbox_events";
@@ -66,7 +68,13 @@ pub(super) async fn run(
                         (false, true) => {
                             doorbell.set_disarmed();
                             holding = false;
-                            bounded(shared, &mut conn, doorbell::DISARM).await
+                            lock_statement(
+                                shared,
+                                &mut conn,
+                                "disarming the relay's doorbell",
+                                doorbell::DISARM,
+                            )
+                            .await
                         }
                         _ => Ok(()),
                     };
@@ -84,8 +92,7 @@ pub(super) async fn run(
                             return;
                         }
                         notification = notifications.next() => match notification {
-                            Some(Ok(notification)) => {
-                                doorbell.notified_by(notification.process_id);
+                            Some(Ok(_)) => {
                                 metrics::counter!("outbox_relay_notifications_total").increment(1);
                                 wake_all();
                             }
@@ -126,40 +133,49 @@ async fn listen(shared: &Shared) -> Result<AsyncPgConnection, String> {
         "SET lock_timeout = {}; LISTEN {CHANNEL}",
         doorbell::ARM_ATTEMPT.as_millis()
     );
-    let listening = conn.batch_execute(&setup);
-    tokio::time::timeout(shared.config.statement_timeout, listening)
-        .await
-        .map_err(|_| {
-            format!(
-                "LISTEN did not answer within {:?}",
-                shared.config.statement_timeout
-            )
-        })?
-        .map_err(|e| e.to_string())?;
+    database::bounded(
+        shared.config.statement_timeout,
+        &shared.target,
+        "the relay's LISTEN",
+        conn.batch_execute(&setup),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     Ok(conn)
 }
 
-/// One attempt to take the doorbell's lock: `Ok(false)` when it timed out (transactions
-/// holding it in shared mode, or another relay holding it).
-async fn arm(shared: &Shared, conn: &mut AsyncPgConnection) -> Result<bool, String> {
-    match bounded(shared, conn, doorbell::ARM).await {
+/// One attempt to take the doorbell's lock: `Ok(false)` when the server refused it this time
+/// (its `lock_timeout`: transactions hold the lock in shared mode, or another relay holds
+/// it); an error when the connection failed or did not answer.
+async fn arm(shared: &Shared, conn: &mut AsyncPgConnection) -> Result<bool, LockError> {
+    match lock_statement(shared, conn, "arming the relay's doorbell", doorbell::ARM).await {
         Ok(()) => Ok(true),
-        Err(error) if error.starts_with(LOCK_TIMEOUT) => Ok(false),
+        // The server answered, so the connection stands. Told by kind, not by the message
+        // text, which the server's `lc_messages` may translate.
+        Err(Bounded::Failed(diesel::result::Error::DatabaseError(kind, _)))
+            if !matches!(kind, DatabaseErrorKind::ClosedConnection) =>
+        {
+            Ok(false)
+        }
         Err(error) => Err(error),
     }
 }
 
-/// PostgreSQL's message for a `lock_timeout` (SQLSTATE 55P03).
-const LOCK_TIMEOUT: &str = "canceling statement due to lock timeout";
+/// Why a doorbell statement failed.
+type LockError = Bounded<diesel::result::Error>;
 
-async fn bounded(shared: &Shared, conn: &mut AsyncPgConnection, sql: &str) -> Result<(), String> {
-    let run = diesel::sql_query(sql).execute(conn);
-    match tokio::time::timeout(shared.config.statement_timeout, run).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(error)) => Err(error.to_string()),
-        Err(_) => Err(format!(
-            "{sql} did not answer within {:?}",
-            shared.config.statement_timeout
-        )),
-    }
+async fn lock_statement(
+    shared: &Shared,
+    conn: &mut AsyncPgConnection,
+    operation: &'static str,
+    sql: &'static str,
+) -> Result<(), LockError> {
+    database::bounded(
+        shared.config.statement_timeout,
+        &shared.target,
+        operation,
+        diesel::sql_query(sql).execute(conn),
+    )
+    .await
+    .map(drop)
 }
