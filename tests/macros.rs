@@ -323,3 +323,262 @@ mod event_set {
         );
     }
 }
+
+/// `#[event(upcast(..))]`: older versions read into the current type, one version at a
+/// time, through typed and JSON steps in any mix the chain allows.
+mod upcasting {
+    use outbox_runtime::{DomainEvent, EventSet, EventType, PayloadError, UpcastError};
+    use serde::{Deserialize, Serialize};
+    use serde_json::{Value, json};
+
+    /// Version 4. Version 3 kept its type; versions 1 and 2 are JSON only.
+    #[derive(Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+    #[event(name = "PriceChanged", version = 4)]
+    #[event(upcast(from = 3, type = PriceChangedV3))]
+    #[event(upcast(from = 1, json = cents_from_float), upcast(from = 2, json = add_currency))]
+    struct PriceChanged {
+        sku: String,
+        cents: i64,
+        currency: String,
+        #[serde(default)]
+        reason: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    struct PriceChangedV3 {
+        sku: String,
+        cents: i64,
+        currency: String,
+    }
+
+    impl From<PriceChangedV3> for PriceChanged {
+        fn from(v3: PriceChangedV3) -> Self {
+            Self {
+                sku: v3.sku,
+                cents: v3.cents,
+                currency: v3.currency,
+                reason: Some("before v4".into()),
+            }
+        }
+    }
+
+    /// v1 `{"sku", "price": 1.5}` -> v2 `{"sku", "cents": 150}`.
+    fn cents_from_float(v1: Value) -> Result<Value, UpcastError> {
+        let price = v1["price"].as_f64().ok_or("v1 price is not a number")?;
+        Ok(json!({ "sku": v1["sku"], "cents": (price * 100.0).round() as i64 }))
+    }
+
+    /// v2 -> v3: the currency was always euros.
+    fn add_currency(mut v2: Value) -> Result<Value, String> {
+        let Some(object) = v2.as_object_mut() else {
+            return Err(format!("not an object: {v2}"));
+        };
+        object.insert("currency".into(), "EUR".into());
+        Ok(v2)
+    }
+
+    fn read(version: i32, payload: &str) -> Result<PriceChanged, PayloadError> {
+        PriceChanged::from_payload("PriceChanged", version, payload.as_bytes())
+    }
+
+    #[test]
+    fn every_older_version_reaches_the_current_type() {
+        let expected = |reason: Option<&str>| PriceChanged {
+            sku: "a-1".into(),
+            cents: 150,
+            currency: "EUR".into(),
+            reason: reason.map(str::to_owned),
+        };
+        assert_eq!(
+            read(1, r#"{"sku":"a-1","price":1.5}"#).unwrap(),
+            expected(Some("before v4"))
+        );
+        assert_eq!(
+            read(2, r#"{"sku":"a-1","cents":150}"#).unwrap(),
+            expected(Some("before v4"))
+        );
+        let v3 = r#"{"sku":"a-1","cents":150,"currency":"EUR"}"#;
+        assert_eq!(read(3, v3).unwrap(), expected(Some("before v4")));
+        let v4 = r#"{"sku":"a-1","cents":150,"currency":"EUR"}"#;
+        assert_eq!(read(4, v4).unwrap(), expected(None));
+        // What the type writes is the current version only.
+        let event = expected(None);
+        assert_eq!(event.event_version(), 4);
+        let types: Vec<(&str, i32)> = PriceChanged::EVENT_TYPES
+            .iter()
+            .map(|t: &EventType| (t.name, t.version))
+            .collect();
+        assert_eq!(
+            types,
+            [
+                ("PriceChanged", 4),
+                ("PriceChanged", 1),
+                ("PriceChanged", 2),
+                ("PriceChanged", 3)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_refused_or_malformed_old_payload_is_an_error_that_names_its_version() {
+        let refused = read(1, r#"{"sku":"a-1","price":"cheap"}"#).unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                PayloadError::Upcast {
+                    from_version: 1,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        assert!(
+            refused.to_string().contains("v1 price is not a number"),
+            "{refused}"
+        );
+        let refused = read(2, "[1]").unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                PayloadError::Upcast {
+                    from_version: 2,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        assert!(
+            refused.to_string().contains("not an object: [1]"),
+            "{refused}"
+        );
+        // An upcast's output that the next version's type cannot read: a JSON error at that
+        // version (v2 -> v3 by JSON, read as `PriceChangedV3`).
+        let missing = read(2, r#"{"sku":"a-1"}"#).unwrap_err();
+        assert!(
+            matches!(
+                missing,
+                PayloadError::Json {
+                    event_version: 3,
+                    ..
+                }
+            ),
+            "{missing:?}"
+        );
+        let malformed = read(3, r#"{"sku":"a-1"}"#).unwrap_err();
+        assert!(
+            matches!(
+                malformed,
+                PayloadError::Json {
+                    event_version: 3,
+                    ..
+                }
+            ),
+            "{malformed:?}"
+        );
+        assert!(matches!(
+            read(0, "{}"),
+            Err(PayloadError::UnknownEventType { .. })
+        ));
+        assert!(matches!(
+            read(5, "{}"),
+            Err(PayloadError::UnknownEventType { .. })
+        ));
+    }
+
+    /// A variant upcasts into the enum; a chain may be typed all the way.
+    #[derive(Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+    enum CartEvent {
+        #[event(version = 3, upcast(from = 1, type = AddedV1), upcast(from = 2, type = AddedV2))]
+        Added {
+            sku: String,
+            quantity: u32,
+        },
+        #[event(version = 2, upcast(from = 1, json = emptied_v1))]
+        Emptied {
+            reason: String,
+        },
+        CheckedOut,
+    }
+
+    #[derive(Deserialize)]
+    struct AddedV1 {
+        sku: String,
+    }
+
+    #[derive(Deserialize)]
+    struct AddedV2 {
+        item: String,
+        quantity: u32,
+    }
+
+    impl From<AddedV1> for AddedV2 {
+        fn from(v1: AddedV1) -> Self {
+            Self {
+                item: v1.sku,
+                quantity: 1,
+            }
+        }
+    }
+
+    impl From<AddedV2> for CartEvent {
+        fn from(v2: AddedV2) -> Self {
+            Self::Added {
+                sku: v2.item,
+                quantity: v2.quantity,
+            }
+        }
+    }
+
+    fn emptied_v1(_: Value) -> Result<Value, &'static str> {
+        Ok(json!({ "reason": "unknown (v1)" }))
+    }
+
+    #[derive(Debug, outbox_runtime::EventSet)]
+    enum ShopEvent {
+        Cart(CartEvent),
+        Price(PriceChanged),
+    }
+
+    #[test]
+    fn enum_variants_upcast_into_the_enum_and_event_sets_dispatch_old_versions() {
+        let added = |quantity| CartEvent::Added {
+            sku: "b-2".into(),
+            quantity,
+        };
+        let decode = |name: &str, version, payload: &str| {
+            CartEvent::from_payload(name, version, payload.as_bytes())
+        };
+        assert_eq!(decode("Added", 1, r#"{"sku":"b-2"}"#).unwrap(), added(1));
+        assert_eq!(
+            decode("Added", 2, r#"{"item":"b-2","quantity":5}"#).unwrap(),
+            added(5)
+        );
+        assert_eq!(
+            decode("Added", 3, r#"{"sku":"b-2","quantity":7}"#).unwrap(),
+            added(7)
+        );
+        let emptied = decode("Emptied", 1, "{}").unwrap();
+        assert_eq!(
+            emptied,
+            CartEvent::Emptied {
+                reason: "unknown (v1)".into()
+            }
+        );
+        assert_eq!(
+            decode("CheckedOut", 1, "{}").unwrap(),
+            CartEvent::CheckedOut
+        );
+        assert!(decode("CheckedOut", 0, "{}").is_err());
+
+        let from_set = ShopEvent::decode("Added", 1, br#"{"sku":"b-2"}"#).unwrap();
+        assert!(matches!(from_set, ShopEvent::Cart(event) if event == added(1)));
+        let price = ShopEvent::decode("PriceChanged", 1, br#"{"sku":"a","price":2}"#).unwrap();
+        assert!(matches!(
+            price,
+            ShopEvent::Price(PriceChanged { cents: 200, .. })
+        ));
+        let unknown = ShopEvent::decode("Added", 4, b"{}").unwrap_err();
+        let known = unknown.to_string();
+        assert!(known.contains("Added v3, Added v1, Added v2"), "{known}");
+    }
+}

@@ -34,6 +34,8 @@ pub struct EventType<'a> {
     pub serde_name: Option<LitStr>,
     /// `#[event(version = N)]`, if given.
     pub version: Option<LitInt>,
+    /// `#[event(upcast(..))]`, in the order given: how older versions become this one.
+    pub upcasts: Vec<attr::Upcast>,
     pub fields: &'a Fields,
     /// The fields marked `#[event(partition_key)]`: one is expected.
     pub partition_keys: Vec<PartitionKey>,
@@ -150,6 +152,7 @@ fn event_type<'a>(
         name: attrs.name,
         serde_name: None,
         version: attrs.version,
+        upcasts: attrs.upcasts,
         fields,
         partition_keys,
         index,

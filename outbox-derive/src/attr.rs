@@ -4,7 +4,7 @@
 use proc_macro2::TokenStream;
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
-use syn::{Attribute, LitInt, LitStr, Meta, Path, Token};
+use syn::{Attribute, LitInt, LitStr, Meta, Path, Token, Type};
 
 /// Errors collected across the input, reported together (`syn::Error::combine`).
 #[derive(Default)]
@@ -45,6 +45,34 @@ pub struct EventAttrs {
     pub version: Option<LitInt>,
     /// `partition_key`: this field is the partition key (the path, for its span).
     pub partition_key: Option<Path>,
+    /// `upcast(from = N, ..)`, each one given, in order.
+    pub upcasts: Vec<Upcast>,
+}
+
+/// `upcast(from = N, json = path)` or `upcast(from = N, type = OldType)`: how a payload of
+/// version N becomes one of version N + 1.
+pub struct Upcast {
+    /// The `upcast` token, for errors about the whole entry.
+    pub key: Path,
+    /// `from = N`.
+    pub from: Option<LitInt>,
+    /// `json = ..` or `type = ..`; `None` when neither was given.
+    pub step: Option<UpcastStep>,
+}
+
+/// How one version becomes the next.
+pub enum UpcastStep {
+    /// `json = path`: a function from version N's JSON to version N + 1's.
+    Json(Path),
+    /// `type = T`: version N's payload is a `T`, and version N + 1's type implements
+    /// `From<T>`.
+    Type(Box<Type>),
+}
+
+impl UpcastStep {
+    pub fn is_type(&self) -> bool {
+        matches!(self, Self::Type(_))
+    }
 }
 
 pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> EventAttrs {
@@ -62,7 +90,10 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
             let key = &meta.path;
             let expected = match place {
                 Place::Field => "on a field it takes `partition_key`",
-                _ => "on a struct or variant it takes `name = \"..\"` and `version = N`",
+                _ => {
+                    "on a struct or variant it takes `name = \"..\"`, `version = N` and \
+                     `upcast(from = N, json = function)` or `upcast(from = N, type = OldType)`"
+                }
             };
             if key.is_ident("partition_key") && place == Place::Field {
                 if parsed.partition_key.is_some() {
@@ -81,12 +112,14 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
                     return Err(syn::Error::new_spanned(key, "`version` is set twice"));
                 }
                 parsed.version = Some(value);
+            } else if key.is_ident("upcast") && place != Place::Field {
+                parsed.upcasts.push(upcast(&meta)?);
             } else if key.is_ident("partition_key") {
                 return Err(meta.error(
                     "`partition_key` belongs on a field: #[event(partition_key)] on the field \
                      whose value partitions this event",
                 ));
-            } else if key.is_ident("name") || key.is_ident("version") {
+            } else if key.is_ident("name") || key.is_ident("version") || key.is_ident("upcast") {
                 return Err(meta.error(format!(
                     "`{}` belongs on the struct or variant, not on a field",
                     path_text(key)
@@ -104,6 +137,44 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
         }
     }
     parsed
+}
+
+/// The inside of `upcast(..)`.
+fn upcast(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<Upcast> {
+    let mut upcast = Upcast {
+        key: meta.path.clone(),
+        from: None,
+        step: None,
+    };
+    meta.parse_nested_meta(|inner| {
+        let key = &inner.path;
+        if key.is_ident("from") {
+            if upcast.from.is_some() {
+                return Err(inner.error("`from` is set twice in this upcast"));
+            }
+            upcast.from = Some(inner.value()?.parse()?);
+        } else if key.is_ident("json") || key.is_ident("type") {
+            let step = if key.is_ident("json") {
+                UpcastStep::Json(inner.value()?.parse()?)
+            } else {
+                UpcastStep::Type(Box::new(inner.value()?.parse()?))
+            };
+            if upcast.step.is_some() {
+                return Err(inner
+                    .error("an upcast takes one of `json = function` and `type = OldType`, once"));
+            }
+            upcast.step = Some(step);
+        } else {
+            return Err(inner.error(format!(
+                "unknown key `{}` in upcast(..); it takes `from = N` and one of \
+                 `json = function` (version N's JSON to version N + 1's) and `type = OldType` \
+                 (version N's payload type, which version N + 1's type converts `From`)",
+                path_text(key)
+            )));
+        }
+        Ok(())
+    })?;
+    Ok(upcast)
 }
 
 /// The arguments of `#[aggregate(..)]`.

@@ -7,7 +7,7 @@ use syn::spanned::Spanned;
 use syn::{DeriveInput, Fields, LitStr, Member};
 
 use crate::ast::{AggregateInput, Event, EventKind, EventSet, EventType};
-use crate::attr::{self, Errors};
+use crate::attr::{self, Errors, UpcastStep};
 use crate::valid;
 
 pub fn domain_event(input: &DeriveInput) -> syn::Result<TokenStream> {
@@ -60,6 +60,7 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                     )),
                 )
             };
+            let upcasts = upcast_arms(event_type, version, |_| decode.clone());
             quote! {
                 fn event_type(&self) -> &'static str { #name }
                 fn event_version(&self) -> i32 { #version }
@@ -74,6 +75,7 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                 ) -> #private::Result<Self, #private::PayloadError> {
                     match (event_type, event_version) {
                         (#name, #version) => #decode,
+                        #(#upcasts)*
                         _ => #private::Result::Err(
                             #private::PayloadError::unknown_event_type::<Self>(event_type, event_version),
                         ),
@@ -87,14 +89,21 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                 #private::DomainEvent::event_type(self),
                 #private::DomainEvent::event_version(self),
             ));
-            let decode = quote!(<Self as #private::SerdeEvent>::variant_from_payload(
-                index,
-                event_type,
-                event_version,
-                payload,
-            ));
             let idents: Vec<_> = variants.iter().map(|v| v.ident).collect();
             let indices: Vec<u32> = variants.iter().map(|v| v.index).collect();
+            let decode = |index: u32| {
+                quote!(<Self as #private::SerdeEvent>::variant_from_payload(
+                    #index,
+                    event_type,
+                    event_version,
+                    payload,
+                ))
+            };
+            let decodes = indices.iter().map(|index| decode(*index));
+            let upcasts = variants
+                .iter()
+                .zip(&versions)
+                .flat_map(|(variant, version)| upcast_arms(variant, *version, decode));
             let partition_keys = variants.iter().map(|v| match v.partition_keys.first() {
                 Some(key) => {
                     let (ident, member) = (v.ident, &key.member);
@@ -129,13 +138,13 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                     event_version: i32,
                     payload: &[u8],
                 ) -> #private::Result<Self, #private::PayloadError> {
-                    let index: u32 = match (event_type, event_version) {
-                        #((#names, #versions) => #indices,)*
-                        _ => return #private::Result::Err(
+                    match (event_type, event_version) {
+                        #((#names, #versions) => #decodes,)*
+                        #(#upcasts)*
+                        _ => #private::Result::Err(
                             #private::PayloadError::unknown_event_type::<Self>(event_type, event_version),
                         ),
-                    };
-                    #decode
+                    }
                 }
             }
         }
@@ -152,15 +161,136 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
             .push(syn::parse_quote_spanned!(ident.span()=> Self: #private::SerdeEvent));
     }
 
+    // Every type and version the decode reads: each current one, then the older versions its
+    // upcasters read, oldest first.
+    let private_ref = &private;
+    let read_types = types
+        .iter()
+        .zip(&names)
+        .zip(&versions)
+        .flat_map(|((t, name), version)| {
+            let private = private_ref;
+            let older = sorted_upcasts(t).into_iter().map(|(from, _)| from);
+            std::iter::once(*version)
+                .chain(older)
+                .map(move |version| quote!(#private::EventType { name: #name, version: #version }))
+        });
     quote! {
         #[automatically_derived]
         impl #impl_generics #private::DomainEvent for #ident #ty_generics #where_clause {
-            const EVENT_TYPES: &'static [#private::EventType] = &[
-                #(#private::EventType { name: #names, version: #versions },)*
-            ];
+            const EVENT_TYPES: &'static [#private::EventType] = &[#(#read_types,)*];
             #body
         }
     }
+}
+
+/// The upcasts of an event type, checked already, ordered by the version they read.
+fn sorted_upcasts<'e>(event_type: &'e EventType<'_>) -> Vec<(i32, &'e UpcastStep)> {
+    let mut steps: Vec<(i32, &UpcastStep)> = event_type
+        .upcasts
+        .iter()
+        .filter_map(|u| Some((u.from.as_ref()?.base10_parse().ok()?, u.step.as_ref()?)))
+        .collect();
+    steps.sort_by_key(|(from, _)| *from);
+    steps
+}
+
+/// One match arm per older version of `event_type` (at `version`): the payload is read as
+/// that version's type or JSON, then taken through every upcast up to `version`, where it
+/// becomes `Self` by a `From` conversion or by `decode` (the current version's own decode,
+/// given the index of the variant, reading `payload` at `event_version`).
+fn upcast_arms(
+    event_type: &EventType<'_>,
+    version: i32,
+    decode: impl Fn(u32) -> TokenStream,
+) -> Vec<TokenStream> {
+    let private = quote!(::outbox_runtime::__private);
+    let name = event_type.name();
+    let steps = sorted_upcasts(event_type);
+    let decode = decode(event_type.index);
+    // The type version `from + 1` is read as: the next upcast's type, or Self at `version`.
+    let next_type = |i: usize| -> Option<TokenStream> {
+        match steps.get(i + 1) {
+            Some((_, UpcastStep::Type(ty))) => Some(quote!(#ty)),
+            Some((_, UpcastStep::Json(_))) => None,
+            None => Some(quote!(Self)),
+        }
+    };
+    (0..steps.len())
+        .map(|start| {
+            let (first, first_step) = steps[start];
+            let mut body = match first_step {
+                UpcastStep::Type(ty) => quote_spanned! {ty.span()=>
+                    let value = #private::read_old::<#ty, Self>(event_type, #first, payload)?;
+                },
+                UpcastStep::Json(_) => quote! {
+                    let value = #private::read_json::<Self>(event_type, #first, payload)?;
+                },
+            };
+            for (i, (from, step)) in steps.iter().enumerate().skip(start) {
+                let next = from + 1;
+                let last = next == version;
+                match step {
+                    UpcastStep::Type(ty) => {
+                        let into = next_type(i).expect("checked: a typed upcast leads to a type");
+                        // Spanned on the old type, `Self` included: a missing `From` is an
+                        // error there.
+                        let into = respan(into, ty.span());
+                        body.extend(quote_spanned! {ty.span()=>
+                            let value = #private::upcast_into::<#ty, #into>(value);
+                        });
+                    }
+                    UpcastStep::Json(function) => {
+                        body.extend(quote_spanned! {function.span()=>
+                            let value = #private::upcast_json::<Self, _>(
+                                #function, value, event_type, #from,
+                            )?;
+                        });
+                        if last {
+                            body.extend(quote! {
+                                let bytes = #private::json_bytes(&value);
+                                let payload: &[u8] = &bytes;
+                                let event_version: i32 = #version;
+                            });
+                        } else if let Some(ty) = next_type(i) {
+                            body.extend(quote! {
+                                let value = #private::from_json_value::<#ty, Self>(
+                                    value, event_type, #next,
+                                )?;
+                            });
+                        }
+                    }
+                }
+            }
+            let result = match steps.last() {
+                Some((_, UpcastStep::Type(_))) => quote!(#private::Result::Ok(value)),
+                _ => decode.clone(),
+            };
+            quote! {
+                (#name, #first) => {
+                    #body
+                    #result
+                }
+            }
+        })
+        .collect()
+}
+
+/// `tokens`, every token spanned at `span`.
+fn respan(tokens: TokenStream, span: proc_macro2::Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            if let proc_macro2::TokenTree::Group(group) = &token {
+                let mut inner =
+                    proc_macro2::Group::new(group.delimiter(), respan(group.stream(), span));
+                inner.set_span(span);
+                token = inner.into();
+            }
+            token.set_span(span);
+            token
+        })
+        .collect()
 }
 
 fn version(event_type: &EventType<'_>) -> i32 {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use syn::{Fields, GenericParam, LitInt, LitStr};
 
 use crate::ast::{AggregateInput, Event, EventKind, EventSet, EventType};
-use crate::attr::{self, Errors};
+use crate::attr::{self, Errors, UpcastStep};
 
 /// Why `token` cannot be a NATS subject token, or `None` when it can.
 ///
@@ -139,6 +139,122 @@ pub fn event(event: &Event<'_>, errors: &mut Errors) {
             }
         }
     }
+    // The older versions each event type reads through its upcasters: no other variant may
+    // carry them (the decode would have two ways to go).
+    for event_type in event.event_types() {
+        let version = match &event_type.version {
+            Some(literal) => literal.base10_parse::<i32>().ok().filter(|v| *v >= 1),
+            None => Some(1),
+        };
+        let Some(version) = version else { continue };
+        for (from, literal) in upcasts(event_type, version, errors) {
+            if let Some(first) = seen.insert((event_type.name(), from), event_type) {
+                errors.push(syn::Error::new_spanned(
+                    literal,
+                    format!(
+                        "event type {:?} version {from} is already read by variant `{}`; a \
+                         message of that version could decode two ways: remove this upcast or \
+                         that variant",
+                        event_type.name(),
+                        first.ident
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+/// Checks the `upcast(..)` entries of one event type at `version`, and returns the versions
+/// they read with their `from` literals. The chain must be whole: from its lowest version,
+/// every version below `version` has exactly one upcaster, so each older payload reaches the
+/// current type one version at a time.
+pub fn upcasts<'e>(
+    event_type: &'e EventType<'_>,
+    version: i32,
+    errors: &mut Errors,
+) -> Vec<(i32, &'e LitInt)> {
+    let mut steps: Vec<(i32, &LitInt, &UpcastStep)> = Vec::new();
+    for upcast in &event_type.upcasts {
+        let Some(literal) = &upcast.from else {
+            errors.push(syn::Error::new_spanned(
+                &upcast.key,
+                "this upcast needs `from = N`: the version whose payloads it reads",
+            ));
+            continue;
+        };
+        let Some(step) = &upcast.step else {
+            errors.push(syn::Error::new_spanned(
+                &upcast.key,
+                "this upcast needs `json = function` (version N's JSON to version N + 1's) or \
+                 `type = OldType` (version N's payload type)",
+            ));
+            continue;
+        };
+        let from = match literal.base10_parse::<i32>() {
+            Ok(from) if (1..version).contains(&from) => from,
+            _ if version == 1 => {
+                errors.push(syn::Error::new_spanned(
+                    literal,
+                    "this event type is at version 1 and has no older version to read: raise \
+                     its #[event(version = N)] above the versions it upcasts",
+                ));
+                continue;
+            }
+            _ => {
+                errors.push(syn::Error::new_spanned(
+                    literal,
+                    format!(
+                        "an upcast reads an older version: `from` is a whole number from 1 to \
+                         {} (this event type is at version {version})",
+                        version - 1
+                    ),
+                ));
+                continue;
+            }
+        };
+        if steps.iter().any(|(earlier, ..)| *earlier == from) {
+            errors.push(syn::Error::new_spanned(
+                literal,
+                format!("version {from} already has an upcast; keep one per version"),
+            ));
+            continue;
+        }
+        steps.push((from, literal, step));
+    }
+    for (from, literal, step) in &steps {
+        let next = from + 1;
+        if next == version {
+            continue;
+        }
+        match steps.iter().find(|(other, ..)| *other == next) {
+            None => errors.push(syn::Error::new_spanned(
+                literal,
+                format!(
+                    "upcast from {from} yields version {next}, and nothing upcasts version \
+                     {next}: add #[event(upcast(from = {next}, ..))] so it reaches version \
+                     {version}"
+                ),
+            )),
+            Some((.., UpcastStep::Json(_))) if step.is_type() => {
+                let UpcastStep::Type(ty) = step else {
+                    unreachable!("is_type")
+                };
+                errors.push(syn::Error::new_spanned(
+                    ty,
+                    format!(
+                        "a typed upcast converts into version {next}'s type, and version {next} \
+                         has none (its upcast is `json`): give upcast(from = {next}) a \
+                         `type = ..`, or make this one `json`"
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    steps
+        .into_iter()
+        .map(|(from, literal, _)| (from, literal))
+        .collect()
 }
 
 fn check_variant(variant: &EventType<'_>, errors: &mut Errors) {

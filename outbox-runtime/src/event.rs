@@ -13,6 +13,9 @@
 
 pub(crate) mod payload;
 mod storable;
+pub(crate) mod upcast;
+
+pub use upcast::UpcastError;
 
 /// A domain event: a fact the domain records, written to the outbox and published.
 ///
@@ -23,8 +26,9 @@ mod storable;
 /// - [`from_payload`](Self::from_payload) inverts [`to_payload`](Self::to_payload) for
 ///   every `(event_type, event_version)` pair the value can produce.
 pub trait DomainEvent: Sized + Send + 'static {
-    /// Every event type this Rust type carries, in declaration order. An enum may carry the
-    /// same name at several versions, one variant each.
+    /// Every event type and version this Rust type reads, in declaration order: each one it
+    /// writes, followed by the older versions its `#[event(upcast(..))]` steps read, oldest
+    /// first. An enum may carry the same name at several versions, one variant each.
     const EVENT_TYPES: &'static [EventType];
 
     /// The event type name of this value: the subject's last token and the `ce-type`.
@@ -45,11 +49,13 @@ pub trait DomainEvent: Sized + Send + 'static {
     fn to_payload(&self) -> Result<String, PayloadError>;
 
     /// Decodes a payload written by [`to_payload`](Self::to_payload) for the given event
-    /// type and version.
+    /// type and version, or by an older version that this type upcasts (see
+    /// [`DomainEvent`](derive@crate::DomainEvent)'s `upcast`).
     ///
     /// # Errors
-    /// [`PayloadError::UnknownEventType`] when this type carries no such type and version;
-    /// [`PayloadError::Json`] when the payload does not decode.
+    /// [`PayloadError::UnknownEventType`] when this type reads no such type and version;
+    /// [`PayloadError::Json`] when the payload does not decode (as the version named);
+    /// [`PayloadError::Upcast`] when a JSON upcast function refuses it.
     fn from_payload(
         event_type: &str,
         event_version: i32,
@@ -190,6 +196,19 @@ pub enum PayloadError {
         /// What serde_json reported, with line and column for a decode.
         #[source]
         source: serde_json::Error,
+    },
+    /// A JSON upcast function (`#[event(upcast(from = N, json = ..))]`) refused a payload.
+    #[error("upcasting {rust_type} event {event_type:?} from v{from_version}: {source}")]
+    Upcast {
+        /// The Rust type being decoded.
+        rust_type: &'static str,
+        /// The event type of the payload.
+        event_type: String,
+        /// The version the refusing upcast reads.
+        from_version: i32,
+        /// What the function returned.
+        #[source]
+        source: UpcastError,
     },
 }
 

@@ -160,7 +160,7 @@ pub enum UnknownEvents {
 }
 
 /// What the inbox does with a message it cannot read: missing or invalid headers, or a
-/// payload that does not decode.
+/// payload that does not decode (or that an upcast refuses: [`PayloadError::Upcast`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Unreadable {
     /// Dead-letter it, whole. The default.
@@ -853,7 +853,7 @@ impl<H: Handler> Inbox<H> {
                     Body::DeadLetter(error.to_string())
                 }
             }
-            Err(error @ PayloadError::Json { .. }) => {
+            Err(error @ (PayloadError::Json { .. } | PayloadError::Upcast { .. })) => {
                 if config.unreadable == Unreadable::Skip {
                     Body::Skip(error.to_string())
                 } else {

@@ -101,7 +101,7 @@ pub use uuid;
 pub use aggregate::{Aggregate, PendingEvents};
 pub use causality::{InvalidTraceparent, Traceparent};
 pub use database::{ConnectError, Connector, TimedOut};
-pub use event::{DomainEvent, EventSet, EventType, PayloadError};
+pub use event::{DomainEvent, EventSet, EventType, PayloadError, UpcastError};
 pub use inbox::{
     Handler, Inbox, InboxConfig, InboxError, InboxHandle, Metadata, Outcome, UnknownEvents,
     Unreadable,
@@ -125,6 +125,8 @@ pub use outbox::{
 /// | `#[event(name = "..")]` | the struct, or a variant | serde's name, else the Rust name | the event type: last subject token, `ce-type`, `event_type` column |
 /// | `#[event(version = N)]` | the struct, or a variant | 1 | `ce-dataversion`, `event_version`; 1 to 2,147,483,647 |
 /// | `#[event(partition_key)]` | one field | the aggregate id | the event's partition key |
+/// | `#[event(upcast(from = N, json = f))]` | the struct, or a variant | none | reads version N's JSON through `f` as version N + 1 |
+/// | `#[event(upcast(from = N, type = T))]` | the struct, or a variant | none | reads version N as a `T`, which version N + 1's type converts `From` |
 ///
 /// - **name**: a valid NATS subject token (not empty, at most 256 bytes, no `.`, `*`, `>`,
 ///   whitespace or control character), checked at compile time on the literal. Without it,
@@ -140,9 +142,24 @@ pub use outbox::{
 ///   subject token, which the unit of work checks at commit. An `Option` has no `Display`:
 ///   store the key itself. Without one, events are partitioned by their aggregate's id.
 ///
+/// - **upcast**: how a consumer built today reads what was published years ago. Each
+///   older version the type still reads has one upcast to the version after it, so a
+///   payload of any version from the oldest declared one is taken one version at a time to
+///   the current type; [`Metadata::event_version`](crate::Metadata) still tells a handler
+///   which version arrived. `type = T` names the old payload's Rust type (any `Deserialize`
+///   type, kept beside the event), and version N + 1's type (the next upcast's `T`, or this
+///   event at its current version: the struct, or the enum for a variant) implements
+///   `From<T>`. `json = f` is for a version whose type is gone: `f` is a
+///   `fn(serde_json::Value) -> Result<serde_json::Value, E>` (`E` any error, a `String` or
+///   a `&str`) from version N's JSON to version N + 1's; an `Err` fails the decode with
+///   [`PayloadError::Upcast`]. A version without its upcast, two upcasts for one version, a
+///   `from` at or above the current version, an older version that another variant also
+///   carries, and a typed upcast into a version that has no type (its own upcast is `json`)
+///   are compile errors on the token that is wrong.
+///
 /// Every misuse (a name with a dot, a version of 0, two partition keys, an `#[event]` key in
-/// the wrong place, a serde attribute that would change the payload's shape) is a compile
-/// error on the token that is wrong.
+/// the wrong place, a serde attribute that would change the payload's shape, a broken upcast
+/// chain) is a compile error on the token that is wrong.
 ///
 /// # Example
 ///
@@ -173,6 +190,48 @@ pub use outbox::{
 /// assert_eq!(OrderEvent::Cancelled.event_type(), "order-cancelled");
 /// let captured = Captured { merchant: 42, amount_cents: 990 };
 /// assert_eq!(captured.partition_key().as_deref(), Some("42"));
+/// ```
+///
+/// An event at version 3 that still reads versions 1 and 2:
+///
+/// ```
+/// use outbox_runtime::{DomainEvent, UpcastError};
+/// use serde::{Deserialize, Serialize};
+/// use serde_json::{Value, json};
+///
+/// /// Version 3: the name split in two.
+/// #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+/// #[event(version = 3)]
+/// #[event(upcast(from = 1, json = v1_to_v2), upcast(from = 2, type = CustomerRegisteredV2))]
+/// struct CustomerRegistered { given_name: String, family_name: String, email: String }
+///
+/// /// Version 2, kept as a type: `{"name": .., "email": ..}`.
+/// #[derive(Deserialize)]
+/// struct CustomerRegisteredV2 { name: String, email: String }
+///
+/// impl From<CustomerRegisteredV2> for CustomerRegistered {
+///     fn from(v2: CustomerRegisteredV2) -> Self {
+///         let (given, family) = v2.name.split_once(' ').unwrap_or((&v2.name, ""));
+///         Self { given_name: given.into(), family_name: family.into(), email: v2.email }
+///     }
+/// }
+///
+/// /// Version 1 (its type is gone) had no email: `{"name": ..}`.
+/// fn v1_to_v2(mut v1: Value) -> Result<Value, UpcastError> {
+///     let name = v1.get_mut("name").ok_or("a v1 payload has a name")?.take();
+///     Ok(json!({ "name": name, "email": "" }))
+/// }
+///
+/// let read = |version, payload: &str| {
+///     CustomerRegistered::from_payload("CustomerRegistered", version, payload.as_bytes())
+/// };
+/// let v1 = read(1, r#"{"name":"Ada Lovelace"}"#)?;
+/// assert_eq!((v1.given_name.as_str(), v1.email.as_str()), ("Ada", ""));
+/// let v2 = read(2, r#"{"name":"Alan Turing","email":"alan@example.com"}"#)?;
+/// assert_eq!(v2.family_name, "Turing");
+/// assert!(read(1, "{}").is_err());                // the upcast's Err, as PayloadError::Upcast
+/// assert!(read(4, "{}").is_err());                // no such version
+/// # Ok::<(), outbox_runtime::PayloadError>(())
 /// ```
 pub use outbox_derive::DomainEvent;
 /// `#[derive(EventSet)]`: the events one consumer takes, one variant per event type (see
@@ -256,6 +315,9 @@ pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
 pub mod __private {
     pub use crate::aggregate::{Aggregate, PendingEvents};
     pub use crate::event::payload::SerdeEvent;
+    pub use crate::event::upcast::{
+        from_json_value, json_bytes, read_json, read_old, upcast_into, upcast_json,
+    };
     pub use crate::event::{DomainEvent, EventSet, EventType, PayloadError, overlap};
     pub use serde;
 
