@@ -582,3 +582,46 @@ mod upcasting {
         assert!(known.contains("Added v3, Added v1, Added v2"), "{known}");
     }
 }
+
+/// `#[event(dedup_key)]`: the field's value is the event's idempotency key.
+#[test]
+fn dedup_keys_come_from_the_marked_field() {
+    #[derive(Serialize, Deserialize, DomainEvent)]
+    enum UserEvent {
+        Created {
+            #[event(dedup_key)]
+            request: String,
+        },
+        Renamed {
+            #[event(dedup_key)]
+            request: Option<uuid::Uuid>,
+        },
+        Deleted,
+    }
+    #[derive(Serialize, Deserialize, DomainEvent)]
+    struct Imported {
+        #[event(dedup_key)]
+        source_row: String,
+    }
+    let id = uuid::Uuid::nil();
+    let created = UserEvent::Created {
+        request: "user-created:42".into(),
+    };
+    assert_eq!(created.dedup_key().as_deref(), Some("user-created:42"));
+    let renamed = UserEvent::Renamed { request: Some(id) };
+    assert_eq!(renamed.dedup_key(), Some(id.to_string()));
+    assert_eq!(UserEvent::Renamed { request: None }.dedup_key(), None);
+    assert_eq!(UserEvent::Deleted.dedup_key(), None);
+    let imported = Imported {
+        source_row: "r-7".into(),
+    };
+    assert_eq!(imported.dedup_key().as_deref(), Some("r-7"));
+    assert_eq!(
+        LimitRaised {
+            region: 1,
+            limit_cents: 2
+        }
+        .dedup_key(),
+        None
+    );
+}

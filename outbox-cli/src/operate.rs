@@ -334,6 +334,10 @@ pub(crate) struct PurgeArgs {
     /// Leave the inbox's rows alone.
     #[arg(long)]
     no_inbox: bool,
+    /// Also delete the producers' dedup keys (#[event(dedup_key)]) taken longer ago than
+    /// this; an event whose key is gone is written again. Kept when not given.
+    #[arg(long, value_parser = crate::duration)]
+    dedup_keys_older_than: Option<Duration>,
 }
 
 pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
@@ -362,6 +366,15 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
         .map_err(database_error)?;
     for (partition, rows) in &dropped.partitions {
         println!("dropped archive partition {partition} (about {rows} rows)");
+    }
+    if let Some(older_than) = args.dedup_keys_older_than {
+        let keys = outbox::purge_dedup_keys(&mut conn, older_than, args.batch)
+            .await
+            .map_err(database_error)?;
+        println!(
+            "deleted {keys} dedup keys older than {}",
+            humantime::format_duration(older_than)
+        );
     }
     if !args.no_inbox {
         for consumer in inbox::consumers(&mut conn).await.map_err(database_error)? {

@@ -59,8 +59,8 @@ async fn migrate_applies_then_says_up_to_date() {
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
-        text(&first).contains("applied 10: 20261121000001")
-            && text(&first).contains("20261124000010"),
+        text(&first).contains("applied 11: 20261121000001")
+            && text(&first).contains("20261124000011"),
         "{}",
         text(&first)
     );

@@ -39,15 +39,18 @@ pub struct EventType<'a> {
     pub fields: &'a Fields,
     /// The fields marked `#[event(partition_key)]`: one is expected.
     pub partition_keys: Vec<PartitionKey>,
+    /// The fields marked `#[event(dedup_key)]`: at most one is expected.
+    pub dedup_keys: Vec<PartitionKey>,
     /// The variant's position among the enum's variants (serde's variant index).
     pub index: u32,
     /// The keys of the variant's `#[serde(..)]` attributes.
     pub serde_keys: Vec<Path>,
 }
 
+/// A field marked `#[event(partition_key)]` or `#[event(dedup_key)]`.
 pub struct PartitionKey {
     pub member: Member,
-    /// The `partition_key` token of the attribute.
+    /// The `partition_key` or `dedup_key` token of the attribute.
     pub attr: Path,
 }
 
@@ -138,15 +141,20 @@ fn event_type<'a>(
     serde_keys: Vec<Path>,
     errors: &mut Errors,
 ) -> EventType<'a> {
-    let partition_keys = fields
-        .members()
-        .zip(fields.iter())
-        .filter_map(|(member, field)| {
-            attr::event_attrs(&field.attrs, Place::Field, errors)
-                .partition_key
-                .map(|attr| PartitionKey { member, attr })
-        })
-        .collect();
+    let mut partition_keys = Vec::new();
+    let mut dedup_keys = Vec::new();
+    for (member, field) in fields.members().zip(fields.iter()) {
+        let attrs = attr::event_attrs(&field.attrs, Place::Field, errors);
+        if let Some(attr) = attrs.partition_key {
+            partition_keys.push(PartitionKey {
+                member: member.clone(),
+                attr,
+            });
+        }
+        if let Some(attr) = attrs.dedup_key {
+            dedup_keys.push(PartitionKey { member, attr });
+        }
+    }
     EventType {
         ident,
         name: attrs.name,
@@ -155,6 +163,7 @@ fn event_type<'a>(
         upcasts: attrs.upcasts,
         fields,
         partition_keys,
+        dedup_keys,
         index,
         serde_keys,
     }

@@ -45,6 +45,8 @@ pub struct EventAttrs {
     pub version: Option<LitInt>,
     /// `partition_key`: this field is the partition key (the path, for its span).
     pub partition_key: Option<Path>,
+    /// `dedup_key`: this field is the producer's dedup key (the path, for its span).
+    pub dedup_key: Option<Path>,
     /// `upcast(from = N, ..)`, each one given, in order.
     pub upcasts: Vec<Upcast>,
 }
@@ -89,7 +91,7 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
         let result = attr.parse_nested_meta(|meta| {
             let key = &meta.path;
             let expected = match place {
-                Place::Field => "on a field it takes `partition_key`",
+                Place::Field => "on a field it takes `partition_key` and `dedup_key`",
                 _ => {
                     "on a struct or variant it takes `name = \"..\"`, `version = N` and \
                      `upcast(from = N, json = function)` or `upcast(from = N, type = OldType)`"
@@ -100,6 +102,11 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
                     return Err(meta.error("`partition_key` is set twice on this field"));
                 }
                 parsed.partition_key = Some(key.clone());
+            } else if key.is_ident("dedup_key") && place == Place::Field {
+                if parsed.dedup_key.is_some() {
+                    return Err(meta.error("`dedup_key` is set twice on this field"));
+                }
+                parsed.dedup_key = Some(key.clone());
             } else if key.is_ident("name") && place != Place::Field {
                 let value: LitStr = meta.value()?.parse()?;
                 if parsed.name.is_some() {
@@ -118,6 +125,11 @@ pub fn event_attrs(attrs: &[Attribute], place: Place, errors: &mut Errors) -> Ev
                 return Err(meta.error(
                     "`partition_key` belongs on a field: #[event(partition_key)] on the field \
                      whose value partitions this event",
+                ));
+            } else if key.is_ident("dedup_key") {
+                return Err(meta.error(
+                    "`dedup_key` belongs on a field: #[event(dedup_key)] on the field whose \
+                     value is this event's idempotency key",
                 ));
             } else if key.is_ident("name") || key.is_ident("version") || key.is_ident("upcast") {
                 return Err(meta.error(format!(

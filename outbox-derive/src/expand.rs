@@ -44,6 +44,14 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                 }
                 None => quote!(#private::Option::None),
             };
+            let dedup_key = match event_type.dedup_keys.first() {
+                Some(key) => {
+                    let member = &key.member;
+                    let value = quote_spanned!(member.span()=> &self.#member);
+                    quote!(#private::DedupKeyValue::to_dedup_key(#value))
+                }
+                None => quote!(#private::Option::None),
+            };
             // A unit struct has no data and needs no serde: its payload is `{}`.
             let (to_payload, decode) = if matches!(event_type.fields, Fields::Unit) {
                 (
@@ -65,6 +73,7 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                 fn event_type(&self) -> &'static str { #name }
                 fn event_version(&self) -> i32 { #version }
                 fn partition_key(&self) -> #private::Option<#private::String> { #partition_key }
+                fn dedup_key(&self) -> #private::Option<#private::String> { #dedup_key }
                 fn to_payload(&self) -> #private::Result<#private::String, #private::PayloadError> {
                     #to_payload
                 }
@@ -120,9 +129,26 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
                     quote!(Self::#ident { .. } => #private::Option::None,)
                 }
             });
+            let dedup_keys = variants.iter().map(|v| match v.dedup_keys.first() {
+                Some(key) => {
+                    let (ident, member) = (v.ident, &key.member);
+                    let value = quote_spanned!(member.span()=> __dedup_key);
+                    quote! {
+                        Self::#ident { #member: __dedup_key, .. } =>
+                            #private::DedupKeyValue::to_dedup_key(#value),
+                    }
+                }
+                None => {
+                    let ident = v.ident;
+                    quote!(Self::#ident { .. } => #private::Option::None,)
+                }
+            });
             quote! {
                 fn event_type(&self) -> &'static str {
                     match self { #(Self::#idents { .. } => #names,)* }
+                }
+                fn dedup_key(&self) -> #private::Option<#private::String> {
+                    match self { #(#dedup_keys)* }
                 }
                 fn event_version(&self) -> i32 {
                     match self { #(Self::#idents { .. } => #versions,)* }

@@ -124,6 +124,12 @@ pub fn event(event: &Event<'_>, errors: &mut Errors) {
                 "partition_key is set twice; keep one #[event(partition_key)] field",
             ));
         }
+        if let [_, second, ..] = event_type.dedup_keys.as_slice() {
+            errors.push(syn::Error::new_spanned(
+                &second.attr,
+                "dedup_key is set twice; keep one #[event(dedup_key)] field",
+            ));
+        }
         if let Some(version) = version
             && let Some(first) = seen.insert((event_type.name(), version), event_type)
         {

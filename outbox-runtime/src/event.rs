@@ -41,6 +41,14 @@ pub trait DomainEvent: Sized + Send + 'static {
     /// aggregate id.
     fn partition_key(&self) -> Option<String>;
 
+    /// The value of the `#[event(dedup_key)]` field: the producer's idempotency key
+    /// (`"user-created:42"`), or `None` (the default) for an event that has none. A unit of
+    /// work that writes an event whose key an earlier committed event already took writes
+    /// nothing for it, or fails, as its [`DuplicateEvents`](crate::DuplicateEvents) says.
+    fn dedup_key(&self) -> Option<String> {
+        None
+    }
+
     /// The payload: this event's JSON text.
     ///
     /// # Errors

@@ -125,6 +125,7 @@ pub use outbox::{
 /// | `#[event(name = "..")]` | the struct, or a variant | serde's name, else the Rust name | the event type: last subject token, `ce-type`, `event_type` column |
 /// | `#[event(version = N)]` | the struct, or a variant | 1 | `ce-dataversion`, `event_version`; 1 to 2,147,483,647 |
 /// | `#[event(partition_key)]` | one field | the aggregate id | the event's partition key |
+/// | `#[event(dedup_key)]` | one field | none | the producer's idempotency key: a later unit of work with the same key writes nothing for it ([`DuplicateEvents`]) |
 /// | `#[event(upcast(from = N, json = f))]` | the struct, or a variant | none | reads version N's JSON through `f` as version N + 1 |
 /// | `#[event(upcast(from = N, type = T))]` | the struct, or a variant | none | reads version N as a `T`, which version N + 1's type converts `From` |
 ///
@@ -307,7 +308,7 @@ pub use outbox_derive::aggregate;
 pub use publisher::{StreamError, StreamSettings};
 pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
 pub use topology::{DEFAULT_SUBJECT_PREFIX, SubjectPrefix, Topology};
-pub use unit_of_work::{TokenRole, UnitOfWork, UnitOfWorkError};
+pub use unit_of_work::{DuplicateEvents, TokenRole, UnitOfWork, UnitOfWorkError};
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.
 /// Not a public API: it changes without notice.
@@ -352,6 +353,49 @@ pub mod __private {
     impl<T: std::fmt::Display + ?Sized> PartitionKeyValue for T {
         fn to_partition_key(&self) -> String {
             self.to_string()
+        }
+    }
+
+    /// What an `#[event(dedup_key)]` field's type must be: a string or a UUID, or an
+    /// `Option` of one for an event that carries a key only sometimes. The trait exists for
+    /// its compile error, which says so on the field.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` cannot be a dedup key: a dedup key is a String, a &str or a Uuid, \
+                   or an Option of one",
+        label = "this field is the event's dedup key",
+        note = "format the key you mean into a String field (\"user-created:42\")"
+    )]
+    pub trait DedupKeyValue {
+        fn to_dedup_key(&self) -> Option<String>;
+    }
+
+    impl DedupKeyValue for str {
+        fn to_dedup_key(&self) -> Option<String> {
+            Some(self.to_owned())
+        }
+    }
+
+    impl DedupKeyValue for String {
+        fn to_dedup_key(&self) -> Option<String> {
+            Some(self.clone())
+        }
+    }
+
+    impl DedupKeyValue for uuid::Uuid {
+        fn to_dedup_key(&self) -> Option<String> {
+            Some(self.to_string())
+        }
+    }
+
+    impl<T: DedupKeyValue + ?Sized> DedupKeyValue for &T {
+        fn to_dedup_key(&self) -> Option<String> {
+            (**self).to_dedup_key()
+        }
+    }
+
+    impl<T: DedupKeyValue> DedupKeyValue for Option<T> {
+        fn to_dedup_key(&self) -> Option<String> {
+            self.as_ref().and_then(T::to_dedup_key)
         }
     }
 

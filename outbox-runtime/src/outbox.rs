@@ -533,3 +533,37 @@ pub async fn purge_published(
         from = gone.last;
     }
 }
+
+/// Deletes the dedup keys (`#[event(dedup_key)]`) taken longer ago than `older_than`, oldest
+/// first, `batch` keys per statement, and returns how many.
+///
+/// A key must be kept as long as a duplicate of its event may still be emitted: a client's
+/// longest retry, a command's redelivery, a batch job's re-run. An event whose key was
+/// purged is written again. Keys are never purged by anything else.
+///
+/// # Errors
+/// The database's error; the batches before it stay deleted.
+pub async fn purge_dedup_keys(
+    conn: &mut AsyncPgConnection,
+    older_than: Duration,
+    batch: i64,
+) -> QueryResult<usize> {
+    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    let mut deleted = 0;
+    loop {
+        let gone = diesel::sql_query(
+            "DELETE FROM outbox_dedup_keys WHERE dedup_key IN ( \
+                 SELECT dedup_key FROM outbox_dedup_keys \
+                 WHERE created_at < now() - $1 * interval '1 millisecond' \
+                 ORDER BY created_at LIMIT $2)",
+        )
+        .bind::<Int8, _>(older_than_ms)
+        .bind::<Int8, _>(batch.max(1))
+        .execute(conn)
+        .await?;
+        deleted += gone;
+        if (gone as i64) < batch.max(1) {
+            return Ok(deleted);
+        }
+    }
+}

@@ -82,6 +82,38 @@ pub enum UnitOfWorkError {
         /// Its length in bytes.
         len: usize,
     },
+    /// An event's dedup key (`#[event(dedup_key)]`) was already taken by a committed event,
+    /// and the unit of work's [`DuplicateEvents`] is [`Fail`](DuplicateEvents::Fail).
+    #[error(
+        "event {event_type} of {aggregate_type} {aggregate_id:?} has the dedup key {dedup_key:?}, \
+         which an earlier event already took; nothing was written"
+    )]
+    DuplicateEvent {
+        /// The key.
+        dedup_key: String,
+        /// The aggregate type of the event.
+        aggregate_type: String,
+        /// The aggregate id of the event.
+        aggregate_id: String,
+        /// The event type of the event.
+        event_type: String,
+    },
+    /// An event's dedup key is empty, longer than [`MAX_ID_BYTES`], or holds a NUL (which a
+    /// PostgreSQL `text` cannot).
+    #[error(
+        "event {event_type} of {aggregate_type} {aggregate_id:?}: its dedup key is not storable: \
+         {reason}"
+    )]
+    InvalidDedupKey {
+        /// The aggregate type of the event.
+        aggregate_type: String,
+        /// The aggregate id of the event.
+        aggregate_id: String,
+        /// The event type of the event.
+        event_type: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The closure ended the unit of work's transaction itself (a `COMMIT` or `ROLLBACK` sent
     /// on [`UnitOfWork::conn`]): its events are not written, so none is published without the
     /// business rows it describes. What the closure wrote after ending the transaction was
@@ -226,6 +258,7 @@ impl Outbox {
                 events: Vec::new(),
                 tracked: Vec::new(),
                 error: None,
+                duplicates: DuplicateEvents::default(),
             };
             match f(&mut unit).await {
                 Ok(value) => match unit.flush().await {
@@ -304,6 +337,24 @@ pub(crate) fn simulated_crash() -> diesel::result::Error {
     )
 }
 
+/// What a unit of work does with an event whose dedup key (`#[event(dedup_key)]`) an earlier
+/// committed event already took: a retried request that emits its event again.
+///
+/// JetStream drops a republished message inside the stream's duplicate window, and the inbox
+/// drops a redelivered one after it; both dedup one message by its id. A dedup key dedups
+/// two *events* that mean the same business fact, written by two units of work (a client that
+/// retried after a timeout, two instances that took the same command).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DuplicateEvents {
+    /// Write nothing for that event; the unit of work commits its other events and its
+    /// business writes. The default.
+    #[default]
+    Skip,
+    /// Fail the commit with [`UnitOfWorkError::DuplicateEvent`]: the transaction rolls back,
+    /// its business writes included.
+    Fail,
+}
+
 /// The events of one transaction, collected until COMMIT. Handed to the closure of
 /// [`Outbox::transaction`], and to nothing else.
 pub struct UnitOfWork<'c> {
@@ -316,6 +367,8 @@ pub struct UnitOfWork<'c> {
     tracked: Vec<Tracked>,
     /// The first invalid event; reported, and the transaction rolled back, at commit.
     error: Option<UnitOfWorkError>,
+    /// What to do with an event whose dedup key is taken.
+    duplicates: DuplicateEvents,
 }
 
 impl<'c> UnitOfWork<'c> {
@@ -420,6 +473,13 @@ impl<'c> UnitOfWork<'c> {
         self.causality.traceparent = Some(traceparent);
     }
 
+    /// Sets what this unit of work does with an event whose dedup key an earlier committed
+    /// event already took: write nothing for it ([`DuplicateEvents::Skip`], the default) or
+    /// fail the commit ([`DuplicateEvents::Fail`]).
+    pub fn set_duplicate_events(&mut self, duplicates: DuplicateEvents) {
+        self.duplicates = duplicates;
+    }
+
     /// How many events this unit of work will write at commit, so far (those recorded on
     /// tracked aggregates after `track` included).
     pub fn event_count(&self) -> usize {
@@ -460,10 +520,57 @@ impl<'c> UnitOfWork<'c> {
         if let Some(error) = self.error.take() {
             return Err(error);
         }
+        if self.events.iter().any(|e| e.dedup_key.is_some()) {
+            self.drop_duplicates().await?;
+        }
         if !self.events.is_empty() {
             queries::insert_events(self.conn, &self.events, &self.causality).await?;
         }
         Ok(drains)
+    }
+}
+
+impl UnitOfWork<'_> {
+    /// Takes the events' dedup keys, and drops the events whose key was taken before (or
+    /// fails, by [`DuplicateEvents`]). Before the INSERT, so that the events written number
+    /// their aggregates' sequences without a hole.
+    async fn drop_duplicates(&mut self) -> Result<(), UnitOfWorkError> {
+        let duplicates = queries::take_dedup_keys(self.conn, &self.events)
+            .await
+            .map_err(UnitOfWorkError::from_database)?;
+        let Some(&first) = duplicates.first() else {
+            return Ok(());
+        };
+        if self.duplicates == DuplicateEvents::Fail {
+            let event = &self.events[first];
+            return Err(UnitOfWorkError::DuplicateEvent {
+                dedup_key: event.dedup_key.clone().unwrap_or_default(),
+                aggregate_type: event.aggregate_type.clone(),
+                aggregate_id: event.aggregate_id.clone(),
+                event_type: event.event_type.to_owned(),
+            });
+        }
+        let mut position = 0;
+        self.events.retain(|event| {
+            let duplicate = duplicates.binary_search(&position).is_ok();
+            position += 1;
+            if duplicate {
+                tracing::info!(
+                    dedup_key = event.dedup_key.as_deref().unwrap_or_default(),
+                    aggregate_type = %event.aggregate_type,
+                    aggregate_id = %event.aggregate_id,
+                    event_type = event.event_type,
+                    "an earlier event took this dedup key: not written"
+                );
+                metrics::counter!(
+                    "outbox_duplicate_events_total",
+                    "aggregate_type" => event.aggregate_type.clone(),
+                )
+                .increment(1);
+            }
+            !duplicate
+        });
+        Ok(())
     }
 }
 
@@ -567,6 +674,29 @@ fn prepare<E: DomainEvent>(
     if let Some(key) = &partition_key {
         validate_token(key).map_err(|reason| invalid(TokenRole::PartitionKey, key, reason))?;
     }
+    let dedup_key = event.dedup_key();
+    if let Some(key) = &dedup_key {
+        let reason = if key.is_empty() {
+            Some("it is empty".to_owned())
+        } else if key.len() > MAX_ID_BYTES {
+            Some(format!(
+                "it is {} bytes long, over the limit of {MAX_ID_BYTES} bytes",
+                key.len()
+            ))
+        } else if key.contains('\0') {
+            Some("it contains a NUL character".to_owned())
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(UnitOfWorkError::InvalidDedupKey {
+                aggregate_type: aggregate_type.to_owned(),
+                aggregate_id: aggregate_id.to_owned(),
+                event_type: event_type.to_owned(),
+                reason,
+            });
+        }
+    }
     let payload = event
         .to_payload()
         .map_err(|source| UnitOfWorkError::Payload {
@@ -598,5 +728,6 @@ fn prepare<E: DomainEvent>(
         event_version: event.event_version(),
         partition_key,
         payload,
+        dedup_key,
     })
 }

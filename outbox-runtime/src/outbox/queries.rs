@@ -15,6 +15,7 @@
 //! (`available_at` in the future).
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use diesel::deserialize::{self, FromSql};
 use diesel::pg::{Pg, PgValue};
@@ -39,6 +40,8 @@ pub(crate) struct NewEvent {
     pub partition_key: String,
     pub subject: String,
     pub payload: String,
+    /// The producer's idempotency key, `#[event(dedup_key)]`.
+    pub dedup_key: Option<String>,
 }
 
 /// Writes `events` in one statement, numbering each aggregate's events after its last
@@ -93,6 +96,65 @@ pub(crate) async fn insert_events(
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// Takes the dedup keys of `events` (those that carry one) for this transaction, and
+/// returns the positions of the events whose key was already taken: by a committed event, or
+/// by an earlier event of `events`. Those are not to be written.
+///
+/// Guarantee: the keys' primary key. A key another open transaction has just taken makes
+/// this statement wait for that transaction; if it commits, the key is taken, and if it
+/// rolls back, the key is ours (PostgreSQL docs, INSERT, "ON CONFLICT Clause"). So of any
+/// number of units of work racing with one key, exactly one writes its event.
+pub(crate) async fn take_dedup_keys(
+    conn: &mut AsyncPgConnection,
+    events: &[NewEvent],
+) -> QueryResult<Vec<usize>> {
+    #[derive(QueryableByName)]
+    struct Taken {
+        #[diesel(sql_type = Text)]
+        dedup_key: String,
+    }
+    // Each key's first event; a later event of this unit of work with the same key is a
+    // duplicate of it.
+    let mut duplicates = Vec::new();
+    let mut first: HashMap<&str, Uuid> = HashMap::new();
+    for (position, event) in events.iter().enumerate() {
+        if let Some(key) = event.dedup_key.as_deref() {
+            match first.entry(key) {
+                Entry::Occupied(_) => duplicates.push(position),
+                Entry::Vacant(entry) => {
+                    entry.insert(event.id);
+                }
+            }
+        }
+    }
+    if first.is_empty() {
+        return Ok(duplicates);
+    }
+    // In the keys' order, so that two units of work taking the same keys wait on each other
+    // in one order and cannot deadlock.
+    let mut keys: Vec<(&str, Uuid)> = first.iter().map(|(key, id)| (*key, *id)).collect();
+    keys.sort_unstable();
+    let taken: Vec<Taken> = diesel::sql_query(
+        "INSERT INTO outbox_dedup_keys (dedup_key, event_id) \
+         SELECT * FROM unnest($1::text[], $2::uuid[]) \
+         ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key",
+    )
+    .bind::<Array<Text>, _>(keys.iter().map(|k| k.0).collect::<Vec<_>>())
+    .bind::<Array<SqlUuid>, _>(keys.iter().map(|k| k.1).collect::<Vec<_>>())
+    .load(conn)
+    .await?;
+    for Taken { dedup_key } in &taken {
+        first.remove(dedup_key.as_str());
+    }
+    // What is left in `first` was taken before: its events are duplicates too.
+    duplicates.extend(events.iter().enumerate().filter_map(|(position, event)| {
+        let key = event.dedup_key.as_deref()?;
+        (first.get(key) == Some(&event.id)).then_some(position)
+    }));
+    duplicates.sort_unstable();
+    Ok(duplicates)
 }
 
 statement! {

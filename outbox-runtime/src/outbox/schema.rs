@@ -163,3 +163,15 @@ diesel::table! {
         recorded_at -> Timestamptz,
     }
 }
+
+diesel::table! {
+    /// The producers' dedup keys taken by committed events (`#[event(dedup_key)]`).
+    outbox_dedup_keys (dedup_key) {
+        /// The key, as the event gave it.
+        dedup_key -> Text,
+        /// The id of the event that took it.
+        event_id -> Uuid,
+        /// When it was taken.
+        created_at -> Timestamptz,
+    }
+}
