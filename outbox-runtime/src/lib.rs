@@ -78,6 +78,8 @@ pub mod outbox;
 pub mod publisher;
 pub mod relay;
 pub mod subject;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod topology;
 pub mod unit_of_work;
 
@@ -308,7 +310,7 @@ pub use outbox_derive::aggregate;
 pub use publisher::{StreamError, StreamSettings};
 pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
 pub use topology::{DEFAULT_SUBJECT_PREFIX, SubjectPrefix, Topology};
-pub use unit_of_work::{DuplicateEvents, TokenRole, UnitOfWork, UnitOfWorkError};
+pub use unit_of_work::{CollectEvents, DuplicateEvents, TokenRole, UnitOfWork, UnitOfWorkError};
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.
 /// Not a public API: it changes without notice.

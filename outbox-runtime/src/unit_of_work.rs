@@ -253,12 +253,7 @@ impl Outbox {
         let outcome = {
             let mut unit = UnitOfWork {
                 conn,
-                outbox: self,
-                causality,
-                events: Vec::new(),
-                tracked: Vec::new(),
-                error: None,
-                duplicates: DuplicateEvents::default(),
+                buffer: EventBuffer::new(self, causality),
             };
             match f(&mut unit).await {
                 Ok(value) => match unit.flush().await {
@@ -359,16 +354,7 @@ pub enum DuplicateEvents {
 /// [`Outbox::transaction`], and to nothing else.
 pub struct UnitOfWork<'c> {
     conn: &'c mut AsyncPgConnection,
-    outbox: &'c Outbox,
-    /// The conversation, cause and trace of every event of this unit of work.
-    causality: Causality,
-    events: Vec<NewEvent>,
-    /// Aggregates whose events were taken: drained after COMMIT, detached at the end.
-    tracked: Vec<Tracked>,
-    /// The first invalid event; reported, and the transaction rolled back, at commit.
-    error: Option<UnitOfWorkError>,
-    /// What to do with an event whose dedup key is taken.
-    duplicates: DuplicateEvents,
+    buffer: EventBuffer<'c>,
 }
 
 impl<'c> UnitOfWork<'c> {
@@ -388,6 +374,185 @@ impl<'c> UnitOfWork<'c> {
     /// An aggregate value tracked by two units of work open at once (on two connections)
     /// gives the second only the events pending when it tracked it.
     pub fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
+        self.buffer.track(aggregate);
+    }
+
+    /// Writes a standalone event for the aggregate `aggregate_type` / `aggregate_id`, with
+    /// no aggregate value behind it (an event about something this service does not model
+    /// as an aggregate). Both must be valid NATS subject tokens; the commit fails otherwise.
+    pub fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E) {
+        self.buffer.emit(aggregate_type, aggregate_id, event);
+    }
+
+    /// The correlation id every event of this unit of work carries (`ce-correlationid`): a
+    /// fresh one for a unit of work of [`Outbox::transaction`], the handled message's for the
+    /// inbox's.
+    pub fn correlation_id(&self) -> &str {
+        &self.buffer.causality.correlation_id
+    }
+
+    /// The causation id every event of this unit of work carries (`ce-causationid`): the
+    /// correlation id for a new conversation, the handled message's `ce-id` for the inbox's.
+    pub fn causation_id(&self) -> &str {
+        &self.buffer.causality.causation_id
+    }
+
+    /// Sets the conversation and cause of this unit of work's events, for a caller that
+    /// carries them in already (an HTTP request's correlation id, a command's id).
+    ///
+    /// Each id holds at most [`MAX_ID_BYTES`]; a longer one fails the commit with
+    /// [`UnitOfWorkError::IdTooLong`].
+    pub fn set_correlation(
+        &mut self,
+        correlation_id: impl Into<String>,
+        causation_id: impl Into<String>,
+    ) {
+        self.buffer
+            .set_correlation(correlation_id.into(), causation_id.into());
+    }
+
+    /// The trace context this unit of work's events carry in their `traceparent` header.
+    pub fn traceparent(&self) -> Option<&Traceparent> {
+        self.buffer.causality.traceparent.as_ref()
+    }
+
+    /// Sets the trace context of this unit of work's events: the caller's current span, as a
+    /// W3C `traceparent` (parse one with `str::parse`). The inbox sets it for a handled
+    /// message that has one.
+    pub fn set_traceparent(&mut self, traceparent: Traceparent) {
+        self.buffer.causality.traceparent = Some(traceparent);
+    }
+
+    /// Sets what this unit of work does with an event whose dedup key an earlier committed
+    /// event already took: write nothing for it ([`DuplicateEvents::Skip`], the default) or
+    /// fail the commit ([`DuplicateEvents::Fail`]).
+    pub fn set_duplicate_events(&mut self, duplicates: DuplicateEvents) {
+        self.buffer.duplicates = duplicates;
+    }
+
+    /// How many events this unit of work will write at commit, so far (those recorded on
+    /// tracked aggregates after `track` included).
+    pub fn event_count(&self) -> usize {
+        self.buffer.event_count()
+    }
+
+    /// Writes the collected events, those recorded on tracked aggregates after `track`
+    /// included; returns what to drain after COMMIT.
+    async fn flush(self) -> Result<Vec<Drain>, UnitOfWorkError> {
+        let Self { conn, buffer } = self;
+        let duplicates = buffer.duplicates;
+        let causality = buffer.causality.clone();
+        let (mut events, drains) = buffer.take()?;
+        if events.iter().any(|e| e.dedup_key.is_some()) {
+            let taken = queries::take_dedup_keys(conn, &events)
+                .await
+                .map_err(UnitOfWorkError::from_database)?;
+            drop_duplicates(&mut events, &taken, duplicates)?;
+        }
+        if !events.is_empty() {
+            queries::insert_events(conn, &events, &causality).await?;
+        }
+        Ok(drains)
+    }
+}
+
+/// What collects a unit of work's events: the real [`UnitOfWork`], or the test kit's
+/// in-memory one (`testing::InMemoryUnitOfWork`, feature `testing`). Service code that only
+/// tracks aggregates and emits events can take `&mut impl CollectEvents` and be tested
+/// without a database.
+pub trait CollectEvents {
+    /// As [`UnitOfWork::track`].
+    fn track<A: Aggregate>(&mut self, aggregate: &mut A);
+
+    /// As [`UnitOfWork::emit`].
+    fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E);
+}
+
+impl CollectEvents for UnitOfWork<'_> {
+    fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
+        UnitOfWork::track(self, aggregate);
+    }
+
+    fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E) {
+        UnitOfWork::emit(self, aggregate_type, aggregate_id, event);
+    }
+}
+
+/// Drops from `events` those at the positions in `taken` (sorted), whose dedup key an earlier
+/// event took, or fails with the first of them, by `duplicates`. Before the INSERT, so that
+/// the events written number their aggregates' sequences without a hole.
+pub(crate) fn drop_duplicates(
+    events: &mut Vec<NewEvent>,
+    taken: &[usize],
+    duplicates: DuplicateEvents,
+) -> Result<(), UnitOfWorkError> {
+    let Some(&first) = taken.first() else {
+        return Ok(());
+    };
+    if duplicates == DuplicateEvents::Fail {
+        let event = &events[first];
+        return Err(UnitOfWorkError::DuplicateEvent {
+            dedup_key: event.dedup_key.clone().unwrap_or_default(),
+            aggregate_type: event.aggregate_type.clone(),
+            aggregate_id: event.aggregate_id.clone(),
+            event_type: event.event_type.to_owned(),
+        });
+    }
+    let mut position = 0;
+    events.retain(|event| {
+        let duplicate = taken.binary_search(&position).is_ok();
+        position += 1;
+        if duplicate {
+            tracing::info!(
+                dedup_key = event.dedup_key.as_deref().unwrap_or_default(),
+                aggregate_type = %event.aggregate_type,
+                aggregate_id = %event.aggregate_id,
+                event_type = event.event_type,
+                "an earlier event took this dedup key: not written"
+            );
+            metrics::counter!(
+                "outbox_duplicate_events_total",
+                "aggregate_type" => event.aggregate_type.clone(),
+            )
+            .increment(1);
+        }
+        !duplicate
+    });
+    Ok(())
+}
+
+/// A tracked aggregate's buffer, and how many of its events to drain after COMMIT.
+pub(crate) type Drain = (CommitHandle, usize);
+
+/// What a unit of work collects until COMMIT, whatever writes it: the events, checked and
+/// serialized, the aggregates to drain, and the first invalid event.
+pub(crate) struct EventBuffer<'o> {
+    outbox: &'o Outbox,
+    /// The conversation, cause and trace of every event of this unit of work.
+    pub(crate) causality: Causality,
+    events: Vec<NewEvent>,
+    /// Aggregates whose events were taken: drained after COMMIT, detached at the end.
+    tracked: Vec<Tracked>,
+    /// The first invalid event; reported, and the transaction rolled back, at commit.
+    error: Option<UnitOfWorkError>,
+    /// What to do with an event whose dedup key is taken.
+    pub(crate) duplicates: DuplicateEvents,
+}
+
+impl<'o> EventBuffer<'o> {
+    pub(crate) fn new(outbox: &'o Outbox, causality: Causality) -> Self {
+        Self {
+            outbox,
+            causality,
+            events: Vec::new(),
+            tracked: Vec::new(),
+            error: None,
+            duplicates: DuplicateEvents::default(),
+        }
+    }
+
+    /// [`UnitOfWork::track`].
+    pub(crate) fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
         let handle = aggregate.pending().commit_handle();
         if self.tracked.iter().any(|t| t.handle.same_buffer(&handle)) {
             return;
@@ -414,38 +579,19 @@ impl<'c> UnitOfWork<'c> {
         });
     }
 
-    /// Writes a standalone event for the aggregate `aggregate_type` / `aggregate_id`, with
-    /// no aggregate value behind it (an event about something this service does not model
-    /// as an aggregate). Both must be valid NATS subject tokens; the commit fails otherwise.
-    pub fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E) {
+    /// [`UnitOfWork::emit`].
+    pub(crate) fn emit<E: DomainEvent>(
+        &mut self,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        event: &E,
+    ) {
         let new_event = prepare(self.outbox, aggregate_type, aggregate_id, event);
         self.push(new_event);
     }
 
-    /// The correlation id every event of this unit of work carries (`ce-correlationid`): a
-    /// fresh one for a unit of work of [`Outbox::transaction`], the handled message's for the
-    /// inbox's.
-    pub fn correlation_id(&self) -> &str {
-        &self.causality.correlation_id
-    }
-
-    /// The causation id every event of this unit of work carries (`ce-causationid`): the
-    /// correlation id for a new conversation, the handled message's `ce-id` for the inbox's.
-    pub fn causation_id(&self) -> &str {
-        &self.causality.causation_id
-    }
-
-    /// Sets the conversation and cause of this unit of work's events, for a caller that
-    /// carries them in already (an HTTP request's correlation id, a command's id).
-    ///
-    /// Each id holds at most [`MAX_ID_BYTES`]; a longer one fails the commit with
-    /// [`UnitOfWorkError::IdTooLong`].
-    pub fn set_correlation(
-        &mut self,
-        correlation_id: impl Into<String>,
-        causation_id: impl Into<String>,
-    ) {
-        let (correlation_id, causation_id) = (correlation_id.into(), causation_id.into());
+    /// [`UnitOfWork::set_correlation`].
+    pub(crate) fn set_correlation(&mut self, correlation_id: String, causation_id: String) {
         for (what, id) in [
             ("correlation id", &correlation_id),
             ("causation id", &causation_id),
@@ -461,28 +607,8 @@ impl<'c> UnitOfWork<'c> {
         self.causality.causation_id = causation_id;
     }
 
-    /// The trace context this unit of work's events carry in their `traceparent` header.
-    pub fn traceparent(&self) -> Option<&Traceparent> {
-        self.causality.traceparent.as_ref()
-    }
-
-    /// Sets the trace context of this unit of work's events: the caller's current span, as a
-    /// W3C `traceparent` (parse one with `str::parse`). The inbox sets it for a handled
-    /// message that has one.
-    pub fn set_traceparent(&mut self, traceparent: Traceparent) {
-        self.causality.traceparent = Some(traceparent);
-    }
-
-    /// Sets what this unit of work does with an event whose dedup key an earlier committed
-    /// event already took: write nothing for it ([`DuplicateEvents::Skip`], the default) or
-    /// fail the commit ([`DuplicateEvents::Fail`]).
-    pub fn set_duplicate_events(&mut self, duplicates: DuplicateEvents) {
-        self.duplicates = duplicates;
-    }
-
-    /// How many events this unit of work will write at commit, so far (those recorded on
-    /// tracked aggregates after `track` included).
-    pub fn event_count(&self) -> usize {
+    /// [`UnitOfWork::event_count`].
+    pub(crate) fn event_count(&self) -> usize {
         let late: usize = self
             .tracked
             .iter()
@@ -501,9 +627,11 @@ impl<'c> UnitOfWork<'c> {
         }
     }
 
-    /// Writes the collected events, those recorded on tracked aggregates after `track`
-    /// included; returns what to drain after COMMIT.
-    async fn flush(mut self) -> Result<Vec<(CommitHandle, usize)>, UnitOfWorkError> {
+    /// The events to write, those recorded on tracked aggregates after `track` included, and
+    /// what to drain after COMMIT; or the first invalid event's error.
+    pub(crate) fn take(
+        mut self,
+    ) -> Result<(Vec<NewEvent>, Vec<Drain>), UnitOfWorkError> {
         let mut drains = Vec::with_capacity(self.tracked.len());
         for tracked in std::mem::take(&mut self.tracked) {
             tracked.detach();
@@ -520,61 +648,11 @@ impl<'c> UnitOfWork<'c> {
         if let Some(error) = self.error.take() {
             return Err(error);
         }
-        if self.events.iter().any(|e| e.dedup_key.is_some()) {
-            self.drop_duplicates().await?;
-        }
-        if !self.events.is_empty() {
-            queries::insert_events(self.conn, &self.events, &self.causality).await?;
-        }
-        Ok(drains)
+        Ok((std::mem::take(&mut self.events), drains))
     }
 }
 
-impl UnitOfWork<'_> {
-    /// Takes the events' dedup keys, and drops the events whose key was taken before (or
-    /// fails, by [`DuplicateEvents`]). Before the INSERT, so that the events written number
-    /// their aggregates' sequences without a hole.
-    async fn drop_duplicates(&mut self) -> Result<(), UnitOfWorkError> {
-        let duplicates = queries::take_dedup_keys(self.conn, &self.events)
-            .await
-            .map_err(UnitOfWorkError::from_database)?;
-        let Some(&first) = duplicates.first() else {
-            return Ok(());
-        };
-        if self.duplicates == DuplicateEvents::Fail {
-            let event = &self.events[first];
-            return Err(UnitOfWorkError::DuplicateEvent {
-                dedup_key: event.dedup_key.clone().unwrap_or_default(),
-                aggregate_type: event.aggregate_type.clone(),
-                aggregate_id: event.aggregate_id.clone(),
-                event_type: event.event_type.to_owned(),
-            });
-        }
-        let mut position = 0;
-        self.events.retain(|event| {
-            let duplicate = duplicates.binary_search(&position).is_ok();
-            position += 1;
-            if duplicate {
-                tracing::info!(
-                    dedup_key = event.dedup_key.as_deref().unwrap_or_default(),
-                    aggregate_type = %event.aggregate_type,
-                    aggregate_id = %event.aggregate_id,
-                    event_type = event.event_type,
-                    "an earlier event took this dedup key: not written"
-                );
-                metrics::counter!(
-                    "outbox_duplicate_events_total",
-                    "aggregate_type" => event.aggregate_type.clone(),
-                )
-                .increment(1);
-            }
-            !duplicate
-        });
-        Ok(())
-    }
-}
-
-impl Drop for UnitOfWork<'_> {
+impl Drop for EventBuffer<'_> {
     /// A unit of work that ends without a flush (its closure failed) stops taking the events
     /// recorded on its aggregates, which keep them.
     fn drop(&mut self) {

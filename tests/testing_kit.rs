@@ -1,0 +1,239 @@
+//! The test kit users get (`outbox_runtime::testing`): its assertions fail with readable
+//! output, and its in-memory outbox keeps the real unit of work's rules.
+
+mod support;
+
+use std::time::Duration;
+
+use outbox_runtime::testing::{AggregateTest, InMemoryOutbox, TestEnv};
+use outbox_runtime::{
+    CollectEvents, DomainEvent, DuplicateEvents, PendingEvents, TokenRole, UnitOfWorkError,
+    aggregate,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+enum AccountEvent {
+    Opened {
+        owner: String,
+    },
+    Deposited {
+        cents: i64,
+        #[event(dedup_key)]
+        request: Option<String>,
+    },
+}
+
+#[aggregate]
+struct Account {
+    id: String,
+    balance: i64,
+    pending_events: PendingEvents<AccountEvent>,
+}
+
+impl Account {
+    fn new(id: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            balance: 0,
+            pending_events: PendingEvents::new(),
+        }
+    }
+
+    fn deposit(&mut self, cents: i64, request: Option<&str>) {
+        self.balance += cents;
+        self.record(AccountEvent::Deposited {
+            cents,
+            request: request.map(str::to_owned),
+        });
+    }
+
+    fn apply(&mut self, event: AccountEvent) {
+        if let AccountEvent::Deposited { cents, .. } = event {
+            self.balance += cents;
+        }
+    }
+}
+
+fn deposited(cents: i64) -> AccountEvent {
+    AccountEvent::Deposited {
+        cents,
+        request: None,
+    }
+}
+
+/// The panic message of `f`.
+fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
+    let payload = std::panic::catch_unwind(f).expect_err("the assertion fails");
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_aggregate_test_that_fails_shows_both_lists_and_marks_the_difference() {
+    let message = panic_message(|| {
+        AggregateTest::given(Account::new("a-1"))
+            .when(|a| {
+                a.deposit(25, None);
+                a.deposit(5, Some("r-1"));
+            })
+            .then_recorded([deposited(25)]);
+    });
+    assert_eq!(
+        message,
+        "Account \"a-1\" recorded other events than expected:\n\
+         \u{20} #1  expected: Deposited v1 {\"cents\":25,\"request\":null}\n\
+         \u{20}     recorded: Deposited v1 {\"cents\":25,\"request\":null}\n\
+         > #2  expected: (none)\n\
+         >     recorded: Deposited v1 dedup key \"r-1\" {\"cents\":5,\"request\":\"r-1\"}\n"
+    );
+    let nothing = panic_message(|| {
+        AggregateTest::given(Account::new("a-1"))
+            .when(|a| a.deposit(1, None))
+            .then_recorded_nothing();
+    });
+    assert!(nothing.contains("> #1  expected: (none)"), "{nothing}");
+}
+
+#[test]
+fn given_events_build_the_state_and_only_the_commands_events_are_checked() {
+    let mut account = Account::new("a-1");
+    account.record(AccountEvent::Opened {
+        owner: "ada".into(),
+    });
+    let then = AggregateTest::given_events(account, [deposited(10), deposited(20)], Account::apply)
+        .when(|a| a.deposit(5, None))
+        .then_recorded([deposited(5)]);
+    assert_eq!(then.aggregate().balance, 35);
+}
+
+#[tokio::test]
+async fn the_in_memory_outbox_keeps_the_unit_of_works_rules() {
+    let outbox = InMemoryOutbox::new();
+    let mut account = Account::new("a-1");
+
+    // A failed closure writes nothing and leaves the events pending.
+    account.deposit(10, Some("r-1"));
+    let failed: Result<(), UnitOfWorkError> = outbox
+        .transaction(async |uow| {
+            uow.track(&mut account);
+            Err(UnitOfWorkError::TransactionEnded)
+        })
+        .await;
+    assert!(failed.is_err());
+    assert!(outbox.written().is_empty());
+    assert_eq!(account.pending_events().len(), 1);
+
+    // Committed: numbered, drained; an event recorded after `track` is taken too.
+    outbox
+        .transaction(async |uow| {
+            CollectEvents::track(uow, &mut account);
+            account.deposit(20, None);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert!(account.pending_events().is_empty());
+    let written = outbox.written();
+    let seqs: Vec<i64> = written.iter().map(|w| w.aggregate_seq).collect();
+    assert_eq!(seqs, [1, 2]);
+    assert_eq!(written[0].subject, "events.Account.a-1.Deposited");
+    assert_eq!(written[0].dedup_key.as_deref(), Some("r-1"));
+    assert!(matches!(
+        written[1].decode::<AccountEvent>().unwrap(),
+        AccountEvent::Deposited { cents: 20, .. }
+    ));
+
+    // A taken dedup key: skipped without a hole, or the unit of work fails.
+    account.deposit(10, Some("r-1"));
+    account.deposit(30, None);
+    outbox
+        .transaction(async |uow| {
+            uow.track(&mut account);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    let seqs: Vec<(i64, String)> = outbox
+        .written()
+        .iter()
+        .map(|w| (w.aggregate_seq, w.payload.clone()))
+        .collect();
+    assert_eq!(seqs[2], (3, r#"{"cents":30,"request":null}"#.to_owned()));
+    assert_eq!(seqs.len(), 3);
+    account.deposit(10, Some("r-1"));
+    let duplicate: Result<(), UnitOfWorkError> = outbox
+        .transaction(async |uow| {
+            uow.set_duplicate_events(DuplicateEvents::Fail);
+            uow.track(&mut account);
+            Ok(())
+        })
+        .await;
+    assert!(
+        matches!(duplicate, Err(UnitOfWorkError::DuplicateEvent { .. })),
+        "{duplicate:?}"
+    );
+    assert_eq!(account.pending_events().len(), 1, "kept after the failure");
+    account.discard_pending_events();
+
+    // The same checks as the real one: an id that is no subject token.
+    let mut bad = Account::new("a.1");
+    bad.deposit(1, None);
+    let invalid: Result<(), UnitOfWorkError> = outbox
+        .transaction(async |uow| {
+            uow.track(&mut bad);
+            Ok(())
+        })
+        .await;
+    assert!(
+        matches!(
+            invalid,
+            Err(UnitOfWorkError::InvalidSubjectToken {
+                role: TokenRole::AggregateId,
+                ..
+            })
+        ),
+        "{invalid:?}"
+    );
+    bad.discard_pending_events();
+}
+
+#[tokio::test]
+async fn waiting_for_events_that_never_come_fails_with_what_is_missing_and_what_is_stored() {
+    let env = TestEnv::new().await;
+    env.create_stream(Duration::from_secs(120)).await;
+    let mut account = Account::new("a-1");
+    account.deposit(10, None);
+    env.commit(&mut account).await;
+    support::consumer::relay_all(&env).await;
+    let found = env
+        .wait_for_events(&[deposited(10)], Duration::from_secs(10))
+        .await;
+    assert_eq!(found.len(), 1);
+    let missing = tokio::spawn(async move {
+        env.wait_for_events(&[deposited(10), deposited(99)], Duration::from_millis(300))
+            .await;
+    })
+    .await
+    .expect_err("the wait fails");
+    let payload = missing.into_panic();
+    let message = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        message.contains("1 of 2 events are on the stream"),
+        "{message}"
+    );
+    assert!(
+        message.contains(r#"missing: Deposited v1 {"cents":99,"request":null}"#),
+        "{message}"
+    );
+    assert!(
+        message.contains(r#"Account.a-1.Deposited {"cents":10,"request":null}"#),
+        "{message}"
+    );
+}
