@@ -453,3 +453,17 @@ async fn a_stream_that_stops_answering_counts_no_attempt() {
     assert_eq!(rows, vec![(0, true, false); 5], "no attempt, all published");
     assert_eq!(env.stream_len().await, 5);
 }
+
+/// With the `opentelemetry` feature on (as in every test here) and no OpenTelemetry layer,
+/// no trace context is invented: rows and messages carry a `traceparent` only when the caller
+/// set one.
+#[tokio::test]
+async fn without_a_layer_no_trace_context_is_invented() {
+    let producer = TestEnv::new().await;
+    let mut order = Order::place("o-1", "ada", 990);
+    producer.commit(&mut order).await;
+    support::consumer::relay_all(&producer).await;
+    let messages = producer.stream_messages().await;
+    assert_eq!(messages.len(), 1);
+    assert!(messages[0].headers.get("traceparent").is_none());
+}

@@ -27,17 +27,28 @@ pub(crate) struct Causality {
     pub correlation_id: String,
     pub causation_id: String,
     pub traceparent: Option<Traceparent>,
+    /// The W3C `tracestate` that goes with `traceparent` (vendor data), when known.
+    pub tracestate: Option<String>,
 }
 
 impl Causality {
     /// The start of a conversation: one fresh id is both correlation and causation.
     pub(crate) fn root() -> Self {
         let id = Uuid::now_v7().hyphenated().to_string();
-        Self {
+        #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
+        let mut root = Self {
             correlation_id: id.clone(),
             causation_id: id,
             traceparent: None,
+            tracestate: None,
+        };
+        // The trace of the span the unit of work runs in (an HTTP request's, say).
+        #[cfg(feature = "opentelemetry")]
+        if let Some((traceparent, tracestate)) = crate::telemetry::current_context() {
+            root.traceparent = Some(traceparent);
+            root.tracestate = tracestate;
         }
+        root
     }
 
     /// What events emitted while handling a message carry: the message's conversation (its
@@ -49,21 +60,36 @@ impl Causality {
         traceparent: Option<&Traceparent>,
     ) -> Self {
         let storable = |id: &&str| id.len() <= MAX_ID_BYTES && !id.contains('\0');
-        Self {
+        #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
+        let mut caused = Self {
             correlation_id: correlation_id
                 .filter(storable)
                 .unwrap_or(message_id)
                 .to_owned(),
             causation_id: message_id.to_owned(),
             traceparent: traceparent.map(Traceparent::child),
+            tracestate: None,
+        };
+        // The consumer span the handler runs in, which continues the message's trace.
+        #[cfg(feature = "opentelemetry")]
+        if let Some((traceparent, tracestate)) = crate::telemetry::current_context() {
+            caused.traceparent = Some(traceparent);
+            caused.tracestate = tracestate;
         }
+        caused
     }
 
-    /// The `headers` column of the events: `{}`, or the `traceparent` header.
+    /// The `headers` column of the events: `{}`, or the `traceparent` header (and its
+    /// `tracestate`).
     pub(crate) fn headers_json(&self) -> String {
-        match &self.traceparent {
-            Some(traceparent) => format!(r#"{{"traceparent":"{traceparent}"}}"#),
-            None => "{}".to_owned(),
+        match (&self.traceparent, &self.tracestate) {
+            (Some(traceparent), None) => format!(r#"{{"traceparent":"{traceparent}"}}"#),
+            (Some(traceparent), Some(tracestate)) => serde_json::json!({
+                "traceparent": traceparent.to_string(),
+                "tracestate": tracestate,
+            })
+            .to_string(),
+            (None, _) => "{}".to_owned(),
         }
     }
 }
@@ -108,6 +134,25 @@ impl Traceparent {
             }
         };
         Self { parent_id, ..*self }
+    }
+}
+
+impl Traceparent {
+    /// A `traceparent` of these parts, or `None` when an id is zero (invalid, W3C Trace
+    /// Context, section 3.2.2).
+    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    pub(crate) fn from_parts(trace_id: u128, parent_id: u64, flags: u8) -> Option<Self> {
+        (trace_id != 0 && parent_id != 0).then_some(Self {
+            trace_id,
+            parent_id,
+            flags,
+        })
+    }
+
+    /// The trace id, parent id and flags as numbers.
+    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    pub(crate) fn parts(&self) -> (u128, u64, u8) {
+        (self.trace_id, self.parent_id, self.flags)
     }
 }
 

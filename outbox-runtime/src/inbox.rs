@@ -824,6 +824,7 @@ impl<H: Handler> Inbox<H> {
                 return self.dead_letter_unread(message, error).await.into();
             }
         };
+        #[cfg(not(feature = "opentelemetry"))]
         let span = tracing::debug_span!(
             "inbox message",
             consumer = %config.consumer,
@@ -831,6 +832,10 @@ impl<H: Handler> Inbox<H> {
             event_type = %metadata.event_type,
             deliveries = metadata.deliveries,
         );
+        // The consumer span of the message's trace, in place of the one above: the handler's
+        // unit of work takes its context.
+        #[cfg(feature = "opentelemetry")]
+        let span = crate::telemetry::consumer_span(&config.consumer, &metadata, message);
         self.process_read(message, &metadata, held_for)
             .instrument(span)
             .await

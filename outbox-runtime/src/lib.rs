@@ -49,6 +49,15 @@
 //! - [`subject`]: the NATS subject rules every name obeys;
 //! - [`database`] and [`nats`]: the toolkit's connections, bounded by timeouts and shown
 //!   without their secrets.
+//!
+//! Cargo features, all off by default:
+//! - `testing`: `outbox_runtime::testing`, the test kit for services (aggregate tests, an
+//!   in-memory outbox, throwaway databases and streams);
+//! - `opentelemetry`: traces across the broker through `tracing-opentelemetry`: a unit of
+//!   work takes the current span's trace context, the relay records a producer span per
+//!   publish, the inbox runs each handler in a consumer span (OpenTelemetry messaging
+//!   semantic conventions);
+//! - `failpoints`: the crash points of this project's own tests.
 
 // Every public item says what it is: shapes, units, errors (the crate's own rule).
 #![warn(missing_docs)]
@@ -78,6 +87,8 @@ pub mod outbox;
 pub mod publisher;
 pub mod relay;
 pub mod subject;
+#[cfg(feature = "opentelemetry")]
+mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod topology;

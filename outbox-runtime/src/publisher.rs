@@ -281,7 +281,26 @@ impl Publisher {
     pub(crate) async fn publish(&self, row: &ClaimedEvent) -> Result<bool, PublishFailure> {
         validate_subject(&row.subject, &self.prefix)
             .map_err(|e| PublishFailure::Invalid(e.to_string()))?;
-        let headers = self.headers(row)?;
+        #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
+        let mut headers = self.headers(row)?;
+        #[cfg(feature = "opentelemetry")]
+        {
+            use tracing::Instrument as _;
+            let id = row.id.hyphenated().to_string();
+            let span = crate::telemetry::producer_span(
+                &row.subject,
+                &id,
+                row.payload.0.len(),
+                &mut headers,
+            );
+            self.send(row, headers).instrument(span).await
+        }
+        #[cfg(not(feature = "opentelemetry"))]
+        self.send(row, headers).await
+    }
+
+    /// Publishes `row`'s payload with `headers` and waits for the ack.
+    async fn send(&self, row: &ClaimedEvent, headers: HeaderMap) -> Result<bool, PublishFailure> {
         let connects = self.connects();
         let ack = self
             .jetstream

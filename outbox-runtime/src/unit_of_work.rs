@@ -421,6 +421,8 @@ impl<'c> UnitOfWork<'c> {
     /// message that has one.
     pub fn set_traceparent(&mut self, traceparent: Traceparent) {
         self.buffer.causality.traceparent = Some(traceparent);
+        // The vendor data of the trace this replaces does not go with the new one.
+        self.buffer.causality.tracestate = None;
     }
 
     /// Sets what this unit of work does with an event whose dedup key an earlier committed
@@ -629,9 +631,7 @@ impl<'o> EventBuffer<'o> {
 
     /// The events to write, those recorded on tracked aggregates after `track` included, and
     /// what to drain after COMMIT; or the first invalid event's error.
-    pub(crate) fn take(
-        mut self,
-    ) -> Result<(Vec<NewEvent>, Vec<Drain>), UnitOfWorkError> {
+    pub(crate) fn take(mut self) -> Result<(Vec<NewEvent>, Vec<Drain>), UnitOfWorkError> {
         let mut drains = Vec::with_capacity(self.tracked.len());
         for tracked in std::mem::take(&mut self.tracked) {
             tracked.detach();
