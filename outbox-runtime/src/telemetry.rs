@@ -83,27 +83,33 @@ fn template(subject: &str) -> String {
 }
 
 /// The producer span of one publish, a child of the context `headers` carry (the row's),
-/// with the message's `traceparent` and `tracestate` set to its own context.
+/// with the message's `traceparent` and `tracestate` set to its own context. Costs one
+/// disabled-callsite check when no subscriber takes the span.
 pub(crate) fn producer_span(
     subject: &str,
     message_id: &str,
     body_size: usize,
     headers: &mut HeaderMap,
 ) -> tracing::Span {
-    let destination = template(subject);
     let span = tracing::info_span!(
         target: "outbox_runtime::telemetry",
         "publish",
-        otel.name = %format_args!("publish {destination}"),
+        otel.name = tracing::field::Empty,
         otel.kind = "producer",
         "messaging.system" = "nats",
         "messaging.operation.type" = "send",
         "messaging.operation.name" = "publish",
         "messaging.destination.name" = %subject,
-        "messaging.destination.template" = %destination,
+        "messaging.destination.template" = tracing::field::Empty,
         "messaging.message.id" = %message_id,
         "messaging.message.body.size" = body_size,
     );
+    if span.is_disabled() {
+        return span;
+    }
+    let destination = template(subject);
+    span.record("otel.name", format_args!("publish {destination}"));
+    span.record("messaging.destination.template", destination.as_str());
     if let Some(parent) = remote_parent(headers) {
         let _ = span.set_parent(parent);
     }
@@ -125,23 +131,28 @@ pub(crate) fn consumer_span(
     metadata: &Metadata,
     message: &async_nats::jetstream::Message,
 ) -> tracing::Span {
-    let destination = template(&metadata.subject);
     let span = tracing::info_span!(
         target: "outbox_runtime::telemetry",
         "process",
-        otel.name = %format_args!("process {destination}"),
+        otel.name = tracing::field::Empty,
         otel.kind = "consumer",
         "messaging.system" = "nats",
         "messaging.operation.type" = "process",
         "messaging.operation.name" = "process",
         "messaging.destination.name" = %metadata.subject,
-        "messaging.destination.template" = %destination,
+        "messaging.destination.template" = tracing::field::Empty,
         "messaging.consumer.group.name" = %consumer,
         "messaging.message.id" = %metadata.id,
         "messaging.message.body.size" = message.payload.len(),
         event_type = %metadata.event_type,
         deliveries = metadata.deliveries,
     );
+    if span.is_disabled() {
+        return span;
+    }
+    let destination = template(&metadata.subject);
+    span.record("otel.name", format_args!("process {destination}"));
+    span.record("messaging.destination.template", destination.as_str());
     if let Some(parent) = message.headers.as_ref().and_then(remote_parent) {
         let _ = span.set_parent(parent);
     }
