@@ -57,6 +57,8 @@
 //!   work takes the current span's trace context, the relay records a producer span per
 //!   publish, the inbox runs each handler in a consumer span (OpenTelemetry messaging
 //!   semantic conventions);
+//! - `postgres-sync`: [`Outbox::sync_transaction`](crate::Outbox) and `sync::SyncUnitOfWork`,
+//!   the unit of work on a synchronous `diesel::PgConnection` (libpq);
 //! - `failpoints`: the crash points of this project's own tests.
 
 // Every public item says what it is: shapes, units, errors (the crate's own rule).
@@ -87,6 +89,8 @@ pub mod outbox;
 pub mod publisher;
 pub mod relay;
 pub mod subject;
+#[cfg(feature = "postgres-sync")]
+pub mod sync;
 #[cfg(feature = "opentelemetry")]
 mod telemetry;
 #[cfg(feature = "testing")]

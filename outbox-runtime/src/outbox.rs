@@ -81,16 +81,25 @@ impl Outbox {
     /// Registers the topology when it has not been for [`topology::REGISTER_EVERY`]. A
     /// failure is logged, never the unit of work's: the registry only serves diagnosis.
     pub(crate) async fn register_if_due(&self, conn: &mut AsyncPgConnection) {
-        {
-            let mut last = self.registered.lock().unwrap_or_else(|p| p.into_inner());
-            if last.is_some_and(|at| at.elapsed() < topology::REGISTER_EVERY) {
-                return;
-            }
-            *last = Some(Instant::now());
+        if !self.registration_due() {
+            return;
         }
         if let Err(error) = topology::register(conn, Role::Outbox, &self.topology).await {
             tracing::warn!(%error, "cannot register the outbox's topology in outbox_topologies");
         }
+    }
+}
+
+impl Outbox {
+    /// Whether this outbox should register its topology now (every
+    /// `topology::REGISTER_EVERY`); when it says yes, the time is taken.
+    pub(crate) fn registration_due(&self) -> bool {
+        let mut last = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|at| at.elapsed() < topology::REGISTER_EVERY) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
     }
 }
 
@@ -186,7 +195,6 @@ pub async fn run_migrations_on(
 /// # Errors
 /// The database's error.
 pub async fn pending_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
-    use diesel::migration::MigrationSource;
     use diesel::sql_types::{Array, Bool, Text};
 
     #[derive(QueryableByName)]
@@ -199,26 +207,37 @@ pub async fn pending_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec
         #[diesel(sql_type = Text)]
         version: String,
     }
-    let embedded: Vec<String> = MigrationSource::<diesel::pg::Pg>::migrations(&MIGRATIONS)
-        .map_err(diesel::result::Error::QueryBuilderError)?
-        .iter()
-        .map(|migration| migration.name().version().to_string())
-        .collect();
-    let table: Exists =
-        diesel::sql_query("SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS exists")
-            .get_result(conn)
-            .await?;
+    let embedded = embedded_versions()?;
+    let table: Exists = diesel::sql_query(MIGRATIONS_TABLE_EXISTS)
+        .get_result(conn)
+        .await?;
     if !table.exists {
         return Ok(embedded);
     }
-    let pending: Vec<Version> = diesel::sql_query(
-        "SELECT v AS version FROM unnest($1::text[]) WITH ORDINALITY AS e(v, n) \
-         WHERE v NOT IN (SELECT version FROM __diesel_schema_migrations) ORDER BY n",
-    )
-    .bind::<Array<Text>, _>(&embedded)
-    .load(conn)
-    .await?;
+    let pending: Vec<Version> = diesel::sql_query(PENDING_VERSIONS)
+        .bind::<Array<Text>, _>(&embedded)
+        .load(conn)
+        .await?;
     Ok(pending.into_iter().map(|v| v.version).collect())
+}
+
+/// Whether diesel's migrations table exists (a column `exists`).
+pub(crate) const MIGRATIONS_TABLE_EXISTS: &str =
+    "SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS exists";
+
+/// Of the versions `$1`, those not applied, in order (a column `version`).
+pub(crate) const PENDING_VERSIONS: &str = "SELECT v AS version FROM unnest($1::text[]) WITH ORDINALITY AS e(v, n) \
+     WHERE v NOT IN (SELECT version FROM __diesel_schema_migrations) ORDER BY n";
+
+/// The versions of [`MIGRATIONS`], oldest first.
+pub(crate) fn embedded_versions() -> QueryResult<Vec<String>> {
+    Ok(
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&MIGRATIONS)
+            .map_err(diesel::result::Error::QueryBuilderError)?
+            .iter()
+            .map(|migration| migration.name().version().to_string())
+            .collect(),
+    )
 }
 
 /// The outbox schema is behind this version of the toolkit.

@@ -182,7 +182,7 @@ impl Role {
 
 /// A topology another process registered, whose prefix differs from the caller's.
 #[derive(Debug, QueryableByName)]
-struct Registered {
+pub(crate) struct Registered {
     #[diesel(sql_type = Text)]
     role: String,
     #[diesel(sql_type = Text)]
@@ -208,15 +208,33 @@ pub(crate) async fn register(
     role: Role,
     topology: &Topology,
 ) -> QueryResult<()> {
-    let others: Vec<Registered> = diesel::sql_query(
-        "SELECT role, subject_prefix, stream, seen_at FROM outbox_register_topology($1, $2, $3)",
-    )
-    .bind::<Text, _>(role.as_str())
-    .bind::<Text, _>(topology.subject_prefix.as_str())
-    .bind::<Text, _>(&topology.stream.name)
-    .load(conn)
-    .await?;
-    for other in &others {
+    let others: Vec<Registered> = register_statement(role, topology).load(conn).await?;
+    report_mismatches(role, topology, &others);
+    Ok(())
+}
+
+/// The statement of [`register`], for any connection.
+pub(crate) fn register_statement(role: Role, topology: &Topology) -> RegisterTopology<'_> {
+    RegisterTopology {
+        role: role.as_str(),
+        prefix: topology.subject_prefix.as_str(),
+        stream: &topology.stream.name,
+    }
+}
+
+crate::outbox::statement::statement! {
+    /// Registers a topology and returns the others seen (see [`register`]).
+    pub(crate) struct RegisterTopology<'a> {
+        role: &'a str => Text,
+        prefix: &'a str => Text,
+        stream: &'a str => Text,
+    }
+    sql = "SELECT role, subject_prefix, stream, seen_at FROM outbox_register_topology($1, $2, $3)";
+}
+
+/// Warns of each other topology [`register`] found.
+pub(crate) fn report_mismatches(role: Role, topology: &Topology, others: &[Registered]) {
+    for other in others {
         tracing::warn!(
             own_prefix = %topology.subject_prefix,
             other_role = %other.role,
@@ -233,7 +251,6 @@ pub(crate) async fn register(
             other.stream,
         );
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -312,7 +312,7 @@ enum Failed<E> {
 }
 
 /// `error`, unless the rollback itself failed in a way that says more.
-fn rolled_back_with<T, E: From<UnitOfWorkError>>(
+pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
     rolled_back: diesel::QueryResult<()>,
     error: E,
 ) -> Result<T, E> {

@@ -59,6 +59,20 @@ pub(crate) async fn insert_events(
     events: &[NewEvent],
     causality: &Causality,
 ) -> QueryResult<()> {
+    let headers = causality.headers_json();
+    insert_statement(events, causality, &headers)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The statement of [`insert_events`], for any connection; `headers` is
+/// `causality.headers_json()`.
+pub(crate) fn insert_statement<'a>(
+    events: &'a [NewEvent],
+    causality: &'a Causality,
+    headers: &'a str,
+) -> InsertEvents<'a> {
     // Per aggregate: how many events, and each event's 1-based position among them.
     let mut counts: HashMap<(&str, &str), i64> = HashMap::new();
     let ordinals: Vec<i64> = events
@@ -82,7 +96,7 @@ pub(crate) async fn insert_events(
         counts: aggregates.iter().map(|a| a.2).collect(),
         correlation_id: &causality.correlation_id,
         causation_id: &causality.causation_id,
-        headers: &causality.headers_json(),
+        headers,
         ids: events.iter().map(|e| e.id).collect(),
         event_aggregate_types: column(events, |e| &e.aggregate_type),
         event_aggregate_ids: column(events, |e| &e.aggregate_id),
@@ -93,9 +107,6 @@ pub(crate) async fn insert_events(
         subjects: column(events, |e| &e.subject),
         payloads: column(events, |e| &e.payload),
     }
-    .execute(conn)
-    .await?;
-    Ok(())
 }
 
 /// Takes the dedup keys of `events` (those that carry one) for this transaction, and
@@ -110,57 +121,97 @@ pub(crate) async fn take_dedup_keys(
     conn: &mut AsyncPgConnection,
     events: &[NewEvent],
 ) -> QueryResult<Vec<usize>> {
-    #[derive(QueryableByName)]
-    struct Taken {
-        #[diesel(sql_type = Text)]
-        dedup_key: String,
+    let mut plan = DedupKeys::plan(events);
+    if let Some(statement) = plan.statement() {
+        let taken: Vec<TakenKey> = statement.load(conn).await?;
+        plan.taken(&taken);
     }
-    // Each key's first event; a later event of this unit of work with the same key is a
-    // duplicate of it.
-    let mut duplicates = Vec::new();
-    let mut first: HashMap<&str, Uuid> = HashMap::new();
-    for (position, event) in events.iter().enumerate() {
-        if let Some(key) = event.dedup_key.as_deref() {
-            match first.entry(key) {
-                Entry::Occupied(_) => duplicates.push(position),
-                Entry::Vacant(entry) => {
-                    entry.insert(event.id);
+    Ok(plan.duplicates(events))
+}
+
+/// The work of [`take_dedup_keys`] around its one statement, for any connection.
+pub(crate) struct DedupKeys<'a> {
+    /// Positions of events whose key an earlier event of the same unit of work has.
+    duplicates: Vec<usize>,
+    /// Each key's first event, until the statement says the key is ours.
+    first: HashMap<&'a str, Uuid>,
+}
+
+impl<'a> DedupKeys<'a> {
+    pub(crate) fn plan(events: &'a [NewEvent]) -> Self {
+        let mut duplicates = Vec::new();
+        let mut first: HashMap<&str, Uuid> = HashMap::new();
+        for (position, event) in events.iter().enumerate() {
+            if let Some(key) = event.dedup_key.as_deref() {
+                match first.entry(key) {
+                    Entry::Occupied(_) => duplicates.push(position),
+                    Entry::Vacant(entry) => {
+                        entry.insert(event.id);
+                    }
                 }
             }
         }
+        Self { duplicates, first }
     }
-    if first.is_empty() {
-        return Ok(duplicates);
+
+    /// The statement that takes the keys, or `None` when no event has one. In the keys'
+    /// order, so that two units of work taking the same keys wait on each other in one order
+    /// and cannot deadlock.
+    pub(crate) fn statement(&self) -> Option<TakeDedupKeys<'a>> {
+        if self.first.is_empty() {
+            return None;
+        }
+        let mut keys: Vec<(&str, Uuid)> = self.first.iter().map(|(k, id)| (*k, *id)).collect();
+        keys.sort_unstable();
+        Some(TakeDedupKeys {
+            keys: keys.iter().map(|k| k.0).collect(),
+            ids: keys.iter().map(|k| k.1).collect(),
+        })
     }
-    // In the keys' order, so that two units of work taking the same keys wait on each other
-    // in one order and cannot deadlock.
-    let mut keys: Vec<(&str, Uuid)> = first.iter().map(|(key, id)| (*key, *id)).collect();
-    keys.sort_unstable();
-    let taken: Vec<Taken> = diesel::sql_query(
-        "INSERT INTO outbox_dedup_keys (dedup_key, event_id) \
-         SELECT * FROM unnest($1::text[], $2::uuid[]) \
-         ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key",
-    )
-    .bind::<Array<Text>, _>(keys.iter().map(|k| k.0).collect::<Vec<_>>())
-    .bind::<Array<SqlUuid>, _>(keys.iter().map(|k| k.1).collect::<Vec<_>>())
-    .load(conn)
-    .await?;
-    for Taken { dedup_key } in &taken {
-        first.remove(dedup_key.as_str());
+
+    /// The keys the statement took: ours.
+    pub(crate) fn taken(&mut self, taken: &[TakenKey]) {
+        for TakenKey { dedup_key } in taken {
+            self.first.remove(dedup_key.as_str());
+        }
     }
-    // What is left in `first` was taken before: its events are duplicates too.
-    duplicates.extend(events.iter().enumerate().filter_map(|(position, event)| {
-        let key = event.dedup_key.as_deref()?;
-        (first.get(key) == Some(&event.id)).then_some(position)
-    }));
-    duplicates.sort_unstable();
-    Ok(duplicates)
+
+    /// The positions of the events not to write, sorted: duplicates within `events`, and the
+    /// first events of keys taken before.
+    pub(crate) fn duplicates(mut self, events: &[NewEvent]) -> Vec<usize> {
+        let first = &self.first;
+        self.duplicates
+            .extend(events.iter().enumerate().filter_map(|(position, event)| {
+                let key = event.dedup_key.as_deref()?;
+                (first.get(key) == Some(&event.id)).then_some(position)
+            }));
+        self.duplicates.sort_unstable();
+        self.duplicates
+    }
+}
+
+/// A key [`TakeDedupKeys`] took.
+#[derive(QueryableByName)]
+pub(crate) struct TakenKey {
+    #[diesel(sql_type = Text)]
+    dedup_key: String,
+}
+
+statement! {
+    /// Takes dedup keys (see [`take_dedup_keys`]).
+    pub(crate) struct TakeDedupKeys<'a> {
+        keys: Vec<&'a str> => Array<Text>,
+        ids: Vec<Uuid> => Array<SqlUuid>,
+    }
+    sql = "INSERT INTO outbox_dedup_keys (dedup_key, event_id) \
+           SELECT * FROM unnest($1::text[], $2::uuid[]) \
+           ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key";
 }
 
 statement! {
     /// The unit of work's INSERT (see [`insert_events`]): the function of migration 000004,
     /// whose plan PostgreSQL caches for the session.
-    struct InsertEvents<'a> {
+    pub(crate) struct InsertEvents<'a> {
         aggregate_types: Vec<&'a str> => Array<Text>,
         aggregate_ids: Vec<&'a str> => Array<Text>,
         counts: Vec<i64> => Array<Int8>,

@@ -108,6 +108,9 @@ macro_rules! statement {
             type SqlType = diesel::sql_types::Untyped;
         }
 
+        // For sync connections (diesel-async's trait has a blanket implementation).
+        impl<$($lt,)? Conn> diesel::RunQueryDsl<Conn> for $self_ty {}
+
         impl<$($lt)?> diesel::query_builder::QueryFragment<diesel::pg::Pg> for $self_ty {
             fn walk_ast<'b>(
                 &'b self,
