@@ -334,7 +334,7 @@ pub mod __private {
     pub use crate::aggregate::{Aggregate, PendingEvents};
     pub use crate::event::payload::SerdeEvent;
     pub use crate::event::upcast::{
-        from_json_value, json_bytes, read_json, read_old, upcast_into, upcast_json,
+        UpcastFrom, from_json_value, json_bytes, read_json, read_old, upcast_into, upcast_json,
     };
     pub use crate::event::{DomainEvent, EventSet, EventType, PayloadError, overlap};
     pub use serde;
