@@ -99,6 +99,15 @@ struct Ticked {
     pad: String,
 }
 
+/// A `Ticked` with a producer dedup key, for figure 6's cost of the key.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+#[event(name = "KeyedTick")]
+struct KeyedTick {
+    #[event(dedup_key)]
+    key: String,
+    pad: String,
+}
+
 #[aggregate(name = "Probe")]
 struct Probe {
     id: String,
@@ -257,17 +266,20 @@ impl Bench {
         if phase(6) {
             let cost = self.unit_of_work_cost().await?;
             println!(
-                "6. unit of work, mean per transaction: none {:.3} ms, 1 event {:.3} ms, 10 events {:.3} ms (medians {:.3} / {:.3} / {:.3} ms)",
+                "6. unit of work, mean per transaction: none {:.3} ms, 1 event {:.3} ms, 10 events {:.3} ms, 1 event with a dedup key {:.3} ms (medians {:.3} / {:.3} / {:.3} / {:.3} ms)",
                 cost.mean[0],
                 cost.mean[1],
                 cost.mean[2],
+                cost.mean[3],
                 cost.median[0],
                 cost.median[1],
-                cost.median[2]
+                cost.median[2],
+                cost.median[3]
             );
             let one = cost.mean[1] / cost.mean[0];
             ratio("6. 1 event / none", one, "<= 1.3", one <= 1.3);
             untargeted_ratio("6. 10 events / none", cost.mean[2] / cost.mean[0]);
+            untargeted_ratio("6. 1 keyed event / 1 event", cost.mean[3] / cost.mean[1]);
             println!(
                 "6. one unit of work of {BULK} events over as many aggregates: new {:.0} ms, again {:.0} ms",
                 cost.bulk_ms[0], cost.bulk_ms[1]
@@ -702,8 +714,9 @@ struct Latency {
 }
 
 struct Cost {
-    mean: [f64; 3],
-    median: [f64; 3],
+    /// Per variant: no event, 1 event, 10 events, 1 event with a dedup key.
+    mean: [f64; 4],
+    median: [f64; 4],
     /// Milliseconds for one unit of work of `BULK` events over as many new aggregates, then
     /// over the same aggregates again.
     bulk_ms: [f64; 2],
@@ -1012,21 +1025,28 @@ impl Bench {
         .await?;
         let outbox = Outbox::with_topology(self.place.topology());
         let pad = "x".repeat(self.args.payload.saturating_sub(30));
-        let mut times: [Vec<f64>; 3] = Default::default();
+        let mut times: [Vec<f64>; 4] = Default::default();
         let mut order_id = 0_i64;
         for round in 0..self.args.transactions + 100 {
-            for (variant, events) in [0_usize, 1, 10].into_iter().enumerate() {
+            for (variant, events) in [0_usize, 1, 10, 1].into_iter().enumerate() {
+                let keyed = variant == 3;
                 order_id += 1;
                 let mut probe = Probe {
                     id: format!("cost-{}", order_id % 1000),
                     pending_events: PendingEvents::new(),
                 };
                 for n in 0..events {
-                    probe.record(Ticked {
-                        n: n as u64,
-                        pad: pad.clone(),
-                    });
+                    if !keyed {
+                        probe.record(Ticked {
+                            n: n as u64,
+                            pad: pad.clone(),
+                        });
+                    }
                 }
+                let key = keyed.then(|| KeyedTick {
+                    key: format!("{}-{order_id}", self.place.prefix),
+                    pad: pad.clone(),
+                });
                 let started = Instant::now();
                 outbox
                     .transaction(&mut conn, async |uow| {
@@ -1035,6 +1055,9 @@ impl Bench {
                             .execute(uow.conn())
                             .await?;
                         uow.track(&mut probe);
+                        if let Some(keyed) = &key {
+                            uow.emit("Probe", &probe.id, keyed);
+                        }
                         Ok::<_, UnitOfWorkError>(())
                     })
                     .await?;
@@ -1044,8 +1067,8 @@ impl Bench {
                 }
             }
         }
-        let mut mean = [0.0; 3];
-        let mut median = [0.0; 3];
+        let mut mean = [0.0; 4];
+        let mut median = [0.0; 4];
         for (variant, samples) in times.iter_mut().enumerate() {
             mean[variant] = samples.iter().sum::<f64>() / samples.len() as f64;
             samples.sort_by(f64::total_cmp);
