@@ -539,6 +539,22 @@ mod upcasting {
         Price(PriceChanged),
     }
 
+    /// A unit struct reads its old versions too (its payload is `{}` at every version).
+    #[derive(Debug, PartialEq, DomainEvent)]
+    #[event(version = 3, upcast(from = 1, json = drop_all), upcast(from = 2, json = drop_all))]
+    struct Ping;
+
+    fn drop_all(_: Value) -> Result<Value, UpcastError> {
+        Ok(json!({}))
+    }
+
+    #[test]
+    fn a_unit_struct_reads_its_old_versions() {
+        for version in 1..=3 {
+            assert_eq!(Ping::from_payload("Ping", version, b"{}").unwrap(), Ping);
+        }
+    }
+
     #[test]
     fn enum_variants_upcast_into_the_enum_and_event_sets_dispatch_old_versions() {
         let added = |quantity| CartEvent::Added {

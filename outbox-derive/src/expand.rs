@@ -277,6 +277,8 @@ fn upcast_arms(
                                 let bytes = #private::json_bytes(&value);
                                 let payload: &[u8] = &bytes;
                                 let event_version: i32 = #version;
+                                // A unit struct's decode reads neither.
+                                let _ = (payload, event_version);
                             });
                         } else if let Some(ty) = next_type(i) {
                             body.extend(quote! {

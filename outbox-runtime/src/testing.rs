@@ -797,26 +797,34 @@ impl TestEnv {
     /// of a multi-valued header).
     ///
     /// # Panics
-    /// When the stream does not exist or a stored message is not delivered within 10 s.
+    /// When the stream does not exist or cannot be read for 30 s, or a stored message is not
+    /// delivered within 10 s.
     pub async fn stream_messages(&self) -> Vec<StoredMessage> {
-        let mut stream = self
-            .jetstream()
-            .get_stream(&self.stream)
-            .await
-            .unwrap_or_else(|e| panic!("the stream {}: {e}", self.stream));
-        let stored = stream
-            .info()
-            .await
-            .unwrap_or_else(|e| panic!("the stream {}: {e}", self.stream))
-            .state
-            .messages;
-        let consumer = stream
-            .create_consumer(pull::OrderedConfig {
-                deliver_policy: DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .unwrap_or_else(|e| panic!("an ordered consumer on {}: {e}", self.stream));
+        // On a cluster, a node that just rejoined may still hold a leader election or catch
+        // up, and a JetStream API request made meanwhile times out; such requests are retried
+        // for up to 30 s.
+        let (stored, consumer) = retry_for(Duration::from_secs(30), || async {
+            let mut stream = self
+                .jetstream()
+                .get_stream(&self.stream)
+                .await
+                .map_err(|e| format!("the stream {}: {e}", self.stream))?;
+            let stored = stream
+                .info()
+                .await
+                .map_err(|e| format!("the stream {}: {e}", self.stream))?
+                .state
+                .messages;
+            let consumer = stream
+                .create_consumer(pull::OrderedConfig {
+                    deliver_policy: DeliverPolicy::All,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| format!("an ordered consumer on {}: {e}", self.stream))?;
+            Ok((stored, consumer))
+        })
+        .await;
         let mut messages = consumer
             .messages()
             .await
@@ -945,5 +953,26 @@ impl Drop for TestEnv {
             });
         });
         let _ = cleanup.join();
+    }
+}
+
+/// Runs `attempt` until it succeeds, pausing 200 ms between failures.
+///
+/// # Panics
+/// When it still fails after `budget`, with the last error.
+async fn retry_for<T, F, Fut>(budget: Duration, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + budget;
+    loop {
+        match attempt().await {
+            Ok(value) => return value,
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                panic!("{e} (still failing after {budget:?})")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
     }
 }
