@@ -1,18 +1,25 @@
-//! The unit of work's contract, one set of test bodies run against every backend this build
-//! has: diesel-async's `AsyncPgConnection`, and sync diesel's `PgConnection` with the feature
-//! `postgres-sync` (`cargo test --features postgres-sync --test contract`; libpq needed). A rollback leaves nothing; committed units of work become exactly the
-//! expected messages; sequences stay contiguous under concurrent units of work; dedup keys
-//! hold across backends (they share one table).
+//! The outbox's contract, one set of test bodies run against every backend this build has:
+//! diesel-async's `AsyncPgConnection`; sync diesel's `PgConnection` with the feature
+//! `postgres-sync` (`cargo test --features postgres-sync --test contract`; libpq needed);
+//! MariaDB / MySQL through diesel-async's `AsyncMysqlConnection` with the feature `mysql`
+//! (`cargo test --features mysql --test contract`; `OUTBOX_TEST_MYSQL_URL`, default
+//! `mysql://root@127.0.0.1:3306/test`, is the server to create databases on).
+//!
+//! A rollback leaves nothing; committed units of work become exactly the expected messages;
+//! sequences stay contiguous under concurrent units of work; a row written by plain SQL is
+//! relayed; three relays racing keep each aggregate in order; a rejected message is
+//! dead-lettered while the others flow; dedup keys hold across backends that share a table.
 
 mod support;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 #[cfg(feature = "postgres-sync")]
 use diesel::Connection as _;
 use diesel_async::SimpleAsyncConnection;
 use outbox_runtime::outbox::schema::outbox_events;
-use outbox_runtime::{DomainEvent, UnitOfWorkError};
+use outbox_runtime::{DomainEvent, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use serde::{Deserialize, Serialize};
 use support::TestEnv;
 use support::domain::{Order, OrderEvent};
@@ -23,24 +30,136 @@ struct Invoiced {
     request: String,
 }
 
-/// One way to run units of work.
+/// A test's environment: its stream and prefix (and a PostgreSQL database) from the test
+/// kit, and its own MySQL database for the MySQL backend.
+struct Env {
+    env: TestEnv,
+    #[cfg(feature = "mysql")]
+    mysql: Option<mysql::Database>,
+}
+
+impl std::ops::Deref for Env {
+    type Target = TestEnv;
+
+    fn deref(&self) -> &TestEnv {
+        &self.env
+    }
+}
+
+/// One way to run units of work, and to read and relay what they wrote. The defaults are
+/// PostgreSQL's.
 trait Backend {
+    /// A fresh environment with an `orders` table.
+    fn setup() -> impl Future<Output = Env> + Send {
+        async {
+            let env = TestEnv::new().await;
+            env.conn()
+                .await
+                .batch_execute("CREATE TABLE orders (id text)")
+                .await
+                .unwrap();
+            Env {
+                env,
+                #[cfg(feature = "mysql")]
+                mysql: None,
+            }
+        }
+    }
+
     /// Commits, in one unit of work, the events of `orders` (tracked), a business row per
     /// order, and one `Invoiced` with `dedup_key` when given; the closure fails at the end
     /// when `fail`. Returns the orders as the unit of work left them.
     fn commit(
-        env: &TestEnv,
+        env: &Env,
         orders: Vec<Order>,
         dedup_key: Option<String>,
         fail: bool,
     ) -> impl Future<Output = (Vec<Order>, Result<(), UnitOfWorkError>)> + Send;
+
+    /// `(aggregate_id, aggregate_seq)` of every outbox row of `Order`s, in that order.
+    fn rows(env: &Env) -> impl Future<Output = Vec<(String, i64)>> + Send {
+        async {
+            use diesel::prelude::*;
+            use diesel_async::RunQueryDsl;
+            outbox_events::table
+                .filter(outbox_events::aggregate_type.eq("Order"))
+                .select((outbox_events::aggregate_id, outbox_events::aggregate_seq))
+                .order((outbox_events::aggregate_id, outbox_events::aggregate_seq))
+                .load(&mut env.conn().await)
+                .await
+                .unwrap()
+        }
+    }
+
+    /// How many rows `orders` holds.
+    fn business_rows(env: &Env) -> impl Future<Output = i64> + Send {
+        async {
+            use diesel_async::RunQueryDsl;
+            diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM orders")
+                .get_result(&mut env.conn().await)
+                .await
+                .unwrap()
+        }
+    }
+
+    /// Runs `statement` (plain SQL, `{prefix}` replaced by the environment's prefix).
+    fn execute(env: &Env, statement: &str) -> impl Future<Output = ()> + Send {
+        let statement = statement.replace("{prefix}", &env.prefix);
+        async move {
+            env.conn().await.batch_execute(&statement).await.unwrap();
+        }
+    }
+
+    /// `(aggregate_id, aggregate_seq, attempts)` of every dead letter.
+    fn dead_letters(env: &Env) -> impl Future<Output = Vec<(String, i64, i32)>> + Send {
+        async {
+            use diesel::prelude::*;
+            use diesel_async::RunQueryDsl;
+            outbox_events::table
+                .filter(outbox_events::dead_lettered_at.is_not_null())
+                .select((
+                    outbox_events::aggregate_id,
+                    outbox_events::aggregate_seq,
+                    outbox_events::attempts,
+                ))
+                .order(outbox_events::aggregate_id)
+                .load(&mut env.conn().await)
+                .await
+                .unwrap()
+        }
+    }
+
+    /// A relay configuration for the environment's database, prefix and stream.
+    fn relay_config(env: &Env) -> RelayConfig {
+        env.relay_config()
+    }
+
+    /// Relays until a batch claims nothing.
+    fn relay_all(env: &Env) -> impl Future<Output = ()> + Send {
+        async {
+            let mut relay = Relay::connect(Self::relay_config(env), env.nats.clone())
+                .await
+                .unwrap();
+            while relay.relay_batch().await.unwrap().claimed > 0 {}
+        }
+    }
+
+    /// Starts a relay with `config`.
+    fn spawn_relay(env: &Env, config: RelayConfig) -> impl Future<Output = RelayHandle> + Send {
+        async move {
+            Relay::connect(config, env.nats.clone())
+                .await
+                .unwrap()
+                .spawn()
+        }
+    }
 }
 
 struct AsyncPg;
 
 impl Backend for AsyncPg {
     async fn commit(
-        env: &TestEnv,
+        env: &Env,
         mut orders: Vec<Order>,
         dedup_key: Option<String>,
         fail: bool,
@@ -76,7 +195,7 @@ struct SyncPg;
 #[cfg(feature = "postgres-sync")]
 impl Backend for SyncPg {
     async fn commit(
-        env: &TestEnv,
+        env: &Env,
         mut orders: Vec<Order>,
         dedup_key: Option<String>,
         fail: bool,
@@ -107,37 +226,6 @@ impl Backend for SyncPg {
     }
 }
 
-async fn setup() -> TestEnv {
-    let env = TestEnv::new().await;
-    env.conn()
-        .await
-        .batch_execute("CREATE TABLE orders (id text)")
-        .await
-        .unwrap();
-    env
-}
-
-/// `(aggregate_id, aggregate_seq)` of every outbox row of `Order`s.
-async fn rows(env: &TestEnv) -> Vec<(String, i64)> {
-    use diesel::prelude::*;
-    use diesel_async::RunQueryDsl;
-    outbox_events::table
-        .filter(outbox_events::aggregate_type.eq("Order"))
-        .select((outbox_events::aggregate_id, outbox_events::aggregate_seq))
-        .order((outbox_events::aggregate_id, outbox_events::aggregate_seq))
-        .load(&mut env.conn().await)
-        .await
-        .unwrap()
-}
-
-async fn business_rows(env: &TestEnv) -> i64 {
-    use diesel_async::RunQueryDsl;
-    diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM orders")
-        .get_result(&mut env.conn().await)
-        .await
-        .unwrap()
-}
-
 fn shipped(id: &str) -> Order {
     let mut order = Order::place(id, "ada", 990);
     order.record(OrderEvent::Shipped);
@@ -145,11 +233,11 @@ fn shipped(id: &str) -> Order {
 }
 
 async fn a_rollback_leaves_nothing<B: Backend>() {
-    let env = setup().await;
+    let env = B::setup().await;
     let (orders, result) = B::commit(&env, vec![shipped("o-1")], Some("r-1".into()), true).await;
     assert!(result.is_err());
-    assert!(rows(&env).await.is_empty(), "no outbox row");
-    assert_eq!(business_rows(&env).await, 0, "no business row");
+    assert!(B::rows(&env).await.is_empty(), "no outbox row");
+    assert_eq!(B::business_rows(&env).await, 0, "no business row");
     assert_eq!(
         orders[0].pending_events().len(),
         2,
@@ -161,7 +249,7 @@ async fn a_rollback_leaves_nothing<B: Backend>() {
 }
 
 async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend>() {
-    let env = setup().await;
+    let env = B::setup().await;
     let (orders, result) = B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, false).await;
     result.unwrap();
     assert!(
@@ -170,7 +258,7 @@ async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend
     );
     let (_, result) = B::commit(&env, vec![shipped("o-1")], None, false).await;
     result.unwrap();
-    support::consumer::relay_all(&env).await;
+    B::relay_all(&env).await;
     let messages = env.stream_messages().await;
     let prefix = &env.prefix;
     let subjects: Vec<&str> = messages.iter().map(|m| m.subject.as_str()).collect();
@@ -195,7 +283,7 @@ async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend
 async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + 'static>() {
     const WRITERS: usize = 6;
     const UNITS: usize = 8;
-    let env = std::sync::Arc::new(setup().await);
+    let env = std::sync::Arc::new(B::setup().await);
     let writers: Vec<_> = (0..WRITERS)
         .map(|_| {
             let env = std::sync::Arc::clone(&env);
@@ -210,7 +298,11 @@ async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + '
     for writer in writers {
         writer.await.unwrap();
     }
-    let seqs: Vec<i64> = rows(&env).await.into_iter().map(|(_, seq)| seq).collect();
+    let seqs: Vec<i64> = B::rows(&env)
+        .await
+        .into_iter()
+        .map(|(_, seq)| seq)
+        .collect();
     let expected: Vec<i64> = (1..=(WRITERS * UNITS * 2) as i64).collect();
     assert_eq!(seqs, expected);
 }
@@ -218,7 +310,7 @@ async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + '
 /// The dedup keys of units of work on different backends share one table.
 #[cfg(feature = "postgres-sync")]
 async fn a_dedup_key_taken_on_one_backend_holds_on_the_other<A: Backend, B: Backend>() {
-    let env = setup().await;
+    let env = B::setup().await;
     let (_, first) = A::commit(&env, vec![], Some("r-1".into()), false).await;
     first.unwrap();
     let (_, second) = B::commit(&env, vec![shipped("o-1")], Some("r-1".into()), false).await;
@@ -232,9 +324,128 @@ async fn a_dedup_key_taken_on_one_backend_holds_on_the_other<A: Backend, B: Back
     .unwrap();
     assert_eq!(invoices, 1);
     assert_eq!(
-        rows(&env).await.len(),
+        B::rows(&env).await.len(),
         2,
         "the other events of the second were written"
+    );
+}
+
+async fn a_row_written_by_plain_sql_is_relayed<B: Backend>() {
+    let env = B::setup().await;
+    B::execute(
+        &env,
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         VALUES ('Raw', 'r-1', 1, 'Written', 'r-1', '{prefix}.Raw.r-1.Written', '{\"by\": \"hand\"}')",
+    )
+    .await;
+    B::relay_all(&env).await;
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(
+        messages[0].subject,
+        format!("{}.Raw.r-1.Written", env.prefix)
+    );
+    assert_eq!(messages[0].payload, br#"{"by": "hand"}"#);
+    assert_eq!(messages[0].header("ce-sequence").parse::<u64>(), Ok(1));
+    assert_eq!(
+        messages[0].header("Nats-Msg-Id"),
+        messages[0].header("ce-id"),
+        "the row's id is the message id"
+    );
+}
+
+async fn three_relays_racing_keep_each_aggregate_in_order<B: Backend + 'static>() {
+    const AGGREGATES: usize = 8;
+    const ROUNDS: usize = 12;
+    let env = std::sync::Arc::new(B::setup().await);
+    let mut relays = Vec::new();
+    for _ in 0..3 {
+        let mut config = B::relay_config(&env);
+        config.workers = 2;
+        config.batch_size = 5;
+        relays.push(B::spawn_relay(&env, config).await);
+    }
+    // Writers commit while the relays publish: each round one unit of work per aggregate.
+    let writers: Vec<_> = (0..AGGREGATES)
+        .map(|n| {
+            let env = std::sync::Arc::clone(&env);
+            tokio::spawn(async move {
+                for _ in 0..ROUNDS {
+                    let (_, result) =
+                        B::commit(&env, vec![shipped(&format!("o-{n}"))], None, false).await;
+                    result.unwrap();
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let expected = AGGREGATES * ROUNDS * 2;
+    env.until_stream_holds(expected as u64, Duration::from_secs(30))
+        .await;
+    for relay in relays {
+        relay.shutdown().await.unwrap();
+    }
+    let messages = env.stream_messages().await;
+    assert_eq!(
+        messages.len(),
+        expected,
+        "nothing lost, nothing stored twice"
+    );
+    let in_order: Vec<u64> = (1..=(ROUNDS * 2) as u64).collect();
+    let sequences = support::sequences(&messages);
+    assert_eq!(sequences.len(), AGGREGATES);
+    for (aggregate, seqs) in sequences {
+        assert_eq!(seqs, in_order, "aggregate {aggregate} in stream order");
+    }
+}
+
+async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>() {
+    let env = B::setup().await;
+    let mut config = B::relay_config(&env);
+    config.max_attempts = 3;
+    config.retry_delay = Duration::from_millis(20);
+    config.max_retry_delay = Duration::from_millis(60);
+    let relay = B::spawn_relay(&env, config).await;
+    // Over the server's max payload (1 MiB): JetStream refuses it at every attempt. The row
+    // behind it waits; other aggregates flow.
+    let blob = "x".repeat(1_100_000);
+    B::execute(
+        &env,
+        &format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                        partition_key, subject, payload) \
+             VALUES ('Big', 'b-1', 1, 'Uploaded', 'b-1', '{{prefix}}.Big.b-1.Uploaded', \
+                     '{{\"blob\": \"{blob}\"}}'), \
+                    ('Big', 'b-1', 2, 'Labelled', 'b-1', '{{prefix}}.Big.b-1.Labelled', '{{}}')"
+        ),
+    )
+    .await;
+    for n in 0..3 {
+        let (_, result) = B::commit(&env, vec![shipped(&format!("o-{n}"))], None, false).await;
+        result.unwrap();
+    }
+    let dead = support::wait_until("a dead letter", Duration::from_secs(20), || async {
+        let dead = B::dead_letters(&env).await;
+        (!dead.is_empty()).then_some(dead)
+    })
+    .await;
+    assert_eq!(
+        dead,
+        [("b-1".to_owned(), 1, 3)],
+        "the head, after three attempts"
+    );
+    env.until_stream_holds(6, Duration::from_secs(10)).await;
+    // Another batch or two: the row behind the dead letter must stay queued.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    relay.shutdown().await.unwrap();
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 6, "the orders flowed");
+    assert!(
+        messages.iter().all(|m| !m.subject.contains(".Big.")),
+        "nothing of the blocked aggregate overtook its dead letter"
     );
 }
 
@@ -259,6 +470,22 @@ macro_rules! contract {
                 super::sequences_stay_contiguous_under_concurrent_units_of_work::<$backend>()
                     .await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_written_by_plain_sql_is_relayed() {
+                super::a_row_written_by_plain_sql_is_relayed::<$backend>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn three_relays_racing_keep_each_aggregate_in_order() {
+                super::three_relays_racing_keep_each_aggregate_in_order::<$backend>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_rejected_message_is_dead_lettered_while_the_others_flow() {
+                super::a_rejected_message_is_dead_lettered_while_the_others_flow::<$backend>()
+                    .await;
+            }
         }
     )*};
 }
@@ -266,6 +493,8 @@ macro_rules! contract {
 contract!(async_pg => AsyncPg);
 #[cfg(feature = "postgres-sync")]
 contract!(sync_pg => SyncPg);
+#[cfg(feature = "mysql")]
+contract!(async_mysql => mysql::AsyncMysql);
 
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,7 +513,7 @@ async fn a_dedup_key_taken_by_a_sync_unit_of_work_holds_for_an_async_one() {
 /// `&mut PgConnection`), and says what is missing on a database without the outbox tables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migrations() {
-    let env = setup().await;
+    let env = SyncPg::setup().await;
     let unmigrated = TestEnv::unmigrated(&support::nats_url()).await;
     let (url, bare_url, outbox) = (
         env.database_url.clone(),
@@ -322,5 +551,222 @@ async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migra
     })
     .await
     .unwrap();
-    assert_eq!(rows(&env).await.len(), 2);
+    assert_eq!(SyncPg::rows(&env).await.len(), 2);
+}
+
+/// The MySQL / MariaDB backend: a database of its own per test, migrated with
+/// `outbox_runtime::mysql::run_migrations`; the stream and prefix come from the test kit.
+#[cfg(feature = "mysql")]
+mod mysql {
+    use super::*;
+    use diesel::QueryableByName;
+    use diesel::sql_types::{BigInt, Integer, Text};
+    use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection, RunQueryDsl};
+    use outbox_runtime::mysql::MysqlRelay;
+
+    /// `OUTBOX_TEST_MYSQL_URL`, or the local server's `test` database.
+    fn admin_url() -> String {
+        std::env::var("OUTBOX_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
+    }
+
+    /// A throwaway MySQL database, dropped with the value.
+    pub struct Database {
+        pub url: String,
+        name: String,
+    }
+
+    impl Database {
+        async fn create() -> Self {
+            let admin_url = admin_url();
+            let name = format!(
+                "outbox_test_{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..16]
+            );
+            let mut admin = AsyncMysqlConnection::establish(&admin_url)
+                .await
+                .unwrap_or_else(|e| panic!("MySQL at {admin_url} is not reachable: {e}"));
+            admin
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .unwrap();
+            let url = match admin_url.rsplit_once('/') {
+                Some((server, _)) => format!("{server}/{name}"),
+                None => panic!("OUTBOX_TEST_MYSQL_URL has no database part: {admin_url}"),
+            };
+            outbox_runtime::mysql::run_migrations(&url)
+                .await
+                .unwrap_or_else(|e| panic!("the MySQL migrations on {name}: {e}"));
+            Self { url, name }
+        }
+
+        pub async fn conn(&self) -> AsyncMysqlConnection {
+            AsyncMysqlConnection::establish(&self.url)
+                .await
+                .unwrap_or_else(|e| panic!("connect to {}: {e}", self.name))
+        }
+    }
+
+    impl Drop for Database {
+        fn drop(&mut self) {
+            let name = self.name.clone();
+            // On a runtime of its own: the test's may be blocked in this drop.
+            let cleanup = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                runtime.block_on(async move {
+                    if let Ok(mut admin) = AsyncMysqlConnection::establish(&admin_url()).await {
+                        let _ = admin
+                            .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
+                            .await;
+                    }
+                });
+            });
+            let _ = cleanup.join();
+        }
+    }
+
+    fn database(env: &Env) -> &Database {
+        env.mysql.as_ref().expect("a MySQL environment")
+    }
+
+    pub struct AsyncMysql;
+
+    impl Backend for AsyncMysql {
+        async fn setup() -> Env {
+            let env = TestEnv::unmigrated(&support::nats_url()).await;
+            let mysql = Database::create().await;
+            mysql
+                .conn()
+                .await
+                .batch_execute("CREATE TABLE orders (id VARCHAR(64))")
+                .await
+                .unwrap();
+            Env {
+                env,
+                mysql: Some(mysql),
+            }
+        }
+
+        async fn commit(
+            env: &Env,
+            mut orders: Vec<Order>,
+            dedup_key: Option<String>,
+            fail: bool,
+        ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
+            let mut conn = database(env).conn().await;
+            let result = env
+                .outbox()
+                .transaction(&mut conn, async |uow| {
+                    // A read first, as business code does: under REPEATABLE READ it fixes the
+                    // transaction's snapshot before the outbox numbers the events.
+                    diesel::sql_query("SELECT COUNT(*) AS n FROM orders")
+                        .execute(uow.conn())
+                        .await?;
+                    for order in &mut orders {
+                        diesel::sql_query("INSERT INTO orders VALUES (?)")
+                            .bind::<Text, _>(&order.id)
+                            .execute(uow.conn())
+                            .await?;
+                        uow.track(order);
+                    }
+                    if let Some(request) = dedup_key {
+                        uow.emit("Invoice", "i-1", &Invoiced { request });
+                    }
+                    if fail {
+                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    }
+                    Ok(())
+                })
+                .await;
+            (orders, result)
+        }
+
+        async fn rows(env: &Env) -> Vec<(String, i64)> {
+            #[derive(QueryableByName)]
+            struct Row {
+                #[diesel(sql_type = Text)]
+                aggregate_id: String,
+                #[diesel(sql_type = BigInt)]
+                aggregate_seq: i64,
+            }
+            diesel::sql_query(
+                "SELECT aggregate_id, aggregate_seq FROM outbox_events \
+                 WHERE aggregate_type = 'Order' ORDER BY aggregate_id, aggregate_seq",
+            )
+            .load::<Row>(&mut database(env).conn().await)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|row| (row.aggregate_id, row.aggregate_seq))
+            .collect()
+        }
+
+        async fn business_rows(env: &Env) -> i64 {
+            #[derive(QueryableByName)]
+            struct Count {
+                #[diesel(sql_type = BigInt)]
+                n: i64,
+            }
+            diesel::sql_query("SELECT COUNT(*) AS n FROM orders")
+                .get_result::<Count>(&mut database(env).conn().await)
+                .await
+                .unwrap()
+                .n
+        }
+
+        async fn execute(env: &Env, statement: &str) {
+            let statement = statement.replace("{prefix}", &env.prefix);
+            database(env)
+                .conn()
+                .await
+                .batch_execute(&statement)
+                .await
+                .unwrap();
+        }
+
+        async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
+            #[derive(QueryableByName)]
+            struct Dead {
+                #[diesel(sql_type = Text)]
+                aggregate_id: String,
+                #[diesel(sql_type = BigInt)]
+                aggregate_seq: i64,
+                #[diesel(sql_type = Integer)]
+                attempts: i32,
+            }
+            diesel::sql_query(
+                "SELECT aggregate_id, aggregate_seq, attempts FROM outbox_events \
+                 WHERE dead_lettered_at IS NOT NULL ORDER BY aggregate_id",
+            )
+            .load::<Dead>(&mut database(env).conn().await)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| (d.aggregate_id, d.aggregate_seq, d.attempts))
+            .collect()
+        }
+
+        fn relay_config(env: &Env) -> RelayConfig {
+            let mut config = env.relay_config();
+            config.database_url = database(env).url.clone();
+            config
+        }
+
+        async fn relay_all(env: &Env) {
+            let mut relay = MysqlRelay::connect(Self::relay_config(env), env.nats.clone())
+                .await
+                .unwrap();
+            while relay.relay_batch().await.unwrap().claimed > 0 {}
+        }
+
+        async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
+            MysqlRelay::connect(config, env.nats.clone())
+                .await
+                .unwrap()
+                .spawn()
+        }
+    }
 }

@@ -235,6 +235,36 @@ pub(crate) async fn connect(
         })?
 }
 
+/// Opens a MySQL / MariaDB connection within the connect timeout, in READ COMMITTED (each
+/// statement of the relay sees the latest committed rows, as on PostgreSQL).
+#[cfg(feature = "mysql")]
+pub(crate) async fn connect_mysql(
+    database_url: &str,
+    limits: Limits,
+) -> Result<diesel_async::AsyncMysqlConnection, ConnectError> {
+    let error = |reason: String| ConnectError {
+        target: redacted(database_url),
+        reason,
+    };
+    let setup = async {
+        let mut conn = diesel_async::AsyncMysqlConnection::establish(database_url)
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        conn.batch_execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map_err(|e| error(e.to_string()))?;
+        Ok(conn)
+    };
+    tokio::time::timeout(limits.connect_timeout, setup)
+        .await
+        .map_err(|_| {
+            error(format!(
+                "no answer within the connect timeout of {:?}",
+                limits.connect_timeout
+            ))
+        })?
+}
+
 /// Runs `query` within `limit`; on timeout the caller must drop the connection, whose state
 /// is unknown.
 pub(crate) async fn bounded<T, E>(

@@ -1098,7 +1098,7 @@ impl<H: Handler> Inbox<H> {
         shared
             .config
             .outbox
-            .transaction_with(&mut conn, causality, async |uow| {
+            .transaction_with(&mut *conn, causality, async |uow| {
                 let recorded = database::bounded(
                     limit,
                     target,

@@ -84,6 +84,8 @@ pub mod database;
 pub mod dead_letter;
 pub mod event;
 pub mod inbox;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 pub mod nats;
 pub mod outbox;
 pub mod publisher;

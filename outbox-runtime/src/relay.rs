@@ -33,6 +33,8 @@
 
 mod doorbell;
 mod listener;
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql;
 mod worker;
 
 use std::future::Future;
@@ -307,6 +309,52 @@ struct Shared {
 }
 
 impl Shared {
+    /// What every relay does before it touches its database: checks the configuration,
+    /// makes sure the stream exists and captures the prefix, and warns when its duplicate
+    /// window is shorter than the redelivery horizon. Returns the shared state and the
+    /// stream's duplicate window.
+    async fn prepare(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<(Arc<Self>, Duration), RelayError> {
+        config.validate()?;
+        describe_metrics();
+        let publisher = Publisher::new(
+            nats.clone(),
+            config.topology.subject_prefix.as_str(),
+            &config.source,
+            config.ack_timeout,
+            config.max_in_flight,
+        )?;
+        let stream = ensure_stream(
+            publisher.jetstream(),
+            &config.topology.stream,
+            config.topology.subject_prefix.as_str(),
+        )
+        .await?;
+        let horizon = config.redelivery_horizon();
+        if stream.duplicate_window < horizon {
+            tracing::warn!(
+                stream = %config.topology.stream.name,
+                duplicate_window = ?stream.duplicate_window,
+                redelivery_horizon = ?horizon,
+                "the stream's duplicate window is shorter than the relay's redelivery horizon \
+                 (ack_timeout + max_backoff + poll_interval): a row published again after a lost \
+                 mark may be stored twice; widen the stream's duplicate_window"
+            );
+        }
+        let shared = Arc::new(Self {
+            retry: config.retry_policy(),
+            held: worker::HeldAggregates::new(config.workers),
+            target: database::redacted(&config.database_url),
+            config,
+            publisher,
+            nats,
+            health: Health::new(),
+        });
+        Ok((shared, stream.duplicate_window))
+    }
+
     /// Registers the relay's topology, reporting the units of work that write under another
     /// prefix ([`topology::register`]), within the statement timeout.
     async fn register_topology(
@@ -455,41 +503,7 @@ impl Relay {
         config: RelayConfig,
         nats: async_nats::Client,
     ) -> Result<Self, RelayError> {
-        config.validate()?;
-        describe_metrics();
-        let publisher = Publisher::new(
-            nats.clone(),
-            config.topology.subject_prefix.as_str(),
-            &config.source,
-            config.ack_timeout,
-            config.max_in_flight,
-        )?;
-        let stream = ensure_stream(
-            publisher.jetstream(),
-            &config.topology.stream,
-            config.topology.subject_prefix.as_str(),
-        )
-        .await?;
-        let horizon = config.redelivery_horizon();
-        if stream.duplicate_window < horizon {
-            tracing::warn!(
-                stream = %config.topology.stream.name,
-                duplicate_window = ?stream.duplicate_window,
-                redelivery_horizon = ?horizon,
-                "the stream's duplicate window is shorter than the relay's redelivery horizon \
-                 (ack_timeout + max_backoff + poll_interval): a row published again after a lost \
-                 mark may be stored twice; widen the stream's duplicate_window"
-            );
-        }
-        let shared = Arc::new(Shared {
-            retry: config.retry_policy(),
-            held: worker::HeldAggregates::new(config.workers),
-            target: database::redacted(&config.database_url),
-            config,
-            publisher,
-            nats,
-            health: Health::new(),
-        });
+        let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
         let mut conn = worker::connect(&shared).await?;
         let limit = shared.config.statement_timeout;
         let checked = database::bounded(
@@ -510,7 +524,7 @@ impl Relay {
         shared.register_topology(&mut conn).await?;
         Ok(Self {
             shared,
-            duplicate_window: stream.duplicate_window,
+            duplicate_window,
             conn: Some(conn),
         })
     }

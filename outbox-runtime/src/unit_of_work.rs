@@ -12,7 +12,11 @@
 //! [`emit`](UnitOfWork::emit) for a standalone event. The handle is borrowed for the closure
 //! only, so events cannot reach the outbox outside a transaction or after its commit.
 
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use std::future::Future;
+
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
+};
 use uuid::Uuid;
 
 use std::sync::{Arc, Mutex};
@@ -219,24 +223,27 @@ impl Outbox {
     /// Like diesel-async's `transaction`, dropping the returned future part-way leaves the
     /// transaction open on `conn`; drop the connection too (a pool discards it when it
     /// notices the open transaction).
-    pub async fn transaction<T, E, F>(&self, conn: &mut AsyncPgConnection, f: F) -> Result<T, E>
+    pub async fn transaction<P, T, E, F>(&self, conn: &mut P, f: F) -> Result<T, E>
     where
-        F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c>) -> Result<T, E>,
+        P: OutboxConnection + ?Sized,
+        F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c, P::Connection>) -> Result<T, E>,
         E: From<UnitOfWorkError>,
     {
-        self.transaction_with(conn, Causality::root(), f).await
+        self.transaction_with(conn.connection(), Causality::root(), f)
+            .await
     }
 
     /// [`transaction`](Self::transaction) for events of an existing conversation (the inbox's
     /// units of work).
-    pub(crate) async fn transaction_with<T, E, F>(
+    pub(crate) async fn transaction_with<C, T, E, F>(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut C,
         causality: Causality,
         f: F,
     ) -> Result<T, E>
     where
-        F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c>) -> Result<T, E>,
+        C: BackendConnection,
+        F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c, C>) -> Result<T, E>,
         E: From<UnitOfWorkError>,
     {
         let depth = AnsiTransactionManager::transaction_manager_status_mut(conn)
@@ -245,8 +252,7 @@ impl Outbox {
         if depth.is_some() {
             return Err(UnitOfWorkError::NestedTransaction.into());
         }
-        self.register_if_due(conn).await;
-        AnsiTransactionManager::begin_transaction_sql(conn, BEGIN)
+        conn.begin_unit_of_work(self)
             .await
             .map_err(UnitOfWorkError::from)?;
 
@@ -264,10 +270,13 @@ impl Outbox {
             }
         };
         match outcome {
-            Ok((value, commit_handles)) => {
+            Ok((value, (commit_handles, wrote_events))) => {
                 AnsiTransactionManager::commit_transaction(conn)
                     .await
                     .map_err(UnitOfWorkError::from)?;
+                if wrote_events {
+                    C::events_committed();
+                }
                 crash_point!("unit_of_work::after_commit", |_| Err(
                     UnitOfWorkError::from(simulated_crash()).into()
                 ));
@@ -291,7 +300,7 @@ impl Outbox {
                 let error = match error {
                     UnitOfWorkError::Database(
                         database_error @ diesel::result::Error::DatabaseError(..),
-                    ) if rolled_back.is_ok() => match require_migrations(conn).await {
+                    ) if rolled_back.is_ok() => match conn.missing_migrations().await {
                         Ok(Err(missing)) => UnitOfWorkError::MissingMigrations(missing),
                         _ => UnitOfWorkError::Database(database_error),
                     },
@@ -352,14 +361,17 @@ pub enum DuplicateEvents {
 
 /// The events of one transaction, collected until COMMIT. Handed to the closure of
 /// [`Outbox::transaction`], and to nothing else.
-pub struct UnitOfWork<'c> {
-    conn: &'c mut AsyncPgConnection,
+///
+/// `C` is the transaction's connection: PostgreSQL's unless said otherwise, so
+/// `UnitOfWork<'_>` is the unit of work on an [`AsyncPgConnection`].
+pub struct UnitOfWork<'c, C: BackendConnection = AsyncPgConnection> {
+    conn: &'c mut C,
     buffer: EventBuffer<'c>,
 }
 
-impl<'c> UnitOfWork<'c> {
+impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
     /// The transaction's connection, for the business writes.
-    pub fn conn(&mut self) -> &mut AsyncPgConnection {
+    pub fn conn(&mut self) -> &mut C {
         self.conn
     }
 
@@ -440,21 +452,141 @@ impl<'c> UnitOfWork<'c> {
 
     /// Writes the collected events, those recorded on tracked aggregates after `track`
     /// included; returns what to drain after COMMIT.
-    async fn flush(self) -> Result<Vec<Drain>, UnitOfWorkError> {
+    async fn flush(self) -> Result<(Vec<Drain>, bool), UnitOfWorkError> {
         let Self { conn, buffer } = self;
         let duplicates = buffer.duplicates;
         let causality = buffer.causality.clone();
-        let (mut events, drains) = buffer.take()?;
-        if events.iter().any(|e| e.dedup_key.is_some()) {
-            let taken = queries::take_dedup_keys(conn, &events)
-                .await
-                .map_err(UnitOfWorkError::from_database)?;
-            drop_duplicates(&mut events, &taken, duplicates)?;
+        let (events, drains) = buffer.take()?;
+        let any = !events.is_empty();
+        conn.write_events(events, &causality, duplicates).await?;
+        Ok((drains, any))
+    }
+}
+
+/// A database connection a unit of work runs on: diesel-async's [`AsyncPgConnection`]
+/// (PostgreSQL), or with the feature `mysql` its `AsyncMysqlConnection` (MySQL 8, MariaDB
+/// 10.6+; see [`crate::mysql`]). Each writes the events with statements of its own
+/// database.
+///
+/// Sealed: implemented by the toolkit for the connections it has statements for.
+pub trait BackendConnection:
+    AsyncConnection<TransactionManager = AnsiTransactionManager> + Send + 'static + sealed::Backend
+{
+}
+
+impl<C> BackendConnection for C where
+    C: AsyncConnection<TransactionManager = AnsiTransactionManager>
+        + Send
+        + 'static
+        + sealed::Backend
+{
+}
+
+/// What [`Outbox::transaction`] takes: a [`BackendConnection`], or a pool's guard around one
+/// (deadpool's `Object`, as diesel-async's `pooled_connection::deadpool` hands it out). The
+/// closure's [`UnitOfWork`] is on the connection itself either way.
+///
+/// For another pool's guard (bb8, mobc), pass `&mut *conn`: it derefs to the connection.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a connection a unit of work can run on",
+    label = "a unit of work runs on an AsyncPgConnection (or AsyncMysqlConnection), or a deadpool guard of one",
+    note = "for a pool's guard, pass `&mut *conn`: it derefs to the connection"
+)]
+pub trait OutboxConnection: Send {
+    /// The database connection: `Self`, or the one inside the guard.
+    type Connection: BackendConnection;
+
+    /// The database connection.
+    fn connection(&mut self) -> &mut Self::Connection;
+}
+
+impl<C: BackendConnection> OutboxConnection for C {
+    type Connection = C;
+
+    fn connection(&mut self) -> &mut C {
+        self
+    }
+}
+
+/// `OutboxConnection` for deadpool's guard of `$conn`.
+macro_rules! pooled_outbox_connection {
+    ($conn:ty) => {
+        impl OutboxConnection for diesel_async::pooled_connection::deadpool::Object<$conn> {
+            type Connection = $conn;
+
+            fn connection(&mut self) -> &mut $conn {
+                self
+            }
         }
-        if !events.is_empty() {
-            queries::insert_events(conn, &events, &causality).await?;
+    };
+}
+
+pooled_outbox_connection!(AsyncPgConnection);
+#[cfg(feature = "mysql")]
+pooled_outbox_connection!(diesel_async::AsyncMysqlConnection);
+
+// The module is private, so `Backend` cannot be named or implemented outside the crate, and
+// the crate-private types in its signatures stay out of reach.
+#[allow(private_interfaces)]
+pub(crate) mod sealed {
+    use super::*;
+
+    /// What a unit of work needs from its database, beside diesel's transaction manager.
+    pub trait Backend {
+        /// Opens the unit of work's transaction.
+        fn begin_unit_of_work(
+            &mut self,
+            outbox: &Outbox,
+        ) -> impl Future<Output = diesel::QueryResult<()>> + Send;
+
+        /// Takes the events' dedup keys and writes the events that are not duplicates, with
+        /// their sequences, inside the open transaction.
+        fn write_events(
+            &mut self,
+            events: Vec<NewEvent>,
+            causality: &Causality,
+            duplicates: DuplicateEvents,
+        ) -> impl Future<Output = Result<(), UnitOfWorkError>> + Send;
+
+        /// Whether the outbox's migrations are applied, asked after a database error.
+        fn missing_migrations(
+            &mut self,
+        ) -> impl Future<Output = diesel::QueryResult<Result<(), MissingMigrations>>> + Send;
+
+        /// Called after a unit of work that wrote events committed (wakes the relays of this
+        /// process on a database without notifications).
+        fn events_committed() {}
+    }
+
+    impl Backend for AsyncPgConnection {
+        async fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
+            outbox.register_if_due(self).await;
+            AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await
         }
-        Ok(drains)
+
+        async fn write_events(
+            &mut self,
+            mut events: Vec<NewEvent>,
+            causality: &Causality,
+            duplicates: DuplicateEvents,
+        ) -> Result<(), UnitOfWorkError> {
+            if events.iter().any(|e| e.dedup_key.is_some()) {
+                let taken = queries::take_dedup_keys(self, &events)
+                    .await
+                    .map_err(UnitOfWorkError::from_database)?;
+                drop_duplicates(&mut events, &taken, duplicates)?;
+            }
+            if !events.is_empty() {
+                queries::insert_events(self, &events, causality).await?;
+            }
+            Ok(())
+        }
+
+        async fn missing_migrations(
+            &mut self,
+        ) -> diesel::QueryResult<Result<(), MissingMigrations>> {
+            require_migrations(self).await
+        }
     }
 }
 
@@ -470,7 +602,7 @@ pub trait CollectEvents {
     fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E);
 }
 
-impl CollectEvents for UnitOfWork<'_> {
+impl<C: BackendConnection> CollectEvents for UnitOfWork<'_, C> {
     fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
         UnitOfWork::track(self, aggregate);
     }

@@ -190,6 +190,20 @@ impl<'a> DedupKeys<'a> {
     }
 }
 
+impl<'a> TakeDedupKeys<'a> {
+    /// The keys, sorted.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn keys(&self) -> &[&'a str] {
+        &self.keys
+    }
+
+    /// The id of each key's event.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn ids(&self) -> &[Uuid] {
+        &self.ids
+    }
+}
+
 /// A key [`TakeDedupKeys`] took.
 #[derive(QueryableByName)]
 pub(crate) struct TakenKey {

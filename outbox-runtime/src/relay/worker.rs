@@ -15,7 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use diesel::QueryResult;
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
+};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -24,7 +27,7 @@ use uuid::Uuid;
 use super::doorbell::{Doorbell, Rest};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
-use crate::outbox::queries::{self, ClaimedEvent, Held, RetryPolicy};
+use crate::outbox::queries::{self, ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
 use crate::publisher::{PublishFailure, Publisher};
 
 /// What one batch did.
@@ -65,10 +68,10 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
 /// `peers` are the other workers' wake-ups: a batch that published rows makes new heads
 /// claimable (the rows behind the published ones), which a peer that found nothing to claim
 /// would otherwise only see at its next poll.
-pub(super) async fn run(
+pub(super) async fn run<C: RelayStore>(
     shared: Arc<Shared>,
     me: usize,
-    mut conn: Option<AsyncPgConnection>,
+    mut conn: Option<C>,
     wake: Arc<Notify>,
     peers: Vec<Arc<Notify>>,
     doorbell: Option<Arc<Doorbell>>,
@@ -172,10 +175,10 @@ enum Step {
     Failed { connects: u64 },
 }
 
-async fn step(
+async fn step<C: RelayStore>(
     shared: &Shared,
     me: usize,
-    conn_slot: &mut Option<AsyncPgConnection>,
+    conn_slot: &mut Option<C>,
     stop: &CancellationToken,
 ) -> Step {
     let connects = shared.publisher.connects();
@@ -186,7 +189,7 @@ async fn step(
     }
     shared.health.broker_up();
     if conn_slot.is_none() {
-        match connect(shared).await {
+        match C::connect(shared).await {
             Ok(conn) => *conn_slot = Some(conn),
             Err(error) => {
                 shared.health.database_failed(&error.to_string());
@@ -236,10 +239,10 @@ pub(super) type BatchError = Bounded<diesel::result::Error>;
 /// in [`HeldAggregates`] (`None` outside the worker loop). On an error the transaction is
 /// rolled back, or, when the database did not answer, left for the caller to drop with the
 /// connection.
-pub(super) async fn relay_batch(
+pub(super) async fn relay_batch<C: RelayStore>(
     shared: &Shared,
     me: Option<usize>,
-    conn: &mut AsyncPgConnection,
+    conn: &mut C,
     stop: &CancellationToken,
 ) -> Result<BatchOutcome, BatchError> {
     let (limit, target) = (shared.config.statement_timeout, shared.target.as_str());
@@ -302,10 +305,10 @@ pub(super) async fn relay_batch(
 }
 
 /// The batch's work inside its transaction.
-async fn batch(
+async fn batch<C: RelayStore>(
     shared: &Shared,
     me: Option<usize>,
-    conn: &mut AsyncPgConnection,
+    conn: &mut C,
     held: &Held<'_>,
     stop: &CancellationToken,
 ) -> Result<BatchOutcome, BatchError> {
@@ -316,7 +319,7 @@ async fn batch(
         limit,
         target,
         "the relay's claim",
-        queries::claim_batch(conn, batch_size, held),
+        conn.claim(batch_size, held),
     )
     .await?;
     let chains = chains(&claimed, config.batch_size);
@@ -426,7 +429,7 @@ async fn batch(
             limit,
             target,
             "recording a rejected row",
-            queries::record_rejection(conn, row.id, &error, policy),
+            conn.reject(row.id, &error, policy),
         )
         .await?;
         report.rejected += 1;
@@ -454,7 +457,7 @@ async fn batch(
             limit,
             target,
             "marking published rows",
-            queries::finish_published(conn, &published, config.published),
+            conn.finish(&published, config.published),
         )
         .await?;
     }
@@ -532,6 +535,63 @@ impl HeldAggregates {
 
 /// The claimed rows of one aggregate, in sequence order.
 type Chain<'a> = &'a [ClaimedEvent];
+
+/// What a relay batch needs from its database, beside diesel's transaction manager: the
+/// claim, the record of a rejection and the end of published rows, each with the
+/// guarantees `outbox::queries` gives for PostgreSQL.
+pub(super) trait RelayStore:
+    AsyncConnection<TransactionManager = AnsiTransactionManager> + Send + Sized + 'static
+{
+    /// Opens a connection for a worker, within the connect timeout.
+    fn connect(
+        shared: &Shared,
+    ) -> impl Future<Output = Result<Self, database::ConnectError>> + Send;
+
+    /// Claims a batch (see `queries::claim_batch`).
+    fn claim(
+        &mut self,
+        batch: i64,
+        held: &Held<'_>,
+    ) -> impl Future<Output = QueryResult<Vec<ClaimedEvent>>> + Send;
+
+    /// Records a rejected publish (see `queries::record_rejection`).
+    fn reject(
+        &mut self,
+        id: Uuid,
+        error: &str,
+        policy: RetryPolicy,
+    ) -> impl Future<Output = QueryResult<Rejection>> + Send;
+
+    /// Deletes, marks or archives the published rows (see `queries::finish_published`).
+    fn finish(
+        &mut self,
+        ids: &[Uuid],
+        mode: PublishedRows,
+    ) -> impl Future<Output = QueryResult<()>> + Send;
+}
+
+impl RelayStore for AsyncPgConnection {
+    async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
+        connect(shared).await
+    }
+
+    async fn claim(&mut self, batch: i64, held: &Held<'_>) -> QueryResult<Vec<ClaimedEvent>> {
+        queries::claim_batch(self, batch, held).await
+    }
+
+    async fn reject(
+        &mut self,
+        id: Uuid,
+        error: &str,
+        policy: RetryPolicy,
+    ) -> QueryResult<Rejection> {
+        queries::record_rejection(self, id, error, policy).await
+    }
+
+    async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
+        queries::finish_published(self, ids, mode).await
+    }
+}
 
 /// Splits claimed rows (grouped by aggregate, heads first in claim order) into one chain per
 /// aggregate, within a budget of `batch_size` rows: every head first, then the rows behind

@@ -1,0 +1,3 @@
+DROP TABLE outbox_dedup_keys;
+DROP TABLE outbox_aggregates;
+DROP TABLE outbox_events;

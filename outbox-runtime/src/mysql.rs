@@ -1,0 +1,424 @@
+//! The outbox on MySQL 8 and MariaDB 10.6+ (feature `mysql`): the unit of work on
+//! diesel-async's [`AsyncMysqlConnection`] and a message relay that publishes its rows.
+//!
+//! [`Outbox::transaction`](crate::Outbox::transaction) takes an `AsyncMysqlConnection` (or a
+//! deadpool guard of one) as it takes a PostgreSQL one: the same closure, the same
+//! [`UnitOfWork`](crate::UnitOfWork). The tables are this module's [`MIGRATIONS`]
+//! (`outbox-runtime/migrations-mysql/`), the same columns in MySQL's types; run them with
+//! [`run_migrations`]. [`MysqlRelay`] publishes the rows to JetStream with the same subjects,
+//! headers and `Nats-Msg-Id` as the PostgreSQL relay.
+//!
+//! ```no_run
+//! use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection};
+//! use outbox_runtime::{DomainEvent, Outbox, PendingEvents, UnitOfWorkError, aggregate};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+//! enum OrderEvent { Placed { customer: String } }
+//!
+//! #[aggregate]
+//! struct Order { id: String, pending_events: PendingEvents<OrderEvent> }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "mysql://root@127.0.0.1:3306/test";
+//! outbox_runtime::mysql::run_migrations(url).await?;
+//! let mut conn = AsyncMysqlConnection::establish(url).await?;
+//! let mut order = Order { id: "o-1".into(), pending_events: PendingEvents::new() };
+//! order.record(OrderEvent::Placed { customer: "ada".into() });
+//! Outbox::new()
+//!     .transaction(&mut conn, async |uow| {
+//!         uow.track(&mut order);
+//!         Ok::<_, UnitOfWorkError>(())
+//!     })
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Guarantees, and how they differ from PostgreSQL's
+//! - Events commit with the business rows or not at all; per-aggregate sequences are
+//!   contiguous and in commit order (the unit of work locks the aggregate's
+//!   `outbox_aggregates` row, as on PostgreSQL); dedup keys take a primary key of their own.
+//! - The relay claims only the head of each aggregate's queue with `FOR UPDATE SKIP LOCKED`
+//!   (MySQL 8.0.1, MariaDB 10.6), so several relays keep each aggregate in order; a rejected
+//!   row is retried with backoff and dead-lettered after the retry policy's attempts, its
+//!   aggregate's later rows parked behind it.
+//! - No LISTEN/NOTIFY: a relay polls every [`RelayConfig::poll_interval`], and is woken at
+//!   once by a unit of work that commits in the same process. A row committed by another
+//!   process waits up to one poll interval (500 ms by default): lower it for latency, at the
+//!   cost of one claim query per interval per worker when idle.
+//! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
+//!   registry, the dead-letter admin functions and the CLI. A COMMIT sent by hand inside the
+//!   closure is not detected (PostgreSQL's unit of work refuses to write after it).
+//! - Tested on MariaDB 10.11; the SQL keeps to what MySQL 8.0.16+ also has.
+//!
+//! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
+//! [`PublishedRows::Archive`]: crate::PublishedRows::Archive
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use diesel::QueryableByName;
+use diesel::mysql::Mysql;
+use diesel::sql_types::{BigInt, Text};
+pub use diesel_async::AsyncMysqlConnection;
+use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use tokio::sync::Notify;
+
+use crate::causality::Causality;
+use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey};
+use crate::outbox::{MigrationError, MissingMigrations, Outbox};
+use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
+
+pub use crate::relay::mysql::MysqlRelay;
+
+/// The outbox's migrations for MySQL and MariaDB (`outbox-runtime/migrations-mysql/`), for
+/// [`run_migrations`] or your own diesel migration harness.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations-mysql");
+
+/// The name of the lock ([`GET_LOCK`]) that serialises concurrent migration runs.
+///
+/// [`GET_LOCK`]: https://dev.mysql.com/doc/refman/8.0/en/locking-functions.html
+const MIGRATION_LOCK: &str = "outbox-migrations";
+
+/// Applies the pending [`MIGRATIONS`] to the database at `database_url`
+/// (`mysql://user:password@host:port/database`) and returns the versions it applied (empty
+/// when the schema is current).
+///
+/// Safe to call from every instance at start-up: a named lock (`GET_LOCK`) serialises
+/// concurrent runs. Runs on a blocking thread. MySQL commits DDL as it goes, so a migration
+/// that fails half-way leaves what it created; the migrations here each create tables only.
+///
+/// # Errors
+/// [`MigrationError`] naming the step that failed.
+pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
+    let connection = AsyncMysqlConnection::establish(database_url)
+        .await
+        .map_err(|e| MigrationError::Migration(Box::new(e)))?;
+    tokio::task::spawn_blocking(move || {
+        use diesel::connection::SimpleConnection as _;
+        let mut connection = AsyncConnectionWrapper::<AsyncMysqlConnection>::from(connection);
+        // Waits as long as another instance migrates; released when the connection closes
+        // even if a migration fails.
+        connection.batch_execute(&format!("DO GET_LOCK('{MIGRATION_LOCK}', -1)"))?;
+        let applied = connection
+            .run_pending_migrations(MIGRATIONS)
+            .map_err(MigrationError::Migration)?
+            .into_iter()
+            .map(|version| version.to_string())
+            .collect();
+        connection.batch_execute(&format!("DO RELEASE_LOCK('{MIGRATION_LOCK}')"))?;
+        Ok(applied)
+    })
+    .await?
+}
+
+/// The versions of [`MIGRATIONS`] the database at the other end of `conn` has not applied,
+/// oldest first: empty when the outbox schema is current.
+///
+/// # Errors
+/// The database's error.
+pub async fn pending_migrations(
+    conn: &mut AsyncMysqlConnection,
+) -> diesel::QueryResult<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    #[derive(QueryableByName)]
+    struct Version {
+        #[diesel(sql_type = Text)]
+        version: String,
+    }
+    let embedded: Vec<String> =
+        diesel::migration::MigrationSource::<Mysql>::migrations(&MIGRATIONS)
+            .map_err(diesel::result::Error::QueryBuilderError)?
+            .iter()
+            .map(|migration| migration.name().version().to_string())
+            .collect();
+    let table: Count = diesel::sql_query(
+        "SELECT COUNT(*) AS n FROM information_schema.tables \
+         WHERE table_schema = DATABASE() AND table_name = '__diesel_schema_migrations'",
+    )
+    .get_result(conn)
+    .await?;
+    if table.n == 0 {
+        return Ok(embedded);
+    }
+    let applied: HashSet<String> =
+        diesel::sql_query("SELECT version FROM __diesel_schema_migrations")
+            .load::<Version>(conn)
+            .await?
+            .into_iter()
+            .map(|v| v.version)
+            .collect();
+    Ok(embedded
+        .into_iter()
+        .filter(|version| !applied.contains(version))
+        .collect())
+}
+
+/// Counts the units of work of this process that committed events, and wakes the
+/// [`MysqlRelay`] workers of this process that wait for rows.
+pub(crate) struct Commits {
+    count: AtomicU64,
+    notify: Notify,
+}
+
+impl Commits {
+    /// How many units of work with events committed in this process so far.
+    pub(crate) fn count(&self) -> u64 {
+        AtomicU64::load(&self.count, Ordering::Acquire)
+    }
+
+    /// Resolves at the next commit after this call (the caller reads [`count`](Self::count)
+    /// after enabling it, so no commit is missed between the two).
+    pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.notify.notified()
+    }
+
+    fn committed(&self) {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        self.notify.notify_waiters();
+    }
+}
+
+/// The process's [`Commits`].
+pub(crate) static COMMITS: Commits = Commits {
+    count: AtomicU64::new(0),
+    notify: Notify::const_new(),
+};
+
+// The trait is crate-private in effect (see `unit_of_work::sealed`).
+#[allow(private_interfaces)]
+impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
+    async fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
+        AnsiTransactionManager::begin_transaction(self).await
+    }
+
+    async fn write_events(
+        &mut self,
+        mut events: Vec<NewEvent>,
+        causality: &Causality,
+        duplicates: DuplicateEvents,
+    ) -> Result<(), UnitOfWorkError> {
+        if events.iter().any(|e| e.dedup_key.is_some()) {
+            let taken = take_dedup_keys(self, &events)
+                .await
+                .map_err(UnitOfWorkError::Database)?;
+            drop_duplicates(&mut events, &taken, duplicates)?;
+        }
+        if !events.is_empty() {
+            insert_events(self, &events, causality)
+                .await
+                .map_err(UnitOfWorkError::Database)?;
+        }
+        Ok(())
+    }
+
+    async fn missing_migrations(&mut self) -> diesel::QueryResult<Result<(), MissingMigrations>> {
+        let pending = pending_migrations(self).await?;
+        Ok(if pending.is_empty() {
+            Ok(())
+        } else {
+            Err(MissingMigrations { pending })
+        })
+    }
+
+    fn events_committed() {
+        COMMITS.committed();
+    }
+}
+
+/// `?, ?, ...` for `n` values, in `(...)` groups of `width`, joined by commas.
+fn placeholders(n: usize, width: usize) -> String {
+    let group = format!("({})", vec!["?"; width].join(", "));
+    vec![group.as_str(); n].join(", ")
+}
+
+/// Takes the dedup keys of `events` and returns the positions of the events not to write
+/// (as the PostgreSQL unit of work does; see `outbox::queries::take_dedup_keys`).
+///
+/// Guarantee: the keys' primary key. An insert of a key another open transaction inserted
+/// waits for it (InnoDB locks the duplicate entry); the locking read after it sees the
+/// latest committed owner of each key, whatever this transaction's snapshot.
+async fn take_dedup_keys(
+    conn: &mut AsyncMysqlConnection,
+    events: &[NewEvent],
+) -> diesel::QueryResult<Vec<usize>> {
+    let mut plan = DedupKeys::plan(events);
+    let Some(statement) = plan.statement() else {
+        return Ok(plan.duplicates(events));
+    };
+    let keys: Vec<(&str, String)> = statement
+        .keys()
+        .iter()
+        .zip(statement.ids())
+        .map(|(key, id)| (*key, id.to_string()))
+        .collect();
+    let mut insert = diesel::sql_query(format!(
+        "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} \
+         ON DUPLICATE KEY UPDATE dedup_key = dedup_key",
+        placeholders(keys.len(), 2)
+    ))
+    .into_boxed::<Mysql>();
+    for (key, id) in &keys {
+        insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+    }
+    insert.execute(conn).await?;
+    let mut ours = diesel::sql_query(format!(
+        "SELECT CAST(dedup_key AS CHAR CHARACTER SET utf8mb4) AS dedup_key \
+         FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN ({}) LOCK IN SHARE MODE",
+        placeholders(keys.len(), 2)
+    ))
+    .into_boxed::<Mysql>();
+    for (key, id) in &keys {
+        ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+    }
+    let taken: Vec<TakenKey> = ours.load(conn).await?;
+    plan.taken(&taken);
+    Ok(plan.duplicates(events))
+}
+
+/// An aggregate's row as the unit of work locked it.
+#[derive(QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Text)]
+    aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    aggregate_id: String,
+    /// The greater of the counter and the highest sequence in the table.
+    #[diesel(sql_type = BigInt)]
+    last_seq: i64,
+    /// When its new rows become claimable: now, or later behind a rejected head.
+    #[diesel(sql_type = Text)]
+    available_at: String,
+}
+
+/// Writes `events`, numbering each aggregate's after its last sequence, in the order given.
+///
+/// Guarantee: the first statement locks each aggregate's `outbox_aggregates` row (an upsert
+/// takes an exclusive lock on the existing row; InnoDB, "Locks Set by Different SQL
+/// Statements"), in sorted order so that two units of work cannot deadlock on them, until
+/// COMMIT: a concurrent unit of work on the same aggregate waits, then numbers after ours.
+/// The second reads the counters with a locking read, which sees the latest committed
+/// values whatever the transaction's snapshot; the highest sequence in the table is taken
+/// too, for rows another writer inserted by hand.
+async fn insert_events(
+    conn: &mut AsyncMysqlConnection,
+    events: &[NewEvent],
+    causality: &Causality,
+) -> diesel::QueryResult<()> {
+    let mut counts: HashMap<(&str, &str), i64> = HashMap::new();
+    let ordinals: Vec<i64> = events
+        .iter()
+        .map(|event| {
+            let n = counts
+                .entry((&event.aggregate_type, &event.aggregate_id))
+                .or_default();
+            *n += 1;
+            *n
+        })
+        .collect();
+    let mut aggregates: Vec<(&str, &str)> = counts.keys().copied().collect();
+    aggregates.sort_unstable();
+
+    let mut lock = diesel::sql_query(format!(
+        "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) VALUES {} \
+         ON DUPLICATE KEY UPDATE last_seq = last_seq",
+        placeholders(aggregates.len(), 3)
+    ))
+    .into_boxed::<Mysql>();
+    for (aggregate_type, aggregate_id) in &aggregates {
+        lock = lock
+            .bind::<Text, _>(*aggregate_type)
+            .bind::<Text, _>(*aggregate_id)
+            .bind::<BigInt, _>(0);
+    }
+    lock.execute(conn).await?;
+
+    let mut read = diesel::sql_query(format!(
+        "SELECT a.aggregate_type, a.aggregate_id, \
+                GREATEST(a.last_seq, COALESCE((SELECT MAX(o.aggregate_seq) FROM outbox_events o \
+                    WHERE o.aggregate_type = a.aggregate_type \
+                      AND o.aggregate_id = a.aggregate_id), 0)) AS last_seq, \
+                CAST(GREATEST(UTC_TIMESTAMP(6), COALESCE(a.blocked_until, UTC_TIMESTAMP(6))) \
+                     AS CHAR) AS available_at \
+         FROM outbox_aggregates a WHERE (a.aggregate_type, a.aggregate_id) IN ({}) FOR UPDATE",
+        placeholders(aggregates.len(), 2)
+    ))
+    .into_boxed::<Mysql>();
+    for (aggregate_type, aggregate_id) in &aggregates {
+        read = read
+            .bind::<Text, _>(*aggregate_type)
+            .bind::<Text, _>(*aggregate_id);
+    }
+    let locked: Vec<Locked> = read.load(conn).await?;
+    let locked: HashMap<(&str, &str), &Locked> = locked
+        .iter()
+        .map(|row| {
+            (
+                (row.aggregate_type.as_str(), row.aggregate_id.as_str()),
+                row,
+            )
+        })
+        .collect();
+    let find = |aggregate: (&str, &str)| {
+        locked.get(&aggregate).copied().ok_or_else(|| {
+            diesel::result::Error::QueryBuilderError(
+                format!(
+                    "outbox_aggregates has no row for {} {:?} after the upsert that locks it",
+                    aggregate.0, aggregate.1
+                )
+                .into(),
+            )
+        })
+    };
+
+    let headers = causality.headers_json();
+    let ids: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
+    let mut insert = diesel::sql_query(format!(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+         event_version, partition_key, subject, payload, available_at, correlation_id, \
+         causation_id, headers) VALUES {}",
+        placeholders(events.len(), 13)
+    ))
+    .into_boxed::<Mysql>();
+    for ((event, ordinal), id) in events.iter().zip(&ordinals).zip(&ids) {
+        let aggregate = find((&event.aggregate_type, &event.aggregate_id))?;
+        insert = insert
+            .bind::<Text, _>(id.as_str())
+            .bind::<Text, _>(event.aggregate_type.as_str())
+            .bind::<Text, _>(event.aggregate_id.as_str())
+            .bind::<BigInt, _>(aggregate.last_seq + ordinal)
+            .bind::<Text, _>(event.event_type)
+            .bind::<diesel::sql_types::Integer, _>(event.event_version)
+            .bind::<Text, _>(event.partition_key.as_str())
+            .bind::<Text, _>(event.subject.as_str())
+            .bind::<Text, _>(event.payload.as_str())
+            .bind::<Text, _>(aggregate.available_at.as_str())
+            .bind::<Text, _>(causality.correlation_id.as_str())
+            .bind::<Text, _>(causality.causation_id.as_str())
+            .bind::<Text, _>(headers.as_str());
+    }
+    insert.execute(conn).await?;
+
+    let mut advance = diesel::sql_query(format!(
+        "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) VALUES {} \
+         ON DUPLICATE KEY UPDATE last_seq = VALUES(last_seq)",
+        placeholders(aggregates.len(), 3)
+    ))
+    .into_boxed::<Mysql>();
+    for aggregate in &aggregates {
+        let last = find(*aggregate)?.last_seq + counts[aggregate];
+        advance = advance
+            .bind::<Text, _>(aggregate.0)
+            .bind::<Text, _>(aggregate.1)
+            .bind::<BigInt, _>(last);
+    }
+    advance.execute(conn).await?;
+    Ok(())
+}

@@ -1,0 +1,534 @@
+//! The message relay on MySQL 8 and MariaDB 10.6+ (feature `mysql`): the PostgreSQL relay's
+//! workers, batches and publishing, over this module's statements.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::mysql::Mysql;
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::worker::{self, RelayStore};
+use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
+use crate::database;
+use crate::mysql::{COMMITS, pending_migrations};
+use crate::outbox::MissingMigrations;
+use crate::outbox::queries::{
+    ClaimedEvent, Held, JsonBytes, JsonText, PublishedRows, Rejection, RetryPolicy,
+};
+
+/// The message relay on MySQL / MariaDB: publishes the rows of the outbox tables of
+/// [`crate::mysql::MIGRATIONS`] to JetStream, exactly as [`Relay`](crate::Relay) publishes
+/// PostgreSQL's (same subjects, headers, `Nats-Msg-Id`, retries and dead letters).
+///
+/// Takes the same [`RelayConfig`], with a `mysql://` URL. Its `listen` is ignored (MySQL has
+/// no notifications): a worker that finds nothing waits for a unit of work of this process
+/// to commit, or for `poll_interval`. Not supported here: a `connector` (connections are
+/// opened from the URL), [`PublishedRows::Archive`], and the outbox gauges of
+/// `stats_interval`.
+pub struct MysqlRelay {
+    shared: Arc<Shared>,
+    duplicate_window: Duration,
+    /// The connection of [`relay_batch`](Self::relay_batch).
+    conn: Option<AsyncMysqlConnection>,
+}
+
+impl MysqlRelay {
+    /// Checks the configuration, makes sure the stream exists (as [`Relay::connect`]), and
+    /// that the database is reachable and migrated.
+    ///
+    /// # Errors
+    /// [`RelayError::Config`] (also for a `connector` or [`PublishedRows::Archive`]),
+    /// [`RelayError::Stream`], [`RelayError::Connect`], [`RelayError::MissingMigrations`].
+    ///
+    /// [`Relay::connect`]: crate::Relay::connect
+    pub async fn connect(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<Self, RelayError> {
+        if config.connector.is_some() {
+            return Err(RelayError::Config(
+                "a connector opens PostgreSQL connections; the MySQL relay opens its own \
+                 from database_url"
+                    .into(),
+            ));
+        }
+        if config.published == PublishedRows::Archive {
+            return Err(RelayError::Config(
+                "PublishedRows::Archive needs PostgreSQL's partitioned archive; on MySQL use \
+                 Delete or Mark"
+                    .into(),
+            ));
+        }
+        let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
+        let mut conn = AsyncMysqlConnection::connect(&shared).await?;
+        let pending = database::bounded(
+            shared.config.statement_timeout,
+            &shared.target,
+            "the migrations check",
+            pending_migrations(&mut conn),
+        )
+        .await?;
+        if !pending.is_empty() {
+            return Err(MissingMigrations { pending }.into());
+        }
+        Ok(Self {
+            shared,
+            duplicate_window,
+            conn: Some(conn),
+        })
+    }
+
+    /// The duplicate window of the stream, as read by [`connect`](Self::connect).
+    pub fn duplicate_window(&self) -> Duration {
+        self.duplicate_window
+    }
+
+    /// Runs the relay in a tokio task until [`RelayHandle::shutdown`].
+    pub fn spawn(self) -> RelayHandle {
+        let shutdown = CancellationToken::new();
+        let signal = shutdown.clone();
+        let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
+        RelayHandle { shutdown, task }
+    }
+
+    /// Publishes until `shutdown` completes, then stops gracefully, as
+    /// [`Relay::run`](crate::Relay::run).
+    ///
+    /// # Errors
+    /// [`RelayError::Task`] when a worker panicked (a bug).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+        let stop = CancellationToken::new();
+        let wakers: Vec<Arc<Notify>> = (0..self.shared.config.workers)
+            .map(|_| Arc::new(Notify::new()))
+            .collect();
+        let mut workers = JoinSet::new();
+        let mut first_conn = self.conn;
+        for (index, wake) in wakers.iter().enumerate() {
+            let (shared, wake, stop) = (Arc::clone(&self.shared), Arc::clone(wake), stop.clone());
+            let peers = wakers
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != index)
+                .map(|(_, peer)| Arc::clone(peer))
+                .collect();
+            let conn = first_conn.take();
+            workers.spawn(async move {
+                worker::run::<AsyncMysqlConnection>(shared, index, conn, wake, peers, None, stop)
+                    .await
+            });
+        }
+        let doorbell = {
+            let stop = stop.clone();
+            tokio::spawn(async move { ring_on_commits(&wakers, &stop).await })
+        };
+
+        tokio::pin!(shutdown);
+        let mut outcome = Ok(());
+        tokio::select! {
+            () = &mut shutdown => {}
+            Some(joined) = workers.join_next() => {
+                tracing::error!(error = ?joined.as_ref().err(), "a relay worker ended; stopping the relay");
+                outcome = joined.map_err(RelayError::from);
+            }
+        }
+        stop.cancel();
+        while let Some(joined) = workers.join_next().await {
+            if let Err(error) = joined {
+                outcome = outcome.and(Err(error.into()));
+            }
+        }
+        doorbell.await?;
+        outcome
+    }
+
+    /// Claims, publishes and records one batch, in one transaction, on the relay's own
+    /// connection (reopened when it was lost), as [`Relay::relay_batch`](crate::Relay::relay_batch).
+    ///
+    /// # Errors
+    /// [`RelayError::Connect`], [`RelayError::Database`] or [`RelayError::TimedOut`].
+    pub async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
+        let conn = match &mut self.conn {
+            Some(conn) => conn,
+            conn => conn.insert(AsyncMysqlConnection::connect(&self.shared).await?),
+        };
+        let result = worker::relay_batch(&self.shared, None, conn, &CancellationToken::new()).await;
+        match result {
+            Ok(outcome) => Ok(outcome.report),
+            Err(error) => {
+                self.conn = None;
+                Err(error.into())
+            }
+        }
+    }
+}
+
+/// Wakes every worker whenever a unit of work of this process commits events, until `stop`.
+/// A worker's `Notify` keeps the wake-up for it when it is busy, so a commit made while it
+/// claims is not missed.
+async fn ring_on_commits(wakers: &[Arc<Notify>], stop: &CancellationToken) {
+    let mut seen = COMMITS.count();
+    loop {
+        let commit = COMMITS.notified();
+        tokio::pin!(commit);
+        // Registered before the count is read: a commit after this line completes `commit`.
+        commit.as_mut().enable();
+        let now = COMMITS.count();
+        if now != seen {
+            seen = now;
+            wakers.iter().for_each(|waker| waker.notify_one());
+            continue;
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = commit => {}
+        }
+    }
+}
+
+/// `(...)` groups of `width` placeholders, `n` of them, joined by `joiner`.
+fn groups(n: usize, group: &str, joiner: &str) -> String {
+    vec![group; n].join(joiner)
+}
+
+/// An aggregate's head, as the claim's first statement finds it.
+#[derive(QueryableByName)]
+struct Head {
+    #[diesel(sql_type = Text)]
+    aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    aggregate_id: String,
+    #[diesel(sql_type = BigInt)]
+    head: i64,
+}
+
+/// A row of the claim, in MySQL's types.
+#[derive(QueryableByName)]
+struct Row {
+    #[diesel(sql_type = Text)]
+    id: String,
+    #[diesel(sql_type = Text)]
+    aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    aggregate_id: String,
+    #[diesel(sql_type = BigInt)]
+    aggregate_seq: i64,
+    #[diesel(sql_type = Text)]
+    event_type: String,
+    #[diesel(sql_type = Integer)]
+    event_version: i32,
+    #[diesel(sql_type = Text)]
+    partition_key: String,
+    #[diesel(sql_type = Text)]
+    subject: String,
+    #[diesel(sql_type = Text)]
+    payload: String,
+    #[diesel(sql_type = Text)]
+    headers: String,
+    /// `occurred_at` in microseconds since the epoch (UTC).
+    #[diesel(sql_type = BigInt)]
+    occurred_us: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    correlation_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    causation_id: Option<String>,
+    #[diesel(sql_type = Bool)]
+    available: bool,
+}
+
+impl Row {
+    fn into_claimed(self) -> QueryResult<ClaimedEvent> {
+        let invalid = |what: String| diesel::result::Error::DeserializationError(what.into());
+        let id = Uuid::parse_str(&self.id)
+            .map_err(|e| invalid(format!("outbox_events.id {:?} is not a UUID: {e}", self.id)))?;
+        let occurred_at =
+            time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(self.occurred_us) * 1_000)
+                .map_err(|e| invalid(format!("outbox_events.occurred_at of {id}: {e}")))?;
+        Ok(ClaimedEvent {
+            id,
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            aggregate_seq: self.aggregate_seq,
+            event_type: self.event_type,
+            event_version: self.event_version,
+            partition_key: self.partition_key,
+            subject: self.subject,
+            payload: JsonBytes(bytes::Bytes::from(self.payload)),
+            headers: JsonText(self.headers.into_bytes()),
+            occurred_at,
+            correlation_id: self.correlation_id,
+            causation_id: self.causation_id,
+            available: self.available,
+        })
+    }
+}
+
+/// The claim's columns, as [`Row`] reads them; `{available}` is the expression of its
+/// `available` column.
+const COLUMNS: &str = "id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+    event_version, partition_key, subject, payload, headers, \
+    TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', occurred_at) AS occurred_us, \
+    correlation_id, causation_id";
+
+/// A queued row: not published, not skipped.
+const QUEUED: &str = "published_at IS NULL AND skipped_at IS NULL";
+
+/// A claimable row: queued, not a dead letter, not parked.
+const CLAIMABLE: &str = "published_at IS NULL AND skipped_at IS NULL \
+    AND dead_lettered_at IS NULL AND available_at <= UTC_TIMESTAMP(6)";
+
+/// The rejected row's state after its rejection was recorded.
+#[derive(QueryableByName)]
+struct Rejected {
+    #[diesel(sql_type = Text)]
+    aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    aggregate_id: String,
+    #[diesel(sql_type = BigInt)]
+    aggregate_seq: i64,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Bool)]
+    dead_lettered: bool,
+    /// Until when the aggregate's later rows wait: the retry time, the end of time behind a
+    /// dead letter that blocks, or `None` behind a skipped one.
+    #[diesel(sql_type = Nullable<Text>)]
+    blocked_until: Option<String>,
+}
+
+/// The end of time, for MySQL's DATETIME: rows behind a dead letter wait for an operator.
+const FOREVER: &str = "9999-12-31 23:59:59.999999";
+
+impl RelayStore for AsyncMysqlConnection {
+    async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
+        database::connect_mysql(&shared.config.database_url, shared.limits()).await
+    }
+
+    /// The claim, in three statements inside the batch's transaction (READ COMMITTED):
+    ///
+    /// 1. the heads: a window of the oldest claimable rows (`outbox_events_claimable`),
+    ///    reduced to their aggregates, leaving out those `held` by this relay's other
+    ///    workers, and each aggregate's lowest queued sequence (a plain read: the latest
+    ///    committed rows);
+    /// 2. the heads that are claimable, locked with `FOR UPDATE SKIP LOCKED`: a locking read
+    ///    sees the newest committed version, so a head another relay published since step 1
+    ///    is gone or no longer queued, and a head another relay holds is skipped;
+    /// 3. the rows queued behind each locked head, in sequence order, within the batch.
+    ///
+    /// Guarantee, as on PostgreSQL: a row is claimed only when no row of its aggregate with a
+    /// lower sequence is queued, and the locked head keeps every other relay from its
+    /// aggregate until this transaction ends.
+    async fn claim(&mut self, batch: i64, held: &Held<'_>) -> QueryResult<Vec<ClaimedEvent>> {
+        let window = batch.clamp(1, 256);
+        let not_held = if held.types.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " AND (aggregate_type, aggregate_id) NOT IN ({})",
+                groups(held.types.len(), "(?, ?)", ", ")
+            )
+        };
+        let mut heads = diesel::sql_query(format!(
+            "SELECT q.aggregate_type, q.aggregate_id, MIN(q.aggregate_seq) AS head \
+             FROM (SELECT DISTINCT w.aggregate_type, w.aggregate_id FROM ( \
+                     SELECT aggregate_type, aggregate_id FROM outbox_events \
+                     WHERE {CLAIMABLE}{not_held} ORDER BY available_at, id LIMIT ?) w) c \
+             JOIN outbox_events q \
+               ON q.aggregate_type = c.aggregate_type AND q.aggregate_id = c.aggregate_id \
+             WHERE q.published_at IS NULL AND q.skipped_at IS NULL \
+             GROUP BY q.aggregate_type, q.aggregate_id"
+        ))
+        .into_boxed::<Mysql>();
+        for (aggregate_type, aggregate_id) in held.types.iter().zip(&held.ids) {
+            heads = heads
+                .bind::<Text, _>(*aggregate_type)
+                .bind::<Text, _>(*aggregate_id);
+        }
+        let heads: Vec<Head> = heads.bind::<BigInt, _>(window).load(self).await?;
+        if heads.is_empty() {
+            return Ok(Vec::new());
+        }
+
+        let mut lock = diesel::sql_query(format!(
+            "SELECT {COLUMNS}, TRUE AS available FROM outbox_events \
+             WHERE ({}) AND {CLAIMABLE} FOR UPDATE SKIP LOCKED",
+            groups(
+                heads.len(),
+                "(aggregate_type = ? AND aggregate_id = ? AND aggregate_seq = ?)",
+                " OR "
+            )
+        ))
+        .into_boxed::<Mysql>();
+        for head in &heads {
+            lock = lock
+                .bind::<Text, _>(head.aggregate_type.as_str())
+                .bind::<Text, _>(head.aggregate_id.as_str())
+                .bind::<BigInt, _>(head.head);
+        }
+        let locked: Vec<Row> = lock.load(self).await?;
+        let room = batch - i64::try_from(locked.len()).unwrap_or(i64::MAX);
+        let mut followers: Vec<Row> = if locked.is_empty() || room <= 0 {
+            Vec::new()
+        } else {
+            let mut behind = diesel::sql_query(format!(
+                "SELECT {COLUMNS}, \
+                        (dead_lettered_at IS NULL AND available_at <= UTC_TIMESTAMP(6)) AS available \
+                 FROM outbox_events WHERE {QUEUED} AND ({}) \
+                 ORDER BY aggregate_type, aggregate_id, aggregate_seq LIMIT ?",
+                groups(
+                    locked.len(),
+                    "(aggregate_type = ? AND aggregate_id = ? AND aggregate_seq > ?)",
+                    " OR "
+                )
+            ))
+            .into_boxed::<Mysql>();
+            for head in &locked {
+                behind = behind
+                    .bind::<Text, _>(head.aggregate_type.as_str())
+                    .bind::<Text, _>(head.aggregate_id.as_str())
+                    .bind::<BigInt, _>(head.aggregate_seq);
+            }
+            behind.bind::<BigInt, _>(room).load(self).await?
+        };
+
+        // Each aggregate's head, then the rows behind it: the order `worker::chains` reads.
+        let mut rows = Vec::with_capacity(locked.len() + followers.len());
+        followers.sort_by(|a, b| {
+            (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
+                &b.aggregate_type,
+                &b.aggregate_id,
+                b.aggregate_seq,
+            ))
+        });
+        let mut followers = followers.into_iter().peekable();
+        let mut locked = locked;
+        locked.sort_by(|a, b| {
+            (&a.aggregate_type, &a.aggregate_id).cmp(&(&b.aggregate_type, &b.aggregate_id))
+        });
+        for head in locked {
+            let key = (head.aggregate_type.clone(), head.aggregate_id.clone());
+            rows.push(head.into_claimed()?);
+            while let Some(row) = followers
+                .next_if(|row| (&row.aggregate_type, &row.aggregate_id) == (&key.0, &key.1))
+            {
+                rows.push(row.into_claimed()?);
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Records a rejection, as `queries::record_rejection` on PostgreSQL: one more attempt,
+    /// the error, then a retry after `base * 2^(attempts - 1)` ms (capped, with equal
+    /// jitter) or, at `max_attempts`, a dead letter; the aggregate's later rows, and those
+    /// units of work add meanwhile (`outbox_aggregates.blocked_until`), wait behind it.
+    async fn reject(
+        &mut self,
+        id: Uuid,
+        error: &str,
+        policy: RetryPolicy,
+    ) -> QueryResult<Rejection> {
+        let id = id.to_string();
+        #[derive(QueryableByName)]
+        struct Attempts {
+            #[diesel(sql_type = Integer)]
+            attempts: i32,
+        }
+        let Attempts { attempts } =
+            diesel::sql_query("SELECT attempts FROM outbox_events WHERE id = ? FOR UPDATE")
+                .bind::<Text, _>(&id)
+                .get_result(self)
+                .await?;
+        let attempts = attempts.saturating_add(1);
+        let dead = attempts >= policy.max_attempts;
+        let skipped = dead && !policy.dead_letters_block;
+        let exponent = u32::try_from(attempts - 1).unwrap_or(0).min(40);
+        let delay_us = policy
+            .base_delay_ms
+            .saturating_mul(1_i64 << exponent)
+            .min(policy.max_delay_ms)
+            .saturating_mul(1_000);
+        diesel::sql_query(
+            "UPDATE outbox_events SET attempts = ?, last_error = ?, \
+                 dead_lettered_at = IF(?, UTC_TIMESTAMP(6), NULL), \
+                 skipped_at = IF(?, UTC_TIMESTAMP(6), NULL), \
+                 available_at = IF(?, available_at, \
+                     UTC_TIMESTAMP(6) + INTERVAL FLOOR(? * (0.5 + RAND() / 2)) MICROSECOND) \
+             WHERE id = ?",
+        )
+        .bind::<Integer, _>(attempts)
+        .bind::<Text, _>(error)
+        .bind::<Bool, _>(dead)
+        .bind::<Bool, _>(skipped)
+        .bind::<Bool, _>(dead)
+        .bind::<BigInt, _>(delay_us)
+        .bind::<Text, _>(&id)
+        .execute(self)
+        .await?;
+        let rejected: Rejected = diesel::sql_query(
+            "SELECT aggregate_type, aggregate_id, aggregate_seq, attempts, \
+                    dead_lettered_at IS NOT NULL AS dead_lettered, \
+                    CASE WHEN skipped_at IS NOT NULL THEN NULL \
+                         WHEN dead_lettered_at IS NOT NULL THEN ? \
+                         ELSE CAST(available_at AS CHAR) END AS blocked_until \
+             FROM outbox_events WHERE id = ?",
+        )
+        .bind::<Text, _>(FOREVER)
+        .bind::<Text, _>(&id)
+        .get_result(self)
+        .await?;
+        if let Some(until) = &rejected.blocked_until {
+            diesel::sql_query(format!(
+                "UPDATE outbox_events SET available_at = ? \
+                 WHERE aggregate_type = ? AND aggregate_id = ? AND aggregate_seq > ? \
+                   AND {QUEUED} AND available_at < ?"
+            ))
+            .bind::<Text, _>(until)
+            .bind::<Text, _>(&rejected.aggregate_type)
+            .bind::<Text, _>(&rejected.aggregate_id)
+            .bind::<BigInt, _>(rejected.aggregate_seq)
+            .bind::<Text, _>(until)
+            .execute(self)
+            .await?;
+        }
+        diesel::sql_query(
+            "UPDATE outbox_aggregates SET blocked_until = ? \
+             WHERE aggregate_type = ? AND aggregate_id = ?",
+        )
+        .bind::<Nullable<Text>, _>(rejected.blocked_until.as_deref())
+        .bind::<Text, _>(&rejected.aggregate_type)
+        .bind::<Text, _>(&rejected.aggregate_id)
+        .execute(self)
+        .await?;
+        Ok(Rejection {
+            dead_lettered: rejected.dead_lettered,
+            attempts: rejected.attempts,
+        })
+    }
+
+    async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
+        let sql = match mode {
+            PublishedRows::Delete => "DELETE FROM outbox_events WHERE id IN",
+            PublishedRows::Mark => {
+                "UPDATE outbox_events SET published_at = UTC_TIMESTAMP(6) WHERE id IN"
+            }
+            PublishedRows::Archive => {
+                return Err(diesel::result::Error::QueryBuilderError(
+                    "PublishedRows::Archive is not supported on MySQL".into(),
+                ));
+            }
+        };
+        let mut statement = diesel::sql_query(format!("{sql} ({})", groups(ids.len(), "?", ", ")))
+            .into_boxed::<Mysql>();
+        for id in ids {
+            statement = statement.bind::<Text, _>(id.to_string());
+        }
+        statement.execute(self).await?;
+        Ok(())
+    }
+}
