@@ -769,4 +769,24 @@ mod mysql {
                 .spawn()
         }
     }
+
+    /// No LISTEN/NOTIFY on MySQL: a relay that found nothing is woken by a unit of work that
+    /// commits in its process, not by its poll (a minute here).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_relay_is_woken_by_each_commit_of_its_process() {
+        let env = AsyncMysql::setup().await;
+        let mut config = AsyncMysql::relay_config(&env);
+        config.poll_interval = Duration::from_secs(60);
+        let relay = AsyncMysql::spawn_relay(&env, config).await;
+        for round in 1..=5_u64 {
+            // Long enough for every worker to find nothing and wait.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let (_, result) =
+                AsyncMysql::commit(&env, vec![shipped(&format!("o-{round}"))], None, false).await;
+            result.unwrap();
+            env.until_stream_holds(round * 2, Duration::from_secs(3))
+                .await;
+        }
+        relay.shutdown().await.unwrap();
+    }
 }
