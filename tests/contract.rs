@@ -449,6 +449,30 @@ async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>()
     );
 }
 
+async fn a_unit_of_work_numbers_after_rows_inserted_by_hand<B: Backend>() {
+    let env = B::setup().await;
+    let by_hand = |seq: i64| {
+        format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                        partition_key, subject, payload) \
+             VALUES ('Order', 'o-1', {seq}, 'Noted', 'o-1', '{{prefix}}.Order.o-1.Noted', '{{}}')"
+        )
+    };
+    // Before the aggregate's first unit of work, and again above its counter.
+    B::execute(&env, &by_hand(1)).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, false).await;
+    result.unwrap();
+    B::execute(&env, &by_hand(4)).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, false).await;
+    result.unwrap();
+    let seqs: Vec<i64> = B::rows(&env)
+        .await
+        .into_iter()
+        .map(|(_, seq)| seq)
+        .collect();
+    assert_eq!(seqs, [1, 2, 3, 4, 5, 6]);
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -469,6 +493,11 @@ macro_rules! contract {
             async fn sequences_stay_contiguous_under_concurrent_units_of_work() {
                 super::sequences_stay_contiguous_under_concurrent_units_of_work::<$backend>()
                     .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_unit_of_work_numbers_after_rows_inserted_by_hand() {
+                super::a_unit_of_work_numbers_after_rows_inserted_by_hand::<$backend>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

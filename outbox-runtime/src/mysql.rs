@@ -236,7 +236,12 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
 /// `?, ?, ...` for `n` values, in `(...)` groups of `width`, joined by commas.
 fn placeholders(n: usize, width: usize) -> String {
     let group = format!("({})", vec!["?"; width].join(", "));
-    vec![group.as_str(); n].join(", ")
+    groups(n, &group)
+}
+
+/// `n` copies of `group`, joined by commas.
+fn groups(n: usize, group: &str) -> String {
+    vec![group; n].join(", ")
 }
 
 /// Takes the dedup keys of `events` and returns the positions of the events not to write
@@ -283,30 +288,25 @@ async fn take_dedup_keys(
     Ok(plan.duplicates(events))
 }
 
-/// An aggregate's row as the unit of work locked it.
-#[derive(QueryableByName)]
-struct Locked {
-    #[diesel(sql_type = Text)]
-    aggregate_type: String,
-    #[diesel(sql_type = Text)]
-    aggregate_id: String,
-    /// The greater of the counter and the highest sequence in the table.
-    #[diesel(sql_type = BigInt)]
-    last_seq: i64,
-    /// When its new rows become claimable: now, or later behind a rejected head.
-    #[diesel(sql_type = Text)]
-    available_at: String,
-}
-
-/// Writes `events`, numbering each aggregate's after its last sequence, in the order given.
+/// Writes `events`, numbering each aggregate's after its last sequence, in the order given:
+/// two statements, a third and fourth only after rows inserted by hand.
 ///
-/// Guarantee: the first statement locks each aggregate's `outbox_aggregates` row (an upsert
-/// takes an exclusive lock on the existing row; InnoDB, "Locks Set by Different SQL
-/// Statements"), in sorted order so that two units of work cannot deadlock on them, until
-/// COMMIT: a concurrent unit of work on the same aggregate waits, then numbers after ours.
-/// The second reads the counters with a locking read, which sees the latest committed
-/// values whatever the transaction's snapshot; the highest sequence in the table is taken
-/// too, for rows another writer inserted by hand.
+/// 1. One upsert of `outbox_aggregates` advances each aggregate's counter by its number of
+///    events. It takes an exclusive lock on each existing row (InnoDB, "Locks Set by
+///    Different SQL Statements"), in sorted order so that two units of work cannot deadlock
+///    on them, until COMMIT: a concurrent unit of work on the same aggregate waits, then
+///    reads the counter as this one left it and numbers after it. It reads nothing else: a
+///    read of `outbox_events` here would take shared gap locks that the next statement's
+///    inserts, and those of the units of work waiting here, deadlock on.
+/// 2. One insert of the events, each reading its aggregate's new counter (this transaction's
+///    own row version, whatever its snapshot) to number itself `counter - count + ordinal`,
+///    and its `available_at` (later than now when the relay parked the aggregate behind a
+///    rejected row).
+///
+/// When the insert meets a row with its number (a writer inserted rows by hand above the
+/// counter), MySQL undoes that statement alone; the counters are moved past the highest
+/// sequence of each aggregate (a locking read, so the latest committed rows) and the insert
+/// runs again.
 async fn insert_events(
     conn: &mut AsyncMysqlConnection,
     events: &[NewEvent],
@@ -323,102 +323,97 @@ async fn insert_events(
             *n
         })
         .collect();
-    let mut aggregates: Vec<(&str, &str)> = counts.keys().copied().collect();
+    let mut aggregates: Vec<((&str, &str), i64)> = counts.iter().map(|(k, n)| (*k, *n)).collect();
     aggregates.sort_unstable();
 
-    let mut lock = diesel::sql_query(format!(
+    let mut advance = diesel::sql_query(format!(
         "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) VALUES {} \
-         ON DUPLICATE KEY UPDATE last_seq = last_seq",
+         ON DUPLICATE KEY UPDATE last_seq = last_seq + VALUES(last_seq)",
         placeholders(aggregates.len(), 3)
     ))
     .into_boxed::<Mysql>();
-    for (aggregate_type, aggregate_id) in &aggregates {
-        lock = lock
+    for ((aggregate_type, aggregate_id), n) in &aggregates {
+        advance = advance
             .bind::<Text, _>(*aggregate_type)
             .bind::<Text, _>(*aggregate_id)
-            .bind::<BigInt, _>(0);
+            .bind::<BigInt, _>(*n);
     }
-    lock.execute(conn).await?;
+    advance.execute(conn).await?;
 
-    let mut read = diesel::sql_query(format!(
-        "SELECT a.aggregate_type, a.aggregate_id, \
-                GREATEST(a.last_seq, COALESCE((SELECT MAX(o.aggregate_seq) FROM outbox_events o \
-                    WHERE o.aggregate_type = a.aggregate_type \
-                      AND o.aggregate_id = a.aggregate_id), 0)) AS last_seq, \
-                CAST(GREATEST(UTC_TIMESTAMP(6), COALESCE(a.blocked_until, UTC_TIMESTAMP(6))) \
-                     AS CHAR) AS available_at \
-         FROM outbox_aggregates a WHERE (a.aggregate_type, a.aggregate_id) IN ({}) FOR UPDATE",
-        placeholders(aggregates.len(), 2)
-    ))
-    .into_boxed::<Mysql>();
-    for (aggregate_type, aggregate_id) in &aggregates {
-        read = read
-            .bind::<Text, _>(*aggregate_type)
-            .bind::<Text, _>(*aggregate_id);
-    }
-    let locked: Vec<Locked> = read.load(conn).await?;
-    let locked: HashMap<(&str, &str), &Locked> = locked
-        .iter()
-        .map(|row| {
-            (
-                (row.aggregate_type.as_str(), row.aggregate_id.as_str()),
-                row,
-            )
-        })
-        .collect();
-    let find = |aggregate: (&str, &str)| {
-        locked.get(&aggregate).copied().ok_or_else(|| {
-            diesel::result::Error::QueryBuilderError(
-                format!(
-                    "outbox_aggregates has no row for {} {:?} after the upsert that locks it",
-                    aggregate.0, aggregate.1
+    match insert_rows(conn, events, &ordinals, &counts, causality).await {
+        Err(diesel::result::Error::DatabaseError(
+            diesel::result::DatabaseErrorKind::UniqueViolation,
+            info,
+        )) if info.message().contains("outbox_events_aggregate_seq_key") => {
+            for ((aggregate_type, aggregate_id), n) in &aggregates {
+                diesel::sql_query(
+                    "UPDATE outbox_aggregates SET last_seq = GREATEST(last_seq, ? + COALESCE(( \
+                         SELECT MAX(o.aggregate_seq) FROM outbox_events o \
+                         WHERE o.aggregate_type = ? AND o.aggregate_id = ? \
+                         FOR UPDATE), 0)) \
+                     WHERE aggregate_type = ? AND aggregate_id = ?",
                 )
-                .into(),
-            )
-        })
-    };
+                .bind::<BigInt, _>(*n)
+                .bind::<Text, _>(*aggregate_type)
+                .bind::<Text, _>(*aggregate_id)
+                .bind::<Text, _>(*aggregate_type)
+                .bind::<Text, _>(*aggregate_id)
+                .execute(conn)
+                .await?;
+            }
+            insert_rows(conn, events, &ordinals, &counts, causality).await
+        }
+        other => other,
+    }
+}
 
+/// The insert of [`insert_events`], numbering after the counters as they stand.
+async fn insert_rows(
+    conn: &mut AsyncMysqlConnection,
+    events: &[NewEvent],
+    ordinals: &[i64],
+    counts: &HashMap<(&str, &str), i64>,
+    causality: &Causality,
+) -> diesel::QueryResult<()> {
     let headers = causality.headers_json();
     let ids: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
     let mut insert = diesel::sql_query(format!(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
          event_version, partition_key, subject, payload, available_at, correlation_id, \
          causation_id, headers) VALUES {}",
-        placeholders(events.len(), 13)
+        groups(
+            events.len(),
+            "(?, ?, ?, (SELECT a.last_seq FROM outbox_aggregates a \
+                 WHERE a.aggregate_type = ? AND a.aggregate_id = ?) - ?, \
+              ?, ?, ?, ?, ?, \
+              (SELECT GREATEST(UTC_TIMESTAMP(6), COALESCE(a.blocked_until, UTC_TIMESTAMP(6))) \
+                 FROM outbox_aggregates a WHERE a.aggregate_type = ? AND a.aggregate_id = ?), \
+              ?, ?, ?)"
+        )
     ))
     .into_boxed::<Mysql>();
-    for ((event, ordinal), id) in events.iter().zip(&ordinals).zip(&ids) {
-        let aggregate = find((&event.aggregate_type, &event.aggregate_id))?;
+    for ((event, ordinal), id) in events.iter().zip(ordinals).zip(&ids) {
+        let aggregate = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+        // The event's number is the new counter minus the events after it.
+        let after = counts[&aggregate] - *ordinal;
         insert = insert
             .bind::<Text, _>(id.as_str())
-            .bind::<Text, _>(event.aggregate_type.as_str())
-            .bind::<Text, _>(event.aggregate_id.as_str())
-            .bind::<BigInt, _>(aggregate.last_seq + ordinal)
+            .bind::<Text, _>(aggregate.0)
+            .bind::<Text, _>(aggregate.1)
+            .bind::<Text, _>(aggregate.0)
+            .bind::<Text, _>(aggregate.1)
+            .bind::<BigInt, _>(after)
             .bind::<Text, _>(event.event_type)
             .bind::<diesel::sql_types::Integer, _>(event.event_version)
             .bind::<Text, _>(event.partition_key.as_str())
             .bind::<Text, _>(event.subject.as_str())
             .bind::<Text, _>(event.payload.as_str())
-            .bind::<Text, _>(aggregate.available_at.as_str())
+            .bind::<Text, _>(aggregate.0)
+            .bind::<Text, _>(aggregate.1)
             .bind::<Text, _>(causality.correlation_id.as_str())
             .bind::<Text, _>(causality.causation_id.as_str())
             .bind::<Text, _>(headers.as_str());
     }
     insert.execute(conn).await?;
-
-    let mut advance = diesel::sql_query(format!(
-        "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) VALUES {} \
-         ON DUPLICATE KEY UPDATE last_seq = VALUES(last_seq)",
-        placeholders(aggregates.len(), 3)
-    ))
-    .into_boxed::<Mysql>();
-    for aggregate in &aggregates {
-        let last = find(*aggregate)?.last_seq + counts[aggregate];
-        advance = advance
-            .bind::<Text, _>(aggregate.0)
-            .bind::<Text, _>(aggregate.1)
-            .bind::<BigInt, _>(last);
-    }
-    advance.execute(conn).await?;
     Ok(())
 }
