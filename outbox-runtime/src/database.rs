@@ -204,16 +204,12 @@ pub(crate) async fn connect(
     application_name: &str,
     limits: Limits,
 ) -> Result<AsyncPgConnection, ConnectError> {
-    let error = |reason: String| ConnectError {
-        target: redacted(database_url),
-        reason,
-    };
     let setup = async {
         let mut conn = match connector {
-            Some(connector) => connector.open().await.map_err(error)?,
+            Some(connector) => connector.open().await?,
             None => AsyncPgConnection::establish(database_url)
                 .await
-                .map_err(|e| error(e.to_string()))?,
+                .map_err(|e| e.to_string())?,
         };
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
@@ -222,17 +218,27 @@ pub(crate) async fn connect(
              SET statement_timeout TO {statement_ms}"
         ))
         .await
-        .map_err(|e| error(e.to_string()))?;
+        .map_err(|e| e.to_string())?;
         Ok(conn)
     };
-    tokio::time::timeout(limits.connect_timeout, setup)
+    within_connect_timeout(database_url, limits.connect_timeout, setup).await
+}
+
+/// Runs `setup` (a connection and its session settings) within `limit`; its error, or the
+/// timeout, is a [`ConnectError`] naming the database without its password.
+async fn within_connect_timeout<C>(
+    database_url: &str,
+    limit: Duration,
+    setup: impl Future<Output = Result<C, String>>,
+) -> Result<C, ConnectError> {
+    let error = |reason: String| ConnectError {
+        target: redacted(database_url),
+        reason,
+    };
+    tokio::time::timeout(limit, setup)
         .await
-        .map_err(|_| {
-            error(format!(
-                "no answer within the connect timeout of {:?}",
-                limits.connect_timeout
-            ))
-        })?
+        .map_err(|_| error(format!("no answer within the connect timeout of {limit:?}")))?
+        .map_err(error)
 }
 
 /// Opens a MySQL / MariaDB connection within the connect timeout, in READ COMMITTED (each
@@ -242,27 +248,16 @@ pub(crate) async fn connect_mysql(
     database_url: &str,
     limits: Limits,
 ) -> Result<diesel_async::AsyncMysqlConnection, ConnectError> {
-    let error = |reason: String| ConnectError {
-        target: redacted(database_url),
-        reason,
-    };
     let setup = async {
         let mut conn = diesel_async::AsyncMysqlConnection::establish(database_url)
             .await
-            .map_err(|e| error(e.to_string()))?;
+            .map_err(|e| e.to_string())?;
         conn.batch_execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
             .await
-            .map_err(|e| error(e.to_string()))?;
+            .map_err(|e| e.to_string())?;
         Ok(conn)
     };
-    tokio::time::timeout(limits.connect_timeout, setup)
-        .await
-        .map_err(|_| {
-            error(format!(
-                "no answer within the connect timeout of {:?}",
-                limits.connect_timeout
-            ))
-        })?
+    within_connect_timeout(database_url, limits.connect_timeout, setup).await
 }
 
 /// Runs `query` within `limit`; on timeout the caller must drop the connection, whose state

@@ -68,7 +68,7 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 use tokio::sync::Notify;
 
 use crate::causality::Causality;
-use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey};
+use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
 use crate::outbox::{MigrationError, MissingMigrations, Outbox};
 use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
 
@@ -312,17 +312,7 @@ async fn insert_events(
     events: &[NewEvent],
     causality: &Causality,
 ) -> diesel::QueryResult<()> {
-    let mut counts: HashMap<(&str, &str), i64> = HashMap::new();
-    let ordinals: Vec<i64> = events
-        .iter()
-        .map(|event| {
-            let n = counts
-                .entry((&event.aggregate_type, &event.aggregate_id))
-                .or_default();
-            *n += 1;
-            *n
-        })
-        .collect();
+    let (ordinals, counts) = numbering(events);
     let mut aggregates: Vec<((&str, &str), i64)> = counts.iter().map(|(k, n)| (*k, *n)).collect();
     aggregates.sort_unstable();
 

@@ -73,18 +73,7 @@ pub(crate) fn insert_statement<'a>(
     causality: &'a Causality,
     headers: &'a str,
 ) -> InsertEvents<'a> {
-    // Per aggregate: how many events, and each event's 1-based position among them.
-    let mut counts: HashMap<(&str, &str), i64> = HashMap::new();
-    let ordinals: Vec<i64> = events
-        .iter()
-        .map(|event| {
-            let n = counts
-                .entry((&event.aggregate_type, &event.aggregate_id))
-                .or_default();
-            *n += 1;
-            *n
-        })
-        .collect();
+    let (ordinals, counts) = numbering(events);
     // Lock order (see above).
     let mut aggregates: Vec<(&str, &str, i64)> =
         counts.into_iter().map(|((t, i), n)| (t, i, n)).collect();
@@ -107,6 +96,23 @@ pub(crate) fn insert_statement<'a>(
         subjects: column(events, |e| &e.subject),
         payloads: column(events, |e| &e.payload),
     }
+}
+
+/// Per aggregate, how many of `events` it has; and each event's 1-based position among its
+/// aggregate's events.
+pub(crate) fn numbering(events: &[NewEvent]) -> (Vec<i64>, HashMap<(&str, &str), i64>) {
+    let mut counts: HashMap<(&str, &str), i64> = HashMap::new();
+    let ordinals = events
+        .iter()
+        .map(|event| {
+            let n = counts
+                .entry((&event.aggregate_type, &event.aggregate_id))
+                .or_default();
+            *n += 1;
+            *n
+        })
+        .collect();
+    (ordinals, counts)
 }
 
 /// Takes the dedup keys of `events` (those that carry one) for this transaction, and
