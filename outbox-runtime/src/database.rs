@@ -49,8 +49,10 @@ pub struct TimedOut {
 }
 
 /// `database_url` as it may be shown: the user, hosts, ports and database of a
-/// `postgres://` URL or of a `key=value` connection string, never the password. A string
-/// that does not parse is not shown at all.
+/// `postgres://` URL or of a `key=value` connection string, never the password; the user,
+/// host, port and database of a `mysql://` URL (without its password and parameters); a
+/// SQLite database's path as it is (`sqlite://` URL, `file:` URI without its parameters, or a
+/// plain path). A string that does not parse is not shown at all.
 ///
 /// ```
 /// use outbox_runtime::database::redacted;
@@ -59,10 +61,15 @@ pub struct TimedOut {
 ///     "postgres://app@db.internal:5433/orders"
 /// );
 /// assert_eq!(redacted("host=db password=s3cret dbname=orders"), "postgres://db/orders");
+/// assert_eq!(
+///     redacted("mysql://app:s3cret@db.internal:3306/orders?ssl-mode=required"),
+///     "mysql://app@db.internal:3306/orders"
+/// );
+/// assert_eq!(redacted("/var/lib/orders/outbox.db"), "/var/lib/orders/outbox.db");
 /// ```
 pub fn redacted(database_url: &str) -> String {
     let Ok(config) = tokio_postgres::Config::from_str(database_url) else {
-        return "<a database URL that does not parse>".to_owned();
+        return redacted_other(database_url);
     };
     let mut text = String::from("postgres://");
     if let Some(user) = config.get_user() {
@@ -90,6 +97,27 @@ pub fn redacted(database_url: &str) -> String {
         text.push_str(dbname);
     }
     text
+}
+
+/// [`redacted`] for what is not PostgreSQL's.
+fn redacted_other(database_url: &str) -> String {
+    let without_parameters = |text: &str| text.split(['?', '#']).next().unwrap_or("").to_owned();
+    if let Some(rest) = database_url.strip_prefix("mysql://") {
+        let rest = without_parameters(rest);
+        let (authority, path) = rest.split_once('/').unwrap_or((rest.as_str(), ""));
+        let host = match authority.rsplit_once('@') {
+            Some((user, host)) => format!("{}@{host}", user.split(':').next().unwrap_or("")),
+            None => authority.to_owned(),
+        };
+        return format!("mysql://{host}/{path}");
+    }
+    if database_url.starts_with("sqlite://") || database_url.starts_with("file:") {
+        return without_parameters(database_url);
+    }
+    if !database_url.contains("://") && !database_url.contains(['=', '@']) {
+        return database_url.to_owned();
+    }
+    "<a database URL that does not parse>".to_owned()
 }
 
 /// A database URL that shows itself redacted in `Debug` and `Display`.
@@ -260,6 +288,23 @@ pub(crate) async fn connect_mysql(
     within_connect_timeout(database_url, limits.connect_timeout, setup).await
 }
 
+/// Opens a SQLite database file for the outbox ([`crate::sqlite::establish`]) on the
+/// blocking pool, within the connect timeout.
+#[cfg(feature = "sqlite")]
+pub(crate) async fn connect_sqlite(
+    database_url: &str,
+    limits: Limits,
+) -> Result<diesel::sqlite::SqliteConnection, ConnectError> {
+    let url = database_url.to_owned();
+    let setup = async move {
+        tokio::task::spawn_blocking(move || crate::sqlite::establish(&url))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
+    };
+    within_connect_timeout(database_url, limits.connect_timeout, setup).await
+}
+
 /// Runs `query` within `limit`; on timeout the caller must drop the connection, whose state
 /// is unknown.
 pub(crate) async fn bounded<T, E>(
@@ -328,6 +373,16 @@ mod tests {
                 "postgres://[not a url",
                 "<a database URL that does not parse>",
             ),
+            (
+                "mysql://root:s3cret@127.0.0.1:3306/test?ssl-mode=required",
+                "mysql://root@127.0.0.1:3306/test",
+            ),
+            ("mysql://root@127.0.0.1/test", "mysql://root@127.0.0.1/test"),
+            ("mysql://db.internal", "mysql://db.internal/"),
+            ("sqlite:///var/lib/o.db", "sqlite:///var/lib/o.db"),
+            ("file:o.db?mode=rwc&vfs=x", "file:o.db"),
+            ("orders.db", "orders.db"),
+            ("user:s3cret@host", "<a database URL that does not parse>"),
         ] {
             let text = redacted(url);
             assert_eq!(text, shown, "{url}");
