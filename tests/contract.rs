@@ -3,7 +3,9 @@
 //! `postgres-sync` (`cargo test --features postgres-sync --test contract`; libpq needed);
 //! MariaDB / MySQL through diesel-async's `AsyncMysqlConnection` with the feature `mysql`
 //! (`cargo test --features mysql --test contract`; `OUTBOX_TEST_MYSQL_URL`, default
-//! `mysql://root@127.0.0.1:3306/test`, is the server to create databases on).
+//! `mysql://root@127.0.0.1:3306/test`, is the server to create databases on); SQLite through
+//! diesel-async's `SyncConnectionWrapper<SqliteConnection>` with the feature `sqlite` (a
+//! database file per test in the temporary directory).
 //!
 //! A rollback leaves nothing; committed units of work become exactly the expected messages;
 //! sequences stay contiguous under concurrent units of work; a row written by plain SQL is
@@ -36,6 +38,8 @@ struct Env {
     env: TestEnv,
     #[cfg(feature = "mysql")]
     mysql: Option<mysql::Database>,
+    #[cfg(feature = "sqlite")]
+    sqlite: Option<sqlite::Database>,
 }
 
 impl std::ops::Deref for Env {
@@ -62,6 +66,8 @@ trait Backend {
                 env,
                 #[cfg(feature = "mysql")]
                 mysql: None,
+                #[cfg(feature = "sqlite")]
+                sqlite: None,
             }
         }
     }
@@ -473,6 +479,25 @@ async fn a_unit_of_work_numbers_after_rows_inserted_by_hand<B: Backend>() {
     assert_eq!(seqs, [1, 2, 3, 4, 5, 6]);
 }
 
+/// On a database without LISTEN/NOTIFY (MySQL, SQLite), a relay that found nothing is woken
+/// by a unit of work that commits in its process, not by its poll (a minute here).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+async fn an_idle_relay_is_woken_by_each_commit_of_its_process<B: Backend>() {
+    let env = B::setup().await;
+    let mut config = B::relay_config(&env);
+    config.poll_interval = Duration::from_secs(60);
+    let relay = B::spawn_relay(&env, config).await;
+    for round in 1..=5_u64 {
+        // Long enough for every worker to find nothing and wait.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_, result) = B::commit(&env, vec![shipped(&format!("o-{round}"))], None, false).await;
+        result.unwrap();
+        env.until_stream_holds(round * 2, Duration::from_secs(3))
+            .await;
+    }
+    relay.shutdown().await.unwrap();
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -524,6 +549,8 @@ contract!(async_pg => AsyncPg);
 contract!(sync_pg => SyncPg);
 #[cfg(feature = "mysql")]
 contract!(async_mysql => mysql::AsyncMysql);
+#[cfg(feature = "sqlite")]
+contract!(async_sqlite => sqlite::AsyncSqlite);
 
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -676,6 +703,8 @@ mod mysql {
             Env {
                 env,
                 mysql: Some(mysql),
+                #[cfg(feature = "sqlite")]
+                sqlite: None,
             }
         }
 
@@ -799,23 +828,238 @@ mod mysql {
         }
     }
 
-    /// No LISTEN/NOTIFY on MySQL: a relay that found nothing is woken by a unit of work that
-    /// commits in its process, not by its poll (a minute here).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_relay_is_woken_by_each_commit_of_its_process() {
-        let env = AsyncMysql::setup().await;
-        let mut config = AsyncMysql::relay_config(&env);
-        config.poll_interval = Duration::from_secs(60);
-        let relay = AsyncMysql::spawn_relay(&env, config).await;
-        for round in 1..=5_u64 {
-            // Long enough for every worker to find nothing and wait.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let (_, result) =
-                AsyncMysql::commit(&env, vec![shipped(&format!("o-{round}"))], None, false).await;
-            result.unwrap();
-            env.until_stream_holds(round * 2, Duration::from_secs(3))
-                .await;
+        super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncMysql>().await;
+    }
+}
+
+/// The SQLite backend: a database file of its own per test, migrated with
+/// `outbox_runtime::sqlite::run_migrations`; the stream and prefix come from the test kit.
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use super::*;
+    use diesel::QueryableByName;
+    use diesel::sql_types::{BigInt, Integer, Text};
+    use outbox_runtime::diesel_async::RunQueryDsl;
+    use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
+
+    /// A throwaway database file, removed with the value.
+    pub struct Database {
+        pub path: String,
+    }
+
+    impl Database {
+        fn create() -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("outbox-test-{}.db", uuid::Uuid::new_v4().simple()))
+                .to_string_lossy()
+                .into_owned();
+            let mut conn = outbox_runtime::sqlite::establish(&path).unwrap();
+            outbox_runtime::sqlite::run_migrations(&mut conn)
+                .unwrap_or_else(|e| panic!("the SQLite migrations on {path}: {e}"));
+            Self { path }
         }
-        relay.shutdown().await.unwrap();
+
+        pub fn conn(&self) -> AsyncSqliteConnection {
+            AsyncSqliteConnection::new(
+                outbox_runtime::sqlite::establish(&self.path)
+                    .unwrap_or_else(|e| panic!("open {}: {e}", self.path)),
+            )
+        }
+    }
+
+    impl Drop for Database {
+        fn drop(&mut self) {
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", self.path));
+            }
+        }
+    }
+
+    fn database(env: &Env) -> &Database {
+        env.sqlite.as_ref().expect("a SQLite environment")
+    }
+
+    pub struct AsyncSqlite;
+
+    impl Backend for AsyncSqlite {
+        async fn setup() -> Env {
+            let env = TestEnv::unmigrated(&support::nats_url()).await;
+            let sqlite = Database::create();
+            sqlite
+                .conn()
+                .batch_execute("CREATE TABLE orders (id TEXT)")
+                .await
+                .unwrap();
+            Env {
+                env,
+                #[cfg(feature = "mysql")]
+                mysql: None,
+                sqlite: Some(sqlite),
+            }
+        }
+
+        async fn commit(
+            env: &Env,
+            mut orders: Vec<Order>,
+            dedup_key: Option<String>,
+            fail: bool,
+        ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
+            let mut conn = database(env).conn();
+            let result = env
+                .outbox()
+                .transaction(&mut conn, async |uow| {
+                    // A read first, as business code does: in a deferred transaction it
+                    // would pin a snapshot that another writer's commit makes stale.
+                    diesel::sql_query("SELECT COUNT(*) AS n FROM orders")
+                        .execute(uow.conn())
+                        .await?;
+                    for order in &mut orders {
+                        diesel::sql_query("INSERT INTO orders VALUES (?)")
+                            .bind::<Text, _>(&order.id)
+                            .execute(uow.conn())
+                            .await?;
+                        uow.track(order);
+                    }
+                    if let Some(request) = dedup_key {
+                        uow.emit("Invoice", "i-1", &Invoiced { request });
+                    }
+                    if fail {
+                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    }
+                    Ok(())
+                })
+                .await;
+            (orders, result)
+        }
+
+        async fn rows(env: &Env) -> Vec<(String, i64)> {
+            #[derive(QueryableByName)]
+            struct Row {
+                #[diesel(sql_type = Text)]
+                aggregate_id: String,
+                #[diesel(sql_type = BigInt)]
+                aggregate_seq: i64,
+            }
+            diesel::sql_query(
+                "SELECT aggregate_id, aggregate_seq FROM outbox_events \
+                 WHERE aggregate_type = 'Order' ORDER BY aggregate_id, aggregate_seq",
+            )
+            .load::<Row>(&mut database(env).conn())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|row| (row.aggregate_id, row.aggregate_seq))
+            .collect()
+        }
+
+        async fn business_rows(env: &Env) -> i64 {
+            #[derive(QueryableByName)]
+            struct Count {
+                #[diesel(sql_type = BigInt)]
+                n: i64,
+            }
+            diesel::sql_query("SELECT COUNT(*) AS n FROM orders")
+                .get_result::<Count>(&mut database(env).conn())
+                .await
+                .unwrap()
+                .n
+        }
+
+        async fn execute(env: &Env, statement: &str) {
+            let statement = statement.replace("{prefix}", &env.prefix);
+            database(env)
+                .conn()
+                .batch_execute(&statement)
+                .await
+                .unwrap();
+        }
+
+        async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
+            #[derive(QueryableByName)]
+            struct Dead {
+                #[diesel(sql_type = Text)]
+                aggregate_id: String,
+                #[diesel(sql_type = BigInt)]
+                aggregate_seq: i64,
+                #[diesel(sql_type = Integer)]
+                attempts: i32,
+            }
+            diesel::sql_query(
+                "SELECT aggregate_id, aggregate_seq, attempts FROM outbox_events \
+                 WHERE dead_lettered_at IS NOT NULL ORDER BY aggregate_id",
+            )
+            .load::<Dead>(&mut database(env).conn())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| (d.aggregate_id, d.aggregate_seq, d.attempts))
+            .collect()
+        }
+
+        fn relay_config(env: &Env) -> RelayConfig {
+            let mut config = env.relay_config();
+            config.database_url = database(env).path.clone();
+            config
+        }
+
+        async fn relay_all(env: &Env) {
+            let mut relay = SqliteRelay::connect(Self::relay_config(env), env.nats.clone())
+                .await
+                .unwrap();
+            while relay.relay_batch().await.unwrap().claimed > 0 {}
+        }
+
+        async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
+            SqliteRelay::connect(config, env.nats.clone())
+                .await
+                .unwrap()
+                .spawn()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_relay_is_woken_by_each_commit_of_its_process() {
+        super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncSqlite>().await;
+    }
+
+    /// One relay publishes a file's rows at a time: a second one claims nothing while the
+    /// first holds the lease, and takes over once it has expired.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_relay_waits_for_the_lease_and_takes_over_when_it_expires() {
+        let env = AsyncSqlite::setup().await;
+        let connect = || async {
+            SqliteRelay::connect(AsyncSqlite::relay_config(&env), env.nats.clone())
+                .await
+                .unwrap()
+        };
+        let (mut first, mut second) = (connect().await, connect().await);
+        assert_eq!(first.relay_batch().await.unwrap().claimed, 0, "empty");
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, false).await;
+        result.unwrap();
+        assert_eq!(
+            second.relay_batch().await.unwrap().claimed,
+            0,
+            "the first relay holds the lease"
+        );
+        assert_eq!(first.relay_batch().await.unwrap().claimed, 2);
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, false).await;
+        result.unwrap();
+        assert_eq!(second.relay_batch().await.unwrap().claimed, 0);
+        // The first relay stops renewing: its lease runs out.
+        <AsyncSqlite as Backend>::execute(
+            &env,
+            "UPDATE outbox_relay_lease SET expires_at = '2000-01-01 00:00:00.000'",
+        )
+        .await;
+        assert_eq!(second.relay_batch().await.unwrap().claimed, 2, "took over");
+        assert_eq!(
+            first.relay_batch().await.unwrap().claimed,
+            0,
+            "the second relay holds the lease now"
+        );
+        let messages = env.stream_messages().await;
+        assert_eq!(messages.len(), 4);
     }
 }

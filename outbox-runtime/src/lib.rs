@@ -80,6 +80,8 @@ macro_rules! crash_point {
 
 pub mod aggregate;
 pub mod causality;
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+mod commits;
 pub mod database;
 pub mod dead_letter;
 pub mod event;
@@ -90,6 +92,8 @@ pub mod nats;
 pub mod outbox;
 pub mod publisher;
 pub mod relay;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 pub mod subject;
 #[cfg(feature = "postgres-sync")]
 pub mod sync;

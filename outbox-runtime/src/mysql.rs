@@ -56,7 +56,6 @@
 //! [`PublishedRows::Archive`]: crate::PublishedRows::Archive
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use diesel::QueryableByName;
 use diesel::mysql::Mysql;
@@ -65,7 +64,6 @@ pub use diesel_async::AsyncMysqlConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
-use tokio::sync::Notify;
 
 use crate::causality::Causality;
 use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
@@ -161,37 +159,6 @@ pub async fn pending_migrations(
         .collect())
 }
 
-/// Counts the units of work of this process that committed events, and wakes the
-/// [`MysqlRelay`] workers of this process that wait for rows.
-pub(crate) struct Commits {
-    count: AtomicU64,
-    notify: Notify,
-}
-
-impl Commits {
-    /// How many units of work with events committed in this process so far.
-    pub(crate) fn count(&self) -> u64 {
-        AtomicU64::load(&self.count, Ordering::Acquire)
-    }
-
-    /// Resolves at the next commit after this call (the caller reads [`count`](Self::count)
-    /// after enabling it, so no commit is missed between the two).
-    pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
-        self.notify.notified()
-    }
-
-    fn committed(&self) {
-        self.count.fetch_add(1, Ordering::AcqRel);
-        self.notify.notify_waiters();
-    }
-}
-
-/// The process's [`Commits`].
-pub(crate) static COMMITS: Commits = Commits {
-    count: AtomicU64::new(0),
-    notify: Notify::const_new(),
-};
-
 // The trait is crate-private in effect (see `unit_of_work::sealed`).
 #[allow(private_interfaces)]
 impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
@@ -229,7 +196,7 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
     }
 
     fn events_committed() {
-        COMMITS.committed();
+        crate::commits::COMMITS.committed();
     }
 }
 

@@ -35,6 +35,10 @@ mod doorbell;
 mod listener;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+mod polling;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
 mod worker;
 
 use std::future::Future;

@@ -246,7 +246,7 @@ impl Outbox {
         F: for<'u, 'c> AsyncFnOnce(&'u mut UnitOfWork<'c, C>) -> Result<T, E>,
         E: From<UnitOfWorkError>,
     {
-        let depth = AnsiTransactionManager::transaction_manager_status_mut(conn)
+        let depth = C::TransactionManager::transaction_manager_status_mut(conn)
             .transaction_depth()
             .map_err(UnitOfWorkError::from)?;
         if depth.is_some() {
@@ -271,7 +271,7 @@ impl Outbox {
         };
         match outcome {
             Ok((value, (commit_handles, wrote_events))) => {
-                AnsiTransactionManager::commit_transaction(conn)
+                C::TransactionManager::commit_transaction(conn)
                     .await
                     .map_err(UnitOfWorkError::from)?;
                 if wrote_events {
@@ -286,7 +286,7 @@ impl Outbox {
                 Ok(value)
             }
             Err(failed) => {
-                let rolled_back = AnsiTransactionManager::rollback_transaction(conn).await;
+                let rolled_back = C::TransactionManager::rollback_transaction(conn).await;
                 let error = match failed {
                     Failed::Closure(error) => return rolled_back_with(rolled_back, error),
                     Failed::Flush(error) => error,
@@ -469,18 +469,9 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
 /// database.
 ///
 /// Sealed: implemented by the toolkit for the connections it has statements for.
-pub trait BackendConnection:
-    AsyncConnection<TransactionManager = AnsiTransactionManager> + Send + 'static + sealed::Backend
-{
-}
+pub trait BackendConnection: AsyncConnection + Send + 'static + sealed::Backend {}
 
-impl<C> BackendConnection for C where
-    C: AsyncConnection<TransactionManager = AnsiTransactionManager>
-        + Send
-        + 'static
-        + sealed::Backend
-{
-}
+impl<C> BackendConnection for C where C: AsyncConnection + Send + 'static + sealed::Backend {}
 
 /// What [`Outbox::transaction`] takes: a [`BackendConnection`], or a pool's guard around one
 /// (deadpool's `Object`, as diesel-async's `pooled_connection::deadpool` hands it out). The

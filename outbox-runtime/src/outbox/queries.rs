@@ -361,7 +361,7 @@ const CLAIM_WINDOW_PERCENT: i64 = 25;
 
 /// The claim's window for a batch: [`CLAIM_WINDOW_PERCENT`] of it, but never less than the
 /// batch itself up to [`MIN_CLAIM_WINDOW`] rows (a window of 0 would claim nothing).
-fn claim_window(batch: i64) -> i64 {
+pub(crate) fn claim_window(batch: i64) -> i64 {
     (batch.saturating_mul(CLAIM_WINDOW_PERCENT) / 100).max(batch.min(MIN_CLAIM_WINDOW))
 }
 

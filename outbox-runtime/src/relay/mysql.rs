@@ -2,26 +2,20 @@
 //! workers, batches and publishing, over this module's statements.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::mysql::Mysql;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
-use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
-use tokio::sync::Notify;
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
+use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 use uuid::Uuid;
 
-use super::worker::{self, RelayStore};
+use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, chained, groups};
+use super::worker::RelayStore;
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
 use crate::database;
-use crate::mysql::{COMMITS, pending_migrations};
-use crate::outbox::MissingMigrations;
-use crate::outbox::queries::{
-    ClaimedEvent, Held, JsonBytes, JsonText, PublishedRows, Rejection, RetryPolicy,
-};
+use crate::mysql::pending_migrations;
+use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
 
 /// The message relay on MySQL / MariaDB: publishes the rows of the outbox tables of
 /// [`crate::mysql::MIGRATIONS`] to JetStream, exactly as [`Relay`](crate::Relay) publishes
@@ -32,12 +26,7 @@ use crate::outbox::queries::{
 /// to commit, or for `poll_interval`. Not supported here: a `connector` (connections are
 /// opened from the URL), [`PublishedRows::Archive`], and the outbox gauges of
 /// `stats_interval`.
-pub struct MysqlRelay {
-    shared: Arc<Shared>,
-    duplicate_window: Duration,
-    /// The connection of [`relay_batch`](Self::relay_batch).
-    conn: Option<AsyncMysqlConnection>,
-}
+pub struct MysqlRelay(Polling<AsyncMysqlConnection>);
 
 impl MysqlRelay {
     /// Checks the configuration, makes sure the stream exists (as [`Relay::connect`]), and
@@ -52,6 +41,40 @@ impl MysqlRelay {
         config: RelayConfig,
         nats: async_nats::Client,
     ) -> Result<Self, RelayError> {
+        Polling::connect(config, nats).await.map(Self)
+    }
+
+    /// The duplicate window of the stream, as read by [`connect`](Self::connect).
+    pub fn duplicate_window(&self) -> Duration {
+        self.0.duplicate_window()
+    }
+
+    /// Runs the relay in a tokio task until [`RelayHandle::shutdown`].
+    pub fn spawn(self) -> RelayHandle {
+        self.0.spawn()
+    }
+
+    /// Publishes until `shutdown` completes, then stops gracefully, as
+    /// [`Relay::run`](crate::Relay::run).
+    ///
+    /// # Errors
+    /// [`RelayError::Task`] when a worker panicked (a bug).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+        self.0.run(shutdown).await
+    }
+
+    /// Claims, publishes and records one batch, in one transaction, on the relay's own
+    /// connection (reopened when it was lost), as [`Relay::relay_batch`](crate::Relay::relay_batch).
+    ///
+    /// # Errors
+    /// [`RelayError::Connect`], [`RelayError::Database`] or [`RelayError::TimedOut`].
+    pub async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
+        self.0.relay_batch().await
+    }
+}
+
+impl PolledStore for AsyncMysqlConnection {
+    fn configure(config: RelayConfig) -> Result<RelayConfig, RelayError> {
         if config.connector.is_some() {
             return Err(RelayError::Config(
                 "a connector opens PostgreSQL connections; the MySQL relay opens its own \
@@ -66,207 +89,11 @@ impl MysqlRelay {
                     .into(),
             ));
         }
-        let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
-        let mut conn = AsyncMysqlConnection::connect(&shared).await?;
-        let pending = database::bounded(
-            shared.config.statement_timeout,
-            &shared.target,
-            "the migrations check",
-            pending_migrations(&mut conn),
-        )
-        .await?;
-        if !pending.is_empty() {
-            return Err(MissingMigrations { pending }.into());
-        }
-        Ok(Self {
-            shared,
-            duplicate_window,
-            conn: Some(conn),
-        })
+        Ok(config)
     }
 
-    /// The duplicate window of the stream, as read by [`connect`](Self::connect).
-    pub fn duplicate_window(&self) -> Duration {
-        self.duplicate_window
-    }
-
-    /// Runs the relay in a tokio task until [`RelayHandle::shutdown`].
-    pub fn spawn(self) -> RelayHandle {
-        let shutdown = CancellationToken::new();
-        let signal = shutdown.clone();
-        let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        RelayHandle { shutdown, task }
-    }
-
-    /// Publishes until `shutdown` completes, then stops gracefully, as
-    /// [`Relay::run`](crate::Relay::run).
-    ///
-    /// # Errors
-    /// [`RelayError::Task`] when a worker panicked (a bug).
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
-        let stop = CancellationToken::new();
-        let wakers: Vec<Arc<Notify>> = (0..self.shared.config.workers)
-            .map(|_| Arc::new(Notify::new()))
-            .collect();
-        let mut workers = JoinSet::new();
-        let mut first_conn = self.conn;
-        for (index, wake) in wakers.iter().enumerate() {
-            let (shared, wake, stop) = (Arc::clone(&self.shared), Arc::clone(wake), stop.clone());
-            let peers = wakers
-                .iter()
-                .enumerate()
-                .filter(|(other, _)| *other != index)
-                .map(|(_, peer)| Arc::clone(peer))
-                .collect();
-            let conn = first_conn.take();
-            workers.spawn(async move {
-                worker::run::<AsyncMysqlConnection>(shared, index, conn, wake, peers, None, stop)
-                    .await
-            });
-        }
-        let doorbell = {
-            let stop = stop.clone();
-            tokio::spawn(async move { ring_on_commits(&wakers, &stop).await })
-        };
-
-        tokio::pin!(shutdown);
-        let mut outcome = Ok(());
-        tokio::select! {
-            () = &mut shutdown => {}
-            Some(joined) = workers.join_next() => {
-                tracing::error!(error = ?joined.as_ref().err(), "a relay worker ended; stopping the relay");
-                outcome = joined.map_err(RelayError::from);
-            }
-        }
-        stop.cancel();
-        while let Some(joined) = workers.join_next().await {
-            if let Err(error) = joined {
-                outcome = outcome.and(Err(error.into()));
-            }
-        }
-        doorbell.await?;
-        outcome
-    }
-
-    /// Claims, publishes and records one batch, in one transaction, on the relay's own
-    /// connection (reopened when it was lost), as [`Relay::relay_batch`](crate::Relay::relay_batch).
-    ///
-    /// # Errors
-    /// [`RelayError::Connect`], [`RelayError::Database`] or [`RelayError::TimedOut`].
-    pub async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
-        let conn = match &mut self.conn {
-            Some(conn) => conn,
-            conn => conn.insert(AsyncMysqlConnection::connect(&self.shared).await?),
-        };
-        let result = worker::relay_batch(&self.shared, None, conn, &CancellationToken::new()).await;
-        match result {
-            Ok(outcome) => Ok(outcome.report),
-            Err(error) => {
-                self.conn = None;
-                Err(error.into())
-            }
-        }
-    }
-}
-
-/// Wakes every worker whenever a unit of work of this process commits events, until `stop`.
-/// A worker's `Notify` keeps the wake-up for it when it is busy, so a commit made while it
-/// claims is not missed.
-async fn ring_on_commits(wakers: &[Arc<Notify>], stop: &CancellationToken) {
-    let mut seen = COMMITS.count();
-    loop {
-        let commit = COMMITS.notified();
-        tokio::pin!(commit);
-        // Registered before the count is read: a commit after this line completes `commit`.
-        commit.as_mut().enable();
-        let now = COMMITS.count();
-        if now != seen {
-            seen = now;
-            wakers.iter().for_each(|waker| waker.notify_one());
-            continue;
-        }
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = commit => {}
-        }
-    }
-}
-
-/// `(...)` groups of `width` placeholders, `n` of them, joined by `joiner`.
-fn groups(n: usize, group: &str, joiner: &str) -> String {
-    vec![group; n].join(joiner)
-}
-
-/// An aggregate's head, as the claim's first statement finds it.
-#[derive(QueryableByName)]
-struct Head {
-    #[diesel(sql_type = Text)]
-    aggregate_type: String,
-    #[diesel(sql_type = Text)]
-    aggregate_id: String,
-    /// `None` when its rows were published since the window was read.
-    #[diesel(sql_type = Nullable<BigInt>)]
-    head: Option<i64>,
-}
-
-/// A row of the claim, in MySQL's types.
-#[derive(QueryableByName)]
-struct Row {
-    #[diesel(sql_type = Text)]
-    id: String,
-    #[diesel(sql_type = Text)]
-    aggregate_type: String,
-    #[diesel(sql_type = Text)]
-    aggregate_id: String,
-    #[diesel(sql_type = BigInt)]
-    aggregate_seq: i64,
-    #[diesel(sql_type = Text)]
-    event_type: String,
-    #[diesel(sql_type = Integer)]
-    event_version: i32,
-    #[diesel(sql_type = Text)]
-    partition_key: String,
-    #[diesel(sql_type = Text)]
-    subject: String,
-    #[diesel(sql_type = Text)]
-    payload: String,
-    #[diesel(sql_type = Text)]
-    headers: String,
-    /// `occurred_at` in microseconds since the epoch (UTC).
-    #[diesel(sql_type = BigInt)]
-    occurred_us: i64,
-    #[diesel(sql_type = Nullable<Text>)]
-    correlation_id: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    causation_id: Option<String>,
-    #[diesel(sql_type = Bool)]
-    available: bool,
-}
-
-impl Row {
-    fn into_claimed(self) -> QueryResult<ClaimedEvent> {
-        let invalid = |what: String| diesel::result::Error::DeserializationError(what.into());
-        let id = Uuid::parse_str(&self.id)
-            .map_err(|e| invalid(format!("outbox_events.id {:?} is not a UUID: {e}", self.id)))?;
-        let occurred_at =
-            time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(self.occurred_us) * 1_000)
-                .map_err(|e| invalid(format!("outbox_events.occurred_at of {id}: {e}")))?;
-        Ok(ClaimedEvent {
-            id,
-            aggregate_type: self.aggregate_type,
-            aggregate_id: self.aggregate_id,
-            aggregate_seq: self.aggregate_seq,
-            event_type: self.event_type,
-            event_version: self.event_version,
-            partition_key: self.partition_key,
-            subject: self.subject,
-            payload: JsonBytes(bytes::Bytes::from(self.payload)),
-            headers: JsonText(self.headers.into_bytes()),
-            occurred_at,
-            correlation_id: self.correlation_id,
-            causation_id: self.causation_id,
-            available: self.available,
-        })
+    async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
+        pending_migrations(self).await
     }
 }
 
@@ -292,31 +119,24 @@ const QUEUED: &str = "published_at IS NULL AND skipped_at IS NULL";
 const CLAIMABLE: &str = "published_at IS NULL AND skipped_at IS NULL \
     AND dead_lettered_at IS NULL AND available_at <= UTC_TIMESTAMP(6)";
 
-/// The rejected row's state after its rejection was recorded.
-#[derive(QueryableByName)]
-struct Rejected {
-    #[diesel(sql_type = Text)]
-    aggregate_type: String,
-    #[diesel(sql_type = Text)]
-    aggregate_id: String,
-    #[diesel(sql_type = BigInt)]
-    aggregate_seq: i64,
-    #[diesel(sql_type = Integer)]
-    attempts: i32,
-    #[diesel(sql_type = Bool)]
-    dead_lettered: bool,
-    /// Until when the aggregate's later rows wait: the retry time, the end of time behind a
-    /// dead letter that blocks, or `None` behind a skipped one.
-    #[diesel(sql_type = Nullable<Text>)]
-    blocked_until: Option<String>,
-}
-
 /// The end of time, for MySQL's DATETIME: rows behind a dead letter wait for an operator.
 const FOREVER: &str = "9999-12-31 23:59:59.999999";
 
 impl RelayStore for AsyncMysqlConnection {
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         database::connect_mysql(&shared.config.database_url, shared.limits()).await
+    }
+
+    async fn begin(&mut self) -> QueryResult<()> {
+        AnsiTransactionManager::begin_transaction(self).await
+    }
+
+    async fn commit(&mut self) -> QueryResult<()> {
+        AnsiTransactionManager::commit_transaction(self).await
+    }
+
+    async fn rollback(&mut self) -> QueryResult<()> {
+        AnsiTransactionManager::rollback_transaction(self).await
     }
 
     /// The claim, in three statements inside the batch's transaction (READ COMMITTED):
@@ -391,7 +211,7 @@ impl RelayStore for AsyncMysqlConnection {
         }
         let locked: Vec<Row> = lock.load(self).await?;
         let room = batch - i64::try_from(locked.len()).unwrap_or(i64::MAX);
-        let mut followers: Vec<Row> = if locked.is_empty() || room <= 0 {
+        let followers: Vec<Row> = if locked.is_empty() || room <= 0 {
             Vec::new()
         } else {
             let mut behind = diesel::sql_query(format!(
@@ -415,30 +235,7 @@ impl RelayStore for AsyncMysqlConnection {
             behind.bind::<BigInt, _>(room).load(self).await?
         };
 
-        // Each aggregate's head, then the rows behind it: the order `worker::chains` reads.
-        let mut rows = Vec::with_capacity(locked.len() + followers.len());
-        followers.sort_by(|a, b| {
-            (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
-                &b.aggregate_type,
-                &b.aggregate_id,
-                b.aggregate_seq,
-            ))
-        });
-        let mut followers = followers.into_iter().peekable();
-        let mut locked = locked;
-        locked.sort_by(|a, b| {
-            (&a.aggregate_type, &a.aggregate_id).cmp(&(&b.aggregate_type, &b.aggregate_id))
-        });
-        for head in locked {
-            let key = (head.aggregate_type.clone(), head.aggregate_id.clone());
-            rows.push(head.into_claimed()?);
-            while let Some(row) = followers
-                .next_if(|row| (&row.aggregate_type, &row.aggregate_id) == (&key.0, &key.1))
-            {
-                rows.push(row.into_claimed()?);
-            }
-        }
-        Ok(rows)
+        chained(locked, followers)
     }
 
     /// Records a rejection, as `queries::record_rejection` on PostgreSQL: one more attempt,
@@ -462,15 +259,12 @@ impl RelayStore for AsyncMysqlConnection {
                 .bind::<Text, _>(&id)
                 .get_result(self)
                 .await?;
-        let attempts = attempts.saturating_add(1);
-        let dead = attempts >= policy.max_attempts;
-        let skipped = dead && !policy.dead_letters_block;
-        let exponent = u32::try_from(attempts - 1).unwrap_or(0).min(40);
-        let delay_us = policy
-            .base_delay_ms
-            .saturating_mul(1_i64 << exponent)
-            .min(policy.max_delay_ms)
-            .saturating_mul(1_000);
+        let Next {
+            attempts,
+            dead,
+            skipped,
+            delay_us,
+        } = Next::after(attempts, policy);
         diesel::sql_query(
             "UPDATE outbox_events SET attempts = ?, last_error = ?, \
                  dead_lettered_at = IF(?, UTC_TIMESTAMP(6), NULL), \

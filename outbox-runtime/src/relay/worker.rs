@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
 use diesel::QueryResult;
-use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
-};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -254,13 +252,7 @@ pub(super) async fn relay_batch<C: RelayStore>(
     };
     // Released whether the transaction commits, rolls back or fails.
     let _holding = shared.held.holding(me);
-    database::bounded(
-        limit,
-        target,
-        "the BEGIN of a relay batch",
-        AnsiTransactionManager::begin_transaction(conn),
-    )
-    .await?;
+    database::bounded(limit, target, "the BEGIN of a relay batch", conn.begin()).await?;
     let outcome = match batch(shared, me, conn, &held, stop).await {
         Ok(outcome) => outcome,
         Err(error @ Bounded::TimedOut(_)) => return Err(error),
@@ -269,19 +261,13 @@ pub(super) async fn relay_batch<C: RelayStore>(
                 limit,
                 target,
                 "the ROLLBACK of a relay batch",
-                AnsiTransactionManager::rollback_transaction(conn),
+                conn.rollback(),
             )
             .await;
             return Err(error);
         }
     };
-    database::bounded(
-        limit,
-        target,
-        "the COMMIT of a relay batch",
-        AnsiTransactionManager::commit_transaction(conn),
-    )
-    .await?;
+    database::bounded(limit, target, "the COMMIT of a relay batch", conn.commit()).await?;
 
     let report = &outcome.report;
     metrics::counter!("outbox_relay_duplicates_total").increment(report.duplicates as u64);
@@ -539,13 +525,20 @@ type Chain<'a> = &'a [ClaimedEvent];
 /// What a relay batch needs from its database, beside diesel's transaction manager: the
 /// claim, the record of a rejection and the end of published rows, each with the
 /// guarantees `outbox::queries` gives for PostgreSQL.
-pub(super) trait RelayStore:
-    AsyncConnection<TransactionManager = AnsiTransactionManager> + Send + Sized + 'static
-{
+pub(super) trait RelayStore: Send + Sized + 'static {
     /// Opens a connection for a worker, within the connect timeout.
     fn connect(
         shared: &Shared,
     ) -> impl Future<Output = Result<Self, database::ConnectError>> + Send;
+
+    /// Opens a batch: the transaction its claim, rejections and deletes run in.
+    fn begin(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
+
+    /// Ends a batch that went through.
+    fn commit(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
+
+    /// Ends a batch that failed.
+    fn rollback(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
 
     /// Claims a batch (see `queries::claim_batch`).
     fn claim(
@@ -573,6 +566,18 @@ pub(super) trait RelayStore:
 impl RelayStore for AsyncPgConnection {
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         connect(shared).await
+    }
+
+    async fn begin(&mut self) -> QueryResult<()> {
+        AnsiTransactionManager::begin_transaction(self).await
+    }
+
+    async fn commit(&mut self) -> QueryResult<()> {
+        AnsiTransactionManager::commit_transaction(self).await
+    }
+
+    async fn rollback(&mut self) -> QueryResult<()> {
+        AnsiTransactionManager::rollback_transaction(self).await
     }
 
     async fn claim(&mut self, batch: i64, held: &Held<'_>) -> QueryResult<Vec<ClaimedEvent>> {

@@ -1,0 +1,319 @@
+//! The message relay on databases without notifications (MySQL, SQLite): the PostgreSQL
+//! relay's workers, batches and publishing over a [`PolledStore`], woken by polling and by
+//! the units of work of its own process.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
+use diesel::{QueryResult, QueryableByName};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::worker::{self, RelayStore};
+use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
+use crate::commits::COMMITS;
+use crate::database;
+use crate::outbox::MissingMigrations;
+use crate::outbox::queries::{ClaimedEvent, JsonBytes, JsonText, RetryPolicy};
+
+/// A database the polling relay publishes from.
+pub(super) trait PolledStore: RelayStore {
+    /// Refuses what the relay cannot do on this database, and adapts the rest (e.g. the
+    /// number of workers).
+    fn configure(config: RelayConfig) -> Result<RelayConfig, RelayError>;
+
+    /// The versions of the outbox's migrations the database lacks.
+    fn pending_migrations(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
+}
+
+/// A relay without a listener: its workers poll, and are woken by each commit of this
+/// process.
+pub(super) struct Polling<C> {
+    shared: Arc<Shared>,
+    duplicate_window: Duration,
+    /// The connection of [`relay_batch`](Self::relay_batch), and then of the first worker.
+    conn: Option<C>,
+}
+
+impl<C: PolledStore> Polling<C> {
+    /// Checks the configuration, makes sure the stream exists (as `Relay::connect`), and
+    /// that the database is reachable and migrated.
+    pub(super) async fn connect(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<Self, RelayError> {
+        let config = C::configure(config)?;
+        let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
+        let mut conn = C::connect(&shared).await?;
+        let pending = database::bounded(
+            shared.config.statement_timeout,
+            &shared.target,
+            "the migrations check",
+            conn.pending_migrations(),
+        )
+        .await?;
+        if !pending.is_empty() {
+            return Err(MissingMigrations { pending }.into());
+        }
+        Ok(Self {
+            shared,
+            duplicate_window,
+            conn: Some(conn),
+        })
+    }
+
+    pub(super) fn duplicate_window(&self) -> Duration {
+        self.duplicate_window
+    }
+
+    pub(super) fn spawn(self) -> RelayHandle {
+        let shutdown = CancellationToken::new();
+        let signal = shutdown.clone();
+        let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
+        RelayHandle { shutdown, task }
+    }
+
+    pub(super) async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+        let stop = CancellationToken::new();
+        let wakers: Vec<Arc<Notify>> = (0..self.shared.config.workers)
+            .map(|_| Arc::new(Notify::new()))
+            .collect();
+        let mut workers = JoinSet::new();
+        let mut first_conn = self.conn;
+        for (index, wake) in wakers.iter().enumerate() {
+            let (shared, wake, stop) = (Arc::clone(&self.shared), Arc::clone(wake), stop.clone());
+            let peers = wakers
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != index)
+                .map(|(_, peer)| Arc::clone(peer))
+                .collect();
+            let conn = first_conn.take();
+            workers.spawn(async move {
+                worker::run::<C>(shared, index, conn, wake, peers, None, stop).await
+            });
+        }
+        let doorbell = {
+            let stop = stop.clone();
+            tokio::spawn(async move { ring_on_commits(&wakers, &stop).await })
+        };
+
+        tokio::pin!(shutdown);
+        let mut outcome = Ok(());
+        tokio::select! {
+            () = &mut shutdown => {}
+            Some(joined) = workers.join_next() => {
+                tracing::error!(error = ?joined.as_ref().err(), "a relay worker ended; stopping the relay");
+                outcome = joined.map_err(RelayError::from);
+            }
+        }
+        stop.cancel();
+        while let Some(joined) = workers.join_next().await {
+            if let Err(error) = joined {
+                outcome = outcome.and(Err(error.into()));
+            }
+        }
+        doorbell.await?;
+        outcome
+    }
+
+    pub(super) async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
+        let conn = match &mut self.conn {
+            Some(conn) => conn,
+            conn => conn.insert(C::connect(&self.shared).await?),
+        };
+        let result = worker::relay_batch(&self.shared, None, conn, &CancellationToken::new()).await;
+        match result {
+            Ok(outcome) => Ok(outcome.report),
+            Err(error) => {
+                self.conn = None;
+                Err(error.into())
+            }
+        }
+    }
+}
+
+/// Wakes every worker whenever a unit of work of this process commits events, until `stop`.
+/// A worker's `Notify` keeps the wake-up for it when it is busy, so a commit made while it
+/// claims is not missed.
+async fn ring_on_commits(wakers: &[Arc<Notify>], stop: &CancellationToken) {
+    let mut seen = COMMITS.count();
+    loop {
+        let commit = COMMITS.notified();
+        tokio::pin!(commit);
+        // Registered before the count is read: a commit after this line completes `commit`.
+        commit.as_mut().enable();
+        let now = COMMITS.count();
+        if now != seen {
+            seen = now;
+            wakers.iter().for_each(|waker| waker.notify_one());
+            continue;
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = commit => {}
+        }
+    }
+}
+
+/// `(...)` groups of `width` placeholders, `n` of them, joined by `joiner`.
+pub(super) fn groups(n: usize, group: &str, joiner: &str) -> String {
+    vec![group; n].join(joiner)
+}
+
+/// An aggregate's head, as the claim's first statement finds it.
+#[derive(QueryableByName)]
+pub(super) struct Head {
+    #[diesel(sql_type = Text)]
+    pub(super) aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub(super) aggregate_id: String,
+    /// `None` when its rows were published since the window was read.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub(super) head: Option<i64>,
+}
+
+/// A row of the claim.
+#[derive(QueryableByName)]
+pub(super) struct Row {
+    #[diesel(sql_type = Text)]
+    pub(super) id: String,
+    #[diesel(sql_type = Text)]
+    pub(super) aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub(super) aggregate_id: String,
+    #[diesel(sql_type = BigInt)]
+    pub(super) aggregate_seq: i64,
+    #[diesel(sql_type = Text)]
+    pub(super) event_type: String,
+    #[diesel(sql_type = Integer)]
+    pub(super) event_version: i32,
+    #[diesel(sql_type = Text)]
+    pub(super) partition_key: String,
+    #[diesel(sql_type = Text)]
+    pub(super) subject: String,
+    #[diesel(sql_type = Text)]
+    pub(super) payload: String,
+    #[diesel(sql_type = Text)]
+    pub(super) headers: String,
+    /// `occurred_at` in microseconds since the epoch (UTC).
+    #[diesel(sql_type = BigInt)]
+    pub(super) occurred_us: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(super) correlation_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(super) causation_id: Option<String>,
+    #[diesel(sql_type = Bool)]
+    pub(super) available: bool,
+}
+
+impl Row {
+    pub(super) fn into_claimed(self) -> QueryResult<ClaimedEvent> {
+        let invalid = |what: String| diesel::result::Error::DeserializationError(what.into());
+        let id = Uuid::parse_str(&self.id)
+            .map_err(|e| invalid(format!("outbox_events.id {:?} is not a UUID: {e}", self.id)))?;
+        let occurred_at =
+            time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(self.occurred_us) * 1_000)
+                .map_err(|e| invalid(format!("outbox_events.occurred_at of {id}: {e}")))?;
+        Ok(ClaimedEvent {
+            id,
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            aggregate_seq: self.aggregate_seq,
+            event_type: self.event_type,
+            event_version: self.event_version,
+            partition_key: self.partition_key,
+            subject: self.subject,
+            payload: JsonBytes(bytes::Bytes::from(self.payload)),
+            headers: JsonText(self.headers.into_bytes()),
+            occurred_at,
+            correlation_id: self.correlation_id,
+            causation_id: self.causation_id,
+            available: self.available,
+        })
+    }
+}
+
+/// The rejected row's state after its rejection was recorded.
+#[derive(QueryableByName)]
+pub(super) struct Rejected {
+    #[diesel(sql_type = Text)]
+    pub(super) aggregate_type: String,
+    #[diesel(sql_type = Text)]
+    pub(super) aggregate_id: String,
+    #[diesel(sql_type = BigInt)]
+    pub(super) aggregate_seq: i64,
+    #[diesel(sql_type = Integer)]
+    pub(super) attempts: i32,
+    #[diesel(sql_type = Bool)]
+    pub(super) dead_lettered: bool,
+    /// Until when the aggregate's later rows wait: the retry time, the end of time behind a
+    /// dead letter that blocks, or `None` behind a skipped one.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(super) blocked_until: Option<String>,
+}
+
+/// The claim's rows in the order `worker::chains` reads: each aggregate's head (`locked`),
+/// then the rows behind it (`followers`) in sequence order.
+pub(super) fn chained(
+    mut locked: Vec<Row>,
+    mut followers: Vec<Row>,
+) -> QueryResult<Vec<ClaimedEvent>> {
+    let mut rows = Vec::with_capacity(locked.len() + followers.len());
+    followers.sort_by(|a, b| {
+        (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
+            &b.aggregate_type,
+            &b.aggregate_id,
+            b.aggregate_seq,
+        ))
+    });
+    let mut followers = followers.into_iter().peekable();
+    locked.sort_by(|a, b| {
+        (&a.aggregate_type, &a.aggregate_id).cmp(&(&b.aggregate_type, &b.aggregate_id))
+    });
+    for head in locked {
+        let key = (head.aggregate_type.clone(), head.aggregate_id.clone());
+        rows.push(head.into_claimed()?);
+        while let Some(row) =
+            followers.next_if(|row| (&row.aggregate_type, &row.aggregate_id) == (&key.0, &key.1))
+        {
+            rows.push(row.into_claimed()?);
+        }
+    }
+    Ok(rows)
+}
+
+/// A rejected row's next state, as `queries::record_rejection` computes it on PostgreSQL.
+pub(super) struct Next {
+    /// The attempts counted, this one included.
+    pub(super) attempts: i32,
+    /// The row becomes a dead letter.
+    pub(super) dead: bool,
+    /// ... that does not block its aggregate's later rows.
+    pub(super) skipped: bool,
+    /// The retry's delay before jitter: `base * 2^(attempts - 1)`, capped, in microseconds.
+    pub(super) delay_us: i64,
+}
+
+impl Next {
+    /// The state after one more rejection of a row rejected `attempts` times before.
+    pub(super) fn after(attempts: i32, policy: RetryPolicy) -> Self {
+        let attempts = attempts.saturating_add(1);
+        let dead = attempts >= policy.max_attempts;
+        let exponent = u32::try_from(attempts - 1).unwrap_or(0).min(40);
+        Self {
+            attempts,
+            dead,
+            skipped: dead && !policy.dead_letters_block,
+            delay_us: policy
+                .base_delay_ms
+                .saturating_mul(1_i64 << exponent)
+                .min(policy.max_delay_ms)
+                .saturating_mul(1_000),
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! The outbox on SQLite 3.35+ (feature `sqlite`): the unit of work on diesel-async's
+//! [`AsyncSqliteConnection`] (diesel's `SqliteConnection` behind `SyncConnectionWrapper`), and
+//! a message relay that publishes its rows, for services that embed their database and for
+//! tests without a server.
+//!
+//! [`Outbox::transaction`](crate::Outbox::transaction) takes an `AsyncSqliteConnection` as it
+//! takes a PostgreSQL one: the same closure, the same [`UnitOfWork`](crate::UnitOfWork). The
+//! tables are this module's [`MIGRATIONS`] (`outbox-runtime/migrations-sqlite/`); open
+//! connections with [`establish`] and run them with [`run_migrations`]. [`SqliteRelay`]
+//! publishes the rows with the same subjects, headers and `Nats-Msg-Id` as the PostgreSQL
+//! relay.
+//!
+//! ```no_run
+//! use outbox_runtime::sqlite::{self, AsyncSqliteConnection};
+//! use outbox_runtime::{DomainEvent, Outbox, PendingEvents, UnitOfWorkError, aggregate};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+//! enum OrderEvent { Placed { customer: String } }
+//!
+//! #[aggregate]
+//! struct Order { id: String, pending_events: PendingEvents<OrderEvent> }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut db = sqlite::establish("orders.db")?;
+//! sqlite::run_migrations(&mut db)?;
+//! let mut conn = AsyncSqliteConnection::new(db);
+//! let mut order = Order { id: "o-1".into(), pending_events: PendingEvents::new() };
+//! order.record(OrderEvent::Placed { customer: "ada".into() });
+//! Outbox::new()
+//!     .transaction(&mut conn, async |uow| {
+//!         uow.track(&mut order);
+//!         Ok::<_, UnitOfWorkError>(())
+//!     })
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Guarantees, and how they differ from PostgreSQL's
+//! - Events commit with the business rows or not at all. A unit of work opens its transaction
+//!   with `BEGIN IMMEDIATE`: it takes SQLite's single write lock at once, so units of work on
+//!   one database file run one after another and sequences are contiguous and in commit
+//!   order. A connection waits for the lock as long as its `busy_timeout` says
+//!   ([`establish`] sets [`BUSY_TIMEOUT`]); with none, a unit of work that meets another
+//!   writer fails at once with "database is locked".
+//! - One relay publishes a database file's rows at a time: it holds a lease
+//!   (`outbox_relay_lease`) that it renews at each claim, and another [`SqliteRelay`] waits
+//!   as a standby and takes over once the lease has expired (a crashed relay's rows are
+//!   published again by the next one; JetStream drops the copies inside the stream's
+//!   duplicate window). The relay never holds the write lock while it publishes: it takes it
+//!   for a moment to claim, to record a rejection and to delete what was published.
+//! - No LISTEN/NOTIFY: a relay polls every [`RelayConfig::poll_interval`], and is woken at
+//!   once by a unit of work that commits in the same process (the usual set-up for an
+//!   embedded database).
+//! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]), the topology
+//!   registry, the dead-letter admin functions and the CLI.
+//! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
+//!   with another shape is refused by the table's CHECKs, since it would compare wrongly.
+//!
+//! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
+//! [`PublishedRows::Archive`]: crate::PublishedRows::Archive
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use diesel::connection::{AnsiTransactionManager, SimpleConnection};
+use diesel::sql_types::{BigInt, Integer, Nullable, Text};
+use diesel::sqlite::Sqlite;
+pub use diesel::sqlite::SqliteConnection;
+use diesel::{Connection, ConnectionResult, QueryableByName, RunQueryDsl};
+use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+
+use crate::causality::Causality;
+use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
+use crate::outbox::{MigrationError, MissingMigrations, Outbox};
+use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
+
+pub use crate::relay::sqlite::SqliteRelay;
+
+/// diesel's SQLite connection for async code: each statement runs on tokio's blocking pool.
+/// Build one with `AsyncSqliteConnection::new(`[`establish`]`(path)?)`.
+pub type AsyncSqliteConnection = SyncConnectionWrapper<SqliteConnection>;
+
+/// The outbox's migrations for SQLite (`outbox-runtime/migrations-sqlite/`), for
+/// [`run_migrations`] or your own diesel migration harness.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations-sqlite");
+
+/// How long a connection opened by [`establish`] waits for SQLite's write lock before a
+/// statement fails with "database is locked" (SQLite's `busy_timeout`).
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// SQLite's time of day in the tables' shape (UTC, milliseconds).
+pub(crate) const NOW: &str = "strftime('%Y-%m-%d %H:%M:%f', 'now')";
+
+/// The most rows one INSERT carries: SQLite allows 32,766 bound values a statement
+/// (`SQLITE_MAX_VARIABLE_NUMBER` since 3.32), and an event takes 14.
+const ROWS_PER_INSERT: usize = 2_000;
+
+/// Opens the database at `url` (a file path, `sqlite://path`, or a `file:` URI; created when
+/// missing) for the outbox: write-ahead logging (readers, the relay among them, do not wait
+/// for a writer), and a [`BUSY_TIMEOUT`] for the write lock.
+///
+/// # Errors
+/// The database's error, when the file cannot be opened or the settings cannot be applied.
+pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
+    let path = url.strip_prefix("sqlite://").unwrap_or(url);
+    let mut conn = SqliteConnection::establish(path)?;
+    conn.batch_execute(&format!(
+        "PRAGMA busy_timeout = {}; PRAGMA journal_mode = WAL;",
+        BUSY_TIMEOUT.as_millis()
+    ))
+    .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+    Ok(conn)
+}
+
+/// Applies the pending [`MIGRATIONS`] on `conn` and returns the versions it applied (empty
+/// when the schema is current). Each migration runs in its own transaction; an instance that
+/// migrates while another does waits for the write lock (the connection's `busy_timeout`),
+/// then finds the migration applied.
+///
+/// # Errors
+/// [`MigrationError::Migration`] naming the migration that failed.
+pub fn run_migrations(conn: &mut SqliteConnection) -> Result<Vec<String>, MigrationError> {
+    Ok(conn
+        .run_pending_migrations(MIGRATIONS)
+        .map_err(MigrationError::Migration)?
+        .into_iter()
+        .map(|version| version.to_string())
+        .collect())
+}
+
+/// The versions of [`MIGRATIONS`] the database at the other end of `conn` has not applied,
+/// oldest first: empty when the outbox schema is current.
+///
+/// # Errors
+/// The database's error.
+pub fn pending_migrations(conn: &mut SqliteConnection) -> diesel::QueryResult<Vec<String>> {
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    #[derive(QueryableByName)]
+    struct Version {
+        #[diesel(sql_type = Text)]
+        version: String,
+    }
+    let embedded: Vec<String> =
+        diesel::migration::MigrationSource::<Sqlite>::migrations(&MIGRATIONS)
+            .map_err(diesel::result::Error::QueryBuilderError)?
+            .iter()
+            .map(|migration| migration.name().version().to_string())
+            .collect();
+    let table: Count = diesel::sql_query(
+        "SELECT COUNT(*) AS n FROM sqlite_master \
+         WHERE type = 'table' AND name = '__diesel_schema_migrations'",
+    )
+    .get_result(conn)?;
+    if table.n == 0 {
+        return Ok(embedded);
+    }
+    let applied: HashSet<String> =
+        diesel::sql_query("SELECT version FROM __diesel_schema_migrations")
+            .load::<Version>(conn)?
+            .into_iter()
+            .map(|v| v.version)
+            .collect();
+    Ok(embedded
+        .into_iter()
+        .filter(|version| !applied.contains(version))
+        .collect())
+}
+
+/// Opens the unit of work's transaction: `BEGIN IMMEDIATE` takes the write lock now, so the
+/// numbering below reads counters no other writer can move before COMMIT.
+pub(crate) fn begin(conn: &mut SqliteConnection) -> diesel::QueryResult<()> {
+    AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE")
+}
+
+/// Takes the events' dedup keys and writes the events that are not duplicates, numbered after
+/// each aggregate's last sequence, inside the transaction [`begin`] opened.
+pub(crate) fn write_events(
+    conn: &mut SqliteConnection,
+    mut events: Vec<NewEvent>,
+    causality: &Causality,
+    duplicates: DuplicateEvents,
+) -> Result<(), UnitOfWorkError> {
+    if events.iter().any(|e| e.dedup_key.is_some()) {
+        let taken = take_dedup_keys(conn, &events).map_err(UnitOfWorkError::Database)?;
+        drop_duplicates(&mut events, &taken, duplicates)?;
+    }
+    if !events.is_empty() {
+        insert_events(conn, &events, causality).map_err(UnitOfWorkError::Database)?;
+    }
+    Ok(())
+}
+
+/// The migrations the database lacks, asked after a database error.
+pub(crate) fn missing_migrations(
+    conn: &mut SqliteConnection,
+) -> diesel::QueryResult<Result<(), MissingMigrations>> {
+    let pending = pending_migrations(conn)?;
+    Ok(if pending.is_empty() {
+        Ok(())
+    } else {
+        Err(MissingMigrations { pending })
+    })
+}
+
+// The trait is crate-private in effect (see `unit_of_work::sealed`).
+#[allow(private_interfaces)]
+impl crate::unit_of_work::sealed::Backend for AsyncSqliteConnection {
+    async fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
+        self.spawn_blocking(begin).await
+    }
+
+    async fn write_events(
+        &mut self,
+        events: Vec<NewEvent>,
+        causality: &Causality,
+        duplicates: DuplicateEvents,
+    ) -> Result<(), UnitOfWorkError> {
+        let causality = causality.clone();
+        self.spawn_blocking(move |conn| Ok(write_events(conn, events, &causality, duplicates)))
+            .await
+            .map_err(UnitOfWorkError::Database)?
+    }
+
+    async fn missing_migrations(&mut self) -> diesel::QueryResult<Result<(), MissingMigrations>> {
+        self.spawn_blocking(missing_migrations).await
+    }
+
+    fn events_committed() {
+        crate::commits::COMMITS.committed();
+    }
+}
+
+/// `(?, ?, ...)` groups of `width` placeholders, `n` of them, joined by commas.
+fn placeholders(n: usize, width: usize) -> String {
+    let group = format!("({})", vec!["?"; width].join(", "));
+    vec![group; n].join(", ")
+}
+
+/// Takes the dedup keys of `events` and returns the positions of the events not to write
+/// (as the PostgreSQL unit of work does; see `outbox::queries::take_dedup_keys`). The write
+/// lock of `BEGIN IMMEDIATE` makes the insert and the read that follows it atomic.
+fn take_dedup_keys(
+    conn: &mut SqliteConnection,
+    events: &[NewEvent],
+) -> diesel::QueryResult<Vec<usize>> {
+    let mut plan = DedupKeys::plan(events);
+    let Some(statement) = plan.statement() else {
+        return Ok(plan.duplicates(events));
+    };
+    let keys: Vec<(&str, String)> = statement
+        .keys()
+        .iter()
+        .zip(statement.ids())
+        .map(|(key, id)| (*key, id.to_string()))
+        .collect();
+    let mut insert = diesel::sql_query(format!(
+        "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} ON CONFLICT DO NOTHING",
+        placeholders(keys.len(), 2)
+    ))
+    .into_boxed::<Sqlite>();
+    for (key, id) in &keys {
+        insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+    }
+    insert.execute(conn)?;
+    let mut ours = diesel::sql_query(format!(
+        "SELECT dedup_key FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN (VALUES {})",
+        placeholders(keys.len(), 2)
+    ))
+    .into_boxed::<Sqlite>();
+    for (key, id) in &keys {
+        ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+    }
+    let taken: Vec<TakenKey> = ours.load(conn)?;
+    plan.taken(&taken);
+    Ok(plan.duplicates(events))
+}
+
+/// An aggregate's counter after the unit of work advanced it.
+#[derive(QueryableByName)]
+struct Counter {
+    #[diesel(sql_type = BigInt)]
+    last_seq: i64,
+    /// When the aggregate is parked behind a rejected row: its new rows wait until then.
+    #[diesel(sql_type = Nullable<Text>)]
+    blocked_until: Option<String>,
+}
+
+/// Writes `events`, numbering each aggregate's after its last sequence, in the order given.
+///
+/// Per aggregate, one upsert of `outbox_aggregates` advances the counter by the aggregate's
+/// number of events, past the highest sequence of its rows first (rows another writer
+/// inserted by hand), and returns it; then the events are inserted with their numbers.
+/// Guarantee: `BEGIN IMMEDIATE` holds SQLite's write lock from the start of the transaction,
+/// so no other writer runs between the counter's read and the COMMIT.
+fn insert_events(
+    conn: &mut SqliteConnection,
+    events: &[NewEvent],
+    causality: &Causality,
+) -> diesel::QueryResult<()> {
+    let (ordinals, counts) = numbering(events);
+    let mut last: std::collections::HashMap<(&str, &str), Counter> =
+        std::collections::HashMap::with_capacity(counts.len());
+    for (&(aggregate_type, aggregate_id), &n) in &counts {
+        let counter: Counter = diesel::sql_query(
+            "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) \
+             VALUES (?1, ?2, ?3 + COALESCE((SELECT MAX(aggregate_seq) FROM outbox_events \
+                 WHERE aggregate_type = ?1 AND aggregate_id = ?2), 0)) \
+             ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = ?3 + MAX( \
+                 outbox_aggregates.last_seq, \
+                 COALESCE((SELECT MAX(aggregate_seq) FROM outbox_events \
+                     WHERE aggregate_type = ?1 AND aggregate_id = ?2), 0)) \
+             RETURNING last_seq, blocked_until",
+        )
+        .bind::<Text, _>(aggregate_type)
+        .bind::<Text, _>(aggregate_id)
+        .bind::<BigInt, _>(n)
+        .get_result(conn)?;
+        last.insert((aggregate_type, aggregate_id), counter);
+    }
+
+    let headers = causality.headers_json();
+    let ids: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
+    let rows: Vec<(usize, &NewEvent)> = events.iter().enumerate().collect();
+    for chunk in rows.chunks(ROWS_PER_INSERT) {
+        let mut insert = diesel::sql_query(format!(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, \
+             event_type, event_version, partition_key, subject, payload, available_at, \
+             correlation_id, causation_id, headers) VALUES {}",
+            vec![
+                format!("(?, ?, ?, ?, ?, ?, ?, ?, ?, MAX({NOW}, COALESCE(?, {NOW})), ?, ?, ?)");
+                chunk.len()
+            ]
+            .join(", ")
+        ))
+        .into_boxed::<Sqlite>();
+        for &(position, event) in chunk {
+            let aggregate = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+            let counter = &last[&aggregate];
+            let seq = counter.last_seq - counts[&aggregate] + ordinals[position];
+            insert = insert
+                .bind::<Text, _>(ids[position].as_str())
+                .bind::<Text, _>(aggregate.0)
+                .bind::<Text, _>(aggregate.1)
+                .bind::<BigInt, _>(seq)
+                .bind::<Text, _>(event.event_type)
+                .bind::<Integer, _>(event.event_version)
+                .bind::<Text, _>(event.partition_key.as_str())
+                .bind::<Text, _>(event.subject.as_str())
+                .bind::<Text, _>(event.payload.as_str())
+                .bind::<Nullable<Text>, _>(counter.blocked_until.as_deref())
+                .bind::<Text, _>(causality.correlation_id.as_str())
+                .bind::<Text, _>(causality.causation_id.as_str())
+                .bind::<Text, _>(headers.as_str());
+        }
+        insert.execute(conn)?;
+    }
+    Ok(())
+}
