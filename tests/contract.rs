@@ -550,7 +550,7 @@ contract!(sync_pg => SyncPg);
 #[cfg(feature = "mysql")]
 contract!(async_mysql => mysql::AsyncMysql);
 #[cfg(feature = "sqlite")]
-contract!(async_sqlite => sqlite::AsyncSqlite);
+contract!(async_sqlite => sqlite::AsyncSqlite, sync_sqlite => sqlite::SyncSqlite);
 
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1019,9 +1019,130 @@ mod sqlite {
         }
     }
 
+    /// diesel's sync `SqliteConnection` through `Outbox::sync_transaction`; the rest as
+    /// [`AsyncSqlite`].
+    pub struct SyncSqlite;
+
+    impl Backend for SyncSqlite {
+        async fn setup() -> Env {
+            AsyncSqlite::setup().await
+        }
+
+        async fn commit(
+            env: &Env,
+            mut orders: Vec<Order>,
+            dedup_key: Option<String>,
+            fail: bool,
+        ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
+            let (path, outbox) = (database(env).path.clone(), env.outbox());
+            tokio::task::spawn_blocking(move || {
+                use diesel::RunQueryDsl as Sync;
+                let mut conn = outbox_runtime::sqlite::establish(&path).expect("a connection");
+                let result = outbox.sync_transaction(&mut conn, |uow| {
+                    let count = diesel::sql_query("SELECT COUNT(*) AS n FROM orders");
+                    Sync::execute(count, uow.conn())?;
+                    for order in &mut orders {
+                        let insert = diesel::sql_query("INSERT INTO orders VALUES (?)")
+                            .bind::<Text, _>(&order.id);
+                        Sync::execute(insert, uow.conn())?;
+                        uow.track(order);
+                    }
+                    if let Some(request) = dedup_key {
+                        uow.emit("Invoice", "i-1", &Invoiced { request });
+                    }
+                    if fail {
+                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    }
+                    Ok(())
+                });
+                (orders, result)
+            })
+            .await
+            .expect("the sync unit of work ran")
+        }
+
+        async fn rows(env: &Env) -> Vec<(String, i64)> {
+            AsyncSqlite::rows(env).await
+        }
+
+        async fn business_rows(env: &Env) -> i64 {
+            AsyncSqlite::business_rows(env).await
+        }
+
+        async fn execute(env: &Env, statement: &str) {
+            <AsyncSqlite as Backend>::execute(env, statement).await;
+        }
+
+        async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
+            AsyncSqlite::dead_letters(env).await
+        }
+
+        fn relay_config(env: &Env) -> RelayConfig {
+            AsyncSqlite::relay_config(env)
+        }
+
+        async fn relay_all(env: &Env) {
+            AsyncSqlite::relay_all(env).await;
+        }
+
+        async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
+            AsyncSqlite::spawn_relay(env, config).await
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_relay_is_woken_by_each_commit_of_its_process() {
         super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncSqlite>().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_relay_is_woken_by_each_sync_commit_of_its_process() {
+        super::an_idle_relay_is_woken_by_each_commit_of_its_process::<SyncSqlite>().await;
+    }
+
+    /// `sync_transaction` takes an r2d2-pooled `SqliteConnection`, and says what is missing
+    /// on a database file without the outbox tables.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migrations() {
+        let env = SyncSqlite::setup().await;
+        let (path, outbox) = (database(&env).path.clone(), env.outbox());
+        let bare = Database {
+            path: format!("{path}.bare"),
+        };
+        let bare_path = bare.path.clone();
+        tokio::task::spawn_blocking(move || {
+            use diesel::r2d2::{ConnectionManager, Pool};
+            let pool = Pool::builder()
+                .max_size(2)
+                .build(ConnectionManager::<diesel::SqliteConnection>::new(path))
+                .expect("an r2d2 pool");
+            let mut order = shipped("o-1");
+            outbox
+                .sync_transaction(&mut pool.get().unwrap(), |uow| {
+                    uow.track(&mut order);
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .unwrap();
+            assert!(order.pending_events().is_empty());
+
+            let mut bare = outbox_runtime::sqlite::establish(&bare_path).unwrap();
+            let mut order = shipped("o-2");
+            let error = outbox
+                .sync_transaction(&mut bare, |uow| {
+                    uow.track(&mut order);
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .unwrap_err();
+            assert!(
+                matches!(&error, UnitOfWorkError::MissingMigrations(missing) if !missing.pending.is_empty()),
+                "{error:?}"
+            );
+            assert_eq!(order.pending_events().len(), 2, "the events stay pending");
+        })
+        .await
+        .unwrap();
+        assert_eq!(SyncSqlite::rows(&env).await.len(), 2);
+        drop(bare);
     }
 
     /// One relay publishes a file's rows at a time: a second one claims nothing while the

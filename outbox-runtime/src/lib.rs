@@ -95,7 +95,7 @@ pub mod relay;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod subject;
-#[cfg(feature = "postgres-sync")]
+#[cfg(any(feature = "postgres-sync", feature = "sqlite"))]
 pub mod sync;
 #[cfg(feature = "opentelemetry")]
 mod telemetry;

@@ -1,5 +1,6 @@
-//! The unit of work on a synchronous `diesel::PgConnection` (feature `postgres-sync`), for
-//! services on sync diesel, plain or behind r2d2.
+//! The unit of work on a synchronous diesel connection, for services on sync diesel, plain or
+//! behind r2d2: `diesel::PgConnection` (feature `postgres-sync`) and `diesel::SqliteConnection`
+//! (feature `sqlite`).
 //!
 //! [`Outbox::sync_transaction`] is [`Outbox::transaction`] in sync form: the same closure
 //! shape, the same table, the same statements and the same guarantees (events written in the
@@ -8,6 +9,7 @@
 //! any other: they are the same rows.
 //!
 //! ```no_run
+//! # #[cfg(feature = "postgres-sync")]
 //! use diesel::{Connection, PgConnection};
 //! use outbox_runtime::{DomainEvent, Outbox, PendingEvents, UnitOfWorkError, aggregate};
 //! use serde::{Deserialize, Serialize};
@@ -18,6 +20,7 @@
 //! #[aggregate]
 //! struct Order { id: String, pending_events: PendingEvents<OrderEvent> }
 //!
+//! # #[cfg(feature = "postgres-sync")]
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let mut conn = PgConnection::establish("postgres://postgres@127.0.0.1:5432/test")?;
 //! let mut order = Order { id: "o-1".into(), pending_events: PendingEvents::new() };
@@ -29,37 +32,55 @@
 //! })?;
 //! # Ok(())
 //! # }
+//! # #[cfg(not(feature = "postgres-sync"))]
+//! # fn main() {}
 //! ```
 //!
-//! With r2d2, pass the pooled connection: `outbox.sync_transaction(&mut pool.get()?, ..)`
-//! (`&mut PooledConnection` derefs to `&mut PgConnection`).
+//! With r2d2, pass the pooled connection: `outbox.sync_transaction(&mut *pool.get()?, ..)`
+//! (`&mut *` reaches the connection inside the guard). On SQLite, open the connection with
+//! [`sqlite::establish`](crate::sqlite::establish) (it waits for the write lock).
 
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
-use diesel::sql_types::{Array, Bool, Text};
-use diesel::{PgConnection, QueryableByName, RunQueryDsl};
+use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
+#[cfg(feature = "postgres-sync")]
+use diesel::{
+    PgConnection, QueryableByName, RunQueryDsl,
+    sql_types::{Array, Bool, Text},
+};
 
 use crate::aggregate::Aggregate;
 use crate::causality::{Causality, Traceparent};
 use crate::event::DomainEvent;
-use crate::outbox::queries::{self, DedupKeys, TakenKey};
-use crate::outbox::{self as outbox_mod, MissingMigrations, Outbox};
-use crate::topology::{self, Registered, Role};
+use crate::outbox::queries::NewEvent;
+use crate::outbox::{MissingMigrations, Outbox};
 use crate::unit_of_work::{
-    BEGIN, CollectEvents, Drain, DuplicateEvents, EventBuffer, UnitOfWorkError, drop_duplicates,
-    rolled_back_with,
+    CollectEvents, Drain, DuplicateEvents, EventBuffer, UnitOfWorkError, rolled_back_with,
 };
+use sealed::SyncBackend as _;
 
 /// The events of one transaction on a sync connection, collected until COMMIT: the sync
 /// form of [`UnitOfWork`](crate::UnitOfWork), handed to the closure of
-/// [`Outbox::sync_transaction`] and to nothing else.
-pub struct SyncUnitOfWork<'c> {
-    conn: &'c mut PgConnection,
+/// [`Outbox::sync_transaction`] and to nothing else. `C` is the connection
+/// (`diesel::PgConnection` unless said otherwise, or `diesel::SqliteConnection`).
+#[cfg(feature = "postgres-sync")]
+pub struct SyncUnitOfWork<'c, C: SyncBackendConnection = PgConnection> {
+    conn: &'c mut C,
     buffer: EventBuffer<'c>,
 }
 
-impl SyncUnitOfWork<'_> {
+/// The events of one transaction on a sync connection, collected until COMMIT: the sync
+/// form of [`UnitOfWork`](crate::UnitOfWork), handed to the closure of
+/// [`Outbox::sync_transaction`] and to nothing else. `C` is the connection
+/// (`diesel::SqliteConnection`).
+#[cfg(not(feature = "postgres-sync"))]
+pub struct SyncUnitOfWork<'c, C: SyncBackendConnection> {
+    conn: &'c mut C,
+    buffer: EventBuffer<'c>,
+}
+
+impl<C: SyncBackendConnection> SyncUnitOfWork<'_, C> {
     /// The transaction's connection, for the business writes.
-    pub fn conn(&mut self) -> &mut PgConnection {
+    pub fn conn(&mut self) -> &mut C {
         self.conn
     }
 
@@ -109,30 +130,20 @@ impl SyncUnitOfWork<'_> {
         self.buffer.event_count()
     }
 
-    /// Writes the collected events; returns what to drain after COMMIT.
-    fn flush(self) -> Result<Vec<Drain>, UnitOfWorkError> {
+    /// Writes the collected events; returns what to drain after COMMIT, and whether any
+    /// event was handed over.
+    fn flush(self) -> Result<(Vec<Drain>, bool), UnitOfWorkError> {
         let Self { conn, buffer } = self;
         let duplicates = buffer.duplicates;
         let causality = buffer.causality.clone();
-        let (mut events, drains) = buffer.take()?;
-        let mut plan = DedupKeys::plan(&events);
-        if let Some(statement) = plan.statement() {
-            let taken: Vec<TakenKey> = statement
-                .load(conn)
-                .map_err(UnitOfWorkError::from_database)?;
-            plan.taken(&taken);
-            let taken = plan.duplicates(&events);
-            drop_duplicates(&mut events, &taken, duplicates)?;
-        }
-        if !events.is_empty() {
-            let headers = causality.headers_json();
-            queries::insert_statement(&events, &causality, &headers).execute(conn)?;
-        }
-        Ok(drains)
+        let (events, drains) = buffer.take()?;
+        let any = !events.is_empty();
+        conn.write_events(events, &causality, duplicates)?;
+        Ok((drains, any))
     }
 }
 
-impl CollectEvents for SyncUnitOfWork<'_> {
+impl<C: SyncBackendConnection> CollectEvents for SyncUnitOfWork<'_, C> {
     fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
         SyncUnitOfWork::track(self, aggregate);
     }
@@ -143,7 +154,9 @@ impl CollectEvents for SyncUnitOfWork<'_> {
 }
 
 impl Outbox {
-    /// [`transaction`](Self::transaction) on a synchronous `diesel::PgConnection`: runs `f`
+    /// [`transaction`](Self::transaction) on a synchronous diesel connection (a
+    /// [`SyncBackendConnection`]: `diesel::PgConnection` or `diesel::SqliteConnection`, plain
+    /// or r2d2-pooled): runs `f`
     /// inside one database transaction and writes the events it hands over to the outbox
     /// table just before COMMIT; the tracked aggregates are drained only after the COMMIT.
     /// When `f` returns an error, or writing the events fails, the transaction is rolled
@@ -155,29 +168,20 @@ impl Outbox {
     /// # Errors
     /// `f`'s own error, or a [`UnitOfWorkError`] converted into `E`, as
     /// [`transaction`](Self::transaction).
-    pub fn sync_transaction<T, E, F>(&self, conn: &mut PgConnection, f: F) -> Result<T, E>
+    pub fn sync_transaction<P, T, E, F>(&self, conn: &mut P, f: F) -> Result<T, E>
     where
-        F: for<'u, 'c> FnOnce(&'u mut SyncUnitOfWork<'c>) -> Result<T, E>,
+        P: SyncOutboxConnection + ?Sized,
+        F: for<'u, 'c> FnOnce(&'u mut SyncUnitOfWork<'c, P::Connection>) -> Result<T, E>,
         E: From<UnitOfWorkError>,
     {
+        let conn = conn.connection();
         let depth = AnsiTransactionManager::transaction_manager_status_mut(conn)
             .transaction_depth()
             .map_err(UnitOfWorkError::from)?;
         if depth.is_some() {
             return Err(UnitOfWorkError::NestedTransaction.into());
         }
-        if self.registration_due() {
-            let others: Result<Vec<Registered>, _> =
-                topology::register_statement(Role::Outbox, self.topology()).load(conn);
-            match others {
-                Ok(others) => topology::report_mismatches(Role::Outbox, self.topology(), &others),
-                Err(error) => tracing::warn!(
-                    %error,
-                    "cannot register the outbox's topology in outbox_topologies"
-                ),
-            }
-        }
-        AnsiTransactionManager::begin_transaction_sql(conn, BEGIN)
+        conn.begin_unit_of_work(self)
             .map_err(UnitOfWorkError::from)?;
 
         let outcome = {
@@ -191,8 +195,11 @@ impl Outbox {
             }
         };
         match outcome {
-            Ok((value, drains)) => {
+            Ok((value, (drains, wrote_events))) => {
                 AnsiTransactionManager::commit_transaction(conn).map_err(UnitOfWorkError::from)?;
+                if wrote_events {
+                    P::Connection::events_committed();
+                }
                 for (handle, count) in drains {
                     handle.mark_committed(count);
                 }
@@ -211,7 +218,7 @@ impl Outbox {
                 let error = match error {
                     UnitOfWorkError::Database(
                         database_error @ diesel::result::Error::DatabaseError(..),
-                    ) if rolled_back.is_ok() => match missing_migrations(conn) {
+                    ) if rolled_back.is_ok() => match conn.missing_migrations() {
                         Ok(Some(missing)) => UnitOfWorkError::MissingMigrations(missing),
                         _ => UnitOfWorkError::Database(database_error),
                     },
@@ -223,27 +230,167 @@ impl Outbox {
     }
 }
 
-/// The outbox migrations the database lacks, if any.
-fn missing_migrations(conn: &mut PgConnection) -> diesel::QueryResult<Option<MissingMigrations>> {
-    #[derive(QueryableByName)]
-    struct Exists {
-        #[diesel(sql_type = Bool)]
-        exists: bool,
+/// A sync diesel connection a unit of work runs on: `diesel::PgConnection` (feature
+/// `postgres-sync`) or `diesel::SqliteConnection` (feature `sqlite`). Each writes the events
+/// with statements of its own database.
+///
+/// Sealed: implemented by the toolkit for the connections it has statements for.
+pub trait SyncBackendConnection: R2D2Connection + 'static + sealed::SyncBackend {}
+
+impl<C> SyncBackendConnection for C where C: R2D2Connection + 'static + sealed::SyncBackend {}
+
+/// What [`Outbox::sync_transaction`] takes: a [`SyncBackendConnection`], or r2d2's guard
+/// around one (`&mut pool.get()?`). The closure's [`SyncUnitOfWork`] is on the connection
+/// itself either way.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a connection a sync unit of work can run on",
+    label = "a sync unit of work runs on a PgConnection or SqliteConnection, or an r2d2 guard of one",
+    note = "for another pool's guard, pass `&mut *conn`: it derefs to the connection"
+)]
+pub trait SyncOutboxConnection {
+    /// The database connection: `Self`, or the one inside the guard.
+    type Connection: SyncBackendConnection;
+
+    /// The database connection.
+    fn connection(&mut self) -> &mut Self::Connection;
+}
+
+impl<C: SyncBackendConnection> SyncOutboxConnection for C {
+    type Connection = C;
+
+    fn connection(&mut self) -> &mut C {
+        self
     }
-    #[derive(QueryableByName)]
-    struct Version {
-        #[diesel(sql_type = Text)]
-        version: String,
+}
+
+impl<C: SyncBackendConnection> SyncOutboxConnection for PooledConnection<ConnectionManager<C>> {
+    type Connection = C;
+
+    fn connection(&mut self) -> &mut C {
+        self
     }
-    let embedded = outbox_mod::embedded_versions()?;
-    let table: Exists = diesel::sql_query(outbox_mod::MIGRATIONS_TABLE_EXISTS).get_result(conn)?;
-    let pending = if table.exists {
-        let pending: Vec<Version> = diesel::sql_query(outbox_mod::PENDING_VERSIONS)
-            .bind::<Array<Text>, _>(&embedded)
-            .load(conn)?;
-        pending.into_iter().map(|v| v.version).collect()
-    } else {
-        embedded
-    };
-    Ok((!pending.is_empty()).then_some(MissingMigrations { pending }))
+}
+
+// The module is private, so `SyncBackend` cannot be named or implemented outside the crate,
+// and the crate-private types in its signatures stay out of reach.
+#[allow(private_interfaces)]
+pub(crate) mod sealed {
+    use super::*;
+
+    /// What a sync unit of work needs from its database, beside diesel's transaction
+    /// manager.
+    pub trait SyncBackend: diesel::Connection<TransactionManager = AnsiTransactionManager> {
+        /// Opens the unit of work's transaction.
+        fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()>;
+
+        /// Takes the events' dedup keys and writes the events that are not duplicates, with
+        /// their sequences, inside the open transaction.
+        fn write_events(
+            &mut self,
+            events: Vec<NewEvent>,
+            causality: &Causality,
+            duplicates: DuplicateEvents,
+        ) -> Result<(), UnitOfWorkError>;
+
+        /// The outbox migrations the database lacks, if any, asked after a database error.
+        fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>>;
+
+        /// Called after a unit of work that wrote events committed (wakes the relays of this
+        /// process on a database without notifications).
+        fn events_committed() {}
+    }
+
+    #[cfg(feature = "postgres-sync")]
+    impl SyncBackend for PgConnection {
+        fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
+            use crate::topology::{self, Registered, Role};
+            if outbox.registration_due() {
+                let others: Result<Vec<Registered>, _> =
+                    topology::register_statement(Role::Outbox, outbox.topology()).load(self);
+                match others {
+                    Ok(others) => {
+                        topology::report_mismatches(Role::Outbox, outbox.topology(), &others)
+                    }
+                    Err(error) => tracing::warn!(
+                        %error,
+                        "cannot register the outbox's topology in outbox_topologies"
+                    ),
+                }
+            }
+            AnsiTransactionManager::begin_transaction_sql(self, crate::unit_of_work::BEGIN)
+        }
+
+        fn write_events(
+            &mut self,
+            mut events: Vec<NewEvent>,
+            causality: &Causality,
+            duplicates: DuplicateEvents,
+        ) -> Result<(), UnitOfWorkError> {
+            use crate::outbox::queries::{self, DedupKeys, TakenKey};
+            let mut plan = DedupKeys::plan(&events);
+            if let Some(statement) = plan.statement() {
+                let taken: Vec<TakenKey> = statement
+                    .load(self)
+                    .map_err(UnitOfWorkError::from_database)?;
+                plan.taken(&taken);
+                let taken = plan.duplicates(&events);
+                crate::unit_of_work::drop_duplicates(&mut events, &taken, duplicates)?;
+            }
+            if !events.is_empty() {
+                let headers = causality.headers_json();
+                queries::insert_statement(&events, causality, &headers).execute(self)?;
+            }
+            Ok(())
+        }
+
+        fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {
+            #[derive(QueryableByName)]
+            struct Exists {
+                #[diesel(sql_type = Bool)]
+                exists: bool,
+            }
+            #[derive(QueryableByName)]
+            struct Version {
+                #[diesel(sql_type = Text)]
+                version: String,
+            }
+            use crate::outbox as outbox_mod;
+            let embedded = outbox_mod::embedded_versions()?;
+            let table: Exists =
+                diesel::sql_query(outbox_mod::MIGRATIONS_TABLE_EXISTS).get_result(self)?;
+            let pending = if table.exists {
+                let pending: Vec<Version> = diesel::sql_query(outbox_mod::PENDING_VERSIONS)
+                    .bind::<Array<Text>, _>(&embedded)
+                    .load(self)?;
+                pending.into_iter().map(|v| v.version).collect()
+            } else {
+                embedded
+            };
+            Ok((!pending.is_empty()).then_some(MissingMigrations { pending }))
+        }
+    }
+
+    #[cfg(feature = "sqlite")]
+    impl SyncBackend for diesel::SqliteConnection {
+        fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
+            crate::sqlite::begin(self)
+        }
+
+        fn write_events(
+            &mut self,
+            events: Vec<NewEvent>,
+            causality: &Causality,
+            duplicates: DuplicateEvents,
+        ) -> Result<(), UnitOfWorkError> {
+            crate::sqlite::write_events(self, events, causality, duplicates)
+        }
+
+        fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {
+            Ok(crate::sqlite::missing_migrations(self)?.err())
+        }
+
+        fn events_committed() {
+            crate::commits::COMMITS.committed();
+        }
+    }
 }
