@@ -8,6 +8,15 @@
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `NATS_URL`
 //! (default `nats://127.0.0.1:4222`) point it elsewhere. It exits 0 once every event it
 //! committed has arrived, and 1 if they have not within 30 seconds.
+//!
+//! The database is chosen by the URL: `postgres://` (the default build), `mysql://` (MySQL 8
+//! or MariaDB 10.6+, built with `--features mysql`), or a SQLite file's path (built with
+//! `--features sqlite`); the same orders and events on each:
+//!
+//! ```sh
+//! DATABASE_URL=mysql://root@127.0.0.1:3306/test cargo run --features mysql --example quickstart
+//! DATABASE_URL=orders.db cargo run --features sqlite --example quickstart
+//! ```
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -17,7 +26,8 @@ use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, UnitOfWork, UnitOfWorkError, aggregate,
+    BackendConnection, DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, RelayHandle,
+    UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -89,23 +99,173 @@ diesel::table! {
     }
 }
 
-/// Saves the order's row and hands its events to the unit of work: one transaction.
-async fn save(uow: &mut UnitOfWork<'_>, order: &mut Order) -> Result<(), UnitOfWorkError> {
-    let row = (
-        orders::id.eq(&order.id),
-        orders::customer.eq(&order.customer),
-        orders::total_cents.eq(order.total_cents),
-        orders::status.eq(order.status),
-    );
-    diesel::insert_into(orders::table)
-        .values(row)
-        .on_conflict(orders::id)
-        .do_update()
-        .set(row)
-        .execute(uow.conn())
+/// The database the quickstart runs on: how it opens a connection, saves an order in a unit
+/// of work, and starts the relay that publishes its outbox.
+trait Database {
+    type Conn: BackendConnection;
+
+    /// Migrates the outbox tables, creates `orders`, and opens a connection.
+    async fn open(url: &str) -> Result<Self::Conn, Box<dyn std::error::Error>>;
+
+    /// Saves the order's row and hands its events to the unit of work: one transaction.
+    async fn save(
+        uow: &mut UnitOfWork<'_, Self::Conn>,
+        order: &mut Order,
+    ) -> Result<(), UnitOfWorkError>;
+
+    /// Starts the database's relay (it makes sure the EVENTS stream exists).
+    async fn relay(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<RelayHandle, Box<dyn std::error::Error>>;
+}
+
+/// PostgreSQL, on diesel-async's `AsyncPgConnection`.
+struct Postgres;
+
+impl Database for Postgres {
+    type Conn = AsyncPgConnection;
+
+    async fn open(url: &str) -> Result<AsyncPgConnection, Box<dyn std::error::Error>> {
+        outbox_runtime::run_migrations(url).await?;
+        let mut conn = AsyncPgConnection::establish(url).await?;
+        conn.batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                id text PRIMARY KEY, customer text NOT NULL,
+                total_cents bigint NOT NULL, status text NOT NULL)",
+        )
         .await?;
-    uow.track(order);
-    Ok(())
+        Ok(conn)
+    }
+
+    async fn save(uow: &mut UnitOfWork<'_>, order: &mut Order) -> Result<(), UnitOfWorkError> {
+        let row = (
+            orders::id.eq(&order.id),
+            orders::customer.eq(&order.customer),
+            orders::total_cents.eq(order.total_cents),
+            orders::status.eq(order.status),
+        );
+        diesel::insert_into(orders::table)
+            .values(row)
+            .on_conflict(orders::id)
+            .do_update()
+            .set(row)
+            .execute(uow.conn())
+            .await?;
+        uow.track(order);
+        Ok(())
+    }
+
+    async fn relay(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<RelayHandle, Box<dyn std::error::Error>> {
+        Ok(Relay::connect(config, nats).await?.spawn())
+    }
+}
+
+/// MySQL 8 or MariaDB 10.6+, on diesel-async's `AsyncMysqlConnection` (feature `mysql`).
+#[cfg(feature = "mysql")]
+struct Mysql;
+
+#[cfg(feature = "mysql")]
+impl Database for Mysql {
+    type Conn = diesel_async::AsyncMysqlConnection;
+
+    async fn open(url: &str) -> Result<Self::Conn, Box<dyn std::error::Error>> {
+        outbox_runtime::mysql::run_migrations(url).await?;
+        let mut conn = diesel_async::AsyncMysqlConnection::establish(url).await?;
+        conn.batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                id VARCHAR(64) PRIMARY KEY, customer TEXT NOT NULL,
+                total_cents BIGINT NOT NULL, status TEXT NOT NULL)",
+        )
+        .await?;
+        Ok(conn)
+    }
+
+    async fn save(
+        uow: &mut UnitOfWork<'_, Self::Conn>,
+        order: &mut Order,
+    ) -> Result<(), UnitOfWorkError> {
+        let row = (
+            orders::id.eq(&order.id),
+            orders::customer.eq(&order.customer),
+            orders::total_cents.eq(order.total_cents),
+            orders::status.eq(order.status),
+        );
+        diesel::insert_into(orders::table)
+            .values(row)
+            .on_conflict(diesel::dsl::DuplicatedKeys)
+            .do_update()
+            .set(row)
+            .execute(uow.conn())
+            .await?;
+        uow.track(order);
+        Ok(())
+    }
+
+    async fn relay(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<RelayHandle, Box<dyn std::error::Error>> {
+        Ok(outbox_runtime::mysql::MysqlRelay::connect(config, nats)
+            .await?
+            .spawn())
+    }
+}
+
+/// A SQLite file, on diesel's `SqliteConnection` behind diesel-async's wrapper (feature
+/// `sqlite`).
+#[cfg(feature = "sqlite")]
+struct Sqlite;
+
+#[cfg(feature = "sqlite")]
+impl Database for Sqlite {
+    type Conn = outbox_runtime::sqlite::AsyncSqliteConnection;
+
+    async fn open(url: &str) -> Result<Self::Conn, Box<dyn std::error::Error>> {
+        let mut conn = outbox_runtime::sqlite::establish(url)?;
+        outbox_runtime::sqlite::run_migrations(&mut conn)?;
+        let mut conn = outbox_runtime::sqlite::AsyncSqliteConnection::new(conn);
+        conn.batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                id TEXT PRIMARY KEY, customer TEXT NOT NULL,
+                total_cents INTEGER NOT NULL, status TEXT NOT NULL)",
+        )
+        .await?;
+        Ok(conn)
+    }
+
+    async fn save(
+        uow: &mut UnitOfWork<'_, Self::Conn>,
+        order: &mut Order,
+    ) -> Result<(), UnitOfWorkError> {
+        let row = (
+            orders::id.eq(&order.id),
+            orders::customer.eq(&order.customer),
+            orders::total_cents.eq(order.total_cents),
+            orders::status.eq(order.status),
+        );
+        diesel::insert_into(orders::table)
+            .values(row)
+            .on_conflict(orders::id)
+            .do_update()
+            .set(row)
+            .execute(uow.conn())
+            .await?;
+        uow.track(order);
+        Ok(())
+    }
+
+    async fn relay(
+        config: RelayConfig,
+        nats: async_nats::Client,
+    ) -> Result<RelayHandle, Box<dyn std::error::Error>> {
+        Ok(outbox_runtime::sqlite::SqliteRelay::connect(config, nats)
+            .await?
+            .spawn())
+    }
 }
 
 #[tokio::main]
@@ -113,19 +273,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    if database_url.starts_with("postgres://") || database_url.starts_with("postgresql://") {
+        run::<Postgres>(&database_url, &nats_url).await
+    } else if database_url.starts_with("mysql://") {
+        #[cfg(feature = "mysql")]
+        return run::<Mysql>(&database_url, &nats_url).await;
+        #[cfg(not(feature = "mysql"))]
+        return Err(built_without("mysql"));
+    } else {
+        // A SQLite file: a path, `sqlite://path` or a `file:` URI.
+        #[cfg(feature = "sqlite")]
+        return run::<Sqlite>(&database_url, &nats_url).await;
+        #[cfg(not(feature = "sqlite"))]
+        return Err(built_without("sqlite"));
+    }
+}
 
-    outbox_runtime::run_migrations(&database_url).await?;
-    let mut conn = AsyncPgConnection::establish(&database_url).await?;
-    conn.batch_execute(
-        "CREATE TABLE IF NOT EXISTS orders (
-            id text PRIMARY KEY, customer text NOT NULL,
-            total_cents bigint NOT NULL, status text NOT NULL)",
+/// The error for a `DATABASE_URL` whose database this build left out.
+#[cfg_attr(all(feature = "mysql", feature = "sqlite"), allow(dead_code))]
+fn built_without(feature: &str) -> Box<dyn std::error::Error> {
+    format!(
+        "DATABASE_URL names a database this build does not have: run with `--features {feature}`"
     )
-    .await?;
+    .into()
+}
 
-    // The relay makes sure the EVENTS stream exists and captures `events.>`.
-    let nats = outbox_runtime::nats::connect(&nats_url).await?;
-    let relay = Relay::connect(RelayConfig::new(&database_url), nats.clone()).await?;
+/// Commits orders on `D`, relays their events, and prints them as a consumer receives them.
+async fn run<D: Database>(
+    database_url: &str,
+    nats_url: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut conn = D::open(database_url).await?;
+    let nats = outbox_runtime::nats::connect(nats_url).await?;
+    let relay = D::relay(RelayConfig::new(database_url), nats.clone()).await?;
 
     // A consumer of order events, from now on.
     let stream = async_nats::jetstream::new(nats)
@@ -150,7 +330,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         order.add_item("tea", 2, 450);
         expected += order.pending_events().len();
         outbox
-            .transaction(&mut conn, async |uow| save(uow, &mut order).await)
+            .transaction(&mut conn, async |uow| D::save(uow, &mut order).await)
             .await?;
         assert!(order.pending_events().is_empty(), "drained after commit");
 
@@ -158,7 +338,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             order.ship("dhl");
             expected += order.pending_events().len();
             outbox
-                .transaction(&mut conn, async |uow| save(uow, &mut order).await)
+                .transaction(&mut conn, async |uow| D::save(uow, &mut order).await)
                 .await?;
         }
         ids.insert(order.id);
@@ -168,7 +348,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut ghost = Order::place(&format!("{}-ghost", &run[20..]), "nobody");
     let failed = outbox
         .transaction(&mut conn, async |uow| {
-            save(uow, &mut ghost).await?;
+            D::save(uow, &mut ghost).await?;
             Err::<(), _>(UnitOfWorkError::Database(
                 diesel::result::Error::RollbackTransaction,
             ))
@@ -180,7 +360,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ids.len()
     );
 
-    let relay = relay.spawn();
     let arrivals = async {
         let mut seen = 0;
         while seen < expected {

@@ -1019,6 +1019,24 @@ mod sqlite {
         }
     }
 
+    /// A relay that stops gracefully gives its lease back: the next one publishes at once,
+    /// not after the lease would have run out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_that_stops_gives_its_lease_back() {
+        let env = AsyncSqlite::setup().await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, false).await;
+        result.unwrap();
+        let running = AsyncSqlite::spawn_relay(&env, AsyncSqlite::relay_config(&env)).await;
+        env.until_stream_holds(2, Duration::from_secs(5)).await;
+        running.shutdown().await.unwrap();
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, false).await;
+        result.unwrap();
+        let mut next = SqliteRelay::connect(AsyncSqlite::relay_config(&env), env.nats.clone())
+            .await
+            .unwrap();
+        assert_eq!(next.relay_batch().await.unwrap().claimed, 2);
+    }
+
     /// diesel's sync `SqliteConnection` through `Outbox::sync_transaction`; the rest as
     /// [`AsyncSqlite`].
     pub struct SyncSqlite;

@@ -331,7 +331,10 @@ pub use outbox_derive::aggregate;
 pub use publisher::{StreamError, StreamSettings};
 pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
 pub use topology::{DEFAULT_SUBJECT_PREFIX, SubjectPrefix, Topology};
-pub use unit_of_work::{CollectEvents, DuplicateEvents, TokenRole, UnitOfWork, UnitOfWorkError};
+pub use unit_of_work::{
+    BackendConnection, CollectEvents, DuplicateEvents, OutboxConnection, TokenRole, UnitOfWork,
+    UnitOfWorkError,
+};
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.
 /// Not a public API: it changes without notice.

@@ -40,11 +40,17 @@ pub struct SqliteRelay(Polling<SqliteStore>);
 
 impl SqliteRelay {
     /// How long a relay's lease on a database file lasts after its last claim, for
-    /// `config`: at least 10 s, and twice what a batch may take (`ack_timeout +
-    /// statement_timeout`), so that a relay busy with a slow batch keeps it. A standby takes
-    /// over this long after the holder's last claim.
+    /// `config`: at least 10 s, and twice what a batch may take between two claims (its
+    /// publishes, up to `ack_timeout`, and its delete, which may wait up to
+    /// [`BUSY_TIMEOUT`](crate::sqlite::BUSY_TIMEOUT) for the write lock): 20 s with the
+    /// defaults. A standby takes over this long after the holder's last claim when the
+    /// holder crashed; a relay that stops gracefully gives its lease back at once.
+    ///
+    /// A lease that runs out while its holder still publishes (a stalled process) lets the
+    /// standby publish the same rows: both publish each aggregate in sequence order, and
+    /// JetStream stores each `Nats-Msg-Id` once inside the stream's duplicate window.
     pub fn lease(config: &RelayConfig) -> Duration {
-        Duration::from_secs(10).max(2 * (config.ack_timeout + config.statement_timeout))
+        Duration::from_secs(10).max(2 * (config.ack_timeout + crate::sqlite::BUSY_TIMEOUT))
     }
 
     /// Checks the configuration, makes sure the stream exists (as [`Relay::connect`]), and
@@ -190,6 +196,20 @@ impl RelayStore for SqliteStore {
 
     async fn rollback(&mut self) -> QueryResult<()> {
         Ok(())
+    }
+
+    async fn close(&mut self) {
+        let owner = self.owner.clone();
+        let released = self
+            .immediate(move |conn| {
+                diesel::sql_query("DELETE FROM outbox_relay_lease WHERE owner = ?")
+                    .bind::<Text, _>(&owner)
+                    .execute(conn)
+            })
+            .await;
+        if let Err(error) = released {
+            tracing::warn!(%error, "cannot give back the relay's lease; another relay takes over when it expires");
+        }
     }
 
     /// The claim, in one `BEGIN IMMEDIATE` transaction: the lease, taken or renewed (nothing

@@ -142,6 +142,9 @@ pub(super) async fn run<C: RelayStore>(
             }
         }
     }
+    if let Some(conn) = conn.as_mut() {
+        conn.close().await;
+    }
 }
 
 /// How often a worker looks whether the broker is back.
@@ -539,6 +542,12 @@ pub(super) trait RelayStore: Send + Sized + 'static {
 
     /// Ends a batch that failed.
     fn rollback(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
+
+    /// Called once when the worker stops gracefully: gives back what the connection holds
+    /// beyond a transaction (SQLite's relay lease).
+    fn close(&mut self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
 
     /// Claims a batch (see `queries::claim_batch`).
     fn claim(
