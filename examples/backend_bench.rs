@@ -1,11 +1,12 @@
 //! The outbox per database backend, one run each, with the same code and the same load:
 //!
 //! ```sh
-//! cargo run --release --features mysql --example backend_bench
+//! cargo run --release --features mysql,sqlite --example backend_bench
 //! ```
 //!
-//! For PostgreSQL (diesel-async's `AsyncPgConnection`) and MariaDB / MySQL
-//! (`AsyncMysqlConnection`), it prints:
+//! For PostgreSQL (diesel-async's `AsyncPgConnection`), MariaDB / MySQL
+//! (`AsyncMysqlConnection`) and SQLite (`SyncConnectionWrapper<SqliteConnection>`, a file in
+//! the temporary directory, write-ahead log, fsync at each commit), it prints:
 //! 1. the unit of work's cost: a business transaction (one INSERT) with one event, against
 //!    the same transaction without the outbox (a plain diesel-async transaction),
 //!    interleaved, mean and median;
@@ -28,8 +29,9 @@ use diesel::sql_types::BigInt;
 use diesel_async::{
     AsyncConnection, AsyncMysqlConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
 };
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use outbox_runtime::mysql::MysqlRelay;
+use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
 use outbox_runtime::testing::TestEnv;
 use outbox_runtime::{
     DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, RelayHandle, UnitOfWorkError, aggregate,
@@ -41,8 +43,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Parser, Clone)]
 #[command(about = "The unit of work's cost, relay throughput and latency per database backend")]
 struct Args {
-    /// Which backends: `postgres`, `mysql`.
-    #[arg(long, value_delimiter = ',', default_value = "postgres,mysql")]
+    /// Which backends: `postgres`, `mysql`, `sqlite`.
+    #[arg(long, value_delimiter = ',', default_value = "postgres,mysql,sqlite")]
     backends: Vec<String>,
     /// Rounds of figure 1 (after 100 to warm up).
     #[arg(long, default_value_t = 1000)]
@@ -83,12 +85,12 @@ fn tick(n: u64) -> Ticked {
 
 /// What differs per backend; everything else is the same code.
 macro_rules! backend {
-    ($name:ident, $conn:ty, $relay:ty, $insert:expr, $create:expr) => {
+    ($name:ident, $conn:ty, $open:path, $relay:ty, $insert:expr, $create:expr) => {
         mod $name {
             use super::*;
 
             pub async fn conn(url: &str) -> Result<$conn, BoxError> {
-                Ok(<$conn>::establish(url).await?)
+                $open(url).await
             }
 
             /// Figure 1: (mean, median) in ms of the bare transaction and of the unit of work.
@@ -216,9 +218,22 @@ macro_rules! backend {
     };
 }
 
+/// diesel-async's own connect, for the servers.
+async fn establish<C: AsyncConnection>(url: &str) -> Result<C, BoxError> {
+    Ok(C::establish(url).await?)
+}
+
+/// The toolkit's SQLite connection: write-ahead log and a busy timeout.
+async fn establish_sqlite(url: &str) -> Result<AsyncSqliteConnection, BoxError> {
+    Ok(AsyncSqliteConnection::new(
+        outbox_runtime::sqlite::establish(url)?,
+    ))
+}
+
 backend!(
     pg,
     AsyncPgConnection,
+    establish,
     Relay,
     "INSERT INTO bench_orders VALUES ($1, 4200)",
     "CREATE TABLE bench_orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL)"
@@ -226,10 +241,39 @@ backend!(
 backend!(
     my,
     AsyncMysqlConnection,
+    establish,
     MysqlRelay,
     "INSERT INTO bench_orders VALUES (?, 4200)",
     "CREATE TABLE bench_orders (id BIGINT PRIMARY KEY, total_cents BIGINT NOT NULL) ENGINE = InnoDB"
 );
+backend!(
+    lite,
+    AsyncSqliteConnection,
+    establish_sqlite,
+    SqliteRelay,
+    "INSERT INTO bench_orders VALUES (?, 4200)",
+    "CREATE TABLE bench_orders (id INTEGER PRIMARY KEY, total_cents INTEGER NOT NULL)"
+);
+
+/// The database a run works on.
+enum Database {
+    /// The test kit's PostgreSQL database (`TestEnv`).
+    Postgres,
+    Mysql(MysqlDatabase),
+    /// A SQLite file.
+    Sqlite(String),
+}
+
+/// Calls `$module::$f($args)` for the backend of `$database`.
+macro_rules! on {
+    ($database:expr, $f:ident($($arg:expr),*)) => {
+        match $database {
+            Database::Postgres => pg::$f($($arg),*).await,
+            Database::Mysql(_) => my::$f($($arg),*).await,
+            Database::Sqlite(_) => lite::$f($($arg),*).await,
+        }
+    };
+}
 
 /// A throwaway MySQL database.
 struct MysqlDatabase {
@@ -280,23 +324,34 @@ async fn main() -> Result<(), BoxError> {
         // The stream, prefix and (for PostgreSQL) database of this backend's run.
         let env = TestEnv::new().await;
         let outbox = env.outbox();
-        let mysql = match backend.as_str() {
-            "postgres" => None,
-            "mysql" => Some(MysqlDatabase::create().await?),
-            other => return Err(format!("unknown backend {other:?} (postgres, mysql)").into()),
+        let database = match backend.as_str() {
+            "postgres" => Database::Postgres,
+            "mysql" => Database::Mysql(MysqlDatabase::create().await?),
+            "sqlite" => {
+                let path = std::env::temp_dir()
+                    .join(format!("outbox-bench-{}.db", uuid::Uuid::new_v4().simple()))
+                    .to_string_lossy()
+                    .into_owned();
+                outbox_runtime::sqlite::run_migrations(&mut outbox_runtime::sqlite::establish(
+                    &path,
+                )?)?;
+                Database::Sqlite(path)
+            }
+            other => {
+                return Err(format!("unknown backend {other:?} (postgres, mysql, sqlite)").into());
+            }
         };
-        let url = mysql
-            .as_ref()
-            .map_or(env.database_url.clone(), |db| db.url.clone());
+        let url = match &database {
+            Database::Postgres => env.database_url.clone(),
+            Database::Mysql(db) => db.url.clone(),
+            Database::Sqlite(path) => path.clone(),
+        };
         let mut config = env.relay_config();
         config.database_url = url.clone();
         config.poll_interval = Duration::from_millis(500);
         println!("\n== {backend}");
 
-        let [bare, unit] = match mysql {
-            None => pg::cost(&url, &outbox, args.transactions).await?,
-            Some(_) => my::cost(&url, &outbox, args.transactions).await?,
-        };
+        let [bare, unit] = on!(&database, cost(&url, &outbox, args.transactions))?;
         println!(
             "1. unit of work, 1 event: mean {:.3} ms, median {:.3} ms; bare transaction \
              {:.3} / {:.3} ms; ratio {:.2}x (mean), {:.2}x (median)",
@@ -308,15 +363,9 @@ async fn main() -> Result<(), BoxError> {
             unit.1 / bare.1
         );
 
-        match mysql {
-            None => pg::seed(&url, &outbox, args.events, args.aggregates).await?,
-            Some(_) => my::seed(&url, &outbox, args.events, args.aggregates).await?,
-        }
+        on!(&database, seed(&url, &outbox, args.events, args.aggregates))?;
         let started = Instant::now();
-        let relay = match mysql {
-            None => pg::spawn_relay(config.clone(), env.nats.clone()).await?,
-            Some(_) => my::spawn_relay(config.clone(), env.nats.clone()).await?,
-        };
+        let relay = on!(&database, spawn_relay(config.clone(), env.nats.clone()))?;
         // Figure 1's events are queued too: (100 + transactions), drained with the seed.
         let queued = args.transactions + 100 + args.events;
         env.until_stream_holds(queued as u64, Duration::from_secs(600))
@@ -336,14 +385,18 @@ async fn main() -> Result<(), BoxError> {
         let writers: Vec<_> = (0..WRITERS)
             .map(|writer| {
                 let (url, outbox) = (url.clone(), outbox.clone());
-                let is_mysql = mysql.is_some();
-                tokio::spawn(async move {
-                    if is_mysql {
-                        my::write(url, outbox, writer, WRITERS, period, duration).await
-                    } else {
-                        pg::write(url, outbox, writer, WRITERS, period, duration).await
+                let write = match &database {
+                    Database::Postgres => {
+                        pg::write(url, outbox, writer, WRITERS, period, duration).boxed()
                     }
-                })
+                    Database::Mysql(_) => {
+                        my::write(url, outbox, writer, WRITERS, period, duration).boxed()
+                    }
+                    Database::Sqlite(_) => {
+                        lite::write(url, outbox, writer, WRITERS, period, duration).boxed()
+                    }
+                };
+                tokio::spawn(write)
             })
             .collect();
         let mut committed: HashMap<u64, SystemTime> = HashMap::new();
@@ -381,8 +434,14 @@ async fn main() -> Result<(), BoxError> {
             percentile(0.99),
             latencies[latencies.len() - 1]
         );
-        if let Some(db) = mysql {
-            db.drop_database().await?;
+        match database {
+            Database::Postgres => {}
+            Database::Mysql(db) => db.drop_database().await?,
+            Database::Sqlite(path) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{path}{suffix}"));
+                }
+            }
         }
     }
     Ok(())

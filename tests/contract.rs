@@ -1193,12 +1193,15 @@ mod sqlite {
         )
         .await;
         assert_eq!(second.relay_batch().await.unwrap().claimed, 2, "took over");
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-3")], None, false).await;
+        result.unwrap();
         assert_eq!(
             first.relay_batch().await.unwrap().claimed,
             0,
-            "the second relay holds the lease now"
+            "the second relay holds the lease now, though the first renewed it a moment ago"
         );
+        assert_eq!(second.relay_batch().await.unwrap().claimed, 2);
         let messages = env.stream_messages().await;
-        assert_eq!(messages.len(), 4);
+        assert_eq!(messages.len(), 6);
     }
 }

@@ -59,6 +59,11 @@
 //!   semantic conventions);
 //! - `postgres-sync`: [`Outbox::sync_transaction`](crate::Outbox) and `sync::SyncUnitOfWork`,
 //!   the unit of work on a synchronous `diesel::PgConnection` (libpq);
+//! - `mysql`: `outbox_runtime::mysql`, the unit of work on diesel-async's
+//!   `AsyncMysqlConnection` and the `MysqlRelay` (MySQL 8, MariaDB 10.6+; pure Rust);
+//! - `sqlite`: `outbox_runtime::sqlite`, the unit of work on diesel's `SqliteConnection`
+//!   (sync, and async through diesel-async's `SyncConnectionWrapper`) and the `SqliteRelay`
+//!   (SQLite 3.35+; libsqlite3);
 //! - `failpoints`: the crash points of this project's own tests.
 
 // Every public item says what it is: shapes, units, errors (the crate's own rule).

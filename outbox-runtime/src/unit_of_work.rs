@@ -205,8 +205,9 @@ impl Outbox {
     /// no business row and no outbox row is written, and the aggregates keep their pending
     /// events.
     ///
-    /// `conn` is a plain [`AsyncPgConnection`] or a pooled one (`&mut pooled` derefs to it);
-    /// it must not already be inside a transaction.
+    /// `conn` is a [`BackendConnection`] (an [`AsyncPgConnection`]; with the features
+    /// `mysql` and `sqlite`, an `AsyncMysqlConnection` or an `AsyncSqliteConnection`) or a
+    /// deadpool guard of one; it must not already be inside a transaction.
     ///
     /// # Errors
     /// `f`'s own error, or a [`UnitOfWorkError`] converted into `E`.
@@ -464,9 +465,10 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
 }
 
 /// A database connection a unit of work runs on: diesel-async's [`AsyncPgConnection`]
-/// (PostgreSQL), or with the feature `mysql` its `AsyncMysqlConnection` (MySQL 8, MariaDB
-/// 10.6+; see [`crate::mysql`]). Each writes the events with statements of its own
-/// database.
+/// (PostgreSQL); with the feature `mysql` its `AsyncMysqlConnection` (MySQL 8, MariaDB
+/// 10.6+; see `outbox_runtime::mysql`); with the feature `sqlite` its
+/// `SyncConnectionWrapper<SqliteConnection>` (SQLite 3.35+; see `outbox_runtime::sqlite`).
+/// Each writes the events with statements of its own database.
 ///
 /// Sealed: implemented by the toolkit for the connections it has statements for.
 pub trait BackendConnection: AsyncConnection + Send + 'static + sealed::Backend {}
@@ -480,7 +482,7 @@ impl<C> BackendConnection for C where C: AsyncConnection + Send + 'static + seal
 /// For another pool's guard (bb8, mobc), pass `&mut *conn`: it derefs to the connection.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a connection a unit of work can run on",
-    label = "a unit of work runs on an AsyncPgConnection (or AsyncMysqlConnection), or a deadpool guard of one",
+    label = "a unit of work runs on an AsyncPgConnection (or AsyncMysqlConnection, AsyncSqliteConnection), or a deadpool guard of one",
     note = "for a pool's guard, pass `&mut *conn`: it derefs to the connection"
 )]
 pub trait OutboxConnection: Send {

@@ -3,12 +3,12 @@
 //! time publish a database file's rows.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel::sqlite::Sqlite;
-use diesel::{QueryResult, QueryableByName, RunQueryDsl};
+use diesel::{Connection as _, QueryResult, QueryableByName, RunQueryDsl};
 use uuid::Uuid;
 
 use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, chained, groups};
@@ -106,6 +106,11 @@ pub(crate) struct SqliteStore {
     owner: String,
     /// SQLite's time modifier for the lease's length (`+N.NNN seconds`).
     lease: String,
+    /// The lease's length, [`SqliteRelay::lease`].
+    lease_length: Duration,
+    /// When this connection last took or renewed the lease (read before the statement), if
+    /// it holds it.
+    renewed: Option<Instant>,
 }
 
 impl SqliteStore {
@@ -174,13 +179,13 @@ const FOREVER: &str = "9999-12-31 23:59:59.999";
 impl RelayStore for SqliteStore {
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         let conn = database::connect_sqlite(&shared.config.database_url, shared.limits()).await?;
+        let lease_length = SqliteRelay::lease(&shared.config);
         Ok(Self {
             conn: AsyncSqliteConnection::new(conn),
             owner: Uuid::now_v7().to_string(),
-            lease: format!(
-                "+{:.3} seconds",
-                SqliteRelay::lease(&shared.config).as_secs_f64()
-            ),
+            lease: format!("+{:.3} seconds", lease_length.as_secs_f64()),
+            lease_length,
+            renewed: None,
         })
     }
 
@@ -199,6 +204,7 @@ impl RelayStore for SqliteStore {
     }
 
     async fn close(&mut self) {
+        self.renewed = None;
         let owner = self.owner.clone();
         let released = self
             .immediate(move |conn| {
@@ -212,11 +218,10 @@ impl RelayStore for SqliteStore {
         }
     }
 
-    /// The claim, in one `BEGIN IMMEDIATE` transaction: the lease, taken or renewed (nothing
-    /// is claimed while another relay holds it); the heads, found as on MySQL (a window of
-    /// the oldest claimable rows, reduced to their aggregates, and each aggregate's lowest
-    /// queued sequence) and kept when claimable; then the rows queued behind them, within
-    /// the batch.
+    /// The claim: the lease, taken or renewed when half of it has run (nothing is claimed
+    /// while another relay holds it), then [`claimable`]. A renewal is a write, so it runs
+    /// in a `BEGIN IMMEDIATE` transaction with the reads; a claim under a fresh lease is a
+    /// read-only transaction, which neither waits for nor holds up writers (write-ahead log).
     ///
     /// Guarantee: a row is claimed only when no row of its aggregate with a lower sequence is
     /// queued, and only by the lease's holder.
@@ -225,87 +230,63 @@ impl RelayStore for SqliteStore {
         batch: i64,
         _held: &crate::outbox::queries::Held<'_>,
     ) -> QueryResult<Vec<ClaimedEvent>> {
+        if self
+            .renewed
+            .is_some_and(|at| at.elapsed() < self.lease_length / 2)
+        {
+            let owner = self.owner.clone();
+            let claimed = self
+                .conn
+                .spawn_blocking(move |conn| {
+                    conn.transaction(|conn| {
+                        // Still ours (a relay that stalled past its lease finds it taken).
+                        #[derive(QueryableByName)]
+                        struct Held {
+                            #[diesel(sql_type = Bool)]
+                            held: bool,
+                        }
+                        let Held { held } = diesel::sql_query(format!(
+                            "SELECT EXISTS (SELECT 1 FROM outbox_relay_lease \
+                                 WHERE name = 'relay' AND owner = ? AND expires_at > {NOW}) \
+                             AS held"
+                        ))
+                        .bind::<Text, _>(&owner)
+                        .get_result(conn)?;
+                        if !held {
+                            return Ok(None);
+                        }
+                        claimable(conn, batch).map(Some)
+                    })
+                })
+                .await?;
+            if let Some(claimed) = claimed {
+                return Ok(claimed);
+            }
+            self.renewed = None;
+        }
         let (owner, lease) = (self.owner.clone(), self.lease.clone());
-        self.immediate(move |conn| {
-            let leased = diesel::sql_query(format!(
-                "INSERT INTO outbox_relay_lease (name, owner, expires_at) \
-                 VALUES ('relay', ?, strftime('%Y-%m-%d %H:%M:%f', 'now', ?)) \
-                 ON CONFLICT (name) DO UPDATE SET \
-                     owner = excluded.owner, expires_at = excluded.expires_at \
-                 WHERE outbox_relay_lease.owner = excluded.owner \
-                    OR outbox_relay_lease.expires_at < {NOW}"
-            ))
-            .bind::<Text, _>(&owner)
-            .bind::<Text, _>(&lease)
-            .execute(conn)?;
-            if leased == 0 {
-                return Ok(Vec::new());
-            }
-            let heads: Vec<Head> = diesel::sql_query(format!(
-                "SELECT c.aggregate_type, c.aggregate_id, ( \
-                     SELECT MIN(q.aggregate_seq) FROM outbox_events q \
-                     WHERE q.aggregate_type = c.aggregate_type \
-                       AND q.aggregate_id = c.aggregate_id \
-                       AND q.published_at IS NULL AND q.skipped_at IS NULL) AS head \
-                 FROM (SELECT DISTINCT w.aggregate_type, w.aggregate_id FROM ( \
-                         SELECT aggregate_type, aggregate_id FROM outbox_events \
-                         WHERE published_at IS NULL AND skipped_at IS NULL \
-                           AND dead_lettered_at IS NULL AND available_at <= {NOW} \
-                         ORDER BY available_at, id LIMIT ?) w) c"
-            ))
-            .bind::<BigInt, _>(claim_window(batch))
-            .load(conn)?;
-            let heads: Vec<(Head, i64)> = heads
-                .into_iter()
-                .filter_map(|head| head.head.map(|seq| (head, seq)))
-                .collect();
-            if heads.is_empty() {
-                return Ok(Vec::new());
-            }
-            let mut claimable = diesel::sql_query(format!(
-                "SELECT {COLUMNS}, 1 AS available FROM outbox_events \
-                 WHERE ({}) AND {QUEUED} AND dead_lettered_at IS NULL AND available_at <= {NOW}",
-                groups(
-                    heads.len(),
-                    "(aggregate_type = ? AND aggregate_id = ? AND aggregate_seq = ?)",
-                    " OR "
-                )
-            ))
-            .into_boxed::<Sqlite>();
-            for (head, seq) in &heads {
-                claimable = claimable
-                    .bind::<Text, _>(head.aggregate_type.as_str())
-                    .bind::<Text, _>(head.aggregate_id.as_str())
-                    .bind::<BigInt, _>(*seq);
-            }
-            let locked: Vec<Row> = claimable.load(conn)?;
-            let room = batch - i64::try_from(locked.len()).unwrap_or(i64::MAX);
-            let followers: Vec<Row> = if locked.is_empty() || room <= 0 {
-                Vec::new()
-            } else {
-                let mut behind = diesel::sql_query(format!(
-                    "SELECT {COLUMNS}, \
-                            (dead_lettered_at IS NULL AND available_at <= {NOW}) AS available \
-                     FROM outbox_events WHERE {QUEUED} AND ({}) \
-                     ORDER BY aggregate_type, aggregate_id, aggregate_seq LIMIT ?",
-                    groups(
-                        locked.len(),
-                        "(aggregate_type = ? AND aggregate_id = ? AND aggregate_seq > ?)",
-                        " OR "
-                    )
+        let renewing = Instant::now();
+        let claimed = self
+            .immediate(move |conn| {
+                let leased = diesel::sql_query(format!(
+                    "INSERT INTO outbox_relay_lease (name, owner, expires_at) \
+                     VALUES ('relay', ?, strftime('%Y-%m-%d %H:%M:%f', 'now', ?)) \
+                     ON CONFLICT (name) DO UPDATE SET \
+                         owner = excluded.owner, expires_at = excluded.expires_at \
+                     WHERE outbox_relay_lease.owner = excluded.owner \
+                        OR outbox_relay_lease.expires_at < {NOW}"
                 ))
-                .into_boxed::<Sqlite>();
-                for head in &locked {
-                    behind = behind
-                        .bind::<Text, _>(head.aggregate_type.as_str())
-                        .bind::<Text, _>(head.aggregate_id.as_str())
-                        .bind::<BigInt, _>(head.aggregate_seq);
+                .bind::<Text, _>(&owner)
+                .bind::<Text, _>(&lease)
+                .execute(conn)?;
+                if leased == 0 {
+                    return Ok(None);
                 }
-                behind.bind::<BigInt, _>(room).load(conn)?
-            };
-            chained(locked, followers)
-        })
-        .await
+                claimable(conn, batch).map(Some)
+            })
+            .await?;
+        self.renewed = claimed.is_some().then_some(renewing);
+        Ok(claimed.unwrap_or_default())
     }
 
     /// Records a rejection, as `queries::record_rejection` on PostgreSQL: one more attempt,
@@ -422,4 +403,74 @@ impl RelayStore for SqliteStore {
         })
         .await
     }
+}
+
+/// The claimable rows, within `batch`, inside the claim's transaction: the heads, found as on
+/// MySQL (a window of the oldest claimable rows, reduced to their aggregates, and each
+/// aggregate's lowest queued sequence) and kept when claimable; then the rows queued behind
+/// them, in sequence order.
+fn claimable(conn: &mut SqliteConnection, batch: i64) -> QueryResult<Vec<ClaimedEvent>> {
+    let heads: Vec<Head> = diesel::sql_query(format!(
+        "SELECT c.aggregate_type, c.aggregate_id, ( \
+                 SELECT MIN(q.aggregate_seq) FROM outbox_events q \
+                 WHERE q.aggregate_type = c.aggregate_type \
+                   AND q.aggregate_id = c.aggregate_id \
+                   AND q.published_at IS NULL AND q.skipped_at IS NULL) AS head \
+             FROM (SELECT DISTINCT w.aggregate_type, w.aggregate_id FROM ( \
+                     SELECT aggregate_type, aggregate_id FROM outbox_events \
+                     WHERE published_at IS NULL AND skipped_at IS NULL \
+                       AND dead_lettered_at IS NULL AND available_at <= {NOW} \
+                     ORDER BY available_at, id LIMIT ?) w) c"
+    ))
+    .bind::<BigInt, _>(claim_window(batch))
+    .load(conn)?;
+    let heads: Vec<(Head, i64)> = heads
+        .into_iter()
+        .filter_map(|head| head.head.map(|seq| (head, seq)))
+        .collect();
+    if heads.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut claimable = diesel::sql_query(format!(
+        "SELECT {COLUMNS}, 1 AS available FROM outbox_events \
+             WHERE ({}) AND {QUEUED} AND dead_lettered_at IS NULL AND available_at <= {NOW}",
+        groups(
+            heads.len(),
+            "(aggregate_type = ? AND aggregate_id = ? AND aggregate_seq = ?)",
+            " OR "
+        )
+    ))
+    .into_boxed::<Sqlite>();
+    for (head, seq) in &heads {
+        claimable = claimable
+            .bind::<Text, _>(head.aggregate_type.as_str())
+            .bind::<Text, _>(head.aggregate_id.as_str())
+            .bind::<BigInt, _>(*seq);
+    }
+    let locked: Vec<Row> = claimable.load(conn)?;
+    let room = batch - i64::try_from(locked.len()).unwrap_or(i64::MAX);
+    let followers: Vec<Row> = if locked.is_empty() || room <= 0 {
+        Vec::new()
+    } else {
+        let mut behind = diesel::sql_query(format!(
+            "SELECT {COLUMNS}, \
+                        (dead_lettered_at IS NULL AND available_at <= {NOW}) AS available \
+                 FROM outbox_events WHERE {QUEUED} AND ({}) \
+                 ORDER BY aggregate_type, aggregate_id, aggregate_seq LIMIT ?",
+            groups(
+                locked.len(),
+                "(aggregate_type = ? AND aggregate_id = ? AND aggregate_seq > ?)",
+                " OR "
+            )
+        ))
+        .into_boxed::<Sqlite>();
+        for head in &locked {
+            behind = behind
+                .bind::<Text, _>(head.aggregate_type.as_str())
+                .bind::<Text, _>(head.aggregate_id.as_str())
+                .bind::<BigInt, _>(head.aggregate_seq);
+        }
+        behind.bind::<BigInt, _>(room).load(conn)?
+    };
+    chained(locked, followers)
 }
