@@ -525,6 +525,11 @@ pub(crate) mod sealed {
     use super::*;
 
     /// What a unit of work needs from its database, beside diesel's transaction manager.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not a connection a unit of work can run on",
+        label = "a unit of work runs on an AsyncPgConnection (or AsyncMysqlConnection, AsyncSqliteConnection), or a deadpool guard of one",
+        note = "for a pool's guard, pass `&mut *conn`: it derefs to the connection"
+    )]
     pub trait Backend {
         /// Opens the unit of work's transaction.
         fn begin_unit_of_work(
