@@ -549,6 +549,8 @@ contract!(async_pg => AsyncPg);
 contract!(sync_pg => SyncPg);
 #[cfg(feature = "mysql")]
 contract!(async_mysql => mysql::AsyncMysql);
+#[cfg(feature = "mysql-sync")]
+contract!(sync_mysql => mysql::SyncMysql);
 #[cfg(feature = "sqlite")]
 contract!(async_sqlite => sqlite::AsyncSqlite, sync_sqlite => sqlite::SyncSqlite);
 
@@ -831,6 +833,135 @@ mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_relay_is_woken_by_each_commit_of_its_process() {
         super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncMysql>().await;
+    }
+
+    /// diesel's sync `MysqlConnection` through `Outbox::sync_transaction`; the rest as
+    /// [`AsyncMysql`].
+    #[cfg(feature = "mysql-sync")]
+    pub struct SyncMysql;
+
+    #[cfg(feature = "mysql-sync")]
+    impl Backend for SyncMysql {
+        async fn setup() -> Env {
+            AsyncMysql::setup().await
+        }
+
+        async fn commit(
+            env: &Env,
+            mut orders: Vec<Order>,
+            dedup_key: Option<String>,
+            fail: bool,
+        ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
+            let (url, outbox) = (database(env).url.clone(), env.outbox());
+            tokio::task::spawn_blocking(move || {
+                use diesel::Connection as _;
+                use diesel::RunQueryDsl as Sync;
+                let mut conn = diesel::MysqlConnection::establish(&url).expect("a connection");
+                let result = outbox.sync_transaction(&mut conn, |uow| {
+                    // A read first, as business code does (REPEATABLE READ's snapshot).
+                    let count = diesel::sql_query("SELECT COUNT(*) AS n FROM orders");
+                    Sync::execute(count, uow.conn())?;
+                    for order in &mut orders {
+                        let insert = diesel::sql_query("INSERT INTO orders VALUES (?)")
+                            .bind::<Text, _>(&order.id);
+                        Sync::execute(insert, uow.conn())?;
+                        uow.track(order);
+                    }
+                    if let Some(request) = dedup_key {
+                        uow.emit("Invoice", "i-1", &Invoiced { request });
+                    }
+                    if fail {
+                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    }
+                    Ok(())
+                });
+                (orders, result)
+            })
+            .await
+            .expect("the sync unit of work ran")
+        }
+
+        async fn rows(env: &Env) -> Vec<(String, i64)> {
+            AsyncMysql::rows(env).await
+        }
+
+        async fn business_rows(env: &Env) -> i64 {
+            AsyncMysql::business_rows(env).await
+        }
+
+        async fn execute(env: &Env, statement: &str) {
+            <AsyncMysql as Backend>::execute(env, statement).await;
+        }
+
+        async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
+            AsyncMysql::dead_letters(env).await
+        }
+
+        fn relay_config(env: &Env) -> RelayConfig {
+            AsyncMysql::relay_config(env)
+        }
+
+        async fn relay_all(env: &Env) {
+            AsyncMysql::relay_all(env).await;
+        }
+
+        async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
+            AsyncMysql::spawn_relay(env, config).await
+        }
+    }
+
+    #[cfg(feature = "mysql-sync")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_relay_is_woken_by_each_sync_commit_of_its_process() {
+        super::an_idle_relay_is_woken_by_each_commit_of_its_process::<SyncMysql>().await;
+    }
+
+    /// `sync_transaction` takes an r2d2-pooled `MysqlConnection`, and a dedup key taken by
+    /// an async unit of work holds for a sync one on the same table.
+    #[cfg(feature = "mysql-sync")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_shares_dedup_keys() {
+        let env = SyncMysql::setup().await;
+        let (_, first) = AsyncMysql::commit(&env, vec![], Some("r-1".into()), false).await;
+        first.unwrap();
+        let (url, outbox) = (database(&env).url.clone(), env.outbox());
+        tokio::task::spawn_blocking(move || {
+            use diesel::r2d2::{ConnectionManager, Pool};
+            let pool = Pool::builder()
+                .max_size(1)
+                .build(ConnectionManager::<diesel::MysqlConnection>::new(url))
+                .expect("an r2d2 pool");
+            let mut order = shipped("o-1");
+            outbox
+                .sync_transaction(&mut pool.get().unwrap(), |uow| {
+                    uow.track(&mut order);
+                    uow.emit(
+                        "Invoice",
+                        "i-1",
+                        &Invoiced {
+                            request: "r-1".into(),
+                        },
+                    );
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .unwrap();
+            assert!(order.pending_events().is_empty());
+        })
+        .await
+        .unwrap();
+        assert_eq!(SyncMysql::rows(&env).await.len(), 2, "the order's events");
+        #[derive(QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let invoices = diesel::sql_query(
+            "SELECT COUNT(*) AS n FROM outbox_events WHERE aggregate_type = 'Invoice'",
+        )
+        .get_result::<Count>(&mut database(&env).conn().await)
+        .await
+        .unwrap();
+        assert_eq!(invoices.n, 1, "the key's second event was not written");
     }
 }
 

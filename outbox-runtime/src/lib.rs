@@ -61,6 +61,8 @@
 //!   the unit of work on a synchronous `diesel::PgConnection` (libpq);
 //! - `mysql`: `outbox_runtime::mysql`, the unit of work on diesel-async's
 //!   `AsyncMysqlConnection` and the `MysqlRelay` (MySQL 8, MariaDB 10.6+; pure Rust);
+//! - `mysql-sync`: `mysql`, and the unit of work on a synchronous `diesel::MysqlConnection`
+//!   (libmysqlclient);
 //! - `sqlite`: `outbox_runtime::sqlite`, the unit of work on diesel's `SqliteConnection`
 //!   (sync, and async through diesel-async's `SyncConnectionWrapper`) and the `SqliteRelay`
 //!   (SQLite 3.35+; libsqlite3);
@@ -100,7 +102,7 @@ pub mod relay;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod subject;
-#[cfg(any(feature = "postgres-sync", feature = "sqlite"))]
+#[cfg(any(feature = "postgres-sync", feature = "mysql-sync", feature = "sqlite"))]
 pub mod sync;
 #[cfg(feature = "opentelemetry")]
 mod telemetry;

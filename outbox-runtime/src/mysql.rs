@@ -59,6 +59,7 @@ use std::collections::{HashMap, HashSet};
 
 use diesel::QueryableByName;
 use diesel::mysql::Mysql;
+use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{BigInt, Text};
 pub use diesel_async::AsyncMysqlConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
@@ -121,6 +122,11 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
 pub async fn pending_migrations(
     conn: &mut AsyncMysqlConnection,
 ) -> diesel::QueryResult<Vec<String>> {
+    pending_versions(conn).await
+}
+
+/// [`pending_migrations`] on either connection.
+pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResult<Vec<String>> {
     #[derive(QueryableByName)]
     struct Count {
         #[diesel(sql_type = BigInt)]
@@ -137,22 +143,26 @@ pub async fn pending_migrations(
             .iter()
             .map(|migration| migration.name().version().to_string())
             .collect();
-    let table: Count = diesel::sql_query(
-        "SELECT COUNT(*) AS n FROM information_schema.tables \
-         WHERE table_schema = DATABASE() AND table_name = '__diesel_schema_migrations'",
-    )
-    .get_result(conn)
-    .await?;
-    if table.n == 0 {
+    let tables: Vec<Count> = conn
+        .load(
+            diesel::sql_query(
+                "SELECT COUNT(*) AS n FROM information_schema.tables \
+                 WHERE table_schema = DATABASE() AND table_name = '__diesel_schema_migrations'",
+            )
+            .into_boxed(),
+        )
+        .await?;
+    if <[Count]>::first(&tables).is_none_or(|table| table.n == 0) {
         return Ok(embedded);
     }
-    let applied: HashSet<String> =
-        diesel::sql_query("SELECT version FROM __diesel_schema_migrations")
-            .load::<Version>(conn)
-            .await?
-            .into_iter()
-            .map(|v| v.version)
-            .collect();
+    let applied: HashSet<String> = conn
+        .load::<Version>(
+            diesel::sql_query("SELECT version FROM __diesel_schema_migrations").into_boxed(),
+        )
+        .await?
+        .into_iter()
+        .map(|v| v.version)
+        .collect();
     Ok(embedded
         .into_iter()
         .filter(|version| !applied.contains(version))
@@ -168,26 +178,15 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
 
     async fn write_events(
         &mut self,
-        mut events: Vec<NewEvent>,
+        events: Vec<NewEvent>,
         causality: &Causality,
         duplicates: DuplicateEvents,
     ) -> Result<(), UnitOfWorkError> {
-        if events.iter().any(|e| e.dedup_key.is_some()) {
-            let taken = take_dedup_keys(self, &events)
-                .await
-                .map_err(UnitOfWorkError::Database)?;
-            drop_duplicates(&mut events, &taken, duplicates)?;
-        }
-        if !events.is_empty() {
-            insert_events(self, &events, causality)
-                .await
-                .map_err(UnitOfWorkError::Database)?;
-        }
-        Ok(())
+        write_events(self, events, causality, duplicates).await
     }
 
     async fn missing_migrations(&mut self) -> diesel::QueryResult<Result<(), MissingMigrations>> {
-        let pending = pending_migrations(self).await?;
+        let pending = pending_versions(self).await?;
         Ok(if pending.is_empty() {
             Ok(())
         } else {
@@ -197,6 +196,78 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
 
     fn events_committed() {
         crate::commits::COMMITS.committed();
+    }
+}
+
+/// Takes the events' dedup keys and writes the events that are not duplicates, with their
+/// sequences, inside the open transaction, on either connection.
+pub(crate) async fn write_events<C: Exec>(
+    conn: &mut C,
+    mut events: Vec<NewEvent>,
+    causality: &Causality,
+    duplicates: DuplicateEvents,
+) -> Result<(), UnitOfWorkError> {
+    if events.iter().any(|e| e.dedup_key.is_some()) {
+        let taken = take_dedup_keys(conn, &events)
+            .await
+            .map_err(UnitOfWorkError::Database)?;
+        drop_duplicates(&mut events, &taken, duplicates)?;
+    }
+    if !events.is_empty() {
+        insert_events(conn, &events, causality)
+            .await
+            .map_err(UnitOfWorkError::Database)?;
+    }
+    Ok(())
+}
+
+/// Runs the unit of work's statements on diesel-async's `AsyncMysqlConnection` or, with the
+/// feature `mysql-sync`, on diesel's `MysqlConnection`: one body of statements for both (the
+/// sync connection's futures are ready at their first poll).
+pub(crate) trait Exec: Send {
+    /// Executes `query`; the number of rows it affected.
+    fn execute(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> impl Future<Output = diesel::QueryResult<usize>> + Send;
+
+    /// Loads the rows of `query`.
+    fn load<T: QueryableByName<Mysql> + Send + 'static>(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> impl Future<Output = diesel::QueryResult<Vec<T>>> + Send;
+}
+
+impl Exec for AsyncMysqlConnection {
+    async fn execute(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> diesel::QueryResult<usize> {
+        RunQueryDsl::execute(query, self).await
+    }
+
+    async fn load<T: QueryableByName<Mysql> + Send + 'static>(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> diesel::QueryResult<Vec<T>> {
+        RunQueryDsl::load(query, self).await
+    }
+}
+
+#[cfg(feature = "mysql-sync")]
+impl Exec for diesel::MysqlConnection {
+    async fn execute(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> diesel::QueryResult<usize> {
+        diesel::RunQueryDsl::execute(query, self)
+    }
+
+    async fn load<T: QueryableByName<Mysql> + Send + 'static>(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> diesel::QueryResult<Vec<T>> {
+        diesel::RunQueryDsl::load(query, self)
     }
 }
 
@@ -217,8 +288,8 @@ fn groups(n: usize, group: &str) -> String {
 /// Guarantee: the keys' primary key. An insert of a key another open transaction inserted
 /// waits for it (InnoDB locks the duplicate entry); the locking read after it sees the
 /// latest committed owner of each key, whatever this transaction's snapshot.
-async fn take_dedup_keys(
-    conn: &mut AsyncMysqlConnection,
+async fn take_dedup_keys<C: Exec>(
+    conn: &mut C,
     events: &[NewEvent],
 ) -> diesel::QueryResult<Vec<usize>> {
     let mut plan = DedupKeys::plan(events);
@@ -240,7 +311,7 @@ async fn take_dedup_keys(
     for (key, id) in &keys {
         insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
     }
-    insert.execute(conn).await?;
+    conn.execute(insert).await?;
     let mut ours = diesel::sql_query(format!(
         "SELECT CAST(dedup_key AS CHAR CHARACTER SET utf8mb4) AS dedup_key \
          FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN ({}) LOCK IN SHARE MODE",
@@ -250,7 +321,7 @@ async fn take_dedup_keys(
     for (key, id) in &keys {
         ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
     }
-    let taken: Vec<TakenKey> = ours.load(conn).await?;
+    let taken: Vec<TakenKey> = conn.load(ours).await?;
     plan.taken(&taken);
     Ok(plan.duplicates(events))
 }
@@ -274,8 +345,8 @@ async fn take_dedup_keys(
 /// counter), MySQL undoes that statement alone; the counters are moved past the highest
 /// sequence of each aggregate (a locking read, so the latest committed rows) and the insert
 /// runs again.
-async fn insert_events(
-    conn: &mut AsyncMysqlConnection,
+async fn insert_events<C: Exec>(
+    conn: &mut C,
     events: &[NewEvent],
     causality: &Causality,
 ) -> diesel::QueryResult<()> {
@@ -295,7 +366,7 @@ async fn insert_events(
             .bind::<Text, _>(*aggregate_id)
             .bind::<BigInt, _>(*n);
     }
-    advance.execute(conn).await?;
+    conn.execute(advance).await?;
 
     match insert_rows(conn, events, &ordinals, &counts, causality).await {
         Err(diesel::result::Error::DatabaseError(
@@ -303,20 +374,20 @@ async fn insert_events(
             info,
         )) if info.message().contains("outbox_events_aggregate_seq_key") => {
             for ((aggregate_type, aggregate_id), n) in &aggregates {
-                diesel::sql_query(
+                let past = diesel::sql_query(
                     "UPDATE outbox_aggregates SET last_seq = GREATEST(last_seq, ? + COALESCE(( \
                          SELECT MAX(o.aggregate_seq) FROM outbox_events o \
                          WHERE o.aggregate_type = ? AND o.aggregate_id = ? \
                          FOR UPDATE), 0)) \
                      WHERE aggregate_type = ? AND aggregate_id = ?",
                 )
+                .into_boxed()
                 .bind::<BigInt, _>(*n)
                 .bind::<Text, _>(*aggregate_type)
                 .bind::<Text, _>(*aggregate_id)
                 .bind::<Text, _>(*aggregate_type)
-                .bind::<Text, _>(*aggregate_id)
-                .execute(conn)
-                .await?;
+                .bind::<Text, _>(*aggregate_id);
+                conn.execute(past).await?;
             }
             insert_rows(conn, events, &ordinals, &counts, causality).await
         }
@@ -325,8 +396,8 @@ async fn insert_events(
 }
 
 /// The insert of [`insert_events`], numbering after the counters as they stand.
-async fn insert_rows(
-    conn: &mut AsyncMysqlConnection,
+async fn insert_rows<C: Exec>(
+    conn: &mut C,
     events: &[NewEvent],
     ordinals: &[i64],
     counts: &HashMap<(&str, &str), i64>,
@@ -371,6 +442,6 @@ async fn insert_rows(
             .bind::<Text, _>(causality.causation_id.as_str())
             .bind::<Text, _>(headers.as_str());
     }
-    insert.execute(conn).await?;
+    conn.execute(insert).await?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The unit of work on a synchronous diesel connection, for services on sync diesel, plain or
-//! behind r2d2: `diesel::PgConnection` (feature `postgres-sync`) and `diesel::SqliteConnection`
-//! (feature `sqlite`).
+//! behind r2d2: `diesel::PgConnection` (feature `postgres-sync`), `diesel::MysqlConnection`
+//! (feature `mysql-sync`) and `diesel::SqliteConnection` (feature `sqlite`).
 //!
 //! [`Outbox::sync_transaction`] is [`Outbox::transaction`] in sync form: the same closure
 //! shape, the same table, the same statements and the same guarantees (events written in the
@@ -36,8 +36,8 @@
 //! # fn main() {}
 //! ```
 //!
-//! With r2d2, pass the pooled connection: `outbox.sync_transaction(&mut *pool.get()?, ..)`
-//! (`&mut *` reaches the connection inside the guard). On SQLite, open the connection with
+//! With r2d2, pass the pooled connection: `outbox.sync_transaction(&mut pool.get()?, ..)`; for
+//! another pool's guard, `&mut *guard` reaches the connection inside it. On SQLite, open the connection with
 //! [`sqlite::establish`](crate::sqlite::establish) (it waits for the write lock).
 
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
@@ -155,8 +155,8 @@ impl<C: SyncBackendConnection> CollectEvents for SyncUnitOfWork<'_, C> {
 
 impl Outbox {
     /// [`transaction`](Self::transaction) on a synchronous diesel connection (a
-    /// [`SyncBackendConnection`]: `diesel::PgConnection` or `diesel::SqliteConnection`, plain
-    /// or r2d2-pooled): runs `f`
+    /// [`SyncBackendConnection`]: `diesel::PgConnection`, `diesel::MysqlConnection` or
+    /// `diesel::SqliteConnection`, plain or r2d2-pooled): runs `f`
     /// inside one database transaction and writes the events it hands over to the outbox
     /// table just before COMMIT; the tracked aggregates are drained only after the COMMIT.
     /// When `f` returns an error, or writing the events fails, the transaction is rolled
@@ -231,7 +231,8 @@ impl Outbox {
 }
 
 /// A sync diesel connection a unit of work runs on: `diesel::PgConnection` (feature
-/// `postgres-sync`) or `diesel::SqliteConnection` (feature `sqlite`). Each writes the events
+/// `postgres-sync`), `diesel::MysqlConnection` (feature `mysql-sync`) or
+/// `diesel::SqliteConnection` (feature `sqlite`). Each writes the events
 /// with statements of its own database.
 ///
 /// Sealed: implemented by the toolkit for the connections it has statements for.
@@ -244,7 +245,7 @@ impl<C> SyncBackendConnection for C where C: R2D2Connection + 'static + sealed::
 /// itself either way.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a connection a sync unit of work can run on",
-    label = "a sync unit of work runs on a PgConnection or SqliteConnection, or an r2d2 guard of one",
+    label = "a sync unit of work runs on a PgConnection, MysqlConnection or SqliteConnection, or an r2d2 guard of one",
     note = "for another pool's guard, pass `&mut *conn`: it derefs to the connection"
 )]
 pub trait SyncOutboxConnection {
@@ -367,6 +368,43 @@ pub(crate) mod sealed {
                 embedded
             };
             Ok((!pending.is_empty()).then_some(MissingMigrations { pending }))
+        }
+    }
+
+    /// The result of a future made of a sync connection's statements: ready at its first
+    /// poll, since nothing in it waits.
+    #[cfg(feature = "mysql-sync")]
+    fn ready<T>(future: impl Future<Output = T>) -> T {
+        use futures::FutureExt as _;
+        std::pin::pin!(future)
+            .now_or_never()
+            .expect("a sync connection's statements complete when polled")
+    }
+
+    #[cfg(feature = "mysql-sync")]
+    impl SyncBackend for diesel::MysqlConnection {
+        fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
+            AnsiTransactionManager::begin_transaction(self)
+        }
+
+        fn write_events(
+            &mut self,
+            events: Vec<NewEvent>,
+            causality: &Causality,
+            duplicates: DuplicateEvents,
+        ) -> Result<(), UnitOfWorkError> {
+            ready(crate::mysql::write_events(
+                self, events, causality, duplicates,
+            ))
+        }
+
+        fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {
+            let pending = ready(crate::mysql::pending_versions(self))?;
+            Ok((!pending.is_empty()).then_some(MissingMigrations { pending }))
+        }
+
+        fn events_committed() {
+            crate::commits::COMMITS.committed();
         }
     }
 
