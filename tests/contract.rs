@@ -116,6 +116,18 @@ trait Backend {
         }
     }
 
+    /// Runs `statement` as [`execute`](Self::execute) does, and returns the database's error.
+    fn try_execute(env: &Env, statement: &str) -> impl Future<Output = Result<(), String>> + Send {
+        let statement = statement.replace("{prefix}", &env.prefix);
+        async move {
+            env.conn()
+                .await
+                .batch_execute(&statement)
+                .await
+                .map_err(|e| e.to_string())
+        }
+    }
+
     /// `(aggregate_id, aggregate_seq, attempts)` of every dead letter.
     fn dead_letters(env: &Env) -> impl Future<Output = Vec<(String, i64, i32)>> + Send {
         async {
@@ -498,6 +510,47 @@ async fn an_idle_relay_is_woken_by_each_commit_of_its_process<B: Backend>() {
     relay.shutdown().await.unwrap();
 }
 
+/// A row the relay could not read (its id not a UUID, its payload not JSON, its headers not
+/// a JSON object, its time not a time) is refused where it is written: met by the relay's
+/// claim, it would stop every batch. A row that passes is relayed.
+async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written<B: Backend>() {
+    let env = B::setup().await;
+    let row = |id: &str, payload: &str, headers: &str, occurred_at: &str| {
+        format!(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, \
+                 event_type, partition_key, subject, payload, headers, occurred_at) \
+             VALUES ('{id}', 'Raw', 'r-1', 1, 'Written', 'r-1', '{{prefix}}.Raw.r-1.Written', \
+                     '{payload}', '{headers}', '{occurred_at}')"
+        )
+    };
+    let (id, now) = (
+        "0196f3a0-0000-7000-8000-000000000001",
+        "2026-11-25 10:00:00",
+    );
+    for (what, statement) in [
+        (
+            "an id that is not a UUID",
+            row("not-a-uuid", "{}", "{}", now),
+        ),
+        ("a payload that is not JSON", row(id, "{nope", "{}", now)),
+        ("headers that are not an object", row(id, "{}", "[]", now)),
+        (
+            "a time that is not a time",
+            row(id, "{}", "{}", "not a time"),
+        ),
+    ] {
+        assert!(
+            B::try_execute(&env, &statement).await.is_err(),
+            "{what} was written"
+        );
+    }
+    B::execute(&env, &row(id, r#"{"ok": true}"#, "{}", now)).await;
+    B::relay_all(&env).await;
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].header("Nats-Msg-Id"), id);
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -533,6 +586,12 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn three_relays_racing_keep_each_aggregate_in_order() {
                 super::three_relays_racing_keep_each_aggregate_in_order::<$backend>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written() {
+                super::a_row_the_relay_could_not_read_is_refused_where_it_is_written::<$backend>()
+                    .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -787,6 +846,16 @@ mod mysql {
                 .unwrap();
         }
 
+        async fn try_execute(env: &Env, statement: &str) -> Result<(), String> {
+            let statement = statement.replace("{prefix}", &env.prefix);
+            database(env)
+                .conn()
+                .await
+                .batch_execute(&statement)
+                .await
+                .map_err(|e| e.to_string())
+        }
+
         async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
             #[derive(QueryableByName)]
             struct Dead {
@@ -891,6 +960,10 @@ mod mysql {
 
         async fn execute(env: &Env, statement: &str) {
             <AsyncMysql as Backend>::execute(env, statement).await;
+        }
+
+        async fn try_execute(env: &Env, statement: &str) -> Result<(), String> {
+            AsyncMysql::try_execute(env, statement).await
         }
 
         async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
@@ -1107,6 +1180,15 @@ mod sqlite {
                 .unwrap();
         }
 
+        async fn try_execute(env: &Env, statement: &str) -> Result<(), String> {
+            let statement = statement.replace("{prefix}", &env.prefix);
+            database(env)
+                .conn()
+                .batch_execute(&statement)
+                .await
+                .map_err(|e| e.to_string())
+        }
+
         async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {
             #[derive(QueryableByName)]
             struct Dead {
@@ -1220,6 +1302,10 @@ mod sqlite {
 
         async fn execute(env: &Env, statement: &str) {
             <AsyncSqlite as Backend>::execute(env, statement).await;
+        }
+
+        async fn try_execute(env: &Env, statement: &str) -> Result<(), String> {
+            AsyncSqlite::try_execute(env, statement).await
         }
 
         async fn dead_letters(env: &Env) -> Vec<(String, i64, i32)> {

@@ -13,7 +13,12 @@ CREATE TABLE outbox_events (
                          hex(randomblob(4)) || '-' || hex(randomblob(2)) || '-4' ||
                          substr(hex(randomblob(2)), 2) || '-' ||
                          substr('89ab', 1 + (abs(random()) % 4), 1) ||
-                         substr(hex(randomblob(2)), 2) || '-' || hex(randomblob(6)))),
+                         substr(hex(randomblob(2)), 2) || '-' || hex(randomblob(6))))
+                     -- A UUID in its hyphenated form: the relay could not read another.
+                     CONSTRAINT outbox_events_id_is_a_uuid CHECK (
+                         length(id) = 36 AND id NOT GLOB '*[^0-9a-fA-F-]*'
+                         AND substr(id, 9, 1) = '-' AND substr(id, 14, 1) = '-'
+                         AND substr(id, 19, 1) = '-' AND substr(id, 24, 1) = '-'),
     aggregate_type   TEXT    NOT NULL,
     aggregate_id     TEXT    NOT NULL,
     aggregate_seq    INTEGER NOT NULL CHECK (aggregate_seq > 0),
@@ -26,9 +31,14 @@ CREATE TABLE outbox_events (
     -- Extra message headers: a JSON object of header name to string (or array of strings).
     headers          TEXT    NOT NULL DEFAULT '{}' CHECK (json_type(headers) = 'object'),
     occurred_at      TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))
-                             CHECK (occurred_at GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9]*'),
+                             CONSTRAINT outbox_events_occurred_at_is_a_time CHECK (
+                                 occurred_at GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9]*'
+                                 AND julianday(occurred_at) IS NOT NULL
+                                 AND occurred_at >= '1970-01-01'),
     available_at     TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))
-                             CHECK (available_at GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9]*'),
+                             CONSTRAINT outbox_events_available_at_is_a_time CHECK (
+                                 available_at GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9]*'
+                                 AND julianday(available_at) IS NOT NULL),
     attempts         INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
     last_error       TEXT,
     published_at     TEXT,
