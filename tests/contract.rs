@@ -511,7 +511,8 @@ async fn an_idle_relay_is_woken_by_each_commit_of_its_process<B: Backend>() {
 }
 
 /// A row the relay could not read (its id not a UUID, its payload not JSON, its headers not
-/// a JSON object, its time not a time) is refused where it is written: met by the relay's
+/// a JSON object, its time not a time, its sequence not a number) is refused where it is
+/// written: met by the relay's
 /// claim, it would stop every batch. A row that passes is relayed.
 async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written<B: Backend>() {
     let env = B::setup().await;

@@ -65,7 +65,7 @@
 //!   (libmysqlclient);
 //! - `sqlite`: `outbox_runtime::sqlite`, the unit of work on diesel's `SqliteConnection`
 //!   (sync, and async through diesel-async's `SyncConnectionWrapper`) and the `SqliteRelay`
-//!   (SQLite 3.35+; libsqlite3);
+//!   (SQLite 3.37+; libsqlite3);
 //! - `failpoints`: the crash points of this project's own tests.
 
 // Every public item says what it is: shapes, units, errors (the crate's own rule).

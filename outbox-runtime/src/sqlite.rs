@@ -1,4 +1,4 @@
-//! The outbox on SQLite 3.35+ (feature `sqlite`): the unit of work on diesel-async's
+//! The outbox on SQLite 3.37+ (feature `sqlite`): the unit of work on diesel-async's
 //! [`AsyncSqliteConnection`] (diesel's `SqliteConnection` behind `SyncConnectionWrapper`), and
 //! a message relay that publishes its rows, for services that embed their database and for
 //! tests without a server.

@@ -467,7 +467,7 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
 /// A database connection a unit of work runs on: diesel-async's [`AsyncPgConnection`]
 /// (PostgreSQL); with the feature `mysql` its `AsyncMysqlConnection` (MySQL 8, MariaDB
 /// 10.6+; see `outbox_runtime::mysql`); with the feature `sqlite` its
-/// `SyncConnectionWrapper<SqliteConnection>` (SQLite 3.35+; see `outbox_runtime::sqlite`).
+/// `SyncConnectionWrapper<SqliteConnection>` (SQLite 3.37+; see `outbox_runtime::sqlite`).
 /// Each writes the events with statements of its own database.
 ///
 /// Sealed: implemented by the toolkit for the connections it has statements for.

@@ -1,5 +1,6 @@
--- The transactional outbox on SQLite 3.35+ (RETURNING): the same tables and columns as on
--- PostgreSQL, in SQLite's types. See outbox-runtime/migrations/ for what each column means.
+-- The transactional outbox on SQLite 3.37+ (RETURNING, STRICT tables): the same tables and
+-- columns as on PostgreSQL, in SQLite's types, which STRICT enforces (a text in an INTEGER
+-- column is refused, not stored). See outbox-runtime/migrations/ for what each column means.
 --
 -- Times are UTC text, 'YYYY-MM-DD HH:MM:SS.SSS' (SQLite's strftime('%Y-%m-%d %H:%M:%f')),
 -- so that they compare as text; the CHECKs refuse any other shape, which would compare
@@ -47,7 +48,7 @@ CREATE TABLE outbox_events (
     correlation_id   TEXT,
     causation_id     TEXT,
     CONSTRAINT outbox_events_aggregate_seq_key UNIQUE (aggregate_type, aggregate_id, aggregate_seq)
-);
+) STRICT;
 
 -- The relay's window of the oldest claimable rows (partial: its size does not grow with the
 -- published rows kept by PublishedRows::Mark).
@@ -66,14 +67,14 @@ CREATE TABLE outbox_aggregates (
     last_seq       INTEGER NOT NULL,
     blocked_until  TEXT,
     PRIMARY KEY (aggregate_type, aggregate_id)
-);
+) STRICT;
 
 -- Producer dedup keys (#[event(dedup_key)]), byte-exact.
 CREATE TABLE outbox_dedup_keys (
     dedup_key  TEXT NOT NULL PRIMARY KEY,
     event_id   TEXT NOT NULL,
     created_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))
-);
+) STRICT;
 CREATE INDEX outbox_dedup_keys_created_at ON outbox_dedup_keys (created_at);
 
 -- The relay's lease: one relay publishes a database file's rows at a time. It renews the
@@ -82,4 +83,4 @@ CREATE TABLE outbox_relay_lease (
     name       TEXT NOT NULL PRIMARY KEY,
     owner      TEXT NOT NULL,
     expires_at TEXT NOT NULL
-);
+) STRICT;
