@@ -99,6 +99,55 @@ pub fn redacted(database_url: &str) -> String {
     text
 }
 
+/// The database a URL names, by its form: `postgres://` or `postgresql://` (or a
+/// `key=value` connection string), `mysql://`, or else a SQLite file (a path, `sqlite://` or
+/// a `file:` URI).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Postgres,
+    Mysql,
+    Sqlite,
+}
+
+impl Kind {
+    pub(crate) fn of(database_url: &str) -> Self {
+        let url = database_url.trim_start();
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") || url.contains('=') {
+            Self::Postgres
+        } else if url.starts_with("mysql://") {
+            Self::Mysql
+        } else {
+            Self::Sqlite
+        }
+    }
+
+    /// Refuses a URL of another database than `relay`'s (`self`), naming the relay to use.
+    pub(crate) fn check(self, database_url: &str, relay: &str) -> Result<(), String> {
+        if database_url.trim().is_empty() {
+            return Err(format!(
+                "database_url is empty: {relay} needs its database's URL"
+            ));
+        }
+        let (kind, url) = (Self::of(database_url), redacted(database_url));
+        if kind == self {
+            return Ok(());
+        }
+        let right = match kind {
+            Self::Postgres => "outbox_runtime::Relay",
+            Self::Mysql => "outbox_runtime::mysql::MysqlRelay (feature `mysql`)",
+            Self::Sqlite => "outbox_runtime::sqlite::SqliteRelay (feature `sqlite`)",
+        };
+        let what = match kind {
+            Self::Postgres => "a PostgreSQL URL",
+            Self::Mysql => "a MySQL URL",
+            Self::Sqlite => "a SQLite file",
+        };
+        Err(format!(
+            "database_url {url} is {what}, which {relay} does not publish from: use {right}"
+        ))
+    }
+}
+
 /// [`redacted`] for what is not PostgreSQL's.
 fn redacted_other(database_url: &str) -> String {
     let without_parameters = |text: &str| text.split(['?', '#']).next().unwrap_or("").to_owned();
@@ -338,6 +387,37 @@ impl<E: fmt::Display> fmt::Display for Bounded<E> {
             Self::Failed(error) => error.fmt(f),
             Self::TimedOut(timed_out) => timed_out.fmt(f),
         }
+    }
+}
+
+#[cfg(test)]
+mod kind_tests {
+    use super::Kind;
+
+    #[test]
+    fn a_relay_refuses_another_databases_url_naming_the_relay_to_use() {
+        assert_eq!(Kind::of("postgres://a@h/d"), Kind::Postgres);
+        assert_eq!(Kind::of("host=h dbname=d"), Kind::Postgres);
+        assert_eq!(Kind::of("mysql://root@h/d"), Kind::Mysql);
+        assert_eq!(Kind::of("orders.db"), Kind::Sqlite);
+        assert_eq!(Kind::of("sqlite:///var/o.db"), Kind::Sqlite);
+        assert!(Kind::Postgres.check("postgresql://a@h/d", "Relay").is_ok());
+        let error = Kind::Postgres
+            .check("mysql://root:s3cret@h/d", "Relay")
+            .unwrap_err();
+        assert_eq!(
+            error,
+            "database_url mysql://root@h/d is a MySQL URL, which Relay does not publish from: \
+             use outbox_runtime::mysql::MysqlRelay (feature `mysql`)"
+        );
+        let error = Kind::Sqlite
+            .check("postgres://a@h/d", "SqliteRelay")
+            .unwrap_err();
+        assert!(error.contains("use outbox_runtime::Relay"), "{error}");
+        let error = Kind::Mysql.check("orders.db", "MysqlRelay").unwrap_err();
+        assert!(error.contains("is a SQLite file"), "{error}");
+        let error = Kind::Mysql.check(" ", "MysqlRelay").unwrap_err();
+        assert!(error.starts_with("database_url is empty"), "{error}");
     }
 }
 

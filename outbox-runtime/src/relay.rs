@@ -507,6 +507,9 @@ impl Relay {
         config: RelayConfig,
         nats: async_nats::Client,
     ) -> Result<Self, RelayError> {
+        database::Kind::Postgres
+            .check(&config.database_url, "Relay")
+            .map_err(RelayError::Config)?;
         let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
         let mut conn = worker::connect(&shared).await?;
         let limit = shared.config.statement_timeout;

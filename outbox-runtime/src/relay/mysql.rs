@@ -75,6 +75,9 @@ impl MysqlRelay {
 
 impl PolledStore for AsyncMysqlConnection {
     fn configure(config: RelayConfig) -> Result<RelayConfig, RelayError> {
+        database::Kind::Mysql
+            .check(&config.database_url, "MysqlRelay")
+            .map_err(RelayError::Config)?;
         if config.connector.is_some() {
             return Err(RelayError::Config(
                 "a connector opens PostgreSQL connections; the MySQL relay opens its own \

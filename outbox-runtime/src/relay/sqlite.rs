@@ -140,6 +140,9 @@ impl SqliteStore {
 
 impl PolledStore for SqliteStore {
     fn configure(mut config: RelayConfig) -> Result<RelayConfig, RelayError> {
+        database::Kind::Sqlite
+            .check(&config.database_url, "SqliteRelay")
+            .map_err(RelayError::Config)?;
         if config.connector.is_some() {
             return Err(RelayError::Config(
                 "a connector opens PostgreSQL connections; the SQLite relay opens the database \
