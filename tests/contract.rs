@@ -162,6 +162,35 @@ trait Backend {
         }
     }
 
+    /// One batch of a fresh relay: how many rows it claimed, or its error.
+    fn relay_once(env: &Env) -> impl Future<Output = Result<usize, String>> + Send {
+        async {
+            let mut relay = Relay::connect(Self::relay_config(env), env.nats.clone())
+                .await
+                .unwrap();
+            relay
+                .relay_batch()
+                .await
+                .map(|report| report.claimed)
+                .map_err(|e| e.to_string())
+        }
+    }
+
+    /// SQL that makes every delete from `outbox_events` fail, and SQL that undoes it.
+    const BLOCK_DELETES: [&str; 2] = [
+        "CREATE FUNCTION outbox_test_no_delete() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'deletes blocked by the test'; END $$; \
+         CREATE TRIGGER outbox_test_no_delete BEFORE DELETE ON outbox_events \
+             FOR EACH ROW EXECUTE FUNCTION outbox_test_no_delete()",
+        "DROP TRIGGER outbox_test_no_delete ON outbox_events",
+    ];
+
+    /// What a relay that died leaves for the next one to wait out (SQLite's lease): made to
+    /// run out now.
+    fn relay_died(_env: &Env) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
     /// Starts a relay with `config`.
     fn spawn_relay(env: &Env, config: RelayConfig) -> impl Future<Output = RelayHandle> + Send {
         async move {
@@ -552,6 +581,33 @@ async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written<B: Backen
     assert_eq!(messages[0].header("Nats-Msg-Id"), id);
 }
 
+/// A relay that dies after its publishes were acked, before it deleted the rows: the next
+/// relay publishes them again, and JetStream stores each once (its `Nats-Msg-Id`), in order.
+async fn a_relay_that_dies_before_its_delete_is_followed_without_duplicates<B: Backend>() {
+    let env = B::setup().await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, false).await;
+    result.unwrap();
+    B::execute(&env, B::BLOCK_DELETES[0]).await;
+    let died = B::relay_once(&env).await;
+    assert!(
+        died.as_ref().is_err_and(|e| e.contains("deletes blocked")),
+        "{died:?}"
+    );
+    env.until_stream_holds(4, Duration::from_secs(5)).await;
+    B::execute(&env, B::BLOCK_DELETES[1]).await;
+    B::relay_died(&env).await;
+    B::relay_all(&env).await;
+    assert!(B::rows(&env).await.is_empty(), "the rows are gone");
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 4, "each message stored once");
+    let expected: BTreeMap<String, Vec<u64>> = [
+        ("o-1".to_owned(), vec![1, 2]),
+        ("o-2".to_owned(), vec![1, 2]),
+    ]
+    .into();
+    assert_eq!(support::sequences(&messages), expected);
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -593,6 +649,14 @@ macro_rules! contract {
             async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written() {
                 super::a_row_the_relay_could_not_read_is_refused_where_it_is_written::<$backend>()
                     .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_relay_that_dies_before_its_delete_is_followed_without_duplicates() {
+                super::a_relay_that_dies_before_its_delete_is_followed_without_duplicates::<
+                    $backend,
+                >()
+                .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -892,6 +956,23 @@ mod mysql {
             while relay.relay_batch().await.unwrap().claimed > 0 {}
         }
 
+        async fn relay_once(env: &Env) -> Result<usize, String> {
+            let mut relay = MysqlRelay::connect(Self::relay_config(env), env.nats.clone())
+                .await
+                .unwrap();
+            relay
+                .relay_batch()
+                .await
+                .map(|report| report.claimed)
+                .map_err(|e| e.to_string())
+        }
+
+        const BLOCK_DELETES: [&str; 2] = [
+            "CREATE TRIGGER outbox_test_no_delete BEFORE DELETE ON outbox_events FOR EACH ROW \
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'deletes blocked by the test'",
+            "DROP TRIGGER outbox_test_no_delete",
+        ];
+
         async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
             MysqlRelay::connect(config, env.nats.clone())
                 .await
@@ -978,6 +1059,12 @@ mod mysql {
         async fn relay_all(env: &Env) {
             AsyncMysql::relay_all(env).await;
         }
+
+        async fn relay_once(env: &Env) -> Result<usize, String> {
+            AsyncMysql::relay_once(env).await
+        }
+
+        const BLOCK_DELETES: [&str; 2] = AsyncMysql::BLOCK_DELETES;
 
         async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
             AsyncMysql::spawn_relay(env, config).await
@@ -1225,6 +1312,31 @@ mod sqlite {
             while relay.relay_batch().await.unwrap().claimed > 0 {}
         }
 
+        async fn relay_once(env: &Env) -> Result<usize, String> {
+            let mut relay = SqliteRelay::connect(Self::relay_config(env), env.nats.clone())
+                .await
+                .unwrap();
+            relay
+                .relay_batch()
+                .await
+                .map(|report| report.claimed)
+                .map_err(|e| e.to_string())
+        }
+
+        const BLOCK_DELETES: [&str; 2] = [
+            "CREATE TRIGGER outbox_test_no_delete BEFORE DELETE ON outbox_events \
+             BEGIN SELECT RAISE(ABORT, 'deletes blocked by the test'); END",
+            "DROP TRIGGER outbox_test_no_delete",
+        ];
+
+        async fn relay_died(env: &Env) {
+            <Self as Backend>::execute(
+                env,
+                "UPDATE outbox_relay_lease SET expires_at = '2000-01-01 00:00:00.000'",
+            )
+            .await;
+        }
+
         async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
             SqliteRelay::connect(config, env.nats.clone())
                 .await
@@ -1319,6 +1431,16 @@ mod sqlite {
 
         async fn relay_all(env: &Env) {
             AsyncSqlite::relay_all(env).await;
+        }
+
+        async fn relay_once(env: &Env) -> Result<usize, String> {
+            AsyncSqlite::relay_once(env).await
+        }
+
+        const BLOCK_DELETES: [&str; 2] = AsyncSqlite::BLOCK_DELETES;
+
+        async fn relay_died(env: &Env) {
+            AsyncSqlite::relay_died(env).await;
         }
 
         async fn spawn_relay(env: &Env, config: RelayConfig) -> RelayHandle {
