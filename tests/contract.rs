@@ -608,6 +608,43 @@ async fn a_relay_that_dies_before_its_delete_is_followed_without_duplicates<B: B
     assert_eq!(support::sequences(&messages), expected);
 }
 
+/// A unit of work of 6,000 events over three aggregates (more bound values than one MySQL
+/// or SQLite statement takes) is written whole, each aggregate numbered after its rows, one
+/// of them inserted by hand.
+async fn a_unit_of_work_of_thousands_of_events_is_written_whole<B: Backend>() {
+    let env = B::setup().await;
+    B::execute(
+        &env,
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload) \
+         VALUES ('Order', 'o-0', 1, 'Noted', 'o-0', '{prefix}.Order.o-0.Noted', '{}')",
+    )
+    .await;
+    let orders: Vec<Order> = (0..3)
+        .map(|n| {
+            let mut order = Order::place(&format!("o-{n}"), "ada", 990);
+            for _ in 1..2_000 {
+                order.record(OrderEvent::Shipped);
+            }
+            order
+        })
+        .collect();
+    let (orders, result) = B::commit(&env, orders, Some("r-big".into()), false).await;
+    result.unwrap();
+    assert!(orders.iter().all(|o| o.pending_events().is_empty()));
+    let rows = B::rows(&env).await;
+    assert_eq!(rows.len(), 6_001);
+    for n in 0..3 {
+        let seqs: Vec<i64> = rows
+            .iter()
+            .filter(|(id, _)| *id == format!("o-{n}"))
+            .map(|(_, seq)| *seq)
+            .collect();
+        let last = if n == 0 { 2_001 } else { 2_000 };
+        assert_eq!(seqs, (1..=last).collect::<Vec<i64>>(), "o-{n}");
+    }
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -657,6 +694,11 @@ macro_rules! contract {
                     $backend,
                 >()
                 .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_unit_of_work_of_thousands_of_events_is_written_whole() {
+                super::a_unit_of_work_of_thousands_of_events_is_written_whole::<$backend>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

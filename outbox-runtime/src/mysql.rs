@@ -302,27 +302,29 @@ async fn take_dedup_keys<C: Exec>(
         .zip(statement.ids())
         .map(|(key, id)| (*key, id.to_string()))
         .collect();
-    let mut insert = diesel::sql_query(format!(
-        "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} \
-         ON DUPLICATE KEY UPDATE dedup_key = dedup_key",
-        placeholders(keys.len(), 2)
-    ))
-    .into_boxed::<Mysql>();
-    for (key, id) in &keys {
-        insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+    for chunk in keys.chunks(MAX_BOUND_VALUES / 2) {
+        let mut insert = diesel::sql_query(format!(
+            "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} \
+             ON DUPLICATE KEY UPDATE dedup_key = dedup_key",
+            placeholders(chunk.len(), 2)
+        ))
+        .into_boxed::<Mysql>();
+        for (key, id) in chunk {
+            insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+        }
+        conn.execute(insert).await?;
+        let mut ours = diesel::sql_query(format!(
+            "SELECT CAST(dedup_key AS CHAR CHARACTER SET utf8mb4) AS dedup_key \
+             FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN ({}) LOCK IN SHARE MODE",
+            placeholders(chunk.len(), 2)
+        ))
+        .into_boxed::<Mysql>();
+        for (key, id) in chunk {
+            ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+        }
+        let taken: Vec<TakenKey> = conn.load(ours).await?;
+        plan.taken(&taken);
     }
-    conn.execute(insert).await?;
-    let mut ours = diesel::sql_query(format!(
-        "SELECT CAST(dedup_key AS CHAR CHARACTER SET utf8mb4) AS dedup_key \
-         FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN ({}) LOCK IN SHARE MODE",
-        placeholders(keys.len(), 2)
-    ))
-    .into_boxed::<Mysql>();
-    for (key, id) in &keys {
-        ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
-    }
-    let taken: Vec<TakenKey> = conn.load(ours).await?;
-    plan.taken(&taken);
     Ok(plan.duplicates(events))
 }
 
@@ -344,7 +346,9 @@ async fn take_dedup_keys<C: Exec>(
 /// When the insert meets a row with its number (a writer inserted rows by hand above the
 /// counter), MySQL undoes that statement alone; the counters are moved past the highest
 /// sequence of each aggregate (a locking read, so the latest committed rows) and the insert
-/// runs again.
+/// runs again. A unit of work of more events than one statement binds ([`ROWS_PER_INSERT`]:
+/// MySQL takes 65,535 placeholders a statement) is inserted in several statements, after the
+/// counters were moved past such rows.
 async fn insert_events<C: Exec>(
     conn: &mut C,
     events: &[NewEvent],
@@ -354,45 +358,73 @@ async fn insert_events<C: Exec>(
     let mut aggregates: Vec<((&str, &str), i64)> = counts.iter().map(|(k, n)| (*k, *n)).collect();
     aggregates.sort_unstable();
 
-    let mut advance = diesel::sql_query(format!(
-        "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) VALUES {} \
-         ON DUPLICATE KEY UPDATE last_seq = last_seq + VALUES(last_seq)",
-        placeholders(aggregates.len(), 3)
-    ))
-    .into_boxed::<Mysql>();
-    for ((aggregate_type, aggregate_id), n) in &aggregates {
-        advance = advance
-            .bind::<Text, _>(*aggregate_type)
-            .bind::<Text, _>(*aggregate_id)
-            .bind::<BigInt, _>(*n);
+    // In sorted chunks: each locks its rows in order, after the chunks before it.
+    for chunk in aggregates.chunks(MAX_BOUND_VALUES / 3) {
+        let mut advance = diesel::sql_query(format!(
+            "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) VALUES {} \
+             ON DUPLICATE KEY UPDATE last_seq = last_seq + VALUES(last_seq)",
+            placeholders(chunk.len(), 3)
+        ))
+        .into_boxed::<Mysql>();
+        for ((aggregate_type, aggregate_id), n) in chunk {
+            advance = advance
+                .bind::<Text, _>(*aggregate_type)
+                .bind::<Text, _>(*aggregate_id)
+                .bind::<BigInt, _>(*n);
+        }
+        conn.execute(advance).await?;
     }
-    conn.execute(advance).await?;
 
+    // An insert of several statements cannot be run again after one of them met a row
+    // inserted by hand (the statements before it stay): it moves the counters past such rows
+    // first. One statement is retried instead, which costs nothing when no row was.
+    let statements = events.len().div_ceil(ROWS_PER_INSERT);
+    if statements > 1 {
+        move_past_rows_inserted_by_hand(conn, &aggregates).await?;
+        return insert_rows(conn, events, &ordinals, &counts, causality).await;
+    }
     match insert_rows(conn, events, &ordinals, &counts, causality).await {
         Err(diesel::result::Error::DatabaseError(
             diesel::result::DatabaseErrorKind::UniqueViolation,
             info,
         )) if info.message().contains("outbox_events_aggregate_seq_key") => {
-            for ((aggregate_type, aggregate_id), n) in &aggregates {
-                let past = diesel::sql_query(
-                    "UPDATE outbox_aggregates SET last_seq = GREATEST(last_seq, ? + COALESCE(( \
-                         SELECT MAX(o.aggregate_seq) FROM outbox_events o \
-                         WHERE o.aggregate_type = ? AND o.aggregate_id = ? \
-                         FOR UPDATE), 0)) \
-                     WHERE aggregate_type = ? AND aggregate_id = ?",
-                )
-                .into_boxed()
-                .bind::<BigInt, _>(*n)
-                .bind::<Text, _>(*aggregate_type)
-                .bind::<Text, _>(*aggregate_id)
-                .bind::<Text, _>(*aggregate_type)
-                .bind::<Text, _>(*aggregate_id);
-                conn.execute(past).await?;
-            }
+            move_past_rows_inserted_by_hand(conn, &aggregates).await?;
             insert_rows(conn, events, &ordinals, &counts, causality).await
         }
         other => other,
     }
+}
+
+/// The most values one statement binds here: MySQL's limit is 65,535 placeholders a
+/// prepared statement (the protocol's 2-byte count; MySQL docs, COM_STMT_PREPARE).
+const MAX_BOUND_VALUES: usize = 32_000;
+
+/// The most events one INSERT writes: 16 bound values each, within [`MAX_BOUND_VALUES`].
+const ROWS_PER_INSERT: usize = MAX_BOUND_VALUES / 16;
+
+/// Moves each aggregate's counter (already advanced by its `n` events) past the highest
+/// sequence of its rows, read with a locking read (the latest committed rows).
+async fn move_past_rows_inserted_by_hand<C: Exec>(
+    conn: &mut C,
+    aggregates: &[((&str, &str), i64)],
+) -> diesel::QueryResult<()> {
+    for ((aggregate_type, aggregate_id), n) in aggregates {
+        let past = diesel::sql_query(
+            "UPDATE outbox_aggregates SET last_seq = GREATEST(last_seq, ? + COALESCE(( \
+                 SELECT MAX(o.aggregate_seq) FROM outbox_events o \
+                 WHERE o.aggregate_type = ? AND o.aggregate_id = ? \
+                 FOR UPDATE), 0)) \
+             WHERE aggregate_type = ? AND aggregate_id = ?",
+        )
+        .into_boxed()
+        .bind::<BigInt, _>(*n)
+        .bind::<Text, _>(*aggregate_type)
+        .bind::<Text, _>(*aggregate_id)
+        .bind::<Text, _>(*aggregate_type)
+        .bind::<Text, _>(*aggregate_id);
+        conn.execute(past).await?;
+    }
+    Ok(())
 }
 
 /// The insert of [`insert_events`], numbering after the counters as they stand.
@@ -405,7 +437,11 @@ async fn insert_rows<C: Exec>(
 ) -> diesel::QueryResult<()> {
     let headers = causality.headers_json();
     let ids: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
-    let mut insert = diesel::sql_query(format!(
+    for start in (0..events.len()).step_by(ROWS_PER_INSERT) {
+        let end = events.len().min(start + ROWS_PER_INSERT);
+        let (events, ordinals, ids) =
+            (&events[start..end], &ordinals[start..end], &ids[start..end]);
+        let mut insert = diesel::sql_query(format!(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
          event_version, partition_key, subject, payload, available_at, correlation_id, \
          causation_id, headers) VALUES {}",
@@ -420,28 +456,29 @@ async fn insert_rows<C: Exec>(
         )
     ))
     .into_boxed::<Mysql>();
-    for ((event, ordinal), id) in events.iter().zip(ordinals).zip(&ids) {
-        let aggregate = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
-        // The event's number is the new counter minus the events after it.
-        let after = counts[&aggregate] - *ordinal;
-        insert = insert
-            .bind::<Text, _>(id.as_str())
-            .bind::<Text, _>(aggregate.0)
-            .bind::<Text, _>(aggregate.1)
-            .bind::<Text, _>(aggregate.0)
-            .bind::<Text, _>(aggregate.1)
-            .bind::<BigInt, _>(after)
-            .bind::<Text, _>(event.event_type)
-            .bind::<diesel::sql_types::Integer, _>(event.event_version)
-            .bind::<Text, _>(event.partition_key.as_str())
-            .bind::<Text, _>(event.subject.as_str())
-            .bind::<Text, _>(event.payload.as_str())
-            .bind::<Text, _>(aggregate.0)
-            .bind::<Text, _>(aggregate.1)
-            .bind::<Text, _>(causality.correlation_id.as_str())
-            .bind::<Text, _>(causality.causation_id.as_str())
-            .bind::<Text, _>(headers.as_str());
+        for ((event, ordinal), id) in events.iter().zip(ordinals).zip(ids) {
+            let aggregate = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+            // The event's number is the new counter minus the events after it.
+            let after = counts[&aggregate] - *ordinal;
+            insert = insert
+                .bind::<Text, _>(id.as_str())
+                .bind::<Text, _>(aggregate.0)
+                .bind::<Text, _>(aggregate.1)
+                .bind::<Text, _>(aggregate.0)
+                .bind::<Text, _>(aggregate.1)
+                .bind::<BigInt, _>(after)
+                .bind::<Text, _>(event.event_type)
+                .bind::<diesel::sql_types::Integer, _>(event.event_version)
+                .bind::<Text, _>(event.partition_key.as_str())
+                .bind::<Text, _>(event.subject.as_str())
+                .bind::<Text, _>(event.payload.as_str())
+                .bind::<Text, _>(aggregate.0)
+                .bind::<Text, _>(aggregate.1)
+                .bind::<Text, _>(causality.correlation_id.as_str())
+                .bind::<Text, _>(causality.causation_id.as_str())
+                .bind::<Text, _>(headers.as_str());
+        }
+        conn.execute(insert).await?;
     }
-    conn.execute(insert).await?;
     Ok(())
 }

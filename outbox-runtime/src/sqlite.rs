@@ -98,6 +98,9 @@ pub(crate) const NOW: &str = "strftime('%Y-%m-%d %H:%M:%f', 'now')";
 /// (`SQLITE_MAX_VARIABLE_NUMBER` since 3.32), and an event takes 14.
 const ROWS_PER_INSERT: usize = 2_000;
 
+/// The most dedup keys one statement takes: two bound values each, within SQLite's limit.
+const KEYS_PER_STATEMENT: usize = 10_000;
+
 /// Opens the database at `url` (a file path, `sqlite://path`, or a `file:` URI; created when
 /// missing) for the outbox: write-ahead logging (readers, the relay among them, do not wait
 /// for a writer), and a [`BUSY_TIMEOUT`] for the write lock.
@@ -260,25 +263,27 @@ fn take_dedup_keys(
         .zip(statement.ids())
         .map(|(key, id)| (*key, id.to_string()))
         .collect();
-    let mut insert = diesel::sql_query(format!(
-        "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} ON CONFLICT DO NOTHING",
-        placeholders(keys.len(), 2)
-    ))
-    .into_boxed::<Sqlite>();
-    for (key, id) in &keys {
-        insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+    for chunk in keys.chunks(KEYS_PER_STATEMENT) {
+        let mut insert = diesel::sql_query(format!(
+            "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} ON CONFLICT DO NOTHING",
+            placeholders(chunk.len(), 2)
+        ))
+        .into_boxed::<Sqlite>();
+        for (key, id) in chunk {
+            insert = insert.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+        }
+        insert.execute(conn)?;
+        let mut ours = diesel::sql_query(format!(
+            "SELECT dedup_key FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN (VALUES {})",
+            placeholders(chunk.len(), 2)
+        ))
+        .into_boxed::<Sqlite>();
+        for (key, id) in chunk {
+            ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
+        }
+        let taken: Vec<TakenKey> = ours.load(conn)?;
+        plan.taken(&taken);
     }
-    insert.execute(conn)?;
-    let mut ours = diesel::sql_query(format!(
-        "SELECT dedup_key FROM outbox_dedup_keys WHERE (dedup_key, event_id) IN (VALUES {})",
-        placeholders(keys.len(), 2)
-    ))
-    .into_boxed::<Sqlite>();
-    for (key, id) in &keys {
-        ours = ours.bind::<Text, _>(*key).bind::<Text, _>(id.as_str());
-    }
-    let taken: Vec<TakenKey> = ours.load(conn)?;
-    plan.taken(&taken);
     Ok(plan.duplicates(events))
 }
 
