@@ -397,7 +397,7 @@ async fn insert_events<C: Exec>(
 
 /// The most values one statement binds here: MySQL's limit is 65,535 placeholders a
 /// prepared statement (the protocol's 2-byte count; MySQL docs, COM_STMT_PREPARE).
-const MAX_BOUND_VALUES: usize = 32_000;
+pub(crate) const MAX_BOUND_VALUES: usize = 32_000;
 
 /// The most events one INSERT writes: 16 bound values each, within [`MAX_BOUND_VALUES`].
 const ROWS_PER_INSERT: usize = MAX_BOUND_VALUES / 16;

@@ -338,12 +338,16 @@ impl RelayStore for AsyncMysqlConnection {
                 ));
             }
         };
-        let mut statement = diesel::sql_query(format!("{sql} ({})", groups(ids.len(), "?", ", ")))
-            .into_boxed::<Mysql>();
-        for id in ids {
-            statement = statement.bind::<Text, _>(id.to_string());
+        // Within MySQL's placeholders a statement, whatever the batch size.
+        for chunk in ids.chunks(crate::mysql::MAX_BOUND_VALUES) {
+            let mut statement =
+                diesel::sql_query(format!("{sql} ({})", groups(chunk.len(), "?", ", ")))
+                    .into_boxed::<Mysql>();
+            for id in chunk {
+                statement = statement.bind::<Text, _>(id.to_string());
+            }
+            statement.execute(self).await?;
         }
-        statement.execute(self).await?;
         Ok(())
     }
 }
