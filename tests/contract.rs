@@ -1387,6 +1387,29 @@ mod sqlite {
         }
     }
 
+    /// A relay whose batch failed opens a new connection, and keeps its lease on it: it goes
+    /// on at once, not after its own lease has run out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_keeps_its_lease_across_a_failed_batch() {
+        let env = AsyncSqlite::setup().await;
+        let relay = AsyncSqlite::spawn_relay(&env, AsyncSqlite::relay_config(&env)).await;
+        <AsyncSqlite as Backend>::execute(&env, AsyncSqlite::BLOCK_DELETES[0]).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, false).await;
+        result.unwrap();
+        // Published, then the delete fails: the batch fails, and the worker reconnects.
+        env.until_stream_holds(2, Duration::from_secs(5)).await;
+        <AsyncSqlite as Backend>::execute(&env, AsyncSqlite::BLOCK_DELETES[1]).await;
+        let lease = SqliteRelay::lease(&AsyncSqlite::relay_config(&env));
+        let started = std::time::Instant::now();
+        support::wait_until("the rows deleted", lease / 2, || async {
+            AsyncSqlite::rows(&env).await.is_empty().then_some(())
+        })
+        .await;
+        relay.shutdown().await.unwrap();
+        assert!(started.elapsed() < lease / 2);
+        assert_eq!(env.stream_messages().await.len(), 2, "stored once");
+    }
+
     /// A relay that stops gracefully gives its lease back: the next one publishes at once,
     /// not after the lease would have run out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -310,6 +310,10 @@ struct Shared {
     nats: async_nats::Client,
     held: worker::HeldAggregates,
     health: Health,
+    /// This relay's name among the relays of its database (SQLite's lease owner): the same
+    /// for all its connections, new for each relay.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    instance: uuid::Uuid,
 }
 
 impl Shared {
@@ -355,6 +359,7 @@ impl Shared {
             publisher,
             nats,
             health: Health::new(),
+            instance: uuid::Uuid::now_v7(),
         });
         Ok((shared, stream.duplicate_window))
     }

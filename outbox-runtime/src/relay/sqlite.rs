@@ -101,15 +101,16 @@ impl SqliteRelay {
 /// A relay's connection to the database file, and its name in the lease.
 pub(crate) struct SqliteStore {
     conn: AsyncSqliteConnection,
-    /// This connection's lease owner: a fresh UUID, so a restarted relay waits for its
-    /// predecessor's lease like any other.
+    /// The relay's name in the lease, the same for each connection it opens (one that
+    /// replaces a failed connection keeps the lease); new for each relay, so a restarted
+    /// relay waits for its predecessor's lease like any other.
     owner: String,
     /// SQLite's time modifier for the lease's length (`+N.NNN seconds`).
     lease: String,
     /// The lease's length, [`SqliteRelay::lease`].
     lease_length: Duration,
     /// When this connection last took or renewed the lease (read before the statement), if
-    /// it holds it.
+    /// it holds it; a new connection checks the lease at its first claim.
     renewed: Option<Instant>,
 }
 
@@ -185,7 +186,7 @@ impl RelayStore for SqliteStore {
         let lease_length = SqliteRelay::lease(&shared.config);
         Ok(Self {
             conn: AsyncSqliteConnection::new(conn),
-            owner: Uuid::now_v7().to_string(),
+            owner: shared.instance.to_string(),
             lease: format!("+{:.3} seconds", lease_length.as_secs_f64()),
             lease_length,
             renewed: None,
