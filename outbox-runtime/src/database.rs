@@ -112,10 +112,15 @@ pub(crate) enum Kind {
 impl Kind {
     pub(crate) fn of(database_url: &str) -> Self {
         let url = database_url.trim_start();
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") || url.contains('=') {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Self::Postgres
         } else if url.starts_with("mysql://") {
             Self::Mysql
+        } else if url.starts_with("sqlite://") || url.starts_with("file:") {
+            Self::Sqlite
+        } else if url.contains('=') {
+            // A `key=value` connection string.
+            Self::Postgres
         } else {
             Self::Sqlite
         }
@@ -401,6 +406,8 @@ mod kind_tests {
         assert_eq!(Kind::of("mysql://root@h/d"), Kind::Mysql);
         assert_eq!(Kind::of("orders.db"), Kind::Sqlite);
         assert_eq!(Kind::of("sqlite:///var/o.db"), Kind::Sqlite);
+        assert_eq!(Kind::of("file:o.db?mode=rwc"), Kind::Sqlite);
+        assert_eq!(Kind::of("mysql://root@h/d?ssl-mode=required"), Kind::Mysql);
         assert!(Kind::Postgres.check("postgresql://a@h/d", "Relay").is_ok());
         let error = Kind::Postgres
             .check("mysql://root:s3cret@h/d", "Relay")
