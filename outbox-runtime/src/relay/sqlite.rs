@@ -25,14 +25,16 @@ use crate::sqlite::{AsyncSqliteConnection, NOW, SqliteConnection, pending_migrat
 /// Takes the same [`RelayConfig`], whose `database_url` is the database file's path (or
 /// `sqlite://path`). SQLite has one writer at a time, so the relay runs one worker whatever
 /// `workers` says, and one relay publishes a file's rows at a time: it holds a lease in
-/// `outbox_relay_lease`, renewed at each claim and lasting [`SqliteRelay::lease`].
+/// `outbox_relay_lease`, lasting [`SqliteRelay::lease`], renewed when half of it has run and
+/// checked at every claim, and given back when the relay stops.
 /// Another relay on the same file waits as a standby, polling, and takes over once the lease
 /// has expired (after a crash: the rows the crashed relay had published but not yet deleted
 /// are published again, and JetStream drops the copies inside the stream's duplicate
 /// window).
 ///
-/// The relay takes SQLite's write lock only for a moment: to claim (and renew the lease), to
-/// record a rejection, and to delete or mark what was published; never while it publishes.
+/// The relay takes SQLite's write lock only for a moment: to renew the lease (a claim under a
+/// fresh lease only reads), to record a rejection, and to delete or mark what was published;
+/// never while it publishes.
 /// Its `listen` is ignored: a worker that finds nothing waits for a unit of work of this
 /// process to commit, or for `poll_interval`. Not supported here: a `connector`,
 /// [`PublishedRows::Archive`], and the outbox gauges of `stats_interval`.
