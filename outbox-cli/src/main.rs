@@ -24,6 +24,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use outbox_runtime::database::Kind;
 
 /// The outbox's operator command.
 #[derive(Debug, Parser)]
@@ -115,14 +116,27 @@ fn main() -> ExitCode {
                 .clone()
                 .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
         };
+        // Only `migrate` and `relay` run on MySQL and SQLite; the operator's other commands
+        // read PostgreSQL's outbox (its gauges, dead-letter functions, archive).
+        let postgres_url = || {
+            let url = database_url()?;
+            match Kind::of(&url) {
+                Kind::Postgres => Kind::Postgres.check(&url, "this command").map(|()| url),
+                _ => Err(format!(
+                    "{} names a MySQL or SQLite database: only `outbox migrate` and `outbox \
+                     relay` run on those; this command reads PostgreSQL's outbox",
+                    outbox_runtime::database::redacted(&url)
+                )),
+            }
+        };
         match cli.command {
             Command::Migrate => operate::migrate(&database_url()?).await,
             Command::Relay(args) => relay::run(&database_url()?, *args).await,
-            Command::Status(args) => operate::status(&database_url()?, args).await,
-            Command::DeadLetters(command) => operate::dead_letters(&database_url()?, command).await,
-            Command::Retry(args) => operate::retry(&database_url()?, args).await,
-            Command::Skip(args) => operate::skip(&database_url()?, args).await,
-            Command::Purge(args) => operate::purge(&database_url()?, args).await,
+            Command::Status(args) => operate::status(&postgres_url()?, args).await,
+            Command::DeadLetters(command) => operate::dead_letters(&postgres_url()?, command).await,
+            Command::Retry(args) => operate::retry(&postgres_url()?, args).await,
+            Command::Skip(args) => operate::skip(&postgres_url()?, args).await,
+            Command::Purge(args) => operate::purge(&postgres_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,
         }
     });

@@ -37,10 +37,42 @@ fn database_error(error: diesel::result::Error) -> String {
     format!("database error: {error}")
 }
 
+/// Applies the outbox migrations of the database `database_url` names: PostgreSQL's, or with
+/// the features `mysql` and `sqlite` MySQL's and SQLite's.
 pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
-    let applied = outbox_runtime::run_migrations(database_url)
-        .await
-        .map_err(|e| e.to_string())?;
+    use outbox_runtime::database::Kind;
+    let applied = match Kind::of(database_url) {
+        Kind::Postgres => outbox_runtime::run_migrations(database_url)
+            .await
+            .map_err(|e| e.to_string())?,
+        #[cfg(feature = "mysql")]
+        Kind::Mysql => outbox_runtime::mysql::run_migrations(database_url)
+            .await
+            .map_err(|e| e.to_string())?,
+        #[cfg(feature = "sqlite")]
+        Kind::Sqlite => {
+            let url = database_url.to_owned();
+            tokio::task::spawn_blocking(move || {
+                let mut conn = outbox_runtime::sqlite::establish(&url).map_err(|e| {
+                    format!(
+                        "cannot open {}: {e}",
+                        outbox_runtime::database::redacted(&url)
+                    )
+                })?;
+                outbox_runtime::sqlite::run_migrations(&mut conn).map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| e.to_string())??
+        }
+        #[allow(unreachable_patterns)]
+        _ => {
+            return Err(format!(
+                "{} names a database this build of outbox does not know: build it with \
+                 `--features mysql` or `--features sqlite`",
+                outbox_runtime::database::redacted(database_url)
+            ));
+        }
+    };
     if applied.is_empty() {
         println!("the outbox schema is up to date");
     } else {

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use humantime::Duration as Span;
+use outbox_runtime::database::Kind;
 use outbox_runtime::publisher::StorageType;
 use outbox_runtime::{
-    DeadLetterPolicy, PublishedRows, Relay, RelayConfig, StreamSettings, SubjectPrefix,
+    DeadLetterPolicy, PublishedRows, Relay, RelayConfig, RelayHandle, StreamSettings, SubjectPrefix,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -209,10 +210,16 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let config = args.config(database_url);
+    let kind = Kind::of(database_url);
+    if kind != Kind::Postgres && args.purge_older_than.is_some() {
+        return Err(
+            "--purge-older-than purges PostgreSQL's outbox; on MySQL and SQLite the relay \
+             deletes what it published (--published delete, the default)"
+                .to_owned(),
+        );
+    }
     let nats = args.nats.connect("outbox-relay").await?;
-    let relay = Relay::connect(config.clone(), nats)
-        .await
-        .map_err(|e| e.to_string())?;
+    let relay = connect(kind, config.clone(), nats).await?;
     tracing::info!(
         database = %outbox_runtime::database::redacted(database_url),
         stream = %config.topology.stream.name,
@@ -220,7 +227,6 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
         workers = config.workers,
         "relaying"
     );
-    let relay = relay.spawn();
     let purging = args.purge_older_than.map(|older_than| {
         tokio::spawn(purge_on_schedule(
             database_url.to_owned(),
@@ -249,6 +255,43 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
             Ok(Ended::Unhealthy)
         }
     }
+}
+
+/// The relay of the database `kind`, connected and running.
+async fn connect(
+    kind: Kind,
+    config: RelayConfig,
+    nats: async_nats::Client,
+) -> Result<RelayHandle, String> {
+    match kind {
+        Kind::Postgres => Ok(Relay::connect(config, nats)
+            .await
+            .map_err(|e| e.to_string())?
+            .spawn()),
+        #[cfg(feature = "mysql")]
+        Kind::Mysql => Ok(outbox_runtime::mysql::MysqlRelay::connect(config, nats)
+            .await
+            .map_err(|e| e.to_string())?
+            .spawn()),
+        #[cfg(not(feature = "mysql"))]
+        Kind::Mysql => Err(built_without("mysql")),
+        #[cfg(feature = "sqlite")]
+        Kind::Sqlite => Ok(outbox_runtime::sqlite::SqliteRelay::connect(config, nats)
+            .await
+            .map_err(|e| e.to_string())?
+            .spawn()),
+        #[cfg(not(feature = "sqlite"))]
+        Kind::Sqlite => Err(built_without("sqlite")),
+    }
+}
+
+/// The error for a database this build does not relay.
+#[cfg_attr(all(feature = "mysql", feature = "sqlite"), allow(dead_code))]
+fn built_without(feature: &str) -> String {
+    format!(
+        "DATABASE_URL names a database this build of outbox does not relay: build it with \
+         `--features {feature}` (cargo install outbox-cli --features {feature})"
+    )
 }
 
 /// Deletes published rows older than `older_than` every `interval`, in batches of 10,000,

@@ -706,3 +706,62 @@ async fn the_relay_authenticates_with_a_credentials_file() {
     assert_eq!(code, Some(0), "{output}");
     assert!(!output.contains(&seed), "{output}");
 }
+
+/// `outbox migrate` and `outbox relay` on a SQLite file (built with `--features sqlite`): the
+/// daemon publishes what units of work commit to the file, and the operator's other commands
+/// say they read PostgreSQL's outbox.
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
+    use outbox_runtime::UnitOfWorkError;
+    use outbox_runtime::sqlite::AsyncSqliteConnection;
+
+    let env = TestEnv::unmigrated(&support::nats_url()).await;
+    let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("orders.db").to_string_lossy().into_owned();
+    let command = |args: &[&str]| {
+        let mut command = Command::new(OUTBOX);
+        command
+            .args(args)
+            .env("DATABASE_URL", &path)
+            .env("NATS_URL", support::nats_url())
+            .env("RUST_LOG", "info");
+        command
+    };
+    let migrated = command(&["migrate"]).output().unwrap();
+    assert!(migrated.status.success(), "{}", text(&migrated));
+    assert!(text(&migrated).contains("applied 1"), "{}", text(&migrated));
+    let status = command(&["status"]).output().unwrap();
+    assert_eq!(status.status.code(), Some(2));
+    assert!(
+        text(&status).contains("only `outbox migrate` and `outbox relay` run on those"),
+        "{}",
+        text(&status)
+    );
+
+    let relay = command(&["relay", "--subject-prefix", &env.prefix, "--stream", &env.stream])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut conn = AsyncSqliteConnection::new(outbox_runtime::sqlite::establish(&path).unwrap());
+    for n in 0..3 {
+        let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
+        order.record(support::domain::OrderEvent::Shipped);
+        env.outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+    // Another process's commits: the relay sees them at its poll.
+    env.until_stream_holds(6, Duration::from_secs(20)).await;
+    let (output, took, code) = stop(relay).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(output.contains("relaying") && output.contains("stopped"), "{output}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -99,18 +99,30 @@ pub fn redacted(database_url: &str) -> String {
     text
 }
 
-/// The database a URL names, by its form: `postgres://` or `postgresql://` (or a
+/// The database a URL names, by its form: `postgres://` or `postgresql://` (or a PostgreSQL
 /// `key=value` connection string), `mysql://`, or else a SQLite file (a path, `sqlite://` or
-/// a `file:` URI).
+/// a `file:` URI). A service that takes its database from configuration picks its
+/// connection and its relay by it (the quickstart does).
+///
+/// ```
+/// use outbox_runtime::database::Kind;
+/// assert_eq!(Kind::of("postgres://app@db/orders"), Kind::Postgres);
+/// assert_eq!(Kind::of("mysql://app@db/orders"), Kind::Mysql);
+/// assert_eq!(Kind::of("/var/lib/orders.db"), Kind::Sqlite);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub enum Kind {
+    /// PostgreSQL: [`Relay`](crate::Relay), always built.
     Postgres,
+    /// MySQL or MariaDB: `outbox_runtime::mysql` (feature `mysql`).
     Mysql,
+    /// A SQLite file: `outbox_runtime::sqlite` (feature `sqlite`).
     Sqlite,
 }
 
 impl Kind {
-    pub(crate) fn of(database_url: &str) -> Self {
+    /// The database `database_url` names, by its form (nothing is opened).
+    pub fn of(database_url: &str) -> Self {
         let url = database_url.trim_start();
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Self::Postgres
@@ -126,11 +138,16 @@ impl Kind {
         }
     }
 
-    /// Refuses a URL of another database than `relay`'s (`self`), naming the relay to use.
-    pub(crate) fn check(self, database_url: &str, relay: &str) -> Result<(), String> {
+    /// Refuses a URL of another database than `self`, for `user` (a relay, a command), naming
+    /// the relay to use.
+    ///
+    /// # Errors
+    /// The message to show, naming the URL without its password: an empty URL, or another
+    /// database's.
+    pub fn check(self, database_url: &str, user: &str) -> Result<(), String> {
         if database_url.trim().is_empty() {
             return Err(format!(
-                "database_url is empty: {relay} needs its database's URL"
+                "database_url is empty: {user} needs its database's URL"
             ));
         }
         let (kind, url) = (Self::of(database_url), redacted(database_url));
@@ -148,7 +165,7 @@ impl Kind {
             Self::Sqlite => "a SQLite file",
         };
         Err(format!(
-            "database_url {url} is {what}, which {relay} does not publish from: use {right}"
+            "database_url {url} is {what}, which {user} does not work on: use {right}"
         ))
     }
 }
@@ -414,7 +431,7 @@ mod kind_tests {
             .unwrap_err();
         assert_eq!(
             error,
-            "database_url mysql://root@h/d is a MySQL URL, which Relay does not publish from: \
+            "database_url mysql://root@h/d is a MySQL URL, which Relay does not work on: \
              use outbox_runtime::mysql::MysqlRelay (feature `mysql`)"
         );
         let error = Kind::Sqlite
