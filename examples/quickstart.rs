@@ -25,6 +25,7 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
+use outbox_runtime::database::Kind;
 use outbox_runtime::{
     BackendConnection, DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, RelayHandle,
     UnitOfWork, UnitOfWorkError, aggregate,
@@ -273,19 +274,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
-    if database_url.starts_with("postgres://") || database_url.starts_with("postgresql://") {
-        run::<Postgres>(&database_url, &nats_url).await
-    } else if database_url.starts_with("mysql://") {
+    match Kind::of(&database_url) {
+        Kind::Postgres => run::<Postgres>(&database_url, &nats_url).await,
         #[cfg(feature = "mysql")]
-        return run::<Mysql>(&database_url, &nats_url).await;
+        Kind::Mysql => run::<Mysql>(&database_url, &nats_url).await,
         #[cfg(not(feature = "mysql"))]
-        return Err(built_without("mysql"));
-    } else {
+        Kind::Mysql => Err(built_without("mysql")),
         // A SQLite file: a path, `sqlite://path` or a `file:` URI.
         #[cfg(feature = "sqlite")]
-        return run::<Sqlite>(&database_url, &nats_url).await;
+        Kind::Sqlite => run::<Sqlite>(&database_url, &nats_url).await,
         #[cfg(not(feature = "sqlite"))]
-        return Err(built_without("sqlite"));
+        Kind::Sqlite => Err(built_without("sqlite")),
     }
 }
 

@@ -740,11 +740,17 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         text(&status)
     );
 
-    let relay = command(&["relay", "--subject-prefix", &env.prefix, "--stream", &env.stream])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let relay = command(&[
+        "relay",
+        "--subject-prefix",
+        &env.prefix,
+        "--stream",
+        &env.stream,
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let mut conn = AsyncSqliteConnection::new(outbox_runtime::sqlite::establish(&path).unwrap());
     for n in 0..3 {
         let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
@@ -762,6 +768,9 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     let (output, took, code) = stop(relay).await;
     assert_eq!(code, Some(0), "{output}");
     assert!(took < Duration::from_secs(10), "{took:?}");
-    assert!(output.contains("relaying") && output.contains("stopped"), "{output}");
+    assert!(
+        output.contains("relaying") && output.contains("stopped"),
+        "{output}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
