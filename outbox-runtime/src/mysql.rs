@@ -48,7 +48,8 @@
 //!   process waits up to one poll interval (500 ms by default): lower it for latency, at the
 //!   cost of one claim query per interval per worker when idle.
 //! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
-//!   registry, the dead-letter admin functions and the CLI. A COMMIT sent by hand inside the
+//!   registry, the dead-letter admin functions, and the `outbox` command's operator views
+//!   (its `migrate` and `relay` run here, built with `--features mysql`). A COMMIT sent by hand inside the
 //!   closure is not detected (PostgreSQL's unit of work refuses to write after it).
 //! - Tested on MariaDB 10.11; the SQL keeps to what MySQL 8.0.16+ also has.
 //!

@@ -54,7 +54,8 @@
 //!   once by a unit of work that commits in the same process (the usual set-up for an
 //!   embedded database).
 //! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]), the topology
-//!   registry, the dead-letter admin functions and the CLI.
+//!   registry, the dead-letter admin functions, and the `outbox` command's operator views
+//!   (its `migrate` and `relay` run here, built with `--features sqlite`).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
 //!   with another shape is refused by the table's CHECKs, since it would compare wrongly.
 //!
