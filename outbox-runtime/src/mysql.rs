@@ -49,8 +49,9 @@
 //!   cost of one claim query per interval per worker when idle.
 //! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
 //!   registry, the dead-letter admin functions, and the `outbox` command's operator views
-//!   (its `migrate` and `relay` run here, built with `--features mysql`). A COMMIT sent by hand inside the
-//!   closure is not detected (PostgreSQL's unit of work refuses to write after it).
+//!   (its `migrate` and `relay` run here, built with `--features mysql`). A COMMIT sent by
+//!   hand inside the closure is not detected (PostgreSQL's unit of work refuses to write
+//!   after it).
 //! - Tested on MariaDB 10.11; the SQL keeps to what MySQL 8.0.16+ also has.
 //!
 //! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
