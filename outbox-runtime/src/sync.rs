@@ -36,9 +36,10 @@
 //! # fn main() {}
 //! ```
 //!
-//! With r2d2, pass the pooled connection: `outbox.sync_transaction(&mut pool.get()?, ..)`; for
-//! another pool's guard, `&mut *guard` reaches the connection inside it. On SQLite, open the connection with
-//! [`sqlite::establish`](crate::sqlite::establish) (it waits for the write lock).
+//! With r2d2, pass the pooled connection: `outbox.sync_transaction(&mut pool.get()?, ..)`;
+//! for another pool's guard, `&mut *guard` reaches the connection inside it. On SQLite, open
+//! the connection with [`sqlite::establish`](crate::sqlite::establish) (it waits for the
+//! write lock).
 
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
@@ -61,7 +62,8 @@ use sealed::SyncBackend as _;
 /// The events of one transaction on a sync connection, collected until COMMIT: the sync
 /// form of [`UnitOfWork`](crate::UnitOfWork), handed to the closure of
 /// [`Outbox::sync_transaction`] and to nothing else. `C` is the connection
-/// (`diesel::PgConnection` unless said otherwise, or `diesel::SqliteConnection`).
+/// (`diesel::PgConnection` unless said otherwise, `diesel::MysqlConnection` or
+/// `diesel::SqliteConnection`).
 #[cfg(feature = "postgres-sync")]
 pub struct SyncUnitOfWork<'c, C: SyncBackendConnection = PgConnection> {
     conn: &'c mut C,
@@ -71,7 +73,7 @@ pub struct SyncUnitOfWork<'c, C: SyncBackendConnection = PgConnection> {
 /// The events of one transaction on a sync connection, collected until COMMIT: the sync
 /// form of [`UnitOfWork`](crate::UnitOfWork), handed to the closure of
 /// [`Outbox::sync_transaction`] and to nothing else. `C` is the connection
-/// (`diesel::SqliteConnection`).
+/// (`diesel::MysqlConnection` or `diesel::SqliteConnection`).
 #[cfg(not(feature = "postgres-sync"))]
 pub struct SyncUnitOfWork<'c, C: SyncBackendConnection> {
     conn: &'c mut C,
