@@ -107,7 +107,10 @@ impl<C: PolledStore> Polling<C> {
         tokio::select! {
             () = &mut shutdown => {}
             Some(joined) = workers.join_next() => {
-                tracing::error!(error = ?joined.as_ref().err(), "a relay worker ended; stopping the relay");
+                tracing::error!(
+                    error = ?joined.as_ref().err(),
+                    "a relay worker ended; stopping the relay"
+                );
                 outcome = joined.map_err(RelayError::from);
             }
         }

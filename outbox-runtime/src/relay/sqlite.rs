@@ -220,7 +220,10 @@ impl RelayStore for SqliteStore {
             })
             .await;
         if let Err(error) = released {
-            tracing::warn!(%error, "cannot give back the relay's lease; another relay takes over when it expires");
+            tracing::warn!(
+                %error,
+                "cannot give back the relay's lease; another relay takes over when it expires"
+            );
         }
     }
 
