@@ -1,16 +1,20 @@
 //! The outbox's contract, one set of test bodies run against every backend this build has:
 //! diesel-async's `AsyncPgConnection`; sync diesel's `PgConnection` with the feature
-//! `postgres-sync` (`cargo test --features postgres-sync --test contract`; libpq needed);
-//! MariaDB / MySQL through diesel-async's `AsyncMysqlConnection` with the feature `mysql`
-//! (`cargo test --features mysql --test contract`; `OUTBOX_TEST_MYSQL_URL`, default
-//! `mysql://root@127.0.0.1:3306/test`, is the server to create databases on); SQLite through
-//! diesel-async's `SyncConnectionWrapper<SqliteConnection>` with the feature `sqlite` (a
-//! database file per test in the temporary directory).
+//! `postgres-sync` (libpq needed); MariaDB / MySQL through diesel-async's
+//! `AsyncMysqlConnection` with the feature `mysql` (`OUTBOX_TEST_MYSQL_URL`, default
+//! `mysql://root@127.0.0.1:3306/test`, is the server to create databases on), and through
+//! sync diesel's `MysqlConnection` with `mysql-sync` (libmysqlclient needed); SQLite through
+//! diesel's `SqliteConnection`, sync and behind diesel-async's `SyncConnectionWrapper`, with
+//! the feature `sqlite` (a database file per test in the temporary directory). All of them:
+//! `cargo test --features postgres-sync,mysql-sync,sqlite --test contract`.
 //!
 //! A rollback leaves nothing; committed units of work become exactly the expected messages;
-//! sequences stay contiguous under concurrent units of work; a row written by plain SQL is
-//! relayed; three relays racing keep each aggregate in order; a rejected message is
-//! dead-lettered while the others flow; dedup keys hold across backends that share a table.
+//! sequences stay contiguous under concurrent units of work and continue after rows
+//! inserted by hand; a unit of work of thousands of events is written whole; a row written
+//! by plain SQL is relayed, and one the relay could not read is refused; three relays racing
+//! keep each aggregate in order; a relay that dies before its delete is followed without
+//! duplicates; a rejected message is dead-lettered while the others flow; dedup keys hold
+//! across backends that share a table.
 
 mod support;
 
