@@ -425,3 +425,29 @@ async fn a_consumer_whose_filter_lies_outside_its_topology_is_refused_naming_bot
         "{text}"
     );
 }
+
+/// The PostgreSQL entry points given another database's URL say which module serves it,
+/// instead of the driver's "invalid connection string"; nothing is opened.
+#[tokio::test]
+async fn the_postgresql_migrations_given_a_mysql_or_sqlite_url_name_the_module_to_use() {
+    let error = outbox_runtime::run_migrations("mysql://root:s3cret@127.0.0.1:3306/test")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("this is a MySQL URL: its outbox is outbox_runtime::mysql"),
+        "{error}"
+    );
+    assert!(
+        error.contains("mysql://root@127.0.0.1:3306/test") && !error.contains("s3cret"),
+        "{error}"
+    );
+    let error = outbox_runtime::run_migrations("orders.db")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("this is a SQLite file: its outbox is outbox_runtime::sqlite"),
+        "{error}"
+    );
+}

@@ -303,6 +303,20 @@ pub(crate) async fn connect(
     application_name: &str,
     limits: Limits,
 ) -> Result<AsyncPgConnection, ConnectError> {
+    if connector.is_none() && Kind::of(database_url) != Kind::Postgres {
+        // The PostgreSQL driver would say only that the string does not parse.
+        let (kind, other) = match Kind::of(database_url) {
+            Kind::Mysql => ("a MySQL URL", "outbox_runtime::mysql (feature `mysql`)"),
+            _ => ("a SQLite file", "outbox_runtime::sqlite (feature `sqlite`)"),
+        };
+        return Err(ConnectError {
+            target: redacted(database_url),
+            reason: format!(
+                "{application_name} connects to PostgreSQL, and this is {kind}: its outbox is \
+                 {other}"
+            ),
+        });
+    }
     let setup = async {
         let mut conn = match connector {
             Some(connector) => connector.open().await?,
