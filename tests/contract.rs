@@ -1414,6 +1414,29 @@ mod sqlite {
         assert_eq!(env.stream_messages().await.len(), 2, "stored once");
     }
 
+    /// What SQLite cannot do is refused at connect, naming it: the archive, another
+    /// database's URL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_refuses_the_archive_and_another_databases_url() {
+        let env = AsyncSqlite::setup().await;
+        let mut config = AsyncSqlite::relay_config(&env);
+        config.published = outbox_runtime::PublishedRows::Archive;
+        let error = SqliteRelay::connect(config, env.nats.clone())
+            .await
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(error.contains("on SQLite use Delete or Mark"), "{error}");
+        let mut config = AsyncSqlite::relay_config(&env);
+        config.database_url = env.database_url.clone();
+        let error = SqliteRelay::connect(config, env.nats.clone())
+            .await
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(error.contains("use outbox_runtime::Relay"), "{error}");
+    }
+
     /// A relay that stops gracefully gives its lease back: the next one publishes at once,
     /// not after the lease would have run out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -74,26 +74,8 @@ impl MysqlRelay {
 }
 
 impl PolledStore for AsyncMysqlConnection {
-    fn configure(config: RelayConfig) -> Result<RelayConfig, RelayError> {
-        database::Kind::Mysql
-            .check(&config.database_url, "MysqlRelay")
-            .map_err(RelayError::Config)?;
-        if config.connector.is_some() {
-            return Err(RelayError::Config(
-                "a connector opens PostgreSQL connections; the MySQL relay opens its own \
-                 from database_url"
-                    .into(),
-            ));
-        }
-        if config.published == PublishedRows::Archive {
-            return Err(RelayError::Config(
-                "PublishedRows::Archive needs PostgreSQL's partitioned archive; on MySQL use \
-                 Delete or Mark"
-                    .into(),
-            ));
-        }
-        Ok(config)
-    }
+    const KIND: database::Kind = database::Kind::Mysql;
+    const NAMES: (&'static str, &'static str) = ("MysqlRelay", "MySQL");
 
     async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
         pending_migrations(self).await

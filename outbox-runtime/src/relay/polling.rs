@@ -22,9 +22,15 @@ use crate::outbox::queries::{ClaimedEvent, JsonBytes, JsonText, RetryPolicy};
 
 /// A database the polling relay publishes from.
 pub(super) trait PolledStore: RelayStore {
-    /// Refuses what the relay cannot do on this database, and adapts the rest (e.g. the
-    /// number of workers).
-    fn configure(config: RelayConfig) -> Result<RelayConfig, RelayError>;
+    /// The database the relay publishes from.
+    const KIND: database::Kind;
+    /// The relay's name and the database's, for errors.
+    const NAMES: (&'static str, &'static str);
+
+    /// Adapts the configuration to the database (e.g. the number of workers).
+    fn configure(config: RelayConfig) -> RelayConfig {
+        config
+    }
 
     /// The versions of the outbox's migrations the database lacks.
     fn pending_migrations(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
@@ -46,7 +52,23 @@ impl<C: PolledStore> Polling<C> {
         config: RelayConfig,
         nats: async_nats::Client,
     ) -> Result<Self, RelayError> {
-        let config = C::configure(config)?;
+        let (relay, name) = C::NAMES;
+        C::KIND
+            .check(&config.database_url, relay)
+            .map_err(RelayError::Config)?;
+        if config.connector.is_some() {
+            return Err(RelayError::Config(format!(
+                "a connector opens PostgreSQL connections; {relay} opens its own from \
+                 database_url"
+            )));
+        }
+        if config.published == crate::PublishedRows::Archive {
+            return Err(RelayError::Config(format!(
+                "PublishedRows::Archive needs PostgreSQL's partitioned archive; on {name} use \
+                 Delete or Mark"
+            )));
+        }
+        let config = C::configure(config);
         let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
         let mut conn = C::connect(&shared).await?;
         let pending = database::bounded(

@@ -142,26 +142,12 @@ impl SqliteStore {
 }
 
 impl PolledStore for SqliteStore {
-    fn configure(mut config: RelayConfig) -> Result<RelayConfig, RelayError> {
-        database::Kind::Sqlite
-            .check(&config.database_url, "SqliteRelay")
-            .map_err(RelayError::Config)?;
-        if config.connector.is_some() {
-            return Err(RelayError::Config(
-                "a connector opens PostgreSQL connections; the SQLite relay opens the database \
-                 file of database_url"
-                    .into(),
-            ));
-        }
-        if config.published == PublishedRows::Archive {
-            return Err(RelayError::Config(
-                "PublishedRows::Archive needs PostgreSQL's partitioned archive; on SQLite use \
-                 Delete or Mark"
-                    .into(),
-            ));
-        }
+    const KIND: database::Kind = database::Kind::Sqlite;
+    const NAMES: (&'static str, &'static str) = ("SqliteRelay", "SQLite");
+
+    fn configure(mut config: RelayConfig) -> RelayConfig {
         config.workers = 1;
-        Ok(config)
+        config
     }
 
     async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
