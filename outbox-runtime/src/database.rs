@@ -12,13 +12,19 @@
 
 use std::fmt;
 use std::future::Future;
+#[cfg(feature = "postgres")]
 use std::str::FromStr;
+#[cfg(feature = "postgres")]
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "postgres")]
 use futures::future::BoxFuture;
 
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+#[cfg(feature = "postgres")]
+use diesel_async::AsyncPgConnection;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use diesel_async::{AsyncConnection, SimpleAsyncConnection};
 
 /// The default connect timeout of the relay, the inbox and [`crate::run_migrations`]: 10 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -68,9 +74,18 @@ pub struct TimedOut {
 /// assert_eq!(redacted("/var/lib/orders/outbox.db"), "/var/lib/orders/outbox.db");
 /// ```
 pub fn redacted(database_url: &str) -> String {
-    let Ok(config) = tokio_postgres::Config::from_str(database_url) else {
-        return redacted_other(database_url);
-    };
+    #[cfg(feature = "postgres")]
+    if let Some(text) = redacted_postgres(database_url) {
+        return text;
+    }
+    redacted_other(database_url)
+}
+
+/// [`redacted`] for what tokio-postgres parses: a `postgres://` URL or a `key=value`
+/// connection string.
+#[cfg(feature = "postgres")]
+fn redacted_postgres(database_url: &str) -> Option<String> {
+    let config = tokio_postgres::Config::from_str(database_url).ok()?;
     let mut text = String::from("postgres://");
     if let Some(user) = config.get_user() {
         text.push_str(user);
@@ -96,7 +111,7 @@ pub fn redacted(database_url: &str) -> String {
         text.push('/');
         text.push_str(dbname);
     }
-    text
+    Some(text)
 }
 
 /// The database a URL names, by its form: `postgres://` or `postgresql://` (or a PostgreSQL
@@ -112,7 +127,7 @@ pub fn redacted(database_url: &str) -> String {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
-    /// PostgreSQL: [`Relay`](crate::Relay), always built.
+    /// PostgreSQL: `outbox_runtime::Relay` (feature `postgres`, on by default).
     Postgres,
     /// MySQL or MariaDB: `outbox_runtime::mysql` (feature `mysql`).
     Mysql,
@@ -155,7 +170,7 @@ impl Kind {
             return Ok(());
         }
         let right = match kind {
-            Self::Postgres => "outbox_runtime::Relay",
+            Self::Postgres => "outbox_runtime::Relay (feature `postgres`)",
             Self::Mysql => "outbox_runtime::mysql::MysqlRelay (feature `mysql`)",
             Self::Sqlite => "outbox_runtime::sqlite::SqliteRelay (feature `sqlite`)",
         };
@@ -170,17 +185,30 @@ impl Kind {
     }
 }
 
-/// [`redacted`] for what is not PostgreSQL's.
+/// [`redacted`] for what is not PostgreSQL's (or, in a build without the `postgres`
+/// feature, for everything: a `postgres://` URL is then shown as a `mysql://` one is).
 fn redacted_other(database_url: &str) -> String {
     let without_parameters = |text: &str| text.split(['?', '#']).next().unwrap_or("").to_owned();
-    if let Some(rest) = database_url.strip_prefix("mysql://") {
-        let rest = without_parameters(rest);
-        let (authority, path) = rest.split_once('/').unwrap_or((rest.as_str(), ""));
-        let host = match authority.rsplit_once('@') {
-            Some((user, host)) => format!("{}@{host}", user.split(':').next().unwrap_or("")),
-            None => authority.to_owned(),
+    // With the `postgres` feature, tokio-postgres parses PostgreSQL's URLs first, and one it
+    // cannot parse is not shown.
+    #[cfg(feature = "postgres")]
+    let url_schemes = ["mysql://"];
+    #[cfg(not(feature = "postgres"))]
+    let url_schemes = ["mysql://", "postgres://", "postgresql://"];
+    if let Some((scheme, rest)) = url_schemes
+        .iter()
+        .find_map(|scheme| Some((*scheme, database_url.strip_prefix(scheme)?)))
+    {
+        // The user information ends at the last `@`, wherever a password written raw puts a
+        // `/`, `?` or `#`; only the user name before its `:` is shown.
+        let (user, rest) = match rest.rsplit_once('@') {
+            Some((userinfo, rest)) => (userinfo.split(':').next().unwrap_or(""), rest),
+            None => ("", rest),
         };
-        return format!("mysql://{host}/{path}");
+        let rest = without_parameters(rest);
+        let (host, path) = rest.split_once('/').unwrap_or((rest.as_str(), ""));
+        let at = if user.is_empty() { "" } else { "@" };
+        return format!("{scheme}{user}{at}{host}/{path}");
     }
     if database_url.starts_with("sqlite://") || database_url.starts_with("file:") {
         return without_parameters(database_url);
@@ -237,11 +265,14 @@ impl fmt::Display for Redacted<'_> {
 /// let pool = Pool::builder(manager).max_size(8).build().unwrap();
 /// let connector = Connector::from_pool(pool);
 /// ```
+#[cfg(feature = "postgres")]
 #[derive(Clone)]
 pub struct Connector(Arc<ConnectFn>);
 
+#[cfg(feature = "postgres")]
 type ConnectFn = dyn Fn() -> BoxFuture<'static, Result<AsyncPgConnection, String>> + Send + Sync;
 
+#[cfg(feature = "postgres")]
 impl Connector {
     /// A connector that calls `connect` for each connection. Its error's `Display` text
     /// becomes the [`ConnectError`]'s reason.
@@ -281,6 +312,7 @@ impl Connector {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl fmt::Debug for Connector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Connector(..)")
@@ -291,12 +323,14 @@ impl fmt::Debug for Connector {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
     pub connect_timeout: Duration,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub statement_timeout: Duration,
 }
 
 /// Opens a connection (with `connector`, or to `database_url`) within
 /// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
 /// server-side `statement_timeout` (none when zero).
+#[cfg(feature = "postgres")]
 pub(crate) async fn connect(
     database_url: &str,
     connector: Option<&Connector>,
@@ -463,8 +497,19 @@ mod kind_tests {
 mod tests {
     use super::*;
 
+    /// `redacted(url)` is `shown`, and holds no password.
+    fn shows(url: &str, shown: &str) {
+        let text = redacted(url);
+        assert_eq!(text, shown, "{url}");
+        assert!(
+            !text.contains("s3cret") && !text.contains("p%40ss"),
+            "{text}"
+        );
+    }
+
     #[test]
-    fn urls_and_connection_strings_lose_their_password() {
+    #[cfg(feature = "postgres")]
+    fn postgresql_urls_and_connection_strings_lose_their_password() {
         for (url, shown) in [
             (
                 "postgres://app:s3cret@db:5433/orders",
@@ -491,27 +536,56 @@ mod tests {
                 "postgres://[not a url",
                 "<a database URL that does not parse>",
             ),
+        ] {
+            shows(url, shown);
+        }
+        assert_eq!(
+            format!("{:?}", Redacted("postgres://a:s3cret@h/d")),
+            "\"postgres://a@h/d\""
+        );
+    }
+
+    /// Without the `postgres` feature there is no tokio-postgres to parse its URLs: they are
+    /// shown as MySQL's are, and a connection string not at all.
+    #[test]
+    #[cfg(not(feature = "postgres"))]
+    fn postgresql_urls_lose_their_password_without_the_postgres_feature() {
+        for (url, shown) in [
+            (
+                "postgres://app:s3cret@db:5433/orders",
+                "postgres://app@db:5433/orders",
+            ),
+            (
+                "postgresql://app:s3cret/x@db/orders?sslmode=require",
+                "postgresql://app@db/orders",
+            ),
+            (
+                "host=db user=app password=s3cret dbname=orders",
+                "<a database URL that does not parse>",
+            ),
+        ] {
+            shows(url, shown);
+        }
+    }
+
+    #[test]
+    fn mysql_urls_and_sqlite_paths_lose_their_password() {
+        for (url, shown) in [
             (
                 "mysql://root:s3cret@127.0.0.1:3306/test?ssl-mode=required",
                 "mysql://root@127.0.0.1:3306/test",
             ),
             ("mysql://root@127.0.0.1/test", "mysql://root@127.0.0.1/test"),
             ("mysql://db.internal", "mysql://db.internal/"),
+            // A password with the characters a URL reserves, written raw.
+            ("mysql://app:s3cret/x@db/orders", "mysql://app@db/orders"),
+            ("mysql://app:s3cret?x#y@db/orders", "mysql://app@db/orders"),
             ("sqlite:///var/lib/o.db", "sqlite:///var/lib/o.db"),
             ("file:o.db?mode=rwc&vfs=x", "file:o.db"),
             ("orders.db", "orders.db"),
             ("user:s3cret@host", "<a database URL that does not parse>"),
         ] {
-            let text = redacted(url);
-            assert_eq!(text, shown, "{url}");
-            assert!(
-                !text.contains("s3cret") && !text.contains("p%40ss"),
-                "{text}"
-            );
+            shows(url, shown);
         }
-        assert_eq!(
-            format!("{:?}", Redacted("postgres://a:s3cret@h/d")),
-            "\"postgres://a@h/d\""
-        );
     }
 }

@@ -50,15 +50,22 @@
 //! - [`database`] and [`nats`]: the toolkit's connections, bounded by timeouts and shown
 //!   without their secrets.
 //!
-//! Cargo features, all off by default:
-//! - `testing`: `outbox_runtime::testing`, the test kit for services (aggregate tests, an
-//!   in-memory outbox, throwaway databases and streams);
+//! Cargo features: a service compiles the databases it uses. `postgres` is on by default; a
+//! service on MySQL or SQLite alone sets `default-features = false` and names its own, and
+//! compiles no PostgreSQL code (nor tokio-postgres). With no database feature at all, the
+//! crate serves a crate of event and aggregate definitions (the derives, [`PendingEvents`]).
+//! - `postgres` (default): the unit of work on diesel-async's `AsyncPgConnection`, the
+//!   [`Relay`](crate::relay) woken by `LISTEN/NOTIFY`, the inbox, the dead-letter and
+//!   retention functions, the gauges and the operator's queries (PostgreSQL 12+; pure Rust);
+//! - `testing`: `outbox_runtime::testing`, the test kit for services (aggregate tests and an
+//!   in-memory outbox on any database; throwaway PostgreSQL databases and streams with
+//!   `postgres`);
 //! - `opentelemetry`: traces across the broker through `tracing-opentelemetry`: a unit of
 //!   work takes the current span's trace context, the relay records a producer span per
 //!   publish, the inbox runs each handler in a consumer span (OpenTelemetry messaging
 //!   semantic conventions);
-//! - `postgres-sync`: [`Outbox::sync_transaction`](crate::Outbox) and `sync::SyncUnitOfWork`,
-//!   the unit of work on a synchronous `diesel::PgConnection` (libpq);
+//! - `postgres-sync`: `postgres`, and [`Outbox::sync_transaction`](crate::Outbox) and
+//!   `sync::SyncUnitOfWork`, the unit of work on a synchronous `diesel::PgConnection` (libpq);
 //! - `mysql`: `outbox_runtime::mysql`, the unit of work on diesel-async's
 //!   `AsyncMysqlConnection` and the `MysqlRelay` (MySQL 8, MariaDB 10.6+; pure Rust);
 //! - `mysql-sync`: `mysql`, and the unit of work on a synchronous `diesel::MysqlConnection`
@@ -67,9 +74,17 @@
 //!   (sync, and async through diesel-async's `SyncConnectionWrapper`) and the `SqliteRelay`
 //!   (SQLite 3.37+; libsqlite3);
 //! - `failpoints`: the crash points of this project's own tests.
+//!
+//! The others are off by default.
 
 // Every public item says what it is: shapes, units, errors (the crate's own rule).
 #![warn(missing_docs)]
+// Without a database feature the crate serves a crate of event and aggregate definitions
+// only: the unit of work's and the relay's shared parts are compiled, and used by nothing.
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code, unused_imports)
+)]
 
 /// A crash point: with the `failpoints` feature, a test can make the code return `$e` here,
 /// as if the process died at this point (the `fail` crate's `return` action); without the
@@ -90,8 +105,10 @@ pub mod causality;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 mod commits;
 pub mod database;
+#[cfg(feature = "postgres")]
 pub mod dead_letter;
 pub mod event;
+#[cfg(feature = "postgres")]
 pub mod inbox;
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -130,16 +147,18 @@ pub use uuid;
 
 pub use aggregate::{Aggregate, PendingEvents};
 pub use causality::{InvalidTraceparent, Traceparent};
-pub use database::{ConnectError, Connector, TimedOut};
+#[cfg(feature = "postgres")]
+pub use database::Connector;
+pub use database::{ConnectError, TimedOut};
 pub use event::{DomainEvent, EventSet, EventType, PayloadError, UpcastError};
+#[cfg(feature = "postgres")]
 pub use inbox::{
     Handler, Inbox, InboxConfig, InboxError, InboxHandle, Metadata, Outcome, UnknownEvents,
     Unreadable,
 };
-pub use outbox::{
-    MIGRATIONS, MigrationError, MissingMigrations, Outbox, OutboxStats, PublishedRows,
-    pending_migrations, run_migrations, run_migrations_on,
-};
+#[cfg(feature = "postgres")]
+pub use outbox::{MIGRATIONS, OutboxStats, pending_migrations, run_migrations, run_migrations_on};
+pub use outbox::{MigrationError, MissingMigrations, Outbox, PublishedRows};
 /// `#[derive(DomainEvent)]`: a struct is one event type, an enum one event type per variant.
 ///
 /// The type must also derive serde's `Serialize` and `Deserialize` (a unit struct needs
@@ -336,7 +355,9 @@ pub use outbox_derive::EventSet;
 /// ```
 pub use outbox_derive::aggregate;
 pub use publisher::{StreamError, StreamSettings};
-pub use relay::{BatchReport, DeadLetterPolicy, Relay, RelayConfig, RelayError, RelayHandle};
+#[cfg(feature = "postgres")]
+pub use relay::Relay;
+pub use relay::{BatchReport, DeadLetterPolicy, RelayConfig, RelayError, RelayHandle};
 pub use topology::{DEFAULT_SUBJECT_PREFIX, SubjectPrefix, Topology};
 pub use unit_of_work::{
     BackendConnection, CollectEvents, DuplicateEvents, OutboxConnection, TokenRole, UnitOfWork,
@@ -357,6 +378,7 @@ pub mod __private {
 
     /// Runs the relay's claim query (in the caller's transaction) and returns how many rows
     /// it claimed. For `examples/relay_bench`, which measures the claim alone.
+    #[cfg(feature = "postgres")]
     pub async fn claim_probe(
         conn: &mut diesel_async::AsyncPgConnection,
         batch_size: i64,

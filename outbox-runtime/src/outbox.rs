@@ -15,27 +15,43 @@
 //! [`schema`] is diesel's view of the tables.
 
 pub(crate) mod queries;
+#[cfg(feature = "postgres")]
 pub mod schema;
+#[cfg(feature = "postgres")]
 pub(crate) mod statement;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+#[cfg(feature = "postgres")]
+use std::sync::Mutex;
+#[cfg(feature = "postgres")]
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "postgres")]
 use diesel::sql_types::{Int8, Nullable, Timestamptz};
+#[cfg(feature = "postgres")]
 use diesel::{QueryResult, QueryableByName};
+#[cfg(feature = "postgres")]
 use diesel_async::RunQueryDsl;
 
+#[cfg(feature = "postgres")]
 use diesel_async::AsyncPgConnection;
+#[cfg(feature = "postgres")]
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+#[cfg(feature = "postgres")]
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
-use crate::database::{self, ConnectError, DEFAULT_CONNECT_TIMEOUT};
-use crate::topology::{self, Role, Topology};
+use crate::database::ConnectError;
+#[cfg(feature = "postgres")]
+use crate::database::{self, DEFAULT_CONNECT_TIMEOUT};
+use crate::topology::Topology;
+#[cfg(feature = "postgres")]
+use crate::topology::{self, Role};
 
 pub use queries::PublishedRows;
 
 /// The migrations that create and evolve the outbox tables, for a migration harness of your
 /// own; [`run_migrations`] applies them.
+#[cfg(feature = "postgres")]
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 /// The outbox of one service: where its units of work write events, and under which
@@ -48,7 +64,9 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 #[derive(Clone)]
 pub struct Outbox {
     topology: Arc<Topology>,
-    /// When this outbox (and its clones) last registered its topology.
+    /// When this outbox (and its clones) last registered its topology (PostgreSQL's
+    /// `outbox_topologies`).
+    #[cfg(feature = "postgres")]
     registered: Arc<Mutex<Option<Instant>>>,
 }
 
@@ -64,6 +82,7 @@ impl Outbox {
     pub fn with_topology(topology: Topology) -> Self {
         Self {
             topology: Arc::new(topology),
+            #[cfg(feature = "postgres")]
             registered: Arc::new(Mutex::new(None)),
         }
     }
@@ -80,6 +99,7 @@ impl Outbox {
 
     /// Registers the topology when it has not been for [`topology::REGISTER_EVERY`]. A
     /// failure is logged, never the unit of work's: the registry only serves diagnosis.
+    #[cfg(feature = "postgres")]
     pub(crate) async fn register_if_due(&self, conn: &mut AsyncPgConnection) {
         if !self.registration_due() {
             return;
@@ -88,11 +108,10 @@ impl Outbox {
             tracing::warn!(%error, "cannot register the outbox's topology in outbox_topologies");
         }
     }
-}
 
-impl Outbox {
     /// Whether this outbox should register its topology now (every
     /// `topology::REGISTER_EVERY`); when it says yes, the time is taken.
+    #[cfg(feature = "postgres")]
     pub(crate) fn registration_due(&self) -> bool {
         let mut last = self.registered.lock().unwrap_or_else(|p| p.into_inner());
         if last.is_some_and(|at| at.elapsed() < topology::REGISTER_EVERY) {
@@ -120,7 +139,8 @@ impl Default for Outbox {
 /// Migrations could not be applied.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationError {
-    /// No connection to the database (within [`DEFAULT_CONNECT_TIMEOUT`]).
+    /// No connection to the database (within its
+    /// [connect timeout](crate::database::DEFAULT_CONNECT_TIMEOUT), 10 s).
     #[error("cannot run the outbox migrations: {0}")]
     Connect(#[from] ConnectError),
     /// The advisory lock that serialises concurrent migration runs could not be taken.
@@ -147,6 +167,7 @@ pub enum MigrationError {
 ///
 /// # Errors
 /// [`MigrationError`] naming the step that failed.
+#[cfg(feature = "postgres")]
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
     let limits = database::Limits {
         connect_timeout: DEFAULT_CONNECT_TIMEOUT,
@@ -166,6 +187,7 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
 ///
 /// # Errors
 /// [`MigrationError`] naming the step that failed.
+#[cfg(feature = "postgres")]
 pub async fn run_migrations_on(
     connection: AsyncPgConnection,
 ) -> Result<Vec<String>, MigrationError> {
@@ -194,6 +216,7 @@ pub async fn run_migrations_on(
 ///
 /// # Errors
 /// The database's error.
+#[cfg(feature = "postgres")]
 pub async fn pending_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
     use diesel::sql_types::{Array, Bool, Text};
 
@@ -222,14 +245,17 @@ pub async fn pending_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec
 }
 
 /// Whether diesel's migrations table exists (a column `exists`).
+#[cfg(feature = "postgres")]
 pub(crate) const MIGRATIONS_TABLE_EXISTS: &str =
     "SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS exists";
 
 /// Of the versions `$1`, those not applied, in order (a column `version`).
+#[cfg(feature = "postgres")]
 pub(crate) const PENDING_VERSIONS: &str = "SELECT v AS version FROM unnest($1::text[]) WITH ORDINALITY AS e(v, n) \
      WHERE v NOT IN (SELECT version FROM __diesel_schema_migrations) ORDER BY n";
 
 /// The versions of [`MIGRATIONS`], oldest first.
+#[cfg(feature = "postgres")]
 pub(crate) fn embedded_versions() -> QueryResult<Vec<String>> {
     Ok(
         diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&MIGRATIONS)
@@ -261,6 +287,7 @@ fn describe_pending(pending: &[String]) -> String {
 }
 
 /// Fails with [`MissingMigrations`] when the database lacks some of [`MIGRATIONS`].
+#[cfg(feature = "postgres")]
 pub(crate) async fn require_migrations(
     conn: &mut AsyncPgConnection,
 ) -> Result<Result<(), MissingMigrations>, diesel::result::Error> {
@@ -273,6 +300,7 @@ pub(crate) async fn require_migrations(
 }
 
 /// The state of the outbox, for health checks and dashboards.
+#[cfg(feature = "postgres")]
 #[derive(Clone, Debug, PartialEq, QueryableByName)]
 pub struct OutboxStats {
     /// Rows waiting to be published (parked ones included, dead letters not).
@@ -295,6 +323,7 @@ pub struct OutboxStats {
     pub oldest_queued_at: Option<time::OffsetDateTime>,
 }
 
+#[cfg(feature = "postgres")]
 impl OutboxStats {
     /// The outbox lag: how long ago the oldest waiting event occurred; zero when nothing
     /// waits.
@@ -312,6 +341,7 @@ impl OutboxStats {
 ///
 /// # Errors
 /// The database's error.
+#[cfg(feature = "postgres")]
 pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
     diesel::sql_query(
         "SELECT count(*) FILTER (WHERE dead_lettered_at IS NULL) AS queued, \
@@ -334,6 +364,7 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
 ///
 /// # Errors
 /// The database's error.
+#[cfg(feature = "postgres")]
 pub async fn create_archive_partitions(
     conn: &mut AsyncPgConnection,
     days_ahead: i32,
@@ -351,6 +382,7 @@ pub async fn create_archive_partitions(
 }
 
 /// What [`drop_archived`] dropped.
+#[cfg(feature = "postgres")]
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Dropped {
     /// The partitions dropped, a pending detach first and then oldest first, each with its
@@ -369,6 +401,7 @@ pub struct Dropped {
 /// interrupted leaves its partition "detach pending", which the next call finishes first
 /// (PostgreSQL allows one pending detach per table: ALTER TABLE, `DETACH PARTITION ...
 /// FINALIZE`).
+#[cfg(feature = "postgres")]
 pub async fn drop_archived(
     conn: &mut AsyncPgConnection,
     older_than: Duration,
@@ -422,6 +455,7 @@ pub async fn drop_archived(
 
 /// What waits in the outbox, by aggregate type and event type, as [`queued_by_type`]
 /// returns it.
+#[cfg(feature = "postgres")]
 #[derive(Clone, Debug, PartialEq, Eq, QueryableByName)]
 pub struct QueuedByType {
     /// The aggregate type.
@@ -443,6 +477,7 @@ pub struct QueuedByType {
 ///
 /// # Errors
 /// The database's error.
+#[cfg(feature = "postgres")]
 pub async fn queued_by_type(conn: &mut AsyncPgConnection) -> QueryResult<Vec<QueuedByType>> {
     diesel::sql_query(
         "SELECT aggregate_type::text AS aggregate_type, event_type, \
@@ -464,6 +499,7 @@ pub async fn queued_by_type(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Que
 ///
 /// # Errors
 /// The database's error.
+#[cfg(feature = "postgres")]
 pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) -> QueryResult<i64> {
     #[derive(QueryableByName)]
     struct Count {
@@ -500,6 +536,7 @@ pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) ->
 ///
 /// # Errors
 /// The database's error; the batches before it stay deleted.
+#[cfg(feature = "postgres")]
 pub async fn purge_published(
     conn: &mut AsyncPgConnection,
     older_than: Duration,
@@ -562,6 +599,7 @@ pub async fn purge_published(
 ///
 /// # Errors
 /// The database's error; the batches before it stay deleted.
+#[cfg(feature = "postgres")]
 pub async fn purge_dedup_keys(
     conn: &mut AsyncPgConnection,
     older_than: Duration,

@@ -31,7 +31,10 @@
 //! stops answering is dropped after the statement timeout. The relay stops only when told
 //! to, after finishing its batches.
 
+// Without PostgreSQL, only the workers' idle protocol of the doorbell is used (no one rings).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 mod doorbell;
+#[cfg(feature = "postgres")]
 mod listener;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
@@ -41,26 +44,39 @@ mod polling;
 pub(crate) mod sqlite;
 mod worker;
 
+#[cfg(feature = "postgres")]
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "postgres")]
 use diesel_async::AsyncPgConnection;
+#[cfg(feature = "postgres")]
 use tokio::sync::Notify;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
+#[cfg(feature = "postgres")]
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+#[cfg(feature = "postgres")]
 pub use doorbell::DOORBELL_LOCK;
+#[cfg(feature = "postgres")]
 use doorbell::Doorbell;
 
+#[cfg(feature = "postgres")]
+use crate::database::Connector;
 use crate::database::{
-    self, Bounded, ConnectError, Connector, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
-    Redacted, TimedOut,
+    self, Bounded, ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted,
+    TimedOut,
 };
 use crate::outbox::queries::RetryPolicy;
-use crate::outbox::{MissingMigrations, PublishedRows, require_migrations};
+#[cfg(feature = "postgres")]
+use crate::outbox::require_migrations;
+use crate::outbox::{MissingMigrations, PublishedRows};
 use crate::publisher::{InvalidSource, Publisher, StreamError, ensure_stream};
-use crate::topology::{self, Role, Topology};
+use crate::topology::Topology;
+#[cfg(feature = "postgres")]
+use crate::topology::{self, Role};
 
 pub use worker::BatchReport;
 
@@ -136,6 +152,7 @@ pub struct RelayConfig {
     /// The relay holds `workers` connections, one more while `listen` (the `LISTEN`
     /// connection) and one more while `stats_interval` is not zero (the gauges' query), and
     /// opens one for a moment each hour (housekeeping). Default `None`.
+    #[cfg(feature = "postgres")]
     pub connector: Option<Connector>,
     /// How long one of the relay's queries may take: set as the session's server-side
     /// `statement_timeout`, and enforced by the relay itself, which drops a connection whose
@@ -151,8 +168,8 @@ pub struct RelayConfig {
 
 impl std::fmt::Debug for RelayConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RelayConfig")
-            .field("database_url", &Redacted(&self.database_url))
+        let mut out = f.debug_struct("RelayConfig");
+        out.field("database_url", &Redacted(&self.database_url))
             .field("topology", &self.topology)
             .field("source", &self.source)
             .field("workers", &self.workers)
@@ -167,9 +184,10 @@ impl std::fmt::Debug for RelayConfig {
             .field("max_retry_delay", &self.max_retry_delay)
             .field("dead_letters", &self.dead_letters)
             .field("max_backoff", &self.max_backoff)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("connector", &self.connector)
-            .field("statement_timeout", &self.statement_timeout)
+            .field("connect_timeout", &self.connect_timeout);
+        #[cfg(feature = "postgres")]
+        out.field("connector", &self.connector);
+        out.field("statement_timeout", &self.statement_timeout)
             .field("stats_interval", &self.stats_interval)
             .finish()
     }
@@ -195,6 +213,7 @@ impl RelayConfig {
             dead_letters: DeadLetterPolicy::Block,
             max_backoff: Duration::from_secs(30),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            #[cfg(feature = "postgres")]
             connector: None,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             stats_interval: Duration::from_secs(15),
@@ -366,6 +385,7 @@ impl Shared {
 
     /// Registers the relay's topology, reporting the units of work that write under another
     /// prefix ([`topology::register`]), within the statement timeout.
+    #[cfg(feature = "postgres")]
     async fn register_topology(
         &self,
         conn: &mut AsyncPgConnection,
@@ -493,6 +513,7 @@ impl Streak {
 /// The message relay. Create it with [`Relay::connect`], then [`spawn`](Relay::spawn) it,
 /// or drive it with [`run`](Relay::run) or, one batch at a time,
 /// [`relay_batch`](Relay::relay_batch).
+#[cfg(feature = "postgres")]
 pub struct Relay {
     shared: Arc<Shared>,
     duplicate_window: Duration,
@@ -500,6 +521,7 @@ pub struct Relay {
     conn: Option<AsyncPgConnection>,
 }
 
+#[cfg(feature = "postgres")]
 impl Relay {
     /// Checks the configuration, makes sure the stream exists and captures the prefix
     /// (creating it when [`StreamSettings::create`](crate::StreamSettings::create) allows), reads its duplicate window
@@ -656,6 +678,7 @@ impl Relay {
 /// Reads the outbox's state into gauges every `stats_interval` until `stop`, on a
 /// connection of its own (reopened when lost; a failure is logged at DEBUG and the gauges
 /// keep their last values).
+#[cfg(feature = "postgres")]
 async fn read_stats(shared: &Shared, stop: CancellationToken) {
     let mut conn = None;
     loop {
@@ -698,6 +721,7 @@ async fn read_stats(shared: &Shared, stop: CancellationToken) {
 /// creates `outbox_published`'s partitions two days ahead, at start too, so that a day's
 /// first archived rows never wait for its partition (the archive creates a missing one
 /// itself, as a last resort).
+#[cfg(feature = "postgres")]
 async fn keep_house(shared: &Shared, stop: CancellationToken) {
     let archive = shared.config.published == PublishedRows::Archive;
     // Registered by `connect` a moment ago; partitions are wanted at once.

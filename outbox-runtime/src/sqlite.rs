@@ -255,15 +255,14 @@ fn take_dedup_keys(
     events: &[NewEvent],
 ) -> diesel::QueryResult<Vec<usize>> {
     let mut plan = DedupKeys::plan(events);
-    let Some(statement) = plan.statement() else {
-        return Ok(plan.duplicates(events));
-    };
-    let keys: Vec<(&str, String)> = statement
+    let keys: Vec<(&str, String)> = plan
         .keys()
-        .iter()
-        .zip(statement.ids())
-        .map(|(key, id)| (*key, id.to_string()))
+        .into_iter()
+        .map(|(key, id)| (key, id.to_string()))
         .collect();
+    if keys.is_empty() {
+        return Ok(plan.duplicates(events));
+    }
     for chunk in keys.chunks(KEYS_PER_STATEMENT) {
         let mut insert = diesel::sql_query(format!(
             "INSERT INTO outbox_dedup_keys (dedup_key, event_id) VALUES {} ON CONFLICT DO NOTHING",

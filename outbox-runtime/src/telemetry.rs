@@ -27,6 +27,7 @@ use opentelemetry::trace::{
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 use crate::causality::Traceparent;
+#[cfg(feature = "postgres")]
 use crate::inbox::Metadata;
 
 /// The trace context of the current `tracing` span, when an OpenTelemetry layer records it:
@@ -126,6 +127,7 @@ pub(crate) fn producer_span(
 /// The consumer span a message's handler runs in, a child of the context the message
 /// carries; it also names the message's event type and deliveries, as the inbox's own span
 /// does without this feature.
+#[cfg(feature = "postgres")]
 pub(crate) fn consumer_span(
     consumer: &str,
     metadata: &Metadata,

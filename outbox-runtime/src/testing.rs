@@ -12,7 +12,7 @@
 //!   draining the aggregates only when the closure succeeds) and keeps what it would have
 //!   written as [`WrittenEvent`]s. Code that only tracks aggregates and emits events takes
 //!   `&mut impl CollectEvents` and runs against both the real [`UnitOfWork`](crate::UnitOfWork) and this one.
-//! - **End to end**: [`TestEnv`] is a throwaway PostgreSQL database (migrated) with a
+//! - **End to end** (with the feature `postgres`): [`TestEnv`] is a throwaway PostgreSQL database (migrated) with a
 //!   subject prefix and a stream of its own, both removed when it drops, and
 //!   [`TestEnv::wait_for_events`] waits until given events are on the stream. This
 //!   project's own end-to-end tests run on it.
@@ -51,22 +51,26 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::{self, Debug, Write as _};
 use std::sync::Mutex;
-use std::time::Duration;
 
-use async_nats::jetstream::{
-    self,
-    consumer::{DeliverPolicy, pull},
-};
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
-use futures::StreamExt;
 use uuid::Uuid;
+// What the throwaway PostgreSQL databases and their streams use.
+#[cfg(feature = "postgres")]
+use {
+    crate::publisher::StreamSettings,
+    crate::relay::RelayConfig,
+    async_nats::jetstream::{
+        self,
+        consumer::{DeliverPolicy, pull},
+    },
+    diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection},
+    futures::StreamExt,
+    std::time::Duration,
+};
 
 use crate::aggregate::Aggregate;
 use crate::causality::Causality;
 use crate::event::{DomainEvent, EventSet, PayloadError};
 use crate::outbox::Outbox;
-use crate::publisher::StreamSettings;
-use crate::relay::RelayConfig;
 use crate::topology::Topology;
 use crate::unit_of_work::{
     CollectEvents, DuplicateEvents, EventBuffer, UnitOfWorkError, drop_duplicates,
@@ -553,6 +557,7 @@ impl CollectEvents for InMemoryUnitOfWork<'_> {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// # }).unwrap();
 /// ```
+#[cfg(feature = "postgres")]
 pub struct TestEnv {
     /// The URL of this environment's own database.
     pub database_url: String,
@@ -569,6 +574,7 @@ pub struct TestEnv {
 }
 
 /// A message as a consumer received it from the stream.
+#[cfg(feature = "postgres")]
 #[derive(Clone, Debug)]
 pub struct StoredMessage {
     /// Its subject.
@@ -579,6 +585,7 @@ pub struct StoredMessage {
     pub payload: Vec<u8>,
 }
 
+#[cfg(feature = "postgres")]
 impl StoredMessage {
     /// The value of header `name`.
     ///
@@ -602,6 +609,7 @@ impl StoredMessage {
 }
 
 /// `OUTBOX_TEST_DATABASE_URL`, or the local server's `postgres` database.
+#[cfg(feature = "postgres")]
 pub fn admin_url() -> String {
     std::env::var("OUTBOX_TEST_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
@@ -612,6 +620,7 @@ pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
 }
 
+#[cfg(feature = "postgres")]
 impl TestEnv {
     /// A fresh, migrated database and a unique prefix and stream name, on [`nats_url`].
     ///
@@ -917,6 +926,7 @@ impl TestEnv {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl Drop for TestEnv {
     fn drop(&mut self) {
         let admin_url = self.admin_url.clone();
@@ -960,6 +970,7 @@ impl Drop for TestEnv {
 ///
 /// # Panics
 /// When it still fails after `budget`, with the last error.
+#[cfg(feature = "postgres")]
 async fn retry_for<T, F, Fut>(budget: Duration, mut attempt: F) -> T
 where
     F: FnMut() -> Fut,

@@ -14,11 +14,16 @@
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
+#[cfg(feature = "postgres")]
 use std::time::Duration;
 
+#[cfg(feature = "postgres")]
 use diesel::QueryableByName;
+#[cfg(feature = "postgres")]
 use diesel::result::QueryResult;
+#[cfg(feature = "postgres")]
 use diesel::sql_types::{Text, Timestamptz};
+#[cfg(feature = "postgres")]
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::publisher::StreamSettings;
@@ -163,6 +168,7 @@ impl Topology {
 }
 
 /// Who registers a topology in `outbox_topologies`.
+#[cfg(feature = "postgres")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Role {
     /// Units of work write under the prefix.
@@ -171,6 +177,7 @@ pub(crate) enum Role {
     Relay,
 }
 
+#[cfg(feature = "postgres")]
 impl Role {
     fn as_str(self) -> &'static str {
         match self {
@@ -181,6 +188,7 @@ impl Role {
 }
 
 /// A topology another process registered, whose prefix differs from the caller's.
+#[cfg(feature = "postgres")]
 #[derive(Debug, QueryableByName)]
 pub(crate) struct Registered {
     #[diesel(sql_type = Text)]
@@ -195,6 +203,7 @@ pub(crate) struct Registered {
 
 /// How often a long-running process registers its topology again: the registry forgets a
 /// process it has not seen for a day.
+#[cfg(feature = "postgres")]
 pub(crate) const REGISTER_EVERY: Duration = Duration::from_secs(3600);
 
 /// Records that `role` uses `topology` now, and logs a warning for each process of the other
@@ -203,6 +212,7 @@ pub(crate) const REGISTER_EVERY: Duration = Duration::from_secs(3600);
 ///
 /// # Errors
 /// The query's error (the table is missing before the migration `000008_topologies`).
+#[cfg(feature = "postgres")]
 pub(crate) async fn register(
     conn: &mut AsyncPgConnection,
     role: Role,
@@ -214,6 +224,7 @@ pub(crate) async fn register(
 }
 
 /// The statement of [`register`], for any connection.
+#[cfg(feature = "postgres")]
 pub(crate) fn register_statement(role: Role, topology: &Topology) -> RegisterTopology<'_> {
     RegisterTopology {
         role: role.as_str(),
@@ -222,6 +233,7 @@ pub(crate) fn register_statement(role: Role, topology: &Topology) -> RegisterTop
     }
 }
 
+#[cfg(feature = "postgres")]
 crate::outbox::statement::statement! {
     /// Registers a topology and returns the others seen (see [`register`]).
     pub(crate) struct RegisterTopology<'a> {
@@ -233,6 +245,7 @@ crate::outbox::statement::statement! {
 }
 
 /// Warns of each other topology [`register`] found.
+#[cfg(feature = "postgres")]
 pub(crate) fn report_mismatches(role: Role, topology: &Topology, others: &[Registered]) {
     for other in others {
         tracing::warn!(

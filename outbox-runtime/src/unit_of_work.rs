@@ -14,9 +14,9 @@
 
 use std::future::Future;
 
-use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
-};
+#[cfg(feature = "postgres")]
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection};
+use diesel_async::{AsyncConnection, TransactionManager};
 use uuid::Uuid;
 
 use std::sync::{Arc, Mutex};
@@ -24,14 +24,19 @@ use std::sync::{Arc, Mutex};
 use crate::aggregate::{Aggregate, CommitHandle, LateEvents};
 use crate::causality::{Causality, MAX_ID_BYTES, Traceparent};
 use crate::event::{DomainEvent, PayloadError};
-use crate::outbox::queries::{self, NewEvent};
-use crate::outbox::{MissingMigrations, Outbox, require_migrations};
+#[cfg(feature = "postgres")]
+use crate::outbox::queries;
+use crate::outbox::queries::NewEvent;
+#[cfg(feature = "postgres")]
+use crate::outbox::require_migrations;
+use crate::outbox::{MissingMigrations, Outbox};
 use crate::subject::{InvalidToken, MAX_SUBJECT_BYTES, event_subject, validate_token};
 
 /// How a unit of work opens its transaction: the setting marks it as the unit of work's, so
 /// that the outbox's writes can tell when a COMMIT or ROLLBACK sent inside the closure ended
 /// it (the `outbox_assert_unit_of_work` function of the migrations). One round trip, as a
 /// plain BEGIN.
+#[cfg(feature = "postgres")]
 pub(crate) const BEGIN: &str = "BEGIN; SET LOCAL outbox.unit_of_work = 'on'";
 
 /// The start of the message `outbox_assert_unit_of_work` raises.
@@ -365,7 +370,19 @@ pub enum DuplicateEvents {
 ///
 /// `C` is the transaction's connection: PostgreSQL's unless said otherwise, so
 /// `UnitOfWork<'_>` is the unit of work on an [`AsyncPgConnection`].
+#[cfg(feature = "postgres")]
 pub struct UnitOfWork<'c, C: BackendConnection = AsyncPgConnection> {
+    conn: &'c mut C,
+    buffer: EventBuffer<'c>,
+}
+
+/// The events of one transaction, collected until COMMIT. Handed to the closure of
+/// [`Outbox::transaction`], and to nothing else.
+///
+/// `C` is the transaction's connection (diesel-async's `AsyncMysqlConnection`, or
+/// `outbox_runtime::sqlite::AsyncSqliteConnection`).
+#[cfg(not(feature = "postgres"))]
+pub struct UnitOfWork<'c, C: BackendConnection> {
     conn: &'c mut C,
     buffer: EventBuffer<'c>,
 }
@@ -502,6 +519,7 @@ impl<C: BackendConnection> OutboxConnection for C {
 }
 
 /// `OutboxConnection` for deadpool's guard of `$conn`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 macro_rules! pooled_outbox_connection {
     ($conn:ty) => {
         impl OutboxConnection for diesel_async::pooled_connection::deadpool::Object<$conn> {
@@ -514,6 +532,7 @@ macro_rules! pooled_outbox_connection {
     };
 }
 
+#[cfg(feature = "postgres")]
 pooled_outbox_connection!(AsyncPgConnection);
 #[cfg(feature = "mysql")]
 pooled_outbox_connection!(diesel_async::AsyncMysqlConnection);
@@ -556,6 +575,7 @@ pub(crate) mod sealed {
         fn events_committed() {}
     }
 
+    #[cfg(feature = "postgres")]
     impl Backend for AsyncPgConnection {
         async fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
             outbox.register_if_due(self).await;

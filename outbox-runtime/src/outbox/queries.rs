@@ -17,16 +17,23 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
+#[cfg(feature = "postgres")]
+use diesel::QueryResult;
+use diesel::QueryableByName;
+#[cfg(feature = "postgres")]
 use diesel::deserialize::{self, FromSql};
+#[cfg(feature = "postgres")]
 use diesel::pg::{Pg, PgValue};
-use diesel::sql_types::{
-    Array, Bool, Int4, Int8, Json, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
-};
-use diesel::{QueryResult, QueryableByName};
+#[cfg(feature = "postgres")]
+use diesel::sql_types::{Array, Int8, Json, Jsonb, Nullable, Timestamptz, Uuid as SqlUuid};
+use diesel::sql_types::{Bool, Int4, Text};
+#[cfg(feature = "postgres")]
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
 
+#[cfg(feature = "postgres")]
 use super::statement::statement;
+#[cfg(feature = "postgres")]
 use crate::causality::Causality;
 
 /// An event ready to be inserted, its subject resolved and every token checked.
@@ -54,6 +61,7 @@ pub(crate) struct NewEvent {
 /// cannot deadlock on these rows. The `greatest(..)` continues after rows that another writer
 /// inserted by hand with a higher sequence. Rows of an aggregate whose queue is blocked (see
 /// [`record_rejection`]) are parked until `blocked_until`.
+#[cfg(feature = "postgres")]
 pub(crate) async fn insert_events(
     conn: &mut AsyncPgConnection,
     events: &[NewEvent],
@@ -68,6 +76,7 @@ pub(crate) async fn insert_events(
 
 /// The statement of [`insert_events`], for any connection; `headers` is
 /// `causality.headers_json()`.
+#[cfg(feature = "postgres")]
 pub(crate) fn insert_statement<'a>(
     events: &'a [NewEvent],
     causality: &'a Causality,
@@ -123,6 +132,7 @@ pub(crate) fn numbering(events: &[NewEvent]) -> (Vec<i64>, HashMap<(&str, &str),
 /// this statement wait for that transaction; if it commits, the key is taken, and if it
 /// rolls back, the key is ours (PostgreSQL docs, INSERT, "ON CONFLICT Clause"). So of any
 /// number of units of work racing with one key, exactly one writes its event.
+#[cfg(feature = "postgres")]
 pub(crate) async fn take_dedup_keys(
     conn: &mut AsyncPgConnection,
     events: &[NewEvent],
@@ -160,15 +170,23 @@ impl<'a> DedupKeys<'a> {
         Self { duplicates, first }
     }
 
-    /// The statement that takes the keys, or `None` when no event has one. In the keys'
-    /// order, so that two units of work taking the same keys wait on each other in one order
-    /// and cannot deadlock.
-    pub(crate) fn statement(&self) -> Option<TakeDedupKeys<'a>> {
-        if self.first.is_empty() {
-            return None;
-        }
+    /// The keys to take with the id of each one's first event, sorted by key (empty when
+    /// no event has one): two units of work taking the same keys wait on each other in one
+    /// order and cannot deadlock.
+    pub(crate) fn keys(&self) -> Vec<(&'a str, Uuid)> {
         let mut keys: Vec<(&str, Uuid)> = self.first.iter().map(|(k, id)| (*k, *id)).collect();
         keys.sort_unstable();
+        keys
+    }
+
+    /// PostgreSQL's statement that takes the [`keys`](Self::keys), or `None` when no event
+    /// has one.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn statement(&self) -> Option<TakeDedupKeys<'a>> {
+        let keys = self.keys();
+        if keys.is_empty() {
+            return None;
+        }
         Some(TakeDedupKeys {
             keys: keys.iter().map(|k| k.0).collect(),
             ids: keys.iter().map(|k| k.1).collect(),
@@ -196,27 +214,14 @@ impl<'a> DedupKeys<'a> {
     }
 }
 
-impl<'a> TakeDedupKeys<'a> {
-    /// The keys, sorted.
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-    pub(crate) fn keys(&self) -> &[&'a str] {
-        &self.keys
-    }
-
-    /// The id of each key's event.
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-    pub(crate) fn ids(&self) -> &[Uuid] {
-        &self.ids
-    }
-}
-
-/// A key [`TakeDedupKeys`] took.
+/// A dedup key a unit of work took (the column `dedup_key`).
 #[derive(QueryableByName)]
 pub(crate) struct TakenKey {
     #[diesel(sql_type = Text)]
     dedup_key: String,
 }
 
+#[cfg(feature = "postgres")]
 statement! {
     /// Takes dedup keys (see [`take_dedup_keys`]).
     pub(crate) struct TakeDedupKeys<'a> {
@@ -228,6 +233,7 @@ statement! {
            ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key";
 }
 
+#[cfg(feature = "postgres")]
 statement! {
     /// The unit of work's INSERT (see [`insert_events`]): the function of migration 000004,
     /// whose plan PostgreSQL caches for the session.
@@ -252,43 +258,45 @@ statement! {
            $12, $13, $14, $15)";
 }
 
+#[cfg(feature = "postgres")]
 fn column<'a>(events: &'a [NewEvent], field: impl Fn(&'a NewEvent) -> &'a str) -> Vec<&'a str> {
     events.iter().map(field).collect()
 }
 
 /// A pending row claimed by the relay, with what its message needs.
-#[derive(Debug, QueryableByName)]
+#[derive(Debug)]
+#[cfg_attr(feature = "postgres", derive(QueryableByName))]
 pub(crate) struct ClaimedEvent {
-    #[diesel(sql_type = SqlUuid)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = SqlUuid))]
     pub id: Uuid,
-    #[diesel(sql_type = Text)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Text))]
     pub aggregate_type: String,
-    #[diesel(sql_type = Text)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Text))]
     pub aggregate_id: String,
-    #[diesel(sql_type = Int8)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Int8))]
     pub aggregate_seq: i64,
-    #[diesel(sql_type = Text)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Text))]
     pub event_type: String,
-    #[diesel(sql_type = Int4)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Int4))]
     pub event_version: i32,
-    #[diesel(sql_type = Text)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Text))]
     pub partition_key: String,
-    #[diesel(sql_type = Text)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Text))]
     pub subject: String,
-    #[diesel(sql_type = Json)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Json))]
     pub payload: JsonBytes,
-    #[diesel(sql_type = Jsonb)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Jsonb))]
     pub headers: JsonText,
-    #[diesel(sql_type = Timestamptz)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Timestamptz))]
     pub occurred_at: time::OffsetDateTime,
     /// `None` for a row inserted without one: its own id stands in.
-    #[diesel(sql_type = Nullable<Text>)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Nullable<Text>))]
     pub correlation_id: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Nullable<Text>))]
     pub causation_id: Option<String>,
     /// Whether `available_at` has passed. A row queued behind a claimed one may still be
     /// waiting (a delayed row); it then stops its aggregate's chain for this batch.
-    #[diesel(sql_type = Bool)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Bool))]
     pub available: bool,
 }
 
@@ -303,6 +311,7 @@ pub(crate) struct JsonBytes(pub bytes::Bytes);
 
 /// The JSON text of a `jsonb` in binary format: a version byte (1) and the text (PostgreSQL
 /// source, `jsonb_send` in src/backend/utils/adt/jsonb.c).
+#[cfg(feature = "postgres")]
 fn jsonb_text(value: PgValue<'_>) -> deserialize::Result<&[u8]> {
     match value.as_bytes().split_first() {
         Some((1, json)) => Ok(json),
@@ -311,6 +320,7 @@ fn jsonb_text(value: PgValue<'_>) -> deserialize::Result<&[u8]> {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl FromSql<Jsonb, Pg> for JsonText {
     fn from_sql(value: PgValue<'_>) -> deserialize::Result<Self> {
         jsonb_text(value).map(|json| Self(json.to_vec()))
@@ -319,11 +329,38 @@ impl FromSql<Jsonb, Pg> for JsonText {
 
 /// `json` in binary format is its text (PostgreSQL source, `json_send` in
 /// src/backend/utils/adt/json.c).
+#[cfg(feature = "postgres")]
 impl FromSql<Json, Pg> for JsonBytes {
     fn from_sql(value: PgValue<'_>) -> deserialize::Result<Self> {
         Ok(Self(bytes::Bytes::copy_from_slice(value.as_bytes())))
     }
 }
+
+/// Aggregates whose heads other workers of this relay hold: the claim's window skips them
+/// instead of looking up heads it could not lock.
+#[derive(Debug, Default)]
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+pub(crate) struct Held<'a> {
+    pub types: Vec<&'a str>,
+    pub ids: Vec<&'a str>,
+}
+
+/// The claim's window, as a percentage of the batch size: the oldest claimable rows it reads
+/// to find heads. More finds more heads when other relays hold some (or the oldest rows
+/// share aggregates); each row read costs a head lookup. Chosen by `examples/relay_bench`.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+const CLAIM_WINDOW_PERCENT: i64 = 25;
+
+/// The claim's window for a batch: [`CLAIM_WINDOW_PERCENT`] of it, but never less than the
+/// batch itself up to [`MIN_CLAIM_WINDOW`] rows (a window of 0 would claim nothing).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn claim_window(batch: i64) -> i64 {
+    (batch.saturating_mul(CLAIM_WINDOW_PERCENT) / 100).max(batch.min(MIN_CLAIM_WINDOW))
+}
+
+/// Below this, the window is the whole batch: looking up a few hundred heads is cheap.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+const MIN_CLAIM_WINDOW: i64 = 256;
 
 /// Claims a batch: up to `batch` rows that head their aggregate's queue, oldest first, each
 /// with the rows queued behind it (about `batch` rows in all); the rows of one aggregate are
@@ -346,28 +383,7 @@ impl FromSql<Json, Pg> for JsonBytes {
 /// relay at a time and in order. A head found in this statement's snapshot that another
 /// relay publishes meanwhile is rechecked when locked and dropped. The rows behind a head are
 /// not locked: nothing else claims them while their head is held.
-/// Aggregates whose heads other workers of this relay hold: the claim's window skips them
-/// instead of looking up heads it could not lock.
-#[derive(Debug, Default)]
-pub(crate) struct Held<'a> {
-    pub types: Vec<&'a str>,
-    pub ids: Vec<&'a str>,
-}
-
-/// The claim's window, as a percentage of the batch size: the oldest claimable rows it reads
-/// to find heads. More finds more heads when other relays hold some (or the oldest rows
-/// share aggregates); each row read costs a head lookup. Chosen by `examples/relay_bench`.
-const CLAIM_WINDOW_PERCENT: i64 = 25;
-
-/// The claim's window for a batch: [`CLAIM_WINDOW_PERCENT`] of it, but never less than the
-/// batch itself up to [`MIN_CLAIM_WINDOW`] rows (a window of 0 would claim nothing).
-pub(crate) fn claim_window(batch: i64) -> i64 {
-    (batch.saturating_mul(CLAIM_WINDOW_PERCENT) / 100).max(batch.min(MIN_CLAIM_WINDOW))
-}
-
-/// Below this, the window is the whole batch: looking up a few hundred heads is cheap.
-const MIN_CLAIM_WINDOW: i64 = 256;
-
+#[cfg(feature = "postgres")]
 pub(crate) async fn claim_batch(
     conn: &mut AsyncPgConnection,
     batch: i64,
@@ -384,6 +400,7 @@ pub(crate) async fn claim_batch(
     .await
 }
 
+#[cfg(feature = "postgres")]
 statement! {
     /// The relay's claim (see [`claim_batch`]).
     struct ClaimBatch<'a> {
@@ -470,6 +487,7 @@ pub enum PublishedRows {
 }
 
 /// Marks, deletes or archives the rows `ids`, in one statement.
+#[cfg(feature = "postgres")]
 pub(crate) async fn finish_published(
     conn: &mut AsyncPgConnection,
     ids: &[Uuid],
@@ -483,6 +501,7 @@ pub(crate) async fn finish_published(
     Ok(())
 }
 
+#[cfg(feature = "postgres")]
 statement! {
     struct MarkPublished<'a> {
         ids: &'a [Uuid] => Array<SqlUuid>,
@@ -490,6 +509,7 @@ statement! {
     sql = "UPDATE outbox_events SET published_at = now() WHERE id = ANY($1)";
 }
 
+#[cfg(feature = "postgres")]
 statement! {
     /// The function of migration 000006: moves the rows to `outbox_published`.
     struct ArchivePublished<'a> {
@@ -498,6 +518,7 @@ statement! {
     sql = "SELECT outbox_archive_published($1)";
 }
 
+#[cfg(feature = "postgres")]
 statement! {
     struct DeletePublished<'a> {
         ids: &'a [Uuid] => Array<SqlUuid>,
@@ -541,6 +562,7 @@ pub(crate) struct Rejection {
 ///
 /// The delay is `base * 2^(attempts - 1)`, capped, with "equal jitter" (half fixed, half
 /// random) so that rows rejected together do not retry together.
+#[cfg(feature = "postgres")]
 pub(crate) async fn record_rejection(
     conn: &mut AsyncPgConnection,
     id: Uuid,
@@ -588,12 +610,14 @@ pub(crate) async fn record_rejection(
         .await
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "postgres", feature = "sqlite")))]
 mod tests {
     use super::*;
+    #[cfg(feature = "postgres")]
     use diesel::query_builder::QueryFragment;
 
     /// Renders a statement's SQL as diesel sends it to PostgreSQL.
+    #[cfg(feature = "postgres")]
     fn rendered(statement: &impl QueryFragment<diesel::pg::Pg>) -> String {
         let mut builder = diesel::pg::PgQueryBuilder::default();
         statement.to_sql(&mut builder, &diesel::pg::Pg).unwrap();
@@ -609,6 +633,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "postgres")]
     fn every_statement_renders_its_sql_with_the_binds_in_place() {
         let ids = [Uuid::nil()];
         let insert = InsertEvents {

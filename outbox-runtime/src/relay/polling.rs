@@ -56,6 +56,7 @@ impl<C: PolledStore> Polling<C> {
         C::KIND
             .check(&config.database_url, relay)
             .map_err(RelayError::Config)?;
+        #[cfg(feature = "postgres")]
         if config.connector.is_some() {
             return Err(RelayError::Config(format!(
                 "a connector opens PostgreSQL connections; {relay} opens its own from \

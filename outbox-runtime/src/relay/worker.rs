@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
 use diesel::QueryResult;
+#[cfg(feature = "postgres")]
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use futures::StreamExt;
 use tokio::sync::Notify;
@@ -25,7 +26,9 @@ use uuid::Uuid;
 use super::doorbell::{Doorbell, Rest};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
-use crate::outbox::queries::{self, ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
+#[cfg(feature = "postgres")]
+use crate::outbox::queries;
+use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
 use crate::publisher::{PublishFailure, Publisher};
 
 /// What one batch did.
@@ -51,6 +54,7 @@ pub struct BatchReport {
 
 /// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
 /// connect timeout, with its statement timeout.
+#[cfg(feature = "postgres")]
 pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, database::ConnectError> {
     database::connect(
         &shared.config.database_url,
@@ -572,6 +576,7 @@ pub(super) trait RelayStore: Send + Sized + 'static {
     ) -> impl Future<Output = QueryResult<()>> + Send;
 }
 
+#[cfg(feature = "postgres")]
 impl RelayStore for AsyncPgConnection {
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         connect(shared).await
@@ -702,8 +707,8 @@ mod tests {
             event_version: 1,
             partition_key: aggregate.into(),
             subject: format!("events.Order.{aggregate}.Placed"),
-            payload: queries::JsonBytes(bytes::Bytes::from_static(b"{}")),
-            headers: queries::JsonText(b"{}".to_vec()),
+            payload: crate::outbox::queries::JsonBytes(bytes::Bytes::from_static(b"{}")),
+            headers: crate::outbox::queries::JsonText(b"{}".to_vec()),
             occurred_at: time::OffsetDateTime::UNIX_EPOCH,
             correlation_id: None,
             causation_id: None,

@@ -1,0 +1,200 @@
+//! The runtime built for SQLite alone, as a service that uses no other database builds it:
+//!
+//! ```sh
+//! cargo test -p outbox-runtime --no-default-features --features sqlite,testing --test without_postgres
+//! ```
+//!
+//! Units of work commit to a SQLite file, the `SqliteRelay` publishes them, and a consumer
+//! reads exactly the committed events from the stream, each aggregate's in order; the test
+//! kit's aggregate tests and in-memory outbox run too. CI also checks that this build holds
+//! no tokio-postgres. Needs the NATS server at `NATS_URL` (default `nats://127.0.0.1:4222`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt;
+use outbox_runtime::async_nats::jetstream::{self, consumer::pull};
+use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
+use outbox_runtime::testing::{AggregateTest, InMemoryOutbox};
+use outbox_runtime::{
+    DomainEvent, Outbox, PendingEvents, RelayConfig, StreamSettings, Topology, UnitOfWorkError,
+    aggregate,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+enum LampEvent {
+    SwitchedOn { by: String },
+    SwitchedOff,
+}
+
+#[aggregate]
+struct Lamp {
+    id: String,
+    on: bool,
+    pending_events: PendingEvents<LampEvent>,
+}
+
+impl Lamp {
+    fn new(id: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            on: false,
+            pending_events: PendingEvents::new(),
+        }
+    }
+
+    fn toggle(&mut self, by: &str) {
+        self.on = !self.on;
+        if self.on {
+            self.record(LampEvent::SwitchedOn { by: by.to_owned() });
+        } else {
+            self.record(LampEvent::SwitchedOff);
+        }
+    }
+}
+
+/// A fresh SQLite file, migrated, and its async connection.
+fn database() -> (String, AsyncSqliteConnection) {
+    let dir = std::env::temp_dir().join("outbox-without-postgres");
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let path = dir
+        .join(format!("{}.db", uuid::Uuid::now_v7().simple()))
+        .to_string_lossy()
+        .into_owned();
+    let mut conn = outbox_runtime::sqlite::establish(&path).expect("a SQLite file");
+    outbox_runtime::sqlite::run_migrations(&mut conn).expect("the SQLite migrations");
+    (path, AsyncSqliteConnection::new(conn))
+}
+
+#[tokio::test]
+async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() {
+    let (path, mut conn) = database();
+    let unique = uuid::Uuid::now_v7().simple().to_string();
+    let topology = Topology::new(
+        format!("lamps{}", &unique[16..]).parse().expect("a prefix"),
+        StreamSettings {
+            name: format!("LAMPS_{unique}"),
+            ..StreamSettings::default()
+        },
+    );
+    let outbox = Outbox::with_topology(topology.clone());
+
+    // Three lamps toggled in three units of work each; one more unit of work rolls back.
+    let mut lamps: Vec<Lamp> = ["hall", "porch", "desk"].map(Lamp::new).into();
+    for round in 0..3 {
+        for lamp in &mut lamps {
+            lamp.toggle(&format!("round-{round}"));
+            outbox
+                .transaction(&mut conn, async |uow| {
+                    uow.track(lamp);
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .await
+                .expect("the unit of work commits");
+        }
+    }
+    let mut ghost = Lamp::new("ghost");
+    ghost.toggle("nobody");
+    let rolled_back = outbox
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut ghost);
+            Err::<(), _>(UnitOfWorkError::Database(
+                outbox_runtime::diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(rolled_back.is_err(), "the closure's error rolls back");
+    assert_eq!(ghost.pending_events().len(), 1, "kept for a retry");
+
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let nats = outbox_runtime::async_nats::connect(&nats_url)
+        .await
+        .expect("the NATS server");
+    let mut config = RelayConfig::new(path.clone());
+    config.topology = topology.clone();
+    let mut relay = SqliteRelay::connect(config, nats.clone())
+        .await
+        .expect("the relay connects");
+    let mut published = 0;
+    while published < 9 {
+        let report = relay.relay_batch().await.expect("a batch");
+        assert!(report.claimed > 0, "9 events, {published} published");
+        published += report.published;
+    }
+    assert_eq!(relay.relay_batch().await.expect("a batch").claimed, 0);
+
+    let js = jetstream::new(nats);
+    let mut stream = js
+        .get_stream(&topology.stream.name)
+        .await
+        .expect("the relay created the stream");
+    assert_eq!(stream.info().await.expect("stream info").state.messages, 9);
+    let consumer = stream
+        .create_consumer(pull::Config::default())
+        .await
+        .expect("a consumer");
+    let mut messages = consumer
+        .fetch()
+        .max_messages(100)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("a fetch");
+    let mut seen: BTreeMap<String, Vec<(i64, String)>> = BTreeMap::new();
+    while let Some(message) = messages.next().await {
+        let message = message.expect("a message");
+        let headers = message.headers.as_ref().expect("headers");
+        let header = |name: &str| headers.get(name).expect(name).as_str().to_owned();
+        seen.entry(header("ce-subject")).or_default().push((
+            header("ce-sequence").parse().expect("a sequence"),
+            message.subject.to_string(),
+        ));
+    }
+    let prefix = topology.subject_prefix.as_str();
+    for lamp in ["desk", "hall", "porch"] {
+        let expected: Vec<(i64, String)> = ["SwitchedOn", "SwitchedOff", "SwitchedOn"]
+            .iter()
+            .zip(1..)
+            .map(|(event, seq)| (seq, format!("{prefix}.Lamp.{lamp}.{event}")))
+            .collect();
+        assert_eq!(seen.remove(lamp), Some(expected), "{lamp}");
+    }
+    assert!(seen.is_empty(), "nothing else published: {seen:?}");
+
+    js.delete_stream(&topology.stream.name)
+        .await
+        .expect("the stream is removed");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test]
+async fn the_test_kit_runs_without_postgresql() {
+    AggregateTest::given(Lamp::new("hall"))
+        .when(|lamp| lamp.toggle("ada"))
+        .then_recorded([LampEvent::SwitchedOn { by: "ada".into() }]);
+
+    let outbox = InMemoryOutbox::new();
+    let mut lamp = Lamp::new("porch");
+    lamp.toggle("ada");
+    lamp.toggle("ada");
+    outbox
+        .transaction(async |uow| {
+            uow.track(&mut lamp);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .expect("the in-memory unit of work commits");
+    let written: Vec<(String, i64)> = outbox
+        .written()
+        .into_iter()
+        .map(|event| (event.subject, event.aggregate_seq))
+        .collect();
+    assert_eq!(
+        written,
+        [
+            ("events.Lamp.porch.SwitchedOn".to_owned(), 1),
+            ("events.Lamp.porch.SwitchedOff".to_owned(), 2)
+        ]
+    );
+}
