@@ -77,13 +77,13 @@ trait Backend {
     }
 
     /// Commits, in one unit of work, the events of `orders` (tracked), a business row per
-    /// order, and one `Invoiced` with `dedup_key` when given; the closure fails at the end
-    /// when `fail`. Returns the orders as the unit of work left them.
+    /// order, and one `Invoiced` with `dedup_key` when given; the closure ends as `end`
+    /// says. Returns the orders as the unit of work left them.
     fn commit(
         env: &Env,
         orders: Vec<Order>,
         dedup_key: Option<String>,
-        fail: bool,
+        end: End,
     ) -> impl Future<Output = (Vec<Order>, Result<(), UnitOfWorkError>)> + Send;
 
     /// `(aggregate_id, aggregate_seq)` of every outbox row of `Order`s, in that order.
@@ -213,7 +213,7 @@ impl Backend for AsyncPg {
         env: &Env,
         mut orders: Vec<Order>,
         dedup_key: Option<String>,
-        fail: bool,
+        end: End,
     ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
         use diesel_async::RunQueryDsl;
         let mut conn = env.conn().await;
@@ -230,8 +230,10 @@ impl Backend for AsyncPg {
                 if let Some(request) = dedup_key {
                     uow.emit("Invoice", "i-1", &Invoiced { request });
                 }
-                if fail {
-                    return Err(diesel::result::Error::RollbackTransaction.into());
+                match end {
+                    End::Fail => return Err(diesel::result::Error::RollbackTransaction.into()),
+                    End::Send(statement) => uow.conn().batch_execute(statement).await?,
+                    End::Ok => {}
                 }
                 Ok(())
             })
@@ -249,7 +251,7 @@ impl Backend for SyncPg {
         env: &Env,
         mut orders: Vec<Order>,
         dedup_key: Option<String>,
-        fail: bool,
+        end: End,
     ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
         let (url, outbox) = (env.database_url.clone(), env.outbox());
         tokio::task::spawn_blocking(move || {
@@ -265,8 +267,12 @@ impl Backend for SyncPg {
                 if let Some(request) = dedup_key {
                     uow.emit("Invoice", "i-1", &Invoiced { request });
                 }
-                if fail {
-                    return Err(diesel::result::Error::RollbackTransaction.into());
+                match end {
+                    End::Fail => return Err(diesel::result::Error::RollbackTransaction.into()),
+                    End::Send(statement) => {
+                        diesel::connection::SimpleConnection::batch_execute(uow.conn(), statement)?
+                    }
+                    End::Ok => {}
                 }
                 Ok(())
             });
@@ -277,6 +283,18 @@ impl Backend for SyncPg {
     }
 }
 
+/// How a test unit of work's closure ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// It returns `Ok`: the unit of work commits.
+    Ok,
+    /// It returns an error: the unit of work rolls back.
+    Fail,
+    /// It sends this statement (a COMMIT or a ROLLBACK) on the unit of work's connection
+    /// by hand, then returns `Ok`.
+    Send(&'static str),
+}
+
 fn shipped(id: &str) -> Order {
     let mut order = Order::place(id, "ada", 990);
     order.record(OrderEvent::Shipped);
@@ -285,7 +303,8 @@ fn shipped(id: &str) -> Order {
 
 async fn a_rollback_leaves_nothing<B: Backend>() {
     let env = B::setup().await;
-    let (orders, result) = B::commit(&env, vec![shipped("o-1")], Some("r-1".into()), true).await;
+    let (orders, result) =
+        B::commit(&env, vec![shipped("o-1")], Some("r-1".into()), End::Fail).await;
     assert!(result.is_err());
     assert!(B::rows(&env).await.is_empty(), "no outbox row");
     assert_eq!(B::business_rows(&env).await, 0, "no business row");
@@ -295,19 +314,63 @@ async fn a_rollback_leaves_nothing<B: Backend>() {
         "the events stay pending"
     );
     // Nor did it take its dedup key.
-    let (_, again) = B::commit(&env, vec![], Some("r-1".into()), false).await;
+    let (_, again) = B::commit(&env, vec![], Some("r-1".into()), End::Ok).await;
     again.unwrap();
+}
+
+/// A COMMIT or ROLLBACK sent by hand inside the closure ends the transaction the events were
+/// to join: they are not written (on their own they would be ghosts of a rolled-back
+/// transaction, or events outside the business rows' transaction), the unit of work says
+/// so, and the events stay pending. The connection serves the next unit of work.
+async fn a_transaction_ended_inside_the_closure_writes_no_ghost_event<B: Backend>() {
+    let env = B::setup().await;
+    for statement in ["ROLLBACK", "COMMIT"] {
+        let (orders, result) = B::commit(
+            &env,
+            vec![shipped(&format!("o-{statement}"))],
+            Some(format!("r-{statement}")),
+            End::Send(statement),
+        )
+        .await;
+        let error = result.expect_err(statement);
+        assert!(
+            matches!(error, UnitOfWorkError::TransactionEnded),
+            "{statement}: {error:?}"
+        );
+        assert!(B::rows(&env).await.is_empty(), "{statement}: no event");
+        assert_eq!(
+            orders[0].pending_events().len(),
+            2,
+            "the events stay pending"
+        );
+    }
+    // The ROLLBACK undid its business row; the COMMIT was the closure's own.
+    assert_eq!(B::business_rows(&env).await, 1);
+    // No dedup key was taken, and the next unit of work commits.
+    let (_, result) = B::commit(
+        &env,
+        vec![shipped("o-next")],
+        Some("r-COMMIT".into()),
+        End::Ok,
+    )
+    .await;
+    result.unwrap();
+    assert_eq!(
+        B::rows(&env).await,
+        [("o-next".to_owned(), 1), ("o-next".to_owned(), 2)]
+    );
 }
 
 async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend>() {
     let env = B::setup().await;
-    let (orders, result) = B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, false).await;
+    let (orders, result) =
+        B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, End::Ok).await;
     result.unwrap();
     assert!(
         orders.iter().all(|o| o.pending_events().is_empty()),
         "drained"
     );
-    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, false).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
     result.unwrap();
     B::relay_all(&env).await;
     let messages = env.stream_messages().await;
@@ -340,7 +403,7 @@ async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + '
             let env = std::sync::Arc::clone(&env);
             tokio::spawn(async move {
                 for _ in 0..UNITS {
-                    let (_, result) = B::commit(&env, vec![shipped("hot")], None, false).await;
+                    let (_, result) = B::commit(&env, vec![shipped("hot")], None, End::Ok).await;
                     result.unwrap();
                 }
             })
@@ -362,9 +425,9 @@ async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + '
 #[cfg(feature = "postgres-sync")]
 async fn a_dedup_key_taken_on_one_backend_holds_on_the_other<A: Backend, B: Backend>() {
     let env = B::setup().await;
-    let (_, first) = A::commit(&env, vec![], Some("r-1".into()), false).await;
+    let (_, first) = A::commit(&env, vec![], Some("r-1".into()), End::Ok).await;
     first.unwrap();
-    let (_, second) = B::commit(&env, vec![shipped("o-1")], Some("r-1".into()), false).await;
+    let (_, second) = B::commit(&env, vec![shipped("o-1")], Some("r-1".into()), End::Ok).await;
     second.unwrap();
     use diesel_async::RunQueryDsl;
     let invoices: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(
@@ -424,7 +487,7 @@ async fn three_relays_racing_keep_each_aggregate_in_order<B: Backend + 'static>(
             tokio::spawn(async move {
                 for _ in 0..ROUNDS {
                     let (_, result) =
-                        B::commit(&env, vec![shipped(&format!("o-{n}"))], None, false).await;
+                        B::commit(&env, vec![shipped(&format!("o-{n}"))], None, End::Ok).await;
                     result.unwrap();
                 }
             })
@@ -475,7 +538,7 @@ async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>()
     )
     .await;
     for n in 0..3 {
-        let (_, result) = B::commit(&env, vec![shipped(&format!("o-{n}"))], None, false).await;
+        let (_, result) = B::commit(&env, vec![shipped(&format!("o-{n}"))], None, End::Ok).await;
         result.unwrap();
     }
     let dead = support::wait_until("a dead letter", Duration::from_secs(20), || async {
@@ -511,10 +574,10 @@ async fn a_unit_of_work_numbers_after_rows_inserted_by_hand<B: Backend>() {
     };
     // Before the aggregate's first unit of work, and again above its counter.
     B::execute(&env, &by_hand(1)).await;
-    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, false).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
     result.unwrap();
     B::execute(&env, &by_hand(4)).await;
-    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, false).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
     result.unwrap();
     let seqs: Vec<i64> = B::rows(&env)
         .await
@@ -535,7 +598,8 @@ async fn an_idle_relay_is_woken_by_each_commit_of_its_process<B: Backend>() {
     for round in 1..=5_u64 {
         // Long enough for every worker to find nothing and wait.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (_, result) = B::commit(&env, vec![shipped(&format!("o-{round}"))], None, false).await;
+        let (_, result) =
+            B::commit(&env, vec![shipped(&format!("o-{round}"))], None, End::Ok).await;
         result.unwrap();
         env.until_stream_holds(round * 2, Duration::from_secs(3))
             .await;
@@ -589,7 +653,7 @@ async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written<B: Backen
 /// relay publishes them again, and JetStream stores each once (its `Nats-Msg-Id`), in order.
 async fn a_relay_that_dies_before_its_delete_is_followed_without_duplicates<B: Backend>() {
     let env = B::setup().await;
-    let (_, result) = B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, false).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, End::Ok).await;
     result.unwrap();
     B::execute(&env, B::BLOCK_DELETES[0]).await;
     let died = B::relay_once(&env).await;
@@ -633,7 +697,7 @@ async fn a_unit_of_work_of_thousands_of_events_is_written_whole<B: Backend>() {
             order
         })
         .collect();
-    let (orders, result) = B::commit(&env, orders, Some("r-big".into()), false).await;
+    let (orders, result) = B::commit(&env, orders, Some("r-big".into()), End::Ok).await;
     result.unwrap();
     assert!(orders.iter().all(|o| o.pending_events().is_empty()));
     let rows = B::rows(&env).await;
@@ -657,6 +721,12 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_rollback_leaves_nothing() {
                 super::a_rollback_leaves_nothing::<$backend>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_transaction_ended_inside_the_closure_writes_no_ghost_event() {
+                super::a_transaction_ended_inside_the_closure_writes_no_ghost_event::<$backend>()
+                    .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -884,7 +954,7 @@ mod mysql {
             env: &Env,
             mut orders: Vec<Order>,
             dedup_key: Option<String>,
-            fail: bool,
+            end: End,
         ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
             let mut conn = database(env).conn().await;
             let result = env
@@ -905,8 +975,10 @@ mod mysql {
                     if let Some(request) = dedup_key {
                         uow.emit("Invoice", "i-1", &Invoiced { request });
                     }
-                    if fail {
-                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    match end {
+                        End::Fail => return Err(diesel::result::Error::RollbackTransaction.into()),
+                        End::Send(statement) => uow.conn().batch_execute(statement).await?,
+                        End::Ok => {}
                     }
                     Ok(())
                 })
@@ -1032,6 +1104,46 @@ mod mysql {
         super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncMysql>().await;
     }
 
+    /// MySQL commits the open transaction before a DDL statement (MySQL 8.0 Reference Manual,
+    /// 15.3.3 "Statements That Cause an Implicit Commit"): a `CREATE TABLE` inside the
+    /// closure ends the unit of work's transaction as a COMMIT would, and its events are not
+    /// written on their own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_statement_that_commits_implicitly_ends_the_unit_of_work() {
+        let env = AsyncMysql::setup().await;
+        let (orders, result) = AsyncMysql::commit(
+            &env,
+            vec![shipped("o-1")],
+            None,
+            End::Send("CREATE TABLE audit (id INT)"),
+        )
+        .await;
+        assert!(
+            matches!(result, Err(UnitOfWorkError::TransactionEnded)),
+            "{result:?}"
+        );
+        assert_eq!(
+            orders[0].pending_events().len(),
+            2,
+            "the events stay pending"
+        );
+        #[cfg(feature = "mysql-sync")]
+        {
+            let (_, result) = SyncMysql::commit(
+                &env,
+                vec![shipped("o-2")],
+                None,
+                End::Send("CREATE TABLE audit_sync (id INT)"),
+            )
+            .await;
+            assert!(
+                matches!(result, Err(UnitOfWorkError::TransactionEnded)),
+                "{result:?}"
+            );
+        }
+        assert!(AsyncMysql::rows(&env).await.is_empty(), "no event");
+    }
+
     /// diesel's sync `MysqlConnection` through `Outbox::sync_transaction`; the rest as
     /// [`AsyncMysql`].
     #[cfg(feature = "mysql-sync")]
@@ -1047,7 +1159,7 @@ mod mysql {
             env: &Env,
             mut orders: Vec<Order>,
             dedup_key: Option<String>,
-            fail: bool,
+            end: End,
         ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
             let (url, outbox) = (database(env).url.clone(), env.outbox());
             tokio::task::spawn_blocking(move || {
@@ -1067,8 +1179,15 @@ mod mysql {
                     if let Some(request) = dedup_key {
                         uow.emit("Invoice", "i-1", &Invoiced { request });
                     }
-                    if fail {
-                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    match end {
+                        End::Fail => return Err(diesel::result::Error::RollbackTransaction.into()),
+                        End::Send(statement) => {
+                            diesel::connection::SimpleConnection::batch_execute(
+                                uow.conn(),
+                                statement,
+                            )?
+                        }
+                        End::Ok => {}
                     }
                     Ok(())
                 });
@@ -1129,7 +1248,7 @@ mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_shares_dedup_keys() {
         let env = SyncMysql::setup().await;
-        let (_, first) = AsyncMysql::commit(&env, vec![], Some("r-1".into()), false).await;
+        let (_, first) = AsyncMysql::commit(&env, vec![], Some("r-1".into()), End::Ok).await;
         first.unwrap();
         let (url, outbox) = (database(&env).url.clone(), env.outbox());
         tokio::task::spawn_blocking(move || {
@@ -1242,7 +1361,7 @@ mod sqlite {
             env: &Env,
             mut orders: Vec<Order>,
             dedup_key: Option<String>,
-            fail: bool,
+            end: End,
         ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
             let mut conn = database(env).conn();
             let result = env
@@ -1263,8 +1382,10 @@ mod sqlite {
                     if let Some(request) = dedup_key {
                         uow.emit("Invoice", "i-1", &Invoiced { request });
                     }
-                    if fail {
-                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    match end {
+                        End::Fail => return Err(diesel::result::Error::RollbackTransaction.into()),
+                        End::Send(statement) => uow.conn().batch_execute(statement).await?,
+                        End::Ok => {}
                     }
                     Ok(())
                 })
@@ -1398,7 +1519,7 @@ mod sqlite {
         let env = AsyncSqlite::setup().await;
         let relay = AsyncSqlite::spawn_relay(&env, AsyncSqlite::relay_config(&env)).await;
         <AsyncSqlite as Backend>::execute(&env, AsyncSqlite::BLOCK_DELETES[0]).await;
-        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, false).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
         result.unwrap();
         // Published, then the delete fails: the batch fails, and the worker reconnects.
         env.until_stream_holds(2, Duration::from_secs(5)).await;
@@ -1442,12 +1563,12 @@ mod sqlite {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_relay_that_stops_gives_its_lease_back() {
         let env = AsyncSqlite::setup().await;
-        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, false).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
         result.unwrap();
         let running = AsyncSqlite::spawn_relay(&env, AsyncSqlite::relay_config(&env)).await;
         env.until_stream_holds(2, Duration::from_secs(5)).await;
         running.shutdown().await.unwrap();
-        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, false).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, End::Ok).await;
         result.unwrap();
         let mut next = SqliteRelay::connect(AsyncSqlite::relay_config(&env), env.nats.clone())
             .await
@@ -1468,7 +1589,7 @@ mod sqlite {
             env: &Env,
             mut orders: Vec<Order>,
             dedup_key: Option<String>,
-            fail: bool,
+            end: End,
         ) -> (Vec<Order>, Result<(), UnitOfWorkError>) {
             let (path, outbox) = (database(env).path.clone(), env.outbox());
             tokio::task::spawn_blocking(move || {
@@ -1486,8 +1607,15 @@ mod sqlite {
                     if let Some(request) = dedup_key {
                         uow.emit("Invoice", "i-1", &Invoiced { request });
                     }
-                    if fail {
-                        return Err(diesel::result::Error::RollbackTransaction.into());
+                    match end {
+                        End::Fail => return Err(diesel::result::Error::RollbackTransaction.into()),
+                        End::Send(statement) => {
+                            diesel::connection::SimpleConnection::batch_execute(
+                                uow.conn(),
+                                statement,
+                            )?
+                        }
+                        End::Ok => {}
                     }
                     Ok(())
                 });
@@ -1607,7 +1735,7 @@ mod sqlite {
         };
         let (mut first, mut second) = (connect().await, connect().await);
         assert_eq!(first.relay_batch().await.unwrap().claimed, 0, "empty");
-        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, false).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
         result.unwrap();
         assert_eq!(
             second.relay_batch().await.unwrap().claimed,
@@ -1615,7 +1743,7 @@ mod sqlite {
             "the first relay holds the lease"
         );
         assert_eq!(first.relay_batch().await.unwrap().claimed, 2);
-        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, false).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, End::Ok).await;
         result.unwrap();
         assert_eq!(second.relay_batch().await.unwrap().claimed, 0);
         // The first relay stops renewing: its lease runs out.
@@ -1625,7 +1753,7 @@ mod sqlite {
         )
         .await;
         assert_eq!(second.relay_batch().await.unwrap().claimed, 2, "took over");
-        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-3")], None, false).await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-3")], None, End::Ok).await;
         result.unwrap();
         assert_eq!(
             first.relay_batch().await.unwrap().claimed,

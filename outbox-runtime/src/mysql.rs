@@ -49,9 +49,11 @@
 //!   cost of one claim query per interval per worker when idle.
 //! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
 //!   registry, the dead-letter admin functions, and the `outbox` command's operator views
-//!   (its `migrate` and `relay` run here, built with `--features mysql`). A COMMIT sent by
-//!   hand inside the closure is not detected (PostgreSQL's unit of work refuses to write
-//!   after it).
+//!   (its `migrate` and `relay` run here, built with `--features mysql`).
+//! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL
+//!   commits implicitly), ends the unit of work's transaction: the unit of work sees that its
+//!   savepoint is gone before it writes the events, writes none, and fails with
+//!   [`UnitOfWorkError::TransactionEnded`](crate::UnitOfWorkError::TransactionEnded).
 //! - Tested on MariaDB 10.11; the SQL keeps to what MySQL 8.0.16+ also has.
 //!
 //! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
@@ -65,7 +67,7 @@ use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{BigInt, Text};
 pub use diesel_async::AsyncMysqlConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
+use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::causality::Causality;
@@ -175,7 +177,7 @@ pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResu
 #[allow(private_interfaces)]
 impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
     async fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
-        AnsiTransactionManager::begin_transaction(self).await
+        AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await
     }
 
     async fn write_events(
@@ -201,14 +203,43 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
     }
 }
 
+/// The savepoint that marks the unit of work's transaction (see [`require_unit_of_work`]).
+const MARK: &str = "outbox_unit_of_work";
+
+/// How a unit of work opens its transaction: BEGIN, and the savepoint [`MARK`], in one
+/// round trip.
+pub(crate) const BEGIN: &str = "BEGIN; SAVEPOINT outbox_unit_of_work";
+
+/// Fails with [`UnitOfWorkError::TransactionEnded`] when the unit of work's transaction is
+/// no longer open: a COMMIT or ROLLBACK sent by hand on `uow.conn()`, or a statement that
+/// commits implicitly (MySQL's DDL: `CREATE TABLE`, `ALTER TABLE`, ..., MySQL 8.0 Reference
+/// Manual, 15.3.3 "Statements That Cause an Implicit Commit"). Either ends the transaction
+/// and its savepoints, so releasing the mark fails with "SAVEPOINT does not exist"
+/// (ER_SP_DOES_NOT_EXIST, 1305); the events must then not be written, or they would commit
+/// on their own.
+async fn require_unit_of_work<C: Exec>(conn: &mut C) -> Result<(), UnitOfWorkError> {
+    let release = diesel::sql_query(format!("RELEASE SAVEPOINT {MARK}")).into_boxed();
+    match conn.execute(release).await {
+        Ok(_) => Ok(()),
+        Err(diesel::result::Error::DatabaseError(_, info))
+            if info.message().contains("does not exist") =>
+        {
+            Err(UnitOfWorkError::TransactionEnded)
+        }
+        Err(error) => Err(UnitOfWorkError::Database(error)),
+    }
+}
+
 /// Takes the events' dedup keys and writes the events that are not duplicates, with their
-/// sequences, inside the open transaction, on either connection.
+/// sequences, inside the open transaction, on either connection; first checks that the
+/// transaction is still the unit of work's.
 pub(crate) async fn write_events<C: Exec>(
     conn: &mut C,
     mut events: Vec<NewEvent>,
     causality: &Causality,
     duplicates: DuplicateEvents,
 ) -> Result<(), UnitOfWorkError> {
+    require_unit_of_work(conn).await?;
     if events.iter().any(|e| e.dedup_key.is_some()) {
         let taken = take_dedup_keys(conn, &events)
             .await

@@ -44,6 +44,10 @@
 //!   order. A connection waits for the lock as long as its `busy_timeout` says
 //!   ([`establish`] sets [`BUSY_TIMEOUT`]); with none, a unit of work that meets another
 //!   writer fails at once with "database is locked".
+//! - A COMMIT or ROLLBACK sent by hand inside the closure ends the unit of work's
+//!   transaction: the unit of work sees that its savepoint is gone before it writes the
+//!   events, writes none, and fails with
+//!   [`UnitOfWorkError::TransactionEnded`](crate::UnitOfWorkError::TransactionEnded).
 //! - One relay publishes a database file's rows at a time: it holds a lease
 //!   (`outbox_relay_lease`) that it renews at each claim, and another [`SqliteRelay`] waits
 //!   as a standby and takes over once the lease has expired (a crashed relay's rows are
@@ -178,19 +182,44 @@ pub fn pending_migrations(conn: &mut SqliteConnection) -> diesel::QueryResult<Ve
 }
 
 /// Opens the unit of work's transaction: `BEGIN IMMEDIATE` takes the write lock now, so the
-/// numbering below reads counters no other writer can move before COMMIT.
+/// numbering below reads counters no other writer can move before COMMIT. The savepoint
+/// marks the transaction as the unit of work's (see [`require_unit_of_work`]).
 pub(crate) fn begin(conn: &mut SqliteConnection) -> diesel::QueryResult<()> {
-    AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE")
+    AnsiTransactionManager::begin_transaction_sql(
+        conn,
+        "BEGIN IMMEDIATE; SAVEPOINT outbox_unit_of_work",
+    )
+}
+
+/// Fails with [`UnitOfWorkError::TransactionEnded`] when the unit of work's transaction is
+/// no longer open (a COMMIT or ROLLBACK sent by hand on `uow.conn()`): it ended its
+/// savepoints too, so releasing the mark fails with "no such savepoint" (SQLite docs,
+/// "SAVEPOINT": RELEASE of a name not on the stack is an error). The events must then not be
+/// written: outside a transaction each statement would commit on its own. (diesel has
+/// noticed the transaction's end too: the unit of work's rollback finds nothing to roll
+/// back.)
+fn require_unit_of_work(conn: &mut SqliteConnection) -> Result<(), UnitOfWorkError> {
+    match conn.batch_execute("RELEASE outbox_unit_of_work") {
+        Ok(()) => Ok(()),
+        Err(diesel::result::Error::DatabaseError(_, info))
+            if info.message().starts_with("no such savepoint") =>
+        {
+            Err(UnitOfWorkError::TransactionEnded)
+        }
+        Err(error) => Err(UnitOfWorkError::Database(error)),
+    }
 }
 
 /// Takes the events' dedup keys and writes the events that are not duplicates, numbered after
-/// each aggregate's last sequence, inside the transaction [`begin`] opened.
+/// each aggregate's last sequence, inside the transaction [`begin`] opened; first checks
+/// that the transaction is still the unit of work's.
 pub(crate) fn write_events(
     conn: &mut SqliteConnection,
     mut events: Vec<NewEvent>,
     causality: &Causality,
     duplicates: DuplicateEvents,
 ) -> Result<(), UnitOfWorkError> {
+    require_unit_of_work(conn)?;
     if events.iter().any(|e| e.dedup_key.is_some()) {
         let taken = take_dedup_keys(conn, &events).map_err(UnitOfWorkError::Database)?;
         drop_duplicates(&mut events, &taken, duplicates)?;

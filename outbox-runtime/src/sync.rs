@@ -386,7 +386,7 @@ pub(crate) mod sealed {
     #[cfg(feature = "mysql-sync")]
     impl SyncBackend for diesel::MysqlConnection {
         fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
-            AnsiTransactionManager::begin_transaction(self)
+            AnsiTransactionManager::begin_transaction_sql(self, crate::mysql::BEGIN)
         }
 
         fn write_events(

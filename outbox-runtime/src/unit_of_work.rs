@@ -333,8 +333,14 @@ pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
 ) -> Result<T, E> {
     match rolled_back {
         // A broken transaction manager means the rollback could not run; the original error
-        // says more about why.
-        Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
+        // says more about why. "Not in a transaction" is diesel's sync connections saying
+        // that the transaction already ended (a COMMIT or ROLLBACK sent by hand): nothing
+        // was left to roll back.
+        Ok(())
+        | Err(
+            diesel::result::Error::BrokenTransactionManager
+            | diesel::result::Error::NotInTransaction,
+        ) => Err(error),
         Err(rollback_error) => Err(UnitOfWorkError::from(rollback_error).into()),
     }
 }
