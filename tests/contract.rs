@@ -1576,6 +1576,26 @@ mod sqlite {
         assert_eq!(next.relay_batch().await.unwrap().claimed, 2);
     }
 
+    /// A relay driven batch by batch gives its lease back when closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_closed_after_its_batches_gives_its_lease_back() {
+        let env = AsyncSqlite::setup().await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
+        result.unwrap();
+        let connect = || SqliteRelay::connect(AsyncSqlite::relay_config(&env), env.nats.clone());
+        let mut first = connect().await.unwrap();
+        assert_eq!(first.relay_batch().await.unwrap().claimed, 2);
+        first.close().await;
+        let (_, result) = AsyncSqlite::commit(&env, vec![shipped("o-2")], None, End::Ok).await;
+        result.unwrap();
+        let mut next = connect().await.unwrap();
+        assert_eq!(
+            next.relay_batch().await.unwrap().claimed,
+            2,
+            "no lease to wait for"
+        );
+    }
+
     /// diesel's sync `SqliteConnection` through `Outbox::sync_transaction`; the rest as
     /// [`AsyncSqlite`].
     pub struct SyncSqlite;

@@ -161,6 +161,15 @@ impl<C: PolledStore> Polling<C> {
             }
         }
     }
+
+    /// Closes the connection of [`relay_batch`](Self::relay_batch), giving back what it holds
+    /// (SQLite's lease).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(super) async fn close(mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            conn.close().await;
+        }
+    }
 }
 
 /// Wakes every worker whenever a unit of work of this process commits events, until `stop`.

@@ -98,6 +98,14 @@ impl SqliteRelay {
     pub async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
         self.0.relay_batch().await
     }
+
+    /// Gives the lease back at once, after [`relay_batch`](Self::relay_batch): the next
+    /// relay of the file claims without waiting for the lease to expire. A dropped relay
+    /// keeps its lease until then ([`SqliteRelay::lease`]); one that was
+    /// [run](Self::run) or [spawned](Self::spawn) gives it back when it stops.
+    pub async fn close(self) {
+        self.0.close().await;
+    }
 }
 
 /// A relay's connection to the database file, and its name in the lease.
