@@ -8,7 +8,8 @@
 //! the feature `sqlite` (a database file per test in the temporary directory). All of them:
 //! `cargo test --features postgres-sync,mysql-sync,sqlite --test contract`.
 //!
-//! A rollback leaves nothing; committed units of work become exactly the expected messages;
+//! A rollback leaves nothing, and a transaction ended inside the closure writes no event;
+//! committed units of work become exactly the expected messages;
 //! sequences stay contiguous under concurrent units of work and continue after rows
 //! inserted by hand; a unit of work of thousands of events is written whole; a row written
 //! by plain SQL is relayed, and one the relay could not read is refused; three relays racing
