@@ -26,7 +26,7 @@ use std::time::Duration;
 use diesel::Connection as _;
 use diesel_async::SimpleAsyncConnection;
 use outbox_runtime::outbox::schema::outbox_events;
-use outbox_runtime::{DomainEvent, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
+use outbox_runtime::{DomainEvent, OutboxStats, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use serde::{Deserialize, Serialize};
 use support::TestEnv;
 use support::domain::{Order, OrderEvent};
@@ -97,6 +97,15 @@ trait Backend {
                 .select((outbox_events::aggregate_id, outbox_events::aggregate_seq))
                 .order((outbox_events::aggregate_id, outbox_events::aggregate_seq))
                 .load(&mut env.conn().await)
+                .await
+                .unwrap()
+        }
+    }
+
+    /// What waits in the outbox, as the relay's gauges read it.
+    fn stats(env: &Env) -> impl Future<Output = OutboxStats> + Send {
+        async {
+            outbox_runtime::outbox::stats(&mut env.conn().await)
                 .await
                 .unwrap()
         }
@@ -364,6 +373,8 @@ async fn a_transaction_ended_inside_the_closure_writes_no_ghost_event<B: Backend
 
 async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend>() {
     let env = B::setup().await;
+    // The database's clock may store a millisecond less than this one read.
+    let before = time::OffsetDateTime::now_utc() - Duration::from_millis(5);
     let (orders, result) =
         B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, End::Ok).await;
     result.unwrap();
@@ -373,7 +384,21 @@ async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend
     );
     let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
     result.unwrap();
+    // The gauges' view: six waiting rows, the oldest the first unit of work's.
+    let waiting = B::stats(&env).await;
+    assert_eq!(
+        (waiting.queued, waiting.dead_letters, waiting.blocked),
+        (6, 0, 0)
+    );
+    let oldest = waiting.oldest_queued_at.expect("an oldest queued row");
+    let now = time::OffsetDateTime::now_utc();
+    assert!(
+        before <= oldest && oldest <= now,
+        "{before} <= {oldest} <= {now}"
+    );
     B::relay_all(&env).await;
+    let drained = B::stats(&env).await;
+    assert_eq!((drained.queued, drained.oldest_queued_at), (0, None));
     let messages = env.stream_messages().await;
     let prefix = &env.prefix;
     let subjects: Vec<&str> = messages.iter().map(|m| m.subject.as_str()).collect();
@@ -556,6 +581,12 @@ async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>()
     // Another batch or two: the row behind the dead letter must stay queued.
     tokio::time::sleep(Duration::from_millis(300)).await;
     relay.shutdown().await.unwrap();
+    let stats = B::stats(&env).await;
+    assert_eq!(
+        (stats.queued, stats.dead_letters, stats.blocked),
+        (1, 1, 1),
+        "the row behind the dead letter waits, parked"
+    );
     let messages = env.stream_messages().await;
     assert_eq!(messages.len(), 6, "the orders flowed");
     assert!(
@@ -1007,6 +1038,12 @@ mod mysql {
             .collect()
         }
 
+        async fn stats(env: &Env) -> OutboxStats {
+            outbox_runtime::mysql::stats(&mut database(env).conn().await)
+                .await
+                .unwrap()
+        }
+
         async fn business_rows(env: &Env) -> i64 {
             #[derive(QueryableByName)]
             struct Count {
@@ -1204,6 +1241,10 @@ mod mysql {
 
         async fn business_rows(env: &Env) -> i64 {
             AsyncMysql::business_rows(env).await
+        }
+
+        async fn stats(env: &Env) -> OutboxStats {
+            AsyncMysql::stats(env).await
         }
 
         async fn execute(env: &Env, statement: &str) {
@@ -1412,6 +1453,11 @@ mod sqlite {
             .into_iter()
             .map(|row| (row.aggregate_id, row.aggregate_seq))
             .collect()
+        }
+
+        async fn stats(env: &Env) -> OutboxStats {
+            let mut conn = outbox_runtime::sqlite::establish(&database(env).path).unwrap();
+            outbox_runtime::sqlite::stats(&mut conn).unwrap()
         }
 
         async fn business_rows(env: &Env) -> i64 {
@@ -1652,6 +1698,10 @@ mod sqlite {
 
         async fn business_rows(env: &Env) -> i64 {
             AsyncSqlite::business_rows(env).await
+        }
+
+        async fn stats(env: &Env) -> OutboxStats {
+            AsyncSqlite::stats(env).await
         }
 
         async fn execute(env: &Env, statement: &str) {

@@ -117,7 +117,7 @@ fn main() -> ExitCode {
                 .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
         };
         // Only `migrate` and `relay` run on MySQL and SQLite; the operator's other commands
-        // read PostgreSQL's outbox (its gauges, dead-letter functions, archive).
+        // read PostgreSQL's outbox (its dead-letter functions, archive, operator queries).
         let postgres_url = || {
             let url = database_url()?;
             match Kind::of(&url) {

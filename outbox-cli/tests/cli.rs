@@ -740,12 +740,17 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         text(&status)
     );
 
+    let address = format!("127.0.0.1:{}", support::free_port());
     let relay = command(&[
         "relay",
         "--subject-prefix",
         &env.prefix,
         "--stream",
         &env.stream,
+        "--stats-interval",
+        "200ms",
+        "--metrics-addr",
+        &address,
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -765,6 +770,25 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     }
     // Another process's commits: the relay sees them at its poll.
     env.until_stream_holds(6, Duration::from_secs(20)).await;
+    // The outbox's gauges, read from the file.
+    let url = format!("http://{address}/metrics");
+    let scraped = wait_until("the gauges", Duration::from_secs(10), || {
+        let url = url.clone();
+        async move {
+            let body = tokio::task::spawn_blocking(move || scrape(&url))
+                .await
+                .ok()??;
+            (body.contains("outbox_queued_events 0")).then_some(body)
+        }
+    })
+    .await;
+    for drained in [
+        "outbox_dead_letters 0",
+        "outbox_blocked_events 0",
+        "outbox_oldest_queued_age_seconds 0",
+    ] {
+        assert!(scraped.contains(drained), "{drained} in\n{scraped}");
+    }
     let (output, took, code) = stop(relay).await;
     assert_eq!(code, Some(0), "{output}");
     assert!(took < Duration::from_secs(10), "{took:?}");

@@ -50,10 +50,12 @@
 //! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
 //!   registry, the dead-letter admin functions, and the `outbox` command's operator views
 //!   (its `migrate` and `relay` run here, built with `--features mysql`).
+//! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
+//!   PostgreSQL ([`stats`] reads them on demand).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL
 //!   commits implicitly), ends the unit of work's transaction: the unit of work sees that its
 //!   savepoint is gone before it writes the events, writes none, and fails with
-//!   [`UnitOfWorkError::TransactionEnded`](crate::UnitOfWorkError::TransactionEnded).
+//!   [`UnitOfWorkError::TransactionEnded`].
 //! - Tested on MariaDB 10.11; the SQL keeps to what MySQL 8.0.16+ also has.
 //!
 //! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
@@ -75,7 +77,7 @@ use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
 use crate::outbox::{MigrationError, MissingMigrations, Outbox};
 use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
 
-pub use crate::relay::mysql::MysqlRelay;
+pub use crate::relay::mysql::{MysqlRelay, stats};
 
 /// The outbox's migrations for MySQL and MariaDB (`outbox-runtime/migrations-mysql/`), for
 /// [`run_migrations`] or your own diesel migration harness.

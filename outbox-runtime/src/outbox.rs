@@ -23,8 +23,9 @@ pub(crate) mod statement;
 use std::sync::Arc;
 #[cfg(feature = "postgres")]
 use std::sync::Mutex;
+use std::time::Duration;
 #[cfg(feature = "postgres")]
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[cfg(feature = "postgres")]
 use diesel::sql_types::{Int8, Nullable, Timestamptz};
@@ -299,31 +300,33 @@ pub(crate) async fn require_migrations(
     })
 }
 
-/// The state of the outbox, for health checks and dashboards.
-#[cfg(feature = "postgres")]
-#[derive(Clone, Debug, PartialEq, QueryableByName)]
+/// The state of the outbox, for health checks and dashboards: read by [`stats`] on
+/// PostgreSQL, `outbox_runtime::mysql::stats` and `outbox_runtime::sqlite::stats`, and by
+/// every relay into its gauges (`outbox_queued_events`, `outbox_oldest_queued_age_seconds`,
+/// ...) every [`RelayConfig::stats_interval`](crate::RelayConfig::stats_interval).
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "postgres", derive(QueryableByName))]
 pub struct OutboxStats {
     /// Rows waiting to be published (parked ones included, dead letters not).
-    #[diesel(sql_type = Int8)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Int8))]
     pub queued: i64,
     /// Dead letters that still block their aggregate: as many aggregates are blocked.
-    #[diesel(sql_type = Int8)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Int8))]
     pub dead_letters: i64,
     /// Queued rows parked behind a dead letter of their aggregate (counted in `queued`).
-    #[diesel(sql_type = Int8)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Int8))]
     pub blocked: i64,
     /// Dead letters skipped (by [`DeadLetterPolicy::Skip`](crate::DeadLetterPolicy::Skip) or
     /// by an operator) and never published: [`crate::dead_letter::retry`] can still publish
     /// them.
-    #[diesel(sql_type = Int8)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Int8))]
     pub skipped_dead_letters: i64,
     /// When the oldest waiting row's event occurred: `now - oldest_queued_at` is the outbox
     /// lag. `None` when nothing waits.
-    #[diesel(sql_type = Nullable<Timestamptz>)]
+    #[cfg_attr(feature = "postgres", diesel(sql_type = Nullable<Timestamptz>))]
     pub oldest_queued_at: Option<time::OffsetDateTime>,
 }
 
-#[cfg(feature = "postgres")]
 impl OutboxStats {
     /// The outbox lag: how long ago the oldest waiting event occurred; zero when nothing
     /// waits.

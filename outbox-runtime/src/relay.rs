@@ -622,7 +622,7 @@ impl Relay {
         };
         let gauges = (!self.shared.config.stats_interval.is_zero()).then(|| {
             let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
-            tokio::spawn(async move { read_stats(&shared, stop).await })
+            tokio::spawn(async move { read_stats::<AsyncPgConnection>(&shared, stop).await })
         });
 
         tokio::pin!(shutdown);
@@ -678,8 +678,7 @@ impl Relay {
 /// Reads the outbox's state into gauges every `stats_interval` until `stop`, on a
 /// connection of its own (reopened when lost; a failure is logged at DEBUG and the gauges
 /// keep their last values).
-#[cfg(feature = "postgres")]
-async fn read_stats(shared: &Shared, stop: CancellationToken) {
+async fn read_stats<C: worker::RelayStore>(shared: &Shared, stop: CancellationToken) {
     let mut conn = None;
     loop {
         tokio::select! {
@@ -687,7 +686,7 @@ async fn read_stats(shared: &Shared, stop: CancellationToken) {
             () = tokio::time::sleep(shared.config.stats_interval) => {}
         }
         if conn.is_none() {
-            conn = worker::connect(shared).await.ok();
+            conn = C::connect(shared).await.ok();
         }
         let Some(connection) = conn.as_mut() else {
             continue;
@@ -696,7 +695,7 @@ async fn read_stats(shared: &Shared, stop: CancellationToken) {
             shared.config.statement_timeout,
             &shared.target,
             "the outbox's stats",
-            crate::outbox::stats(connection),
+            connection.stats(),
         )
         .await;
         match read {

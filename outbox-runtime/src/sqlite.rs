@@ -47,7 +47,7 @@
 //! - A COMMIT or ROLLBACK sent by hand inside the closure ends the unit of work's
 //!   transaction: the unit of work sees that its savepoint is gone before it writes the
 //!   events, writes none, and fails with
-//!   [`UnitOfWorkError::TransactionEnded`](crate::UnitOfWorkError::TransactionEnded).
+//!   [`UnitOfWorkError::TransactionEnded`].
 //! - One relay publishes a database file's rows at a time: it holds a lease
 //!   (`outbox_relay_lease`) that it renews at each claim, and another [`SqliteRelay`] waits
 //!   as a standby and takes over once the lease has expired (a crashed relay's rows are
@@ -60,6 +60,8 @@
 //! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]), the topology
 //!   registry, the dead-letter admin functions, and the `outbox` command's operator views
 //!   (its `migrate` and `relay` run here, built with `--features sqlite`).
+//! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
+//!   PostgreSQL ([`stats`] reads them on demand).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
 //!   with another shape is refused by the table's CHECKs, since it would compare wrongly.
 //!
@@ -82,7 +84,7 @@ use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
 use crate::outbox::{MigrationError, MissingMigrations, Outbox};
 use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
 
-pub use crate::relay::sqlite::SqliteRelay;
+pub use crate::relay::sqlite::{SqliteRelay, stats};
 
 /// diesel's SQLite connection for async code: each statement runs on tokio's blocking pool.
 /// Build one with `AsyncSqliteConnection::new(`[`establish`]`(path)?)`.

@@ -10,11 +10,12 @@ use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 use uuid::Uuid;
 
-use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, chained, groups};
+use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
 use super::worker::RelayStore;
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
 use crate::database;
 use crate::mysql::pending_migrations;
+use crate::outbox::OutboxStats;
 use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
 
 /// The message relay on MySQL / MariaDB: publishes the rows of the outbox tables of
@@ -332,4 +333,34 @@ impl RelayStore for AsyncMysqlConnection {
         }
         Ok(())
     }
+
+    async fn stats(&mut self) -> QueryResult<OutboxStats> {
+        stats(self).await
+    }
+}
+
+/// Counts what waits in a MySQL outbox: what [`crate::outbox::stats`] counts on PostgreSQL,
+/// in one statement. It reads every row of `outbox_events` (MySQL has no partial index to
+/// keep published rows out): cheap with [`PublishedRows::Delete`], the default; with
+/// [`PublishedRows::Mark`], purge the published rows. Every relay runs it into its gauges
+/// every [`RelayConfig::stats_interval`].
+///
+/// # Errors
+/// The database's error.
+pub async fn stats(conn: &mut AsyncMysqlConnection) -> QueryResult<OutboxStats> {
+    let row: StatsRow = diesel::sql_query(format!(
+        "SELECT CAST(COALESCE(SUM(dead_lettered_at IS NULL), 0) AS SIGNED) AS queued, \
+                CAST(COALESCE(SUM(dead_lettered_at IS NOT NULL), 0) AS SIGNED) AS dead_letters, \
+                CAST(COALESCE(SUM(dead_lettered_at IS NULL AND available_at = '{FOREVER}'), 0) \
+                    AS SIGNED) AS blocked, \
+                (SELECT COUNT(*) FROM outbox_events \
+                 WHERE dead_lettered_at IS NOT NULL AND skipped_at IS NOT NULL \
+                   AND published_at IS NULL) AS skipped_dead_letters, \
+                TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', \
+                    MIN(CASE WHEN dead_lettered_at IS NULL THEN occurred_at END)) AS oldest_us \
+         FROM outbox_events WHERE {QUEUED}"
+    ))
+    .get_result(conn)
+    .await?;
+    row.into_stats()
 }

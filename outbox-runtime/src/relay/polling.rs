@@ -17,8 +17,8 @@ use super::worker::{self, RelayStore};
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
 use crate::commits::COMMITS;
 use crate::database;
-use crate::outbox::MissingMigrations;
 use crate::outbox::queries::{ClaimedEvent, JsonBytes, JsonText, RetryPolicy};
+use crate::outbox::{MissingMigrations, OutboxStats};
 
 /// A database the polling relay publishes from.
 pub(super) trait PolledStore: RelayStore {
@@ -124,6 +124,10 @@ impl<C: PolledStore> Polling<C> {
             let stop = stop.clone();
             tokio::spawn(async move { ring_on_commits(&wakers, &stop).await })
         };
+        let gauges = (!self.shared.config.stats_interval.is_zero()).then(|| {
+            let (shared, stop) = (Arc::clone(&self.shared), stop.clone());
+            tokio::spawn(async move { super::read_stats::<C>(&shared, stop).await })
+        });
 
         tokio::pin!(shutdown);
         let mut outcome = Ok(());
@@ -144,6 +148,9 @@ impl<C: PolledStore> Polling<C> {
             }
         }
         doorbell.await?;
+        if let Some(gauges) = gauges {
+            gauges.await?;
+        }
         outcome
     }
 
@@ -244,6 +251,43 @@ pub(super) struct Row {
     pub(super) causation_id: Option<String>,
     #[diesel(sql_type = Bool)]
     pub(super) available: bool,
+}
+
+/// What a polled database's stats query returns: `oldest_us` is the oldest waiting row's
+/// `occurred_at` in microseconds since the epoch (UTC).
+#[derive(QueryableByName)]
+pub(super) struct StatsRow {
+    #[diesel(sql_type = BigInt)]
+    queued: i64,
+    #[diesel(sql_type = BigInt)]
+    dead_letters: i64,
+    #[diesel(sql_type = BigInt)]
+    blocked: i64,
+    #[diesel(sql_type = BigInt)]
+    skipped_dead_letters: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    oldest_us: Option<i64>,
+}
+
+impl StatsRow {
+    pub(super) fn into_stats(self) -> QueryResult<OutboxStats> {
+        let oldest_queued_at = self
+            .oldest_us
+            .map(|us| time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(us) * 1_000))
+            .transpose()
+            .map_err(|e| {
+                diesel::result::Error::DeserializationError(
+                    format!("the oldest queued row's occurred_at: {e}").into(),
+                )
+            })?;
+        Ok(OutboxStats {
+            queued: self.queued,
+            dead_letters: self.dead_letters,
+            blocked: self.blocked,
+            skipped_dead_letters: self.skipped_dead_letters,
+            oldest_queued_at,
+        })
+    }
 }
 
 impl Row {

@@ -11,10 +11,11 @@ use diesel::sqlite::Sqlite;
 use diesel::{Connection as _, QueryResult, QueryableByName, RunQueryDsl};
 use uuid::Uuid;
 
-use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, chained, groups};
+use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
 use super::worker::RelayStore;
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
 use crate::database;
+use crate::outbox::OutboxStats;
 use crate::outbox::queries::{ClaimedEvent, PublishedRows, Rejection, RetryPolicy, claim_window};
 use crate::sqlite::{AsyncSqliteConnection, NOW, SqliteConnection, pending_migrations};
 
@@ -406,6 +407,10 @@ impl RelayStore for SqliteStore {
         })
         .await
     }
+
+    async fn stats(&mut self) -> QueryResult<OutboxStats> {
+        self.conn.spawn_blocking(stats).await
+    }
 }
 
 /// The claimable rows, within `batch`, inside the claim's transaction: the heads, found as on
@@ -476,4 +481,27 @@ fn claimable(conn: &mut SqliteConnection, batch: i64) -> QueryResult<Vec<Claimed
         behind.bind::<BigInt, _>(room).load(conn)?
     };
     chained(locked, followers)
+}
+
+/// Counts what waits in a SQLite outbox: what [`crate::outbox::stats`] counts on PostgreSQL,
+/// in one read (it takes no write lock). Every relay runs it into its gauges every [`RelayConfig::stats_interval`].
+///
+/// # Errors
+/// The database's error.
+pub fn stats(conn: &mut SqliteConnection) -> QueryResult<OutboxStats> {
+    let row: StatsRow = diesel::sql_query(format!(
+        "SELECT COALESCE(SUM(dead_lettered_at IS NULL), 0) AS queued, \
+                COALESCE(SUM(dead_lettered_at IS NOT NULL), 0) AS dead_letters, \
+                COALESCE(SUM(dead_lettered_at IS NULL AND available_at = '{FOREVER}'), 0) \
+                    AS blocked, \
+                (SELECT count(*) FROM outbox_events \
+                 WHERE dead_lettered_at IS NOT NULL AND skipped_at IS NOT NULL \
+                   AND published_at IS NULL) AS skipped_dead_letters, \
+                CAST(ROUND((julianday(MIN(CASE WHEN dead_lettered_at IS NULL \
+                    THEN occurred_at END)) - 2440587.5) * 86400000.0) AS INTEGER) * 1000 \
+                    AS oldest_us \
+         FROM outbox_events WHERE {QUEUED}"
+    ))
+    .get_result(conn)?;
+    row.into_stats()
 }

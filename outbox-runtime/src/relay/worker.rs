@@ -26,6 +26,7 @@ use uuid::Uuid;
 use super::doorbell::{Doorbell, Rest};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
+use crate::outbox::OutboxStats;
 #[cfg(feature = "postgres")]
 use crate::outbox::queries;
 use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
@@ -574,6 +575,9 @@ pub(super) trait RelayStore: Send + Sized + 'static {
         ids: &[Uuid],
         mode: PublishedRows,
     ) -> impl Future<Output = QueryResult<()>> + Send;
+
+    /// Counts what waits in the outbox, for the gauges (see `outbox::stats`).
+    fn stats(&mut self) -> impl Future<Output = QueryResult<OutboxStats>> + Send;
 }
 
 #[cfg(feature = "postgres")]
@@ -609,6 +613,10 @@ impl RelayStore for AsyncPgConnection {
 
     async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
         queries::finish_published(self, ids, mode).await
+    }
+
+    async fn stats(&mut self) -> QueryResult<OutboxStats> {
+        crate::outbox::stats(self).await
     }
 }
 
