@@ -12,19 +12,15 @@
 
 use std::fmt;
 use std::future::Future;
-#[cfg(feature = "postgres")]
-use std::str::FromStr;
-#[cfg(feature = "postgres")]
-use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "postgres")]
-use futures::future::BoxFuture;
-
-#[cfg(feature = "postgres")]
-use diesel_async::AsyncPgConnection;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use diesel_async::{AsyncConnection, SimpleAsyncConnection};
+// PostgreSQL's connections and the parsing of its URLs.
+#[cfg(feature = "postgres")]
+use {
+    diesel_async::AsyncPgConnection, futures::future::BoxFuture, std::str::FromStr, std::sync::Arc,
+};
 
 /// The default connect timeout of the relay, the inbox and [`crate::run_migrations`]: 10 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

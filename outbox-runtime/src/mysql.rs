@@ -205,12 +205,12 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
     }
 }
 
-/// The savepoint that marks the unit of work's transaction (see [`require_unit_of_work`]).
-const MARK: &str = "outbox_unit_of_work";
-
-/// How a unit of work opens its transaction: BEGIN, and the savepoint [`MARK`], in one
-/// round trip.
+/// How a unit of work opens its transaction: BEGIN, and the savepoint that marks the
+/// transaction as the unit of work's (see [`require_unit_of_work`]), in one round trip.
 pub(crate) const BEGIN: &str = "BEGIN; SAVEPOINT outbox_unit_of_work";
+
+/// Releases [`BEGIN`]'s savepoint.
+const RELEASE: &str = "RELEASE SAVEPOINT outbox_unit_of_work";
 
 /// Fails with [`UnitOfWorkError::TransactionEnded`] when the unit of work's transaction is
 /// no longer open: a COMMIT or ROLLBACK sent by hand on `uow.conn()`, or a statement that
@@ -220,8 +220,7 @@ pub(crate) const BEGIN: &str = "BEGIN; SAVEPOINT outbox_unit_of_work";
 /// (ER_SP_DOES_NOT_EXIST, 1305); the events must then not be written, or they would commit
 /// on their own.
 async fn require_unit_of_work<C: Exec>(conn: &mut C) -> Result<(), UnitOfWorkError> {
-    let release = diesel::sql_query(format!("RELEASE SAVEPOINT {MARK}")).into_boxed();
-    match conn.execute(release).await {
+    match conn.execute(diesel::sql_query(RELEASE).into_boxed()).await {
         Ok(_) => Ok(()),
         Err(diesel::result::Error::DatabaseError(_, info))
             if info.message().contains("does not exist") =>

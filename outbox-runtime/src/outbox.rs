@@ -21,32 +21,23 @@ pub mod schema;
 pub(crate) mod statement;
 
 use std::sync::Arc;
-#[cfg(feature = "postgres")]
-use std::sync::Mutex;
 use std::time::Duration;
-#[cfg(feature = "postgres")]
-use std::time::Instant;
-
-#[cfg(feature = "postgres")]
-use diesel::sql_types::{Int8, Nullable, Timestamptz};
-#[cfg(feature = "postgres")]
-use diesel::{QueryResult, QueryableByName};
-#[cfg(feature = "postgres")]
-use diesel_async::RunQueryDsl;
-
-#[cfg(feature = "postgres")]
-use diesel_async::AsyncPgConnection;
-#[cfg(feature = "postgres")]
-use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-#[cfg(feature = "postgres")]
-use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::database::ConnectError;
-#[cfg(feature = "postgres")]
-use crate::database::{self, DEFAULT_CONNECT_TIMEOUT};
 use crate::topology::Topology;
+// PostgreSQL's migrations, topology registry and operator queries.
 #[cfg(feature = "postgres")]
-use crate::topology::{self, Role};
+use {
+    crate::database::{self, DEFAULT_CONNECT_TIMEOUT},
+    crate::topology::{self, Role},
+    diesel::sql_types::{Int8, Nullable, Timestamptz},
+    diesel::{QueryResult, QueryableByName},
+    diesel_async::async_connection_wrapper::AsyncConnectionWrapper,
+    diesel_async::{AsyncPgConnection, RunQueryDsl},
+    diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations},
+    std::sync::Mutex,
+    std::time::Instant,
+};
 
 pub use queries::PublishedRows;
 

@@ -44,40 +44,35 @@ mod polling;
 pub(crate) mod sqlite;
 mod worker;
 
-#[cfg(feature = "postgres")]
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "postgres")]
-use diesel_async::AsyncPgConnection;
-#[cfg(feature = "postgres")]
-use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-#[cfg(feature = "postgres")]
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-#[cfg(feature = "postgres")]
-pub use doorbell::DOORBELL_LOCK;
-#[cfg(feature = "postgres")]
-use doorbell::Doorbell;
-
-#[cfg(feature = "postgres")]
-use crate::database::Connector;
 use crate::database::{
     self, Bounded, ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted,
     TimedOut,
 };
 use crate::outbox::queries::RetryPolicy;
-#[cfg(feature = "postgres")]
-use crate::outbox::require_migrations;
 use crate::outbox::{MissingMigrations, PublishedRows};
 use crate::publisher::{InvalidSource, Publisher, StreamError, ensure_stream};
 use crate::topology::Topology;
+// PostgreSQL's relay: its listener, doorbell, topology registry and housekeeping.
 #[cfg(feature = "postgres")]
-use crate::topology::{self, Role};
+use {
+    crate::database::Connector,
+    crate::outbox::require_migrations,
+    crate::topology::{self, Role},
+    diesel_async::AsyncPgConnection,
+    doorbell::Doorbell,
+    std::future::Future,
+    tokio::sync::Notify,
+    tokio::task::JoinSet,
+};
 
+#[cfg(feature = "postgres")]
+pub use doorbell::DOORBELL_LOCK;
 pub use worker::BatchReport;
 
 /// What happens to the later rows of an aggregate when one of its rows is dead-lettered.

@@ -46,8 +46,7 @@
 //!   writer fails at once with "database is locked".
 //! - A COMMIT or ROLLBACK sent by hand inside the closure ends the unit of work's
 //!   transaction: the unit of work sees that its savepoint is gone before it writes the
-//!   events, writes none, and fails with
-//!   [`UnitOfWorkError::TransactionEnded`].
+//!   events, writes none, and fails with [`UnitOfWorkError::TransactionEnded`].
 //! - One relay publishes a database file's rows at a time: it holds a lease
 //!   (`outbox_relay_lease`) that it renews at each claim, and another [`SqliteRelay`] waits
 //!   as a standby and takes over once the lease has expired (a crashed relay's rows are

@@ -14,17 +14,16 @@
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
-#[cfg(feature = "postgres")]
-use std::time::Duration;
 
+// PostgreSQL's topology registry, `outbox_topologies`.
 #[cfg(feature = "postgres")]
-use diesel::QueryableByName;
-#[cfg(feature = "postgres")]
-use diesel::result::QueryResult;
-#[cfg(feature = "postgres")]
-use diesel::sql_types::{Text, Timestamptz};
-#[cfg(feature = "postgres")]
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use {
+    diesel::QueryableByName,
+    diesel::result::QueryResult,
+    diesel::sql_types::{Text, Timestamptz},
+    diesel_async::{AsyncPgConnection, RunQueryDsl},
+    std::time::Duration,
+};
 
 use crate::publisher::StreamSettings;
 use crate::subject::{InvalidSubjectPrefix, validate_prefix};

@@ -17,24 +17,21 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-#[cfg(feature = "postgres")]
-use diesel::QueryResult;
 use diesel::QueryableByName;
-#[cfg(feature = "postgres")]
-use diesel::deserialize::{self, FromSql};
-#[cfg(feature = "postgres")]
-use diesel::pg::{Pg, PgValue};
-#[cfg(feature = "postgres")]
-use diesel::sql_types::{Array, Int8, Json, Jsonb, Nullable, Timestamptz, Uuid as SqlUuid};
 use diesel::sql_types::{Bool, Int4, Text};
-#[cfg(feature = "postgres")]
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use uuid::Uuid;
 
+// PostgreSQL's statements, and its binary `json` and `jsonb`.
 #[cfg(feature = "postgres")]
-use super::statement::statement;
-#[cfg(feature = "postgres")]
-use crate::causality::Causality;
+use {
+    super::statement::statement,
+    crate::causality::Causality,
+    diesel::QueryResult,
+    diesel::deserialize::{self, FromSql},
+    diesel::pg::{Pg, PgValue},
+    diesel::sql_types::{Array, Int8, Json, Jsonb, Nullable, Timestamptz, Uuid as SqlUuid},
+    diesel_async::{AsyncPgConnection, RunQueryDsl},
+};
 
 /// An event ready to be inserted, its subject resolved and every token checked.
 #[derive(Debug)]

@@ -484,7 +484,8 @@ fn claimable(conn: &mut SqliteConnection, batch: i64) -> QueryResult<Vec<Claimed
 }
 
 /// Counts what waits in a SQLite outbox: what [`crate::outbox::stats`] counts on PostgreSQL,
-/// in one read (it takes no write lock). Every relay runs it into its gauges every [`RelayConfig::stats_interval`].
+/// in one read (it takes no write lock). Every relay runs it into its gauges every
+/// [`RelayConfig::stats_interval`].
 ///
 /// # Errors
 /// The database's error.
