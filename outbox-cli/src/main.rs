@@ -30,7 +30,8 @@ use outbox_runtime::database::Kind;
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, about, long_about = None)]
 struct Cli {
-    /// The PostgreSQL URL of the database that holds the outbox.
+    /// The URL of the database that holds the outbox: PostgreSQL's, or (built with the
+    /// features `mysql`, `sqlite`) a `mysql://` URL or a SQLite file's path.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 
@@ -116,15 +117,16 @@ fn main() -> ExitCode {
                 .clone()
                 .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
         };
-        // Only `migrate` and `relay` run on MySQL and SQLite; the operator's other commands
-        // read PostgreSQL's outbox (its dead-letter functions, archive, operator queries).
+        // `migrate`, `relay` and `status` run on MySQL and SQLite too; the operator's other
+        // commands read PostgreSQL's outbox (its dead-letter functions, archive, inbox).
         let postgres_url = || {
             let url = database_url()?;
             match Kind::of(&url) {
                 Kind::Postgres => Kind::Postgres.check(&url, "this command").map(|()| url),
                 _ => Err(format!(
-                    "{} names a MySQL or SQLite database: only `outbox migrate` and `outbox \
-                     relay` run on those; this command reads PostgreSQL's outbox",
+                    "{} names a MySQL or SQLite database: only `outbox migrate`, `outbox \
+                     relay` and `outbox status` run on those; this command reads \
+                     PostgreSQL's outbox",
                     outbox_runtime::database::redacted(&url)
                 )),
             }
@@ -132,7 +134,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Migrate => operate::migrate(&database_url()?).await,
             Command::Relay(args) => relay::run(&database_url()?, *args).await,
-            Command::Status(args) => operate::status(&postgres_url()?, args).await,
+            Command::Status(args) => operate::status(&database_url()?, args).await,
             Command::DeadLetters(command) => operate::dead_letters(&postgres_url()?, command).await,
             Command::Retry(args) => operate::retry(&postgres_url()?, args).await,
             Command::Skip(args) => operate::skip(&postgres_url()?, args).await,

@@ -104,15 +104,69 @@ fn shown(duration: Duration) -> String {
     }
 }
 
+/// What `status` reads: the stats, and on PostgreSQL the queue by type and the rows
+/// published in the last minute.
+async fn read_status(
+    database_url: &str,
+) -> Result<(outbox::OutboxStats, Vec<outbox::QueuedByType>, Option<i64>), String> {
+    use outbox_runtime::database::Kind;
+    match Kind::of(database_url) {
+        Kind::Postgres => {
+            let mut conn = connect(database_url).await?;
+            let stats = outbox::stats(&mut conn).await.map_err(database_error)?;
+            let by_type = outbox::queued_by_type(&mut conn)
+                .await
+                .map_err(database_error)?;
+            let recent = outbox::published_last_minute(&mut conn, RECENT_WINDOW)
+                .await
+                .map_err(database_error)?;
+            Ok((stats, by_type, Some(recent)))
+        }
+        #[cfg(feature = "mysql")]
+        Kind::Mysql => {
+            use outbox_runtime::diesel_async::AsyncMysqlConnection;
+            let target = outbox_runtime::database::redacted(database_url);
+            let mut conn = tokio::time::timeout(
+                outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT,
+                AsyncMysqlConnection::establish(database_url),
+            )
+            .await
+            .map_err(|_| format!("the database at {target} did not answer in time"))?
+            .map_err(|e| format!("cannot connect to the database at {target}: {e}"))?;
+            let stats = outbox_runtime::mysql::stats(&mut conn)
+                .await
+                .map_err(database_error)?;
+            Ok((stats, Vec::new(), None))
+        }
+        #[cfg(feature = "sqlite")]
+        Kind::Sqlite => {
+            let url = database_url.to_owned();
+            let stats = tokio::task::spawn_blocking(move || {
+                let mut conn = outbox_runtime::sqlite::establish(&url).map_err(|e| {
+                    format!(
+                        "cannot open {}: {e}",
+                        outbox_runtime::database::redacted(&url)
+                    )
+                })?;
+                outbox_runtime::sqlite::stats(&mut conn).map_err(database_error)
+            })
+            .await
+            .map_err(|e| e.to_string())??;
+            Ok((stats, Vec::new(), None))
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(format!(
+            "{} names a database this build of outbox does not know: build it with \
+             `--features mysql` or `--features sqlite`",
+            outbox_runtime::database::redacted(database_url)
+        )),
+    }
+}
+
+/// Prints what waits in the outbox. On MySQL and SQLite it shows the stats (queue, lag,
+/// dead letters), without the queue by type and the rows published in the last minute.
 pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended, String> {
-    let mut conn = connect(database_url).await?;
-    let stats = outbox::stats(&mut conn).await.map_err(database_error)?;
-    let by_type = outbox::queued_by_type(&mut conn)
-        .await
-        .map_err(database_error)?;
-    let recent = outbox::published_last_minute(&mut conn, RECENT_WINDOW)
-        .await
-        .map_err(database_error)?;
+    let (stats, by_type, recent) = read_status(database_url).await?;
     let lag = stats.lag();
     let over = args.max_lag.is_some_and(|max| lag > max);
     if args.json {
@@ -152,9 +206,11 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
             stats.dead_letters, stats.blocked
         );
         println!("skipped dead letters    {}", stats.skipped_dead_letters);
-        println!(
-            "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
-        );
+        if let Some(recent) = recent {
+            println!(
+                "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
+            );
+        }
         if !by_type.is_empty() {
             let width_a = by_type
                 .iter()

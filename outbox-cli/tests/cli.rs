@@ -732,12 +732,40 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
     assert!(text(&migrated).contains("applied 1"), "{}", text(&migrated));
-    let status = command(&["status"]).output().unwrap();
-    assert_eq!(status.status.code(), Some(2));
+    let refused = command(&["dead-letters", "list"]).output().unwrap();
+    assert_eq!(refused.status.code(), Some(2));
     assert!(
-        text(&status).contains("only `outbox migrate` and `outbox relay` run on those"),
+        text(&refused).contains("only `outbox migrate`, `outbox relay` and `outbox status` run"),
         "{}",
-        text(&status)
+        text(&refused)
+    );
+    let mut conn = AsyncSqliteConnection::new(outbox_runtime::sqlite::establish(&path).unwrap());
+    let commit = async |conn: &mut AsyncSqliteConnection, n: usize| {
+        let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
+        order.record(support::domain::OrderEvent::Shipped);
+        env.outbox()
+            .transaction(conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    };
+    // Before the relay: `status` shows what waits, and `--max-lag` judges its age.
+    commit(&mut conn, 0).await;
+    let status = command(&["status", "--json"]).output().unwrap();
+    assert_eq!(status.status.code(), Some(0), "{}", text(&status));
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(report["queued"], 2, "{report}");
+    assert_eq!(report["dead_letters"], 0, "{report}");
+    assert!(report["lag_seconds"].as_f64().unwrap() > 0.0, "{report}");
+    std::thread::sleep(Duration::from_millis(20));
+    let probe = command(&["status", "--max-lag", "10ms"]).output().unwrap();
+    assert_eq!(probe.status.code(), Some(1), "{}", text(&probe));
+    assert!(
+        text(&probe).contains("the lag is over --max-lag 10ms"),
+        "{}",
+        text(&probe)
     );
 
     let address = format!("127.0.0.1:{}", support::free_port());
@@ -756,17 +784,8 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let mut conn = AsyncSqliteConnection::new(outbox_runtime::sqlite::establish(&path).unwrap());
-    for n in 0..3 {
-        let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
-        order.record(support::domain::OrderEvent::Shipped);
-        env.outbox()
-            .transaction(&mut conn, async |uow| {
-                uow.track(&mut order);
-                Ok::<_, UnitOfWorkError>(())
-            })
-            .await
-            .unwrap();
+    for n in 1..3 {
+        commit(&mut conn, n).await;
     }
     // Another process's commits: the relay sees them at its poll.
     env.until_stream_holds(6, Duration::from_secs(20)).await;
@@ -789,6 +808,15 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     ] {
         assert!(scraped.contains(drained), "{drained} in\n{scraped}");
     }
+    let status = command(&["status", "--json", "--max-lag", "1m"])
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(0), "{}", text(&status));
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        (&report["queued"], &report["lag_seconds"]),
+        (&0.into(), &0.0.into())
+    );
     let (output, took, code) = stop(relay).await;
     assert_eq!(code, Some(0), "{output}");
     assert!(took < Duration::from_secs(10), "{took:?}");

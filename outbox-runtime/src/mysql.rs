@@ -49,7 +49,7 @@
 //!   cost of one claim query per interval per worker when idle.
 //! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
 //!   registry, the dead-letter admin functions, and the `outbox` command's operator views
-//!   (its `migrate` and `relay` run here, built with `--features mysql`).
+//!   (its `migrate`, `relay` and `status` run here, built with `--features mysql`).
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL

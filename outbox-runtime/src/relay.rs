@@ -92,7 +92,8 @@ pub enum DeadLetterPolicy {
 /// password.
 #[derive(Clone)]
 pub struct RelayConfig {
-    /// The PostgreSQL URL of the database holding the outbox table.
+    /// The URL of the database holding the outbox table: PostgreSQL's for `Relay`, a
+    /// `mysql://` URL for `mysql::MysqlRelay`, a file's path for `sqlite::SqliteRelay`.
     pub database_url: String,
     /// The subject prefix of the outbox's events and the stream that captures `{prefix}.>`:
     /// the same value as the units of work's

@@ -58,7 +58,7 @@
 //!   embedded database).
 //! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]), the topology
 //!   registry, the dead-letter admin functions, and the `outbox` command's operator views
-//!   (its `migrate` and `relay` run here, built with `--features sqlite`).
+//!   (its `migrate`, `relay` and `status` run here, built with `--features sqlite`).
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
