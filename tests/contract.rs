@@ -369,6 +369,11 @@ async fn a_transaction_ended_inside_the_closure_writes_no_ghost_event<B: Backend
         B::rows(&env).await,
         [("o-next".to_owned(), 1), ("o-next".to_owned(), 2)]
     );
+    assert_eq!(
+        B::stats(&env).await.queued,
+        3,
+        "the order's two events and the invoice: its dedup key was still free"
+    );
 }
 
 async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend>() {

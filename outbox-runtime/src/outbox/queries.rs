@@ -220,13 +220,17 @@ pub(crate) struct TakenKey {
 
 #[cfg(feature = "postgres")]
 statement! {
-    /// Takes dedup keys (see [`take_dedup_keys`]).
+    /// Takes dedup keys (see [`take_dedup_keys`]), after `outbox_assert_unit_of_work()`
+    /// (migration 000005): a key taken outside the unit of work's transaction (ended by a
+    /// COMMIT sent inside the closure) would commit on its own, and the event it guards,
+    /// never written, would be dropped as a duplicate when the unit of work is retried.
     pub(crate) struct TakeDedupKeys<'a> {
         keys: Vec<&'a str> => Array<Text>,
         ids: Vec<Uuid> => Array<SqlUuid>,
     }
     sql = "INSERT INTO outbox_dedup_keys (dedup_key, event_id) \
-           SELECT * FROM unnest($1::text[], $2::uuid[]) \
+           SELECT k.dedup_key, k.event_id FROM outbox_assert_unit_of_work(), \
+               unnest($1::text[], $2::uuid[]) AS k(dedup_key, event_id) \
            ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key";
 }
 
@@ -659,6 +663,11 @@ mod tests {
             held_ids: &["o-1"],
         };
         assert_eq!(rendered(&claim), ClaimBatch::SQL);
+        let keys = TakeDedupKeys {
+            keys: vec!["k"],
+            ids: ids.to_vec(),
+        };
+        assert_eq!(rendered(&keys), TakeDedupKeys::SQL);
         assert_eq!(rendered(&MarkPublished { ids: &ids }), MarkPublished::SQL);
         assert_eq!(
             rendered(&DeletePublished { ids: &ids }),
