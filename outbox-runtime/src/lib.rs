@@ -157,8 +157,8 @@ pub use inbox::{
     Unreadable,
 };
 #[cfg(feature = "postgres")]
-pub use outbox::{MIGRATIONS, OutboxStats, pending_migrations, run_migrations, run_migrations_on};
-pub use outbox::{MigrationError, MissingMigrations, Outbox, PublishedRows};
+pub use outbox::{MIGRATIONS, pending_migrations, run_migrations, run_migrations_on};
+pub use outbox::{MigrationError, MissingMigrations, Outbox, OutboxStats, PublishedRows};
 /// `#[derive(DomainEvent)]`: a struct is one event type, an enum one event type per variant.
 ///
 /// The type must also derive serde's `Serialize` and `Deserialize` (a unit struct needs

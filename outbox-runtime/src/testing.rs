@@ -12,8 +12,9 @@
 //!   draining the aggregates only when the closure succeeds) and keeps what it would have
 //!   written as [`WrittenEvent`]s. Code that only tracks aggregates and emits events takes
 //!   `&mut impl CollectEvents` and runs against both the real [`UnitOfWork`](crate::UnitOfWork) and this one.
-//! - **End to end** (with the feature `postgres`): [`TestEnv`] is a throwaway PostgreSQL database (migrated) with a
-//!   subject prefix and a stream of its own, both removed when it drops, and
+//! - **End to end** (with the feature `postgres`): [`TestEnv`] is a throwaway PostgreSQL
+//!   database (migrated) with a subject prefix and a stream of its own, both removed when it
+//!   drops, and
 //!   [`TestEnv::wait_for_events`] waits until given events are on the stream. This
 //!   project's own end-to-end tests run on it.
 //!
