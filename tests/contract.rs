@@ -1193,37 +1193,26 @@ mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_statement_that_commits_implicitly_ends_the_unit_of_work() {
         let env = AsyncMysql::setup().await;
-        let (orders, result) = AsyncMysql::commit(
-            &env,
-            vec![shipped("o-1")],
-            None,
-            End::Send("CREATE TABLE audit (id INT)"),
-        )
-        .await;
+        ends_the_unit_of_work::<AsyncMysql>(&env, "CREATE TABLE audit (id INT)").await;
+        #[cfg(feature = "mysql-sync")]
+        ends_the_unit_of_work::<SyncMysql>(&env, "CREATE TABLE audit_sync (id INT)").await;
+        assert!(AsyncMysql::rows(&env).await.is_empty(), "no event");
+    }
+
+    /// Commits an order whose closure sends `statement`: the unit of work fails with
+    /// `TransactionEnded`, and its events stay pending.
+    async fn ends_the_unit_of_work<B: Backend>(env: &Env, statement: &'static str) {
+        let (orders, result) =
+            B::commit(env, vec![shipped("o-1")], None, End::Send(statement)).await;
         assert!(
             matches!(result, Err(UnitOfWorkError::TransactionEnded)),
-            "{result:?}"
+            "{statement}: {result:?}"
         );
         assert_eq!(
             orders[0].pending_events().len(),
             2,
             "the events stay pending"
         );
-        #[cfg(feature = "mysql-sync")]
-        {
-            let (_, result) = SyncMysql::commit(
-                &env,
-                vec![shipped("o-2")],
-                None,
-                End::Send("CREATE TABLE audit_sync (id INT)"),
-            )
-            .await;
-            assert!(
-                matches!(result, Err(UnitOfWorkError::TransactionEnded)),
-                "{result:?}"
-            );
-        }
-        assert!(AsyncMysql::rows(&env).await.is_empty(), "no event");
     }
 
     /// diesel's sync `MysqlConnection` through `Outbox::sync_transaction`; the rest as

@@ -13,8 +13,10 @@ use uuid::Uuid;
 use crate::Ended;
 use crate::nats::NatsArgs;
 
-async fn connect(database_url: &str) -> Result<AsyncPgConnection, String> {
-    let connecting = AsyncPgConnection::establish(database_url);
+/// Opens a connection of type `C` (PostgreSQL's or MySQL's) within the connect
+/// timeout; the error names the database without its password.
+async fn connect<C: AsyncConnection>(database_url: &str) -> Result<C, String> {
+    let connecting = C::establish(database_url);
     let target = outbox_runtime::database::redacted(database_url);
     match tokio::time::timeout(
         outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT,
@@ -112,7 +114,7 @@ async fn read_status(
     use outbox_runtime::database::Kind;
     match Kind::of(database_url) {
         Kind::Postgres => {
-            let mut conn = connect(database_url).await?;
+            let mut conn: AsyncPgConnection = connect(database_url).await?;
             let stats = outbox::stats(&mut conn).await.map_err(database_error)?;
             let by_type = outbox::queued_by_type(&mut conn)
                 .await
@@ -124,15 +126,8 @@ async fn read_status(
         }
         #[cfg(feature = "mysql")]
         Kind::Mysql => {
-            use outbox_runtime::diesel_async::AsyncMysqlConnection;
-            let target = outbox_runtime::database::redacted(database_url);
-            let mut conn = tokio::time::timeout(
-                outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT,
-                AsyncMysqlConnection::establish(database_url),
-            )
-            .await
-            .map_err(|_| format!("the database at {target} did not answer in time"))?
-            .map_err(|e| format!("cannot connect to the database at {target}: {e}"))?;
+            let mut conn: outbox_runtime::mysql::AsyncMysqlConnection =
+                connect(database_url).await?;
             let stats = outbox_runtime::mysql::stats(&mut conn)
                 .await
                 .map_err(database_error)?;
@@ -295,7 +290,7 @@ pub(crate) async fn dead_letters(
     database_url: &str,
     command: DeadLetters,
 ) -> Result<Ended, String> {
-    let mut conn = connect(database_url).await?;
+    let mut conn: AsyncPgConnection = connect(database_url).await?;
     match command {
         DeadLetters::List { limit, json } => {
             let letters = dead_letter::list(&mut conn, limit)
@@ -367,7 +362,7 @@ pub(crate) struct RetryArgs {
 }
 
 pub(crate) async fn retry(database_url: &str, args: RetryArgs) -> Result<Ended, String> {
-    let mut conn = connect(database_url).await?;
+    let mut conn: AsyncPgConnection = connect(database_url).await?;
     if let Some(id) = args.id {
         if dead_letter::retry(&mut conn, id)
             .await
@@ -395,7 +390,7 @@ pub(crate) struct SkipArgs {
 }
 
 pub(crate) async fn skip(database_url: &str, args: SkipArgs) -> Result<Ended, String> {
-    let mut conn = connect(database_url).await?;
+    let mut conn: AsyncPgConnection = connect(database_url).await?;
     if dead_letter::skip(&mut conn, args.id)
         .await
         .map_err(database_error)?
@@ -429,7 +424,7 @@ pub(crate) struct PurgeArgs {
 }
 
 pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
-    let mut conn = connect(database_url).await?;
+    let mut conn: AsyncPgConnection = connect(database_url).await?;
     let started = Instant::now();
     let mut progress = Progress::new();
     let published = outbox::purge_published(&mut conn, args.older_than, args.batch, |deleted| {

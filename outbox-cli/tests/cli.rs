@@ -315,17 +315,7 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
     }
     env.until_stream_holds(6, Duration::from_secs(20)).await;
 
-    let url = format!("http://{address}/metrics");
-    let scraped = wait_until("the gauges", Duration::from_secs(10), || {
-        let url = url.clone();
-        async move {
-            let body = tokio::task::spawn_blocking(move || scrape(&url))
-                .await
-                .ok()??;
-            (body.contains("outbox_queued_events 0")).then_some(body)
-        }
-    })
-    .await;
+    let scraped = scraped_once_drained(&address).await;
     let value = |line_start: &str| -> f64 {
         scraped
             .lines()
@@ -362,6 +352,22 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
 }
 
 /// The body of an HTTP GET, by hand: the endpoint speaks plain HTTP/1.1.
+/// The metrics the relay at `address` serves, once its gauges say the outbox is drained
+/// (`outbox_queued_events 0`); within 10 s.
+async fn scraped_once_drained(address: &str) -> String {
+    let url = format!("http://{address}/metrics");
+    wait_until("the gauges", Duration::from_secs(10), || {
+        let url = url.clone();
+        async move {
+            let body = tokio::task::spawn_blocking(move || scrape(&url))
+                .await
+                .ok()??;
+            (body.contains("outbox_queued_events 0")).then_some(body)
+        }
+    })
+    .await
+}
+
 fn scrape(url: &str) -> Option<String> {
     use std::io::{Read, Write};
     let address = url.strip_prefix("http://")?.split('/').next()?;
@@ -790,17 +796,7 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     // Another process's commits: the relay sees them at its poll.
     env.until_stream_holds(6, Duration::from_secs(20)).await;
     // The outbox's gauges, read from the file.
-    let url = format!("http://{address}/metrics");
-    let scraped = wait_until("the gauges", Duration::from_secs(10), || {
-        let url = url.clone();
-        async move {
-            let body = tokio::task::spawn_blocking(move || scrape(&url))
-                .await
-                .ok()??;
-            (body.contains("outbox_queued_events 0")).then_some(body)
-        }
-    })
-    .await;
+    let scraped = scraped_once_drained(&address).await;
     for drained in [
         "outbox_dead_letters 0",
         "outbox_blocked_events 0",
