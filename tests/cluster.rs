@@ -128,7 +128,13 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
                         "the consumer has a leader",
                         Duration::from_secs(30),
                         || async {
-                            let info = probe.consumer().clone().info().await.ok()?.clone();
+                            let mut consumer = probe.consumer().clone();
+                            let info =
+                                tokio::time::timeout(Duration::from_secs(1), consumer.info())
+                                    .await
+                                    .ok()?
+                                    .ok()?
+                                    .clone();
                             info.cluster.and_then(|c| c.leader)
                         },
                     )
@@ -161,7 +167,12 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
                 &format!("events stored while {target:?} ({name}) is down"),
                 Duration::from_secs(30),
                 || async {
-                    (producer.stream_len().await >= stored + 2 * AGGREGATES as u64).then_some(())
+                    // A stream info request the dead node took is never answered: ask again
+                    // after a second rather than after the client's 10 s request timeout.
+                    let held = tokio::time::timeout(Duration::from_secs(1), producer.stream_len())
+                        .await
+                        .unwrap_or(0);
+                    (held >= stored + 2 * AGGREGATES as u64).then_some(())
                 },
             )
             .await;
@@ -180,9 +191,13 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
                 2 * AGGREGATES,
                 down.elapsed()
             ));
-            // It rejoins while the relay and the inbox work, and catches up.
+            // It rejoins while the relay and the inbox work, and catches up: the stream's
+            // replica and the consumer's.
             cluster.restart(node).await;
             cluster.until_replicas_current(&js, &producer.stream).await;
+            cluster
+                .until_consumer_replicas_current(probe.consumer())
+                .await;
         }
         stop.store(true, Ordering::SeqCst);
         killed

@@ -14,13 +14,13 @@ use diesel::prelude::*;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gaps};
-use outbox_runtime::{Handler, Inbox, Metadata, UnitOfWork};
+use outbox_runtime::{Handler, Inbox, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_rounds, consumer_config,
     consumer_database, relay_all, run_until_settled, spawn_instances, wait_until_settled,
 };
 use support::domain::OrderEvent;
-use support::{TestEnv, wait_until};
+use support::{Proxy, TestEnv, wait_until};
 
 /// Fetches `count` messages for the consumer and drops them unacked: an instance that
 /// received them and was killed.
@@ -75,6 +75,59 @@ async fn after_a_crash_each_aggregate_is_applied_in_order() {
     wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
     running.shutdown().await.unwrap();
     assert_applied_in_order(&applied(&mut conn).await, AGGREGATES, EVENTS as i64);
+}
+
+/// A JetStream lookup that gets no answer (its server died with the request, or the stream
+/// or the consumer is electing a leader) holds an event for a short while, not for the
+/// client's 10 s request timeout: the event holds a handler slot meanwhile, and in a cluster
+/// test every slot so held stopped the consumer for 10-20 s after a node was killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_stream_lookup_holds_an_event_only_briefly() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, 2).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "unanswered-lookup");
+    let nats_address = outbox_runtime::testing::nats_url()
+        .trim_start_matches("nats://")
+        .parse()
+        .unwrap();
+    let proxy = Proxy::start(nats_address).await;
+    let nats = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
+        .await
+        .unwrap();
+    let inbox = Inbox::connect(config, nats, Recording::default())
+        .await
+        .unwrap();
+    let mut batch = inbox
+        .consumer()
+        .fetch()
+        .max_messages(2)
+        .messages()
+        .await
+        .unwrap();
+    let mut messages = Vec::new();
+    while let Some(message) = batch.next().await {
+        messages.push(message.unwrap());
+    }
+    assert_eq!(messages.len(), 2, "the aggregate's two events");
+
+    // The second event, its predecessor unapplied: the inbox asks JetStream whether the
+    // predecessor will come, and nothing answers.
+    proxy.freeze(true);
+    let started = Instant::now();
+    let outcome = inbox.process(&messages[1]).await.unwrap();
+    let took = started.elapsed();
+    proxy.freeze(false);
+    let Outcome::Held { reason, .. } = &outcome else {
+        panic!("held until its predecessor is applied, not {outcome:?}");
+    };
+    assert!(reason.contains("did not answer"), "{reason}");
+    assert!(
+        took < Duration::from_secs(5),
+        "an unanswered lookup held the event {took:?}"
+    );
+    assert_eq!(applied_count(&mut consumer.conn().await).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,9 +27,11 @@
 //! filter takes (read with `STREAM.MSG.GET` by subject); one that is not there never comes.
 //! If it comes after all (a skipped dead letter retried later), it is dead-lettered as late,
 //! never applied out of order. A predecessor that is there and does not settle within
-//! `gap_timeout` is treated as a gap. The lookup covers the subjects of the event's own
-//! partition key and of the aggregate id: an aggregate whose events use yet other partition
-//! keys can have a predecessor it missed dead-lettered as late. Within
+//! `gap_timeout` is treated as a gap. A lookup JetStream does not answer within 2 s (its
+//! server died with the request, or the stream is electing a leader) holds the event and
+//! asks again later: it never applies it over a gap. The lookup covers the subjects of the
+//! event's own partition key and of the aggregate id: an aggregate whose events use yet
+//! other partition keys can have a predecessor it missed dead-lettered as late. Within
 //! an instance, the messages of one aggregate are handled one at a time in stream order,
 //! those of different aggregates in parallel, up to `max_concurrency`. A message without an
 //! aggregate (`ce-aggregatetype`, `ce-subject`, `ce-sequence`: a foreign producer's) is
@@ -1231,7 +1233,6 @@ impl<H: Handler> Inbox<H> {
                 last_seq,
                 from,
                 ack_floor,
-                config.statement_timeout,
             )
             .await;
             match found {
@@ -1291,8 +1292,7 @@ impl<H: Handler> Inbox<H> {
             return floor;
         }
         let mut consumer = self.shared.consumer.clone();
-        let read =
-            tokio::time::timeout(self.shared.config.statement_timeout, consumer.info()).await;
+        let read = tokio::time::timeout(order::LOOKUP_TIMEOUT, consumer.info()).await;
         match read {
             Ok(Ok(info)) => {
                 let floor = info.ack_floor.stream_sequence;

@@ -162,6 +162,35 @@ impl NatsCluster {
         }
     }
 
+    /// Waits up to 60 s until every replica of `consumer` is current, as
+    /// [`until_replicas_current`](Self::until_replicas_current) for a stream. A consumer has
+    /// a Raft group of its own: its replica on a node that rejoined catches up apart from the
+    /// stream's, and until it has, killing another node leaves the consumer without a quorum
+    /// (JetStream answers 503 for it), which is two nodes down, not one.
+    pub async fn until_consumer_replicas_current(
+        &self,
+        consumer: &jetstream::consumer::PullConsumer,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut consumer = consumer.clone();
+            if let Ok(info) = consumer.info().await
+                && let Some(cluster) = info.cluster.as_ref()
+                && cluster.leader.is_some()
+                && cluster.replicas.iter().all(|replica| {
+                    replica.current && !replica.offline && replica.lag.unwrap_or(0) == 0
+                })
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replicas of the consumer did not catch up within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Kills `node` with SIGKILL, as a crash would: no shutdown, no flush.
     pub fn kill(&mut self, node: usize) {
         if let Some(mut child) = self.nodes[node].child.take() {

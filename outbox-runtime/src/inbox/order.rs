@@ -61,10 +61,18 @@ pub(super) enum Predecessor {
 /// gives up for now (they share a partition key).
 const MAX_SCANNED: usize = 256;
 
+/// How long one JetStream request of the lookup (the consumer's ack floor, a message of the
+/// stream) may go unanswered. A request sent to a server that dies with it, or while the
+/// stream or the consumer elects a new leader, is never answered, and async-nats would wait
+/// its own request timeout (10 s) while the event held a handler slot. Unanswered, the
+/// event is held and asked about again later: "cannot tell" never applies it over a gap.
+pub(super) const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Looks in `stream` for the predecessor of `event` (at stream sequence
 /// `metadata.stream_sequence`), given the consumer's `filters`, the last applied sequence
 /// `last_seq` of its aggregate and that event's stream sequence `from`, and the consumer's
-/// ack floor (every message at or below it is settled).
+/// ack floor (every message at or below it is settled). Each request to the stream waits at
+/// most [`LOOKUP_TIMEOUT`].
 pub(super) async fn predecessor(
     stream: &Stream,
     filters: &[String],
@@ -72,7 +80,6 @@ pub(super) async fn predecessor(
     last_seq: i64,
     from: u64,
     ack_floor: u64,
-    timeout: Duration,
 ) -> Predecessor {
     let Some((aggregate_type, aggregate_id, seq)) = metadata.place() else {
         return Predecessor::Missing { filtered: false };
@@ -106,7 +113,7 @@ pub(super) async fn predecessor(
                     .sequence(next)
                     .next_by_subject(wanted.clone())
                     .send();
-                let found = match tokio::time::timeout(timeout, request).await {
+                let found = match tokio::time::timeout(LOOKUP_TIMEOUT, request).await {
                     Err(_) => return Predecessor::Unknown("the stream did not answer".to_owned()),
                     Ok(Err(error)) if error.kind() == RawMessageErrorKind::NoMessageFound => break,
                     Ok(Err(error)) => return Predecessor::Unknown(error.to_string()),
