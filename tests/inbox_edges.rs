@@ -16,11 +16,12 @@ use futures::StreamExt;
 use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gaps};
 use outbox_runtime::{Handler, Inbox, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
-    Recording, applied, applied_count, assert_applied_in_order, commit_rounds, consumer_config,
-    consumer_database, relay_all, run_until_settled, spawn_instances, wait_until_settled,
+    Recording, applied, applied_count, assert_applied_in_order, commit_round, commit_rounds,
+    consumer_config, consumer_database, relay_all, run_until_settled, spawn_instances,
+    wait_until_settled,
 };
 use support::domain::OrderEvent;
-use support::{Proxy, TestEnv, wait_until};
+use support::{NatsServer, Proxy, TestEnv, wait_until};
 
 /// Fetches `count` messages for the consumer and drops them unacked: an instance that
 /// received them and was killed.
@@ -128,6 +129,56 @@ async fn an_unanswered_stream_lookup_holds_an_event_only_briefly() {
         "an unanswered lookup held the event {took:?}"
     );
     assert_eq!(applied_count(&mut consumer.conn().await).await, 0);
+}
+
+/// A pull request the broker lost (it died with it, or the consumer was electing a leader
+/// in a cluster) is never answered: the instance asks again a second after the request
+/// should have ended, rather than after async-nats's own timer (the request's expiry plus
+/// 5 s), during which it received nothing. A three-node cluster test stalled 6-12 s so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_request_the_broker_lost_is_replaced_at_once() {
+    let mut server = NatsServer::start().await;
+    let producer = TestEnv::with_nats(&server.url()).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "lost-pull");
+    let mut conn = producer.conn().await;
+    let mut orders = support::consumer::orders(1);
+    commit_round(&producer, &mut conn, &mut orders, 0).await;
+    relay_all(&producer).await;
+    let nats = outbox_runtime::nats::connect(&server.url()).await.unwrap();
+    let inbox = Inbox::connect(config, nats, Recording::default())
+        .await
+        .unwrap()
+        .spawn();
+    wait_until(
+        "the first event applied",
+        Duration::from_secs(30),
+        || async { (applied_count(&mut consumer.conn().await).await == 1).then_some(()) },
+    )
+    .await;
+    // Idle, the instance always has a pull request waiting (each ends after a second). The
+    // broker dies with it and comes back at once, with its store: the consumer is there,
+    // the request is not.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let died = Instant::now();
+    server.stop();
+    server.restart().await;
+
+    commit_round(&producer, &mut conn, &mut orders, 1).await;
+    relay_all(&producer).await;
+    wait_until(
+        "the second event applied",
+        Duration::from_secs(30),
+        || async { (applied_count(&mut consumer.conn().await).await == 2).then_some(()) },
+    )
+    .await;
+    let took = died.elapsed();
+    println!("the broker died and came back; the next event applied {took:.1?} after");
+    inbox.shutdown().await.unwrap();
+    assert!(
+        took < Duration::from_millis(4500),
+        "the instance received nothing for {took:?} after the broker lost its pull request"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

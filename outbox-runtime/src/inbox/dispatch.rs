@@ -25,7 +25,9 @@
 //!
 //! Messages are pulled by bounded requests, one at a time, each for as many messages as the
 //! buffer has room for and ended by JetStream when they are delivered or after a second, so
-//! that the instance knows at every moment which messages may still reach it.
+//! that the instance knows at every moment which messages may still reach it. A request
+//! JetStream does not end a second after that (lost with a server that died, or sent while
+//! the consumer elected a leader) is given up, and the instance asks again.
 //!
 //! Messages waiting in the buffer and messages being handled are kept from redelivery with
 //! progress acks every third of `ack_wait`. On a graceful stop the waiting ones, and every
@@ -78,6 +80,8 @@ pub(super) async fn run<H: Handler>(
     // ended by JetStream when they are delivered or after `PULL_EXPIRES`. One at a time, so
     // that this instance always knows what may still arrive.
     let mut pull: Option<pull::Batch> = None;
+    // When the pull request in progress should have ended, with its grace.
+    let mut pull_ends = Instant::now();
     let mut reconnect = Duration::from_millis(100);
     let mut heartbeat = tokio::time::interval(progress_interval(config.ack_wait));
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -107,7 +111,10 @@ pub(super) async fn run<H: Handler>(
                 .messages()
                 .await;
             match requested {
-                Ok(batch) => pull = Some(batch),
+                Ok(batch) => {
+                    pull = Some(batch);
+                    pull_ends = Instant::now() + PULL_EXPIRES + PULL_GRACE;
+                }
                 Err(error) => {
                     tracing::warn!(%error, "the inbox cannot pull messages; retrying");
                     failed = true;
@@ -135,6 +142,14 @@ pub(super) async fn run<H: Handler>(
                     Vec::new()
                 }
             },
+            () = tokio::time::sleep_until(pull_ends), if pull.is_some() => {
+                tracing::debug!(
+                    "a pull request went unanswered (the server died with it, or the consumer \
+                     is electing a leader); asking again"
+                );
+                pull = None;
+                Vec::new()
+            }
             _ = heartbeat.tick() => queues.heartbeat().await,
             _ = park_check.tick(), if checking.is_none() && queues.has_parked() => {
                 checking = Some(tokio::spawn(check_positions(
@@ -168,7 +183,7 @@ pub(super) async fn run<H: Handler>(
                 }
             }
         };
-        if tokio::time::timeout(PULL_EXPIRES + Duration::from_secs(1), rest)
+        if tokio::time::timeout(PULL_EXPIRES + PULL_GRACE, rest)
             .await
             .is_err()
         {
@@ -217,6 +232,14 @@ async fn check_positions<H: Handler>(
 /// How long a pull request waits at JetStream for messages: also the longest a graceful stop
 /// waits for the one in progress to end, and how often an idle consumer asks again.
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
+
+/// How long past `PULL_EXPIRES` a pull request may go without JetStream ending it before the
+/// instance gives it up and asks again. JetStream ends an expired request with a status
+/// message (408); a request the server died with, or that reached a consumer electing a
+/// leader, is never answered, and async-nats's own timer would end it only 5 s after its
+/// expiry, all that time with nothing received. A message JetStream delivered to a request
+/// given up comes back after `ack_wait`.
+const PULL_GRACE: Duration = Duration::from_secs(1);
 
 /// The next message of the pull request in progress (`None` when it ended).
 async fn next_message(
