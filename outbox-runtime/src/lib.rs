@@ -85,6 +85,19 @@
     not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
     allow(dead_code, unused_imports)
 )]
+// The docs link across backends (the MySQL relay's page to `Relay`, the unit of work's to
+// `AsyncPgConnection`, ...); a build without some backend lacks the targets, and its docs
+// show those names unlinked. The links are checked in the build with every backend, as
+// docs.rs builds it (CI runs `cargo doc -D warnings` on it).
+#![cfg_attr(
+    not(all(
+        feature = "postgres-sync",
+        feature = "mysql-sync",
+        feature = "sqlite",
+        feature = "testing"
+    )),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
 /// A crash point: with the `failpoints` feature, a test can make the code return `$e` here,
 /// as if the process died at this point (the `fail` crate's `return` action); without the
