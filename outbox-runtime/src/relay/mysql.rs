@@ -24,9 +24,9 @@ use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, Retry
 ///
 /// Takes the same [`RelayConfig`], with a `mysql://` URL. Its `listen` is ignored (MySQL has
 /// no notifications): a worker that finds nothing waits for a unit of work of this process
-/// to commit, or for `poll_interval`. Not supported here: a `connector` (connections are
-/// opened from the URL), [`PublishedRows::Archive`], and the outbox gauges of
-/// `stats_interval`.
+/// to commit, or for `poll_interval`. Its outbox gauges are PostgreSQL's, every
+/// `stats_interval` ([`stats`](crate::mysql::stats)). Not supported here: a `connector`
+/// (connections are opened from the URL) and [`PublishedRows::Archive`].
 pub struct MysqlRelay(Polling<AsyncMysqlConnection>);
 
 impl MysqlRelay {

@@ -37,8 +37,9 @@ use crate::sqlite::{AsyncSqliteConnection, NOW, SqliteConnection, pending_migrat
 /// fresh lease only reads), to record a rejection, and to delete or mark what was published;
 /// never while it publishes.
 /// Its `listen` is ignored: a worker that finds nothing waits for a unit of work of this
-/// process to commit, or for `poll_interval`. Not supported here: a `connector`,
-/// [`PublishedRows::Archive`], and the outbox gauges of `stats_interval`.
+/// process to commit, or for `poll_interval`. Its outbox gauges are PostgreSQL's, every
+/// `stats_interval` ([`stats`](crate::sqlite::stats)). Not supported here: a `connector` and
+/// [`PublishedRows::Archive`].
 pub struct SqliteRelay(Polling<SqliteStore>);
 
 impl SqliteRelay {
