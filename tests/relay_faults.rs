@@ -425,3 +425,127 @@ async fn the_relay_reads_the_duplicate_window_and_warns_when_it_is_shorter_than_
     );
     assert!(config.redelivery_horizon() > relay.duplicate_window());
 }
+
+/// Drops every packet between the database server's port and one client port on loopback,
+/// both ways, as a network cut does (no FIN, no RST), until dropped: an nftables table of
+/// the test's own (`nft`, as root).
+struct Cut {
+    table: String,
+}
+
+impl Cut {
+    fn new(server_port: u16, client_port: u16) -> Self {
+        let table = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
+        let cut = Self { table };
+        let t = &cut.table;
+        for command in [
+            format!("add table inet {t}"),
+            format!("add chain inet {t} out {{ type filter hook output priority 0 ; }}"),
+            format!("add rule inet {t} out tcp sport {server_port} tcp dport {client_port} drop"),
+            format!("add rule inet {t} out tcp sport {client_port} tcp dport {server_port} drop"),
+        ] {
+            Self::nft(&command);
+        }
+        cut
+    }
+
+    fn nft(command: &str) {
+        let output = std::process::Command::new("nft")
+            .arg(command)
+            .output()
+            .unwrap_or_else(|e| panic!("this test needs nftables' `nft` (and root): {e}"));
+        assert!(
+            output.status.success(),
+            "nft {command}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+impl Drop for Cut {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nft")
+            .arg(format!("delete table inet {}", self.table))
+            .output();
+    }
+}
+
+/// A relay whose host vanishes mid-batch (no FIN, no RST: a node lost, a network cut) holds
+/// its claimed heads in an open transaction until PostgreSQL notices it is gone. The
+/// toolkit's sessions set server-side TCP keepalives, so another relay publishes those
+/// aggregates within about half a minute, not after the operating system's two hours (when
+/// the copies would also fall outside the stream's duplicate window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root and nftables to cut a connection; CI runs it"]
+async fn a_relay_whose_host_vanished_gives_its_heads_back_within_half_a_minute() {
+    let server = NatsServer::start().await;
+    let env = TestEnv::with_nats(&server.url()).await;
+    let mut conn = env.conn().await;
+    for id in ["o-1", "o-2", "o-3"] {
+        commit_events(&env, &mut conn, id, 1).await;
+    }
+
+    // Relay A claims the three heads and publishes them to a broker that never answers (a
+    // proxy the test freezes): its transaction stays open, the heads locked.
+    let proxy = support::Proxy::start(([127, 0, 0, 1], server.port).into()).await;
+    let unanswered = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
+        .await
+        .unwrap();
+    let mut config = env.relay_config();
+    config.workers = 1;
+    config.listen = false;
+    config.poll_interval = Duration::from_millis(200);
+    config.ack_timeout = Duration::from_secs(300);
+    let a = Relay::connect(config.clone(), unanswered).await.unwrap();
+    proxy.freeze(true);
+    let a = a.spawn();
+
+    #[derive(QueryableByName)]
+    struct Session {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        client_port: i32,
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        server_port: i32,
+    }
+    let session = wait_until(
+        "relay A's claim, idle in its transaction",
+        Duration::from_secs(10),
+        || async {
+            diesel::sql_query(
+                "SELECT client_port, inet_server_port() AS server_port FROM pg_stat_activity \
+                 WHERE datname = current_database() AND application_name = 'outbox-relay' \
+                 AND state = 'idle in transaction'",
+            )
+            .get_result::<Session>(&mut env.conn().await)
+            .await
+            .ok()
+        },
+    )
+    .await;
+
+    // A's host vanishes; relay B takes over once PostgreSQL has closed A's session.
+    let cut = Cut::new(
+        u16::try_from(session.server_port).unwrap(),
+        u16::try_from(session.client_port).unwrap(),
+    );
+    let cut_at = std::time::Instant::now();
+    config.ack_timeout = Duration::from_secs(5);
+    let b = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    env.until_stream_holds(3, Duration::from_secs(90)).await;
+    let took = cut_at.elapsed();
+    println!("relay A's host vanished; relay B published its aggregates {took:.1?} later");
+    b.shutdown().await.unwrap();
+
+    // A comes back: its publishes are duplicates JetStream drops, its session is gone.
+    drop(cut);
+    proxy.freeze(false);
+    let _ = tokio::time::timeout(Duration::from_secs(30), a.shutdown()).await;
+    assert_eq!(env.stream_messages().await.len(), 3, "each event once");
+    assert!(
+        took < Duration::from_secs(45),
+        "the heads came back {took:?} after the cut"
+    );
+}

@@ -238,8 +238,10 @@ impl fmt::Display for Redacted<'_> {
 /// the database in logs and errors (without its password).
 ///
 /// The toolkit owns each connection it opens this way for as long as it needs it (a relay
-/// worker's for the relay's life), and sets its `application_name` and `statement_timeout`
-/// as it does on its own. Each is opened within the configured `connect_timeout`.
+/// worker's for the relay's life), and sets its `application_name`, `statement_timeout` and
+/// server-side TCP keepalives (a session whose client vanished is closed within about 25 s,
+/// its locks released) as it does on its own. Each is opened within the configured
+/// `connect_timeout`.
 ///
 /// ```no_run
 /// use outbox_runtime::database::Connector;
@@ -315,6 +317,29 @@ impl fmt::Debug for Connector {
     }
 }
 
+/// The server-side TCP keepalives of the toolkit's PostgreSQL sessions (PostgreSQL docs,
+/// section 20.3.1, `tcp_keepalives_idle`, `tcp_keepalives_interval`, `tcp_keepalives_count`):
+/// after 10 s without traffic the server probes the client every 5 s, and closes the session
+/// after 3 unanswered probes. A relay whose host vanished (a node lost, a network cut: no
+/// FIN, no RST) holds its claimed heads locked in an open transaction until the server
+/// notices; with the operating system's defaults (Linux: 7,200 s, then 9 probes 75 s apart)
+/// that is over two hours, during which no other relay publishes those aggregates, and the
+/// rows published again after it fall outside the stream's duplicate window. With these it
+/// is about 25 s. A live client's kernel answers the probes however busy the process is,
+/// so a slow relay is never cut. Ignored on a Unix-domain socket.
+#[cfg(feature = "postgres")]
+const DEAD_PEER_KEEPALIVES: (Duration, Duration, u32) =
+    (Duration::from_secs(10), Duration::from_secs(5), 3);
+
+/// The server-side `tcp_user_timeout` of the toolkit's PostgreSQL sessions (PostgreSQL 12+,
+/// docs section 20.3.1): how long data the server sent may stay unacknowledged before it
+/// closes the session. Keepalives only probe a connection with nothing unacknowledged: a
+/// client that vanished just as the server answered it (a claim's rows sent, not yet
+/// acknowledged) would otherwise hold its locks through TCP's retransmissions, some 15
+/// minutes (Linux's `tcp_retries2`).
+#[cfg(feature = "postgres")]
+const DEAD_PEER_USER_TIMEOUT: Duration = Duration::from_secs(25);
+
 /// How the toolkit opens and bounds a connection.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
@@ -325,7 +350,8 @@ pub(crate) struct Limits {
 
 /// Opens a connection (with `connector`, or to `database_url`) within
 /// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
-/// server-side `statement_timeout` (none when zero).
+/// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`] and
+/// [`DEAD_PEER_USER_TIMEOUT`].
 #[cfg(feature = "postgres")]
 pub(crate) async fn connect(
     database_url: &str,
@@ -356,9 +382,15 @@ pub(crate) async fn connect(
         };
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
+        let (idle, interval, count) = DEAD_PEER_KEEPALIVES;
         conn.batch_execute(&format!(
             "SET application_name TO '{application_name}'; \
-             SET statement_timeout TO {statement_ms}"
+             SET statement_timeout TO {statement_ms}; \
+             SET tcp_keepalives_idle TO {}; SET tcp_keepalives_interval TO {}; \
+             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}",
+            idle.as_secs(),
+            interval.as_secs(),
+            DEAD_PEER_USER_TIMEOUT.as_millis()
         ))
         .await
         .map_err(|e| e.to_string())?;
