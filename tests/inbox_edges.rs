@@ -23,9 +23,8 @@ use support::consumer::{
 use support::domain::OrderEvent;
 use support::{NatsServer, Proxy, TestEnv, wait_until};
 
-/// Fetches `count` messages for the consumer and drops them unacked: an instance that
-/// received them and was killed.
-async fn receive_and_die(inbox: &Inbox<impl Handler>, count: usize) -> usize {
+/// Fetches up to `count` messages for the consumer, leaving them unacked.
+async fn receive(inbox: &Inbox<impl Handler>, count: usize) -> Vec<async_nats::jetstream::Message> {
     let mut batch = inbox
         .consumer()
         .fetch()
@@ -36,12 +35,17 @@ async fn receive_and_die(inbox: &Inbox<impl Handler>, count: usize) -> usize {
         .messages()
         .await
         .unwrap();
-    let mut received = 0;
+    let mut received = Vec::new();
     while let Some(message) = batch.next().await {
-        message.unwrap();
-        received += 1;
+        received.push(message.unwrap());
     }
     received
+}
+
+/// Fetches `count` messages for the consumer and drops them unacked: an instance that
+/// received them and was killed.
+async fn receive_and_die(inbox: &Inbox<impl Handler>, count: usize) -> usize {
+    receive(inbox, count).await.len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,17 +102,7 @@ async fn an_unanswered_stream_lookup_holds_an_event_only_briefly() {
     let inbox = Inbox::connect(config, nats, Recording::default())
         .await
         .unwrap();
-    let mut batch = inbox
-        .consumer()
-        .fetch()
-        .max_messages(2)
-        .messages()
-        .await
-        .unwrap();
-    let mut messages = Vec::new();
-    while let Some(message) = batch.next().await {
-        messages.push(message.unwrap());
-    }
+    let messages = receive(&inbox, 2).await;
     assert_eq!(messages.len(), 2, "the aggregate's two events");
 
     // The second event, its predecessor unapplied: the inbox asks JetStream whether the

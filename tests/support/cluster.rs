@@ -142,24 +142,11 @@ impl NatsCluster {
     /// Waits up to 60 s until every replica of `stream` is current (none offline or lagging
     /// behind its leader), as after a killed node has rejoined and caught up.
     pub async fn until_replicas_current(&self, js: &jetstream::Context, stream: &str) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(mut handle) = js.get_stream(stream).await
-                && let Ok(info) = handle.info().await
-                && let Some(cluster) = info.cluster.as_ref()
-                && cluster.leader.is_some()
-                && cluster.replicas.iter().all(|replica| {
-                    replica.current && !replica.offline && replica.lag.unwrap_or(0) == 0
-                })
-            {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the replicas of {stream} did not catch up within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        until_current(&format!("the replicas of {stream}"), || async {
+            let mut handle = js.get_stream(stream).await.ok()?;
+            handle.info().await.ok()?.cluster.clone()
+        })
+        .await;
     }
 
     /// Waits up to 60 s until every replica of `consumer` is current, as
@@ -171,24 +158,10 @@ impl NatsCluster {
         &self,
         consumer: &jetstream::consumer::PullConsumer,
     ) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let mut consumer = consumer.clone();
-            if let Ok(info) = consumer.info().await
-                && let Some(cluster) = info.cluster.as_ref()
-                && cluster.leader.is_some()
-                && cluster.replicas.iter().all(|replica| {
-                    replica.current && !replica.offline && replica.lag.unwrap_or(0) == 0
-                })
-            {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the replicas of the consumer did not catch up within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        until_current("the replicas of the consumer", || async {
+            consumer.clone().info().await.ok()?.cluster.clone()
+        })
+        .await;
     }
 
     /// Kills `node` with SIGKILL, as a crash would: no shutdown, no flush.
@@ -305,5 +278,31 @@ impl Drop for NatsCluster {
             let _ = std::fs::remove_dir_all(store);
             let _ = std::fs::remove_file(store.with_extension("log"));
         }
+    }
+}
+
+/// Waits up to 60 s until the Raft group `read` reports (a stream's or a consumer's) has a
+/// leader and every replica is current: none offline, none lagging.
+async fn until_current<F, Fut>(what: &str, mut read: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<jetstream::stream::ClusterInfo>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(cluster) = read().await
+            && cluster.leader.is_some()
+            && cluster
+                .replicas
+                .iter()
+                .all(|replica| replica.current && !replica.offline && replica.lag.unwrap_or(0) == 0)
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not catch up within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
