@@ -25,6 +25,7 @@ use std::time::Duration;
 #[cfg(feature = "postgres-sync")]
 use diesel::Connection as _;
 use diesel_async::SimpleAsyncConnection;
+use outbox_runtime::dead_letter::{self, DeadLetter, DeadLetterConnection};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{DomainEvent, OutboxStats, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use serde::{Deserialize, Serialize};
@@ -750,6 +751,216 @@ async fn a_unit_of_work_of_thousands_of_events_is_written_whole<B: Backend>() {
     }
 }
 
+/// A backend whose database an operator works on with `outbox_runtime::dead_letter`.
+trait Operated: Backend {
+    /// The connection the dead-letter functions take.
+    type Conn: DeadLetterConnection;
+
+    /// A connection to the environment's database.
+    fn operator_conn(env: &Env) -> impl Future<Output = Self::Conn> + Send;
+}
+
+impl Operated for AsyncPg {
+    type Conn = diesel_async::AsyncPgConnection;
+
+    async fn operator_conn(env: &Env) -> Self::Conn {
+        env.conn().await
+    }
+}
+
+/// `(aggregate_id, aggregate_seq, attempts, waiting, skipped)` of each dead letter listed,
+/// by aggregate.
+fn letters(listed: &[DeadLetter]) -> Vec<(String, i64, i32, i64, bool)> {
+    let mut letters: Vec<_> = listed
+        .iter()
+        .map(|l| {
+            let id = l.aggregate_id.clone();
+            (
+                id,
+                l.aggregate_seq,
+                l.attempts,
+                l.waiting,
+                l.skipped_at.is_some(),
+            )
+        })
+        .collect();
+    letters.sort();
+    letters
+}
+
+/// Two aggregates blocked behind a dead letter each: the operator lists and shows them,
+/// fixes one row and retries it (its aggregate then flows in order), skips the other (its
+/// later event flows), and retries the skipped one too (published after that later event).
+/// Each retry and skip wakes a relay that would otherwise sleep 30 s.
+async fn an_operator_retries_and_skips_dead_letters<B: Operated>() {
+    let env = B::setup().await;
+    let mut config = B::relay_config(&env);
+    config.max_attempts = 2;
+    config.retry_delay = Duration::from_millis(20);
+    config.max_retry_delay = Duration::from_millis(40);
+    config.poll_interval = Duration::from_millis(100);
+    let relay = B::spawn_relay(&env, config.clone()).await;
+    // Over the server's max payload (1 MiB): refused at every attempt.
+    let blob = format!("{{\"blob\": \"{}\"}}", "x".repeat(1_100_000));
+    let row = |aggregate: &str, seq: i64, event: &str, payload: &str| {
+        format!(
+            "('Big', '{aggregate}', {seq}, '{event}', '{aggregate}', \
+              '{{prefix}}.Big.{aggregate}.{event}', '{payload}')"
+        )
+    };
+    B::execute(
+        &env,
+        &format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                        partition_key, subject, payload) VALUES {}, {}, {}, {}",
+            row("b-1", 1, "Uploaded", &blob),
+            row("b-1", 2, "Labelled", "{}"),
+            row("b-2", 1, "Uploaded", &blob),
+            row("b-2", 2, "Labelled", "{}"),
+        ),
+    )
+    .await;
+    support::wait_until("two dead letters", Duration::from_secs(20), || async {
+        (B::dead_letters(&env).await.len() == 2).then_some(())
+    })
+    .await;
+    relay.shutdown().await.unwrap();
+
+    let mut conn = B::operator_conn(&env).await;
+    let listed = dead_letter::list(&mut conn, 10).await.unwrap();
+    assert_eq!(
+        letters(&listed),
+        [
+            ("b-1".to_owned(), 1, 2, 1, false),
+            ("b-2".to_owned(), 1, 2, 1, false)
+        ],
+        "each blocks the event behind it"
+    );
+    let now = time::OffsetDateTime::now_utc();
+    for letter in &listed {
+        assert!(
+            letter.last_error.as_deref().is_some_and(|e| !e.is_empty()),
+            "{letter:?}"
+        );
+        let age = now - letter.dead_lettered_at;
+        assert!(
+            age >= -time::Duration::SECOND && age < time::Duration::minutes(1),
+            "dead-lettered just now, in UTC: {letter:?}"
+        );
+        assert_eq!(
+            letter.subject,
+            format!("{}.Big.{}.Uploaded", env.prefix, letter.aggregate_id)
+        );
+    }
+    assert_eq!(
+        dead_letter::list(&mut conn, 1).await.unwrap().len(),
+        1,
+        "the limit"
+    );
+    let first = listed
+        .iter()
+        .find(|l| l.aggregate_id == "b-1")
+        .unwrap()
+        .clone();
+    let second = listed
+        .iter()
+        .find(|l| l.aggregate_id == "b-2")
+        .unwrap()
+        .clone();
+    let detail = dead_letter::show(&mut conn, first.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(detail.letter, first);
+    assert_eq!(
+        (
+            detail.event_version,
+            detail.partition_key.as_str(),
+            detail.payload.len()
+        ),
+        (1, "b-1", blob.len())
+    );
+    assert_eq!(detail.correlation_id, None);
+    let headers: serde_json::Value = serde_json::from_str(&detail.headers).unwrap();
+    assert_eq!(headers, serde_json::json!({}));
+    assert!(
+        now - detail.occurred_at < time::Duration::minutes(1),
+        "{detail:?}"
+    );
+    assert_eq!(
+        dead_letter::show(&mut conn, uuid::Uuid::now_v7())
+            .await
+            .unwrap(),
+        None
+    );
+
+    // A relay that would sleep 30 s between polls: only the operator's wake moves it.
+    config.poll_interval = Duration::from_secs(30);
+    let relay = B::spawn_relay(&env, config).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    B::execute(
+        &env,
+        "UPDATE outbox_events SET payload = '{\"blob\": \"fixed\"}' \
+         WHERE aggregate_id = 'b-1' AND aggregate_seq = 1",
+    )
+    .await;
+    assert!(dead_letter::retry(&mut conn, first.id).await.unwrap());
+    assert!(
+        !dead_letter::retry(&mut conn, first.id).await.unwrap(),
+        "no longer a dead letter"
+    );
+    assert!(dead_letter::skip(&mut conn, second.id).await.unwrap());
+    assert!(
+        !dead_letter::skip(&mut conn, second.id).await.unwrap(),
+        "skipped already"
+    );
+    env.until_stream_holds(3, Duration::from_secs(10)).await;
+    let listed = dead_letter::list(&mut conn, 10).await.unwrap();
+    assert_eq!(
+        letters(&listed),
+        [("b-2".to_owned(), 1, 2, 0, true)],
+        "the skipped one is kept, blocking nothing"
+    );
+
+    assert!(
+        dead_letter::retry_all(&mut conn, Some("Other"))
+            .await
+            .unwrap()
+            .is_empty(),
+        "only the aggregate type asked for"
+    );
+    B::execute(
+        &env,
+        "UPDATE outbox_events SET payload = '{}' WHERE aggregate_id = 'b-2' AND aggregate_seq = 1",
+    )
+    .await;
+    assert_eq!(
+        dead_letter::retry_all(&mut conn, None).await.unwrap(),
+        [second.id]
+    );
+    env.until_stream_holds(4, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    let subjects: Vec<String> = env
+        .stream_messages()
+        .await
+        .into_iter()
+        .map(|m| m.subject.replace(&format!("{}.", env.prefix), ""))
+        .collect();
+    assert_eq!(
+        subjects,
+        [
+            "Big.b-1.Uploaded",
+            "Big.b-1.Labelled",
+            "Big.b-2.Labelled",
+            "Big.b-2.Uploaded"
+        ],
+        "the retried one before the rows behind it; the skipped one after its later event"
+    );
+    assert!(dead_letter::list(&mut conn, 10).await.unwrap().is_empty());
+    let stats = B::stats(&env).await;
+    assert_eq!((stats.queued, stats.dead_letters, stats.blocked), (0, 0, 0));
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -830,6 +1041,23 @@ contract!(async_mysql => mysql::AsyncMysql);
 contract!(sync_mysql => mysql::SyncMysql);
 #[cfg(feature = "sqlite")]
 contract!(async_sqlite => sqlite::AsyncSqlite, sync_sqlite => sqlite::SyncSqlite);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_retries_and_skips_dead_letters_on_postgres() {
+    an_operator_retries_and_skips_dead_letters::<AsyncPg>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_retries_and_skips_dead_letters_on_mysql() {
+    an_operator_retries_and_skips_dead_letters::<mysql::AsyncMysql>().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_retries_and_skips_dead_letters_on_sqlite() {
+    an_operator_retries_and_skips_dead_letters::<sqlite::AsyncSqlite>().await;
+}
 
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -968,6 +1196,14 @@ mod mysql {
     }
 
     pub struct AsyncMysql;
+
+    impl Operated for AsyncMysql {
+        type Conn = AsyncMysqlConnection;
+
+        async fn operator_conn(env: &Env) -> AsyncMysqlConnection {
+            database(env).conn().await
+        }
+    }
 
     impl Backend for AsyncMysql {
         async fn setup() -> Env {
@@ -1414,6 +1650,14 @@ mod sqlite {
     }
 
     pub struct AsyncSqlite;
+
+    impl Operated for AsyncSqlite {
+        type Conn = outbox_runtime::sqlite::AsyncSqliteConnection;
+
+        async fn operator_conn(env: &Env) -> Self::Conn {
+            database(env).conn()
+        }
+    }
 
     impl Backend for AsyncSqlite {
         async fn setup() -> Env {

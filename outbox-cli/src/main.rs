@@ -24,6 +24,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use operate::DeadLetterCommand;
 use outbox_runtime::database::Kind;
 
 /// The outbox's operator command.
@@ -117,16 +118,15 @@ fn main() -> ExitCode {
                 .clone()
                 .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
         };
-        // `migrate`, `relay` and `status` run on MySQL and SQLite too; the operator's other
-        // commands read PostgreSQL's outbox (its dead-letter functions, archive, inbox).
+        // `migrate`, `relay`, `status` and the dead-letter commands run on MySQL and SQLite
+        // too; `purge` reads PostgreSQL's outbox (its archive, its inbox).
         let postgres_url = || {
             let url = database_url()?;
             match Kind::of(&url) {
                 Kind::Postgres => Kind::Postgres.check(&url, "this command").map(|()| url),
                 _ => Err(format!(
-                    "{} names a MySQL or SQLite database: only `outbox migrate`, `outbox \
-                     relay` and `outbox status` run on those; this command reads \
-                     PostgreSQL's outbox",
+                    "{} names a MySQL or SQLite database: `outbox purge` reads \
+                     PostgreSQL's outbox only (its archive, its inbox)",
                     outbox_runtime::database::redacted(&url)
                 )),
             }
@@ -135,9 +135,16 @@ fn main() -> ExitCode {
             Command::Migrate => operate::migrate(&database_url()?).await,
             Command::Relay(args) => relay::run(&database_url()?, *args).await,
             Command::Status(args) => operate::status(&database_url()?, args).await,
-            Command::DeadLetters(command) => operate::dead_letters(&postgres_url()?, command).await,
-            Command::Retry(args) => operate::retry(&postgres_url()?, args).await,
-            Command::Skip(args) => operate::skip(&postgres_url()?, args).await,
+            Command::DeadLetters(command) => {
+                operate::on_dead_letters(&database_url()?, DeadLetterCommand::Inspect(command))
+                    .await
+            }
+            Command::Retry(args) => {
+                operate::on_dead_letters(&database_url()?, DeadLetterCommand::Retry(args)).await
+            }
+            Command::Skip(args) => {
+                operate::on_dead_letters(&database_url()?, DeadLetterCommand::Skip(args)).await
+            }
             Command::Purge(args) => operate::purge(&postgres_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,
         }

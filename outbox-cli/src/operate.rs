@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Subcommand};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use futures::StreamExt;
+use outbox_runtime::dead_letter::DeadLetterConnection;
 use outbox_runtime::{dead_letter, inbox, outbox};
 use serde_json::json;
 use uuid::Uuid;
@@ -39,6 +40,26 @@ fn database_error(error: diesel::result::Error) -> String {
     format!("database error: {error}")
 }
 
+/// Opens the SQLite file `url` names; the error names it.
+#[cfg(feature = "sqlite")]
+fn open_sqlite(url: &str) -> Result<outbox_runtime::sqlite::SqliteConnection, String> {
+    outbox_runtime::sqlite::establish(url).map_err(|e| {
+        format!(
+            "cannot open {}: {e}",
+            outbox_runtime::database::redacted(url)
+        )
+    })
+}
+
+/// The error for a database this build cannot open.
+fn unknown_database(database_url: &str) -> String {
+    format!(
+        "{} names a database this build of outbox does not know: build it with \
+         `--features mysql` or `--features sqlite`",
+        outbox_runtime::database::redacted(database_url)
+    )
+}
+
 /// Applies the outbox migrations of the database `database_url` names: PostgreSQL's, or with
 /// the features `mysql` and `sqlite` MySQL's and SQLite's.
 pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
@@ -55,25 +76,14 @@ pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
         Kind::Sqlite => {
             let url = database_url.to_owned();
             tokio::task::spawn_blocking(move || {
-                let mut conn = outbox_runtime::sqlite::establish(&url).map_err(|e| {
-                    format!(
-                        "cannot open {}: {e}",
-                        outbox_runtime::database::redacted(&url)
-                    )
-                })?;
+                let mut conn = open_sqlite(&url)?;
                 outbox_runtime::sqlite::run_migrations(&mut conn).map_err(|e| e.to_string())
             })
             .await
             .map_err(|e| e.to_string())??
         }
         #[allow(unreachable_patterns)]
-        _ => {
-            return Err(format!(
-                "{} names a database this build of outbox does not know: build it with \
-                 `--features mysql` or `--features sqlite`",
-                outbox_runtime::database::redacted(database_url)
-            ));
-        }
+        _ => return Err(unknown_database(database_url)),
     };
     if applied.is_empty() {
         println!("the outbox schema is up to date");
@@ -137,12 +147,7 @@ async fn read_status(
         Kind::Sqlite => {
             let url = database_url.to_owned();
             let stats = tokio::task::spawn_blocking(move || {
-                let mut conn = outbox_runtime::sqlite::establish(&url).map_err(|e| {
-                    format!(
-                        "cannot open {}: {e}",
-                        outbox_runtime::database::redacted(&url)
-                    )
-                })?;
+                let mut conn = open_sqlite(&url)?;
                 outbox_runtime::sqlite::stats(&mut conn).map_err(database_error)
             })
             .await
@@ -150,11 +155,7 @@ async fn read_status(
             Ok((stats, Vec::new(), None))
         }
         #[allow(unreachable_patterns)]
-        _ => Err(format!(
-            "{} names a database this build of outbox does not know: build it with \
-             `--features mysql` or `--features sqlite`",
-            outbox_runtime::database::redacted(database_url)
-        )),
+        _ => Err(unknown_database(database_url)),
     }
 }
 
@@ -286,14 +287,60 @@ fn letter_json(letter: &dead_letter::DeadLetter) -> serde_json::Value {
     })
 }
 
-pub(crate) async fn dead_letters(
+/// An operator's command on dead letters.
+#[derive(Debug)]
+pub(crate) enum DeadLetterCommand {
+    Inspect(DeadLetters),
+    Retry(RetryArgs),
+    Skip(SkipArgs),
+}
+
+/// Runs `command` on the database `database_url` names: PostgreSQL, or with the features
+/// `mysql` and `sqlite` MySQL or a SQLite file.
+pub(crate) async fn on_dead_letters(
     database_url: &str,
+    command: DeadLetterCommand,
+) -> Result<Ended, String> {
+    use outbox_runtime::database::Kind;
+    match Kind::of(database_url) {
+        Kind::Postgres => {
+            let mut conn: AsyncPgConnection = connect(database_url).await?;
+            command.run(&mut conn).await
+        }
+        #[cfg(feature = "mysql")]
+        Kind::Mysql => {
+            let mut conn: outbox_runtime::mysql::AsyncMysqlConnection =
+                connect(database_url).await?;
+            command.run(&mut conn).await
+        }
+        #[cfg(feature = "sqlite")]
+        Kind::Sqlite => {
+            let mut conn =
+                outbox_runtime::sqlite::AsyncSqliteConnection::new(open_sqlite(database_url)?);
+            command.run(&mut conn).await
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(unknown_database(database_url)),
+    }
+}
+
+impl DeadLetterCommand {
+    async fn run<C: DeadLetterConnection>(self, conn: &mut C) -> Result<Ended, String> {
+        match self {
+            Self::Inspect(command) => dead_letters(conn, command).await,
+            Self::Retry(args) => retry(conn, args).await,
+            Self::Skip(args) => skip(conn, args).await,
+        }
+    }
+}
+
+async fn dead_letters<C: DeadLetterConnection>(
+    conn: &mut C,
     command: DeadLetters,
 ) -> Result<Ended, String> {
-    let mut conn: AsyncPgConnection = connect(database_url).await?;
     match command {
         DeadLetters::List { limit, json } => {
-            let letters = dead_letter::list(&mut conn, limit)
+            let letters = dead_letter::list(conn, limit)
                 .await
                 .map_err(database_error)?;
             if json {
@@ -323,10 +370,7 @@ pub(crate) async fn dead_letters(
             }
         }
         DeadLetters::Show { id, json } => {
-            let Some(detail) = dead_letter::show(&mut conn, id)
-                .await
-                .map_err(database_error)?
-            else {
+            let Some(detail) = dead_letter::show(conn, id).await.map_err(database_error)? else {
                 return Err(format!("{id} is not a dead letter"));
             };
             let mut value = letter_json(&detail.letter);
@@ -361,19 +405,15 @@ pub(crate) struct RetryArgs {
     aggregate_type: Option<String>,
 }
 
-pub(crate) async fn retry(database_url: &str, args: RetryArgs) -> Result<Ended, String> {
-    let mut conn: AsyncPgConnection = connect(database_url).await?;
+async fn retry<C: DeadLetterConnection>(conn: &mut C, args: RetryArgs) -> Result<Ended, String> {
     if let Some(id) = args.id {
-        if dead_letter::retry(&mut conn, id)
-            .await
-            .map_err(database_error)?
-        {
+        if dead_letter::retry(conn, id).await.map_err(database_error)? {
             println!("retried {id}: back in the queue, attempts reset");
             return Ok(Ended::Done);
         }
         return Err(format!("{id} is not a dead letter"));
     }
-    let retried = dead_letter::retry_all(&mut conn, args.aggregate_type.as_deref())
+    let retried = dead_letter::retry_all(conn, args.aggregate_type.as_deref())
         .await
         .map_err(database_error)?;
     for id in &retried {
@@ -389,9 +429,8 @@ pub(crate) struct SkipArgs {
     id: Uuid,
 }
 
-pub(crate) async fn skip(database_url: &str, args: SkipArgs) -> Result<Ended, String> {
-    let mut conn: AsyncPgConnection = connect(database_url).await?;
-    if dead_letter::skip(&mut conn, args.id)
+async fn skip<C: DeadLetterConnection>(conn: &mut C, args: SkipArgs) -> Result<Ended, String> {
+    if dead_letter::skip(conn, args.id)
         .await
         .map_err(database_error)?
     {

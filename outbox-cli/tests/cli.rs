@@ -714,8 +714,8 @@ async fn the_relay_authenticates_with_a_credentials_file() {
 }
 
 /// `outbox migrate` and `outbox relay` on a SQLite file (built with `--features sqlite`): the
-/// daemon publishes what units of work commit to the file, and the operator's other commands
-/// say they read PostgreSQL's outbox.
+/// daemon publishes what units of work commit to the file, the dead-letter commands read it,
+/// and `purge` says it reads PostgreSQL's outbox.
 #[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
@@ -738,10 +738,17 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
     assert!(text(&migrated).contains("applied 1"), "{}", text(&migrated));
-    let refused = command(&["dead-letters", "list"]).output().unwrap();
+    let letters = command(&["dead-letters", "list"]).output().unwrap();
+    assert_eq!(letters.status.code(), Some(0), "{}", text(&letters));
+    assert!(
+        text(&letters).contains("no dead letters"),
+        "{}",
+        text(&letters)
+    );
+    let refused = command(&["purge", "--older-than", "1d"]).output().unwrap();
     assert_eq!(refused.status.code(), Some(2));
     assert!(
-        text(&refused).contains("only `outbox migrate`, `outbox relay` and `outbox status` run"),
+        text(&refused).contains("`outbox purge` reads PostgreSQL's outbox only"),
         "{}",
         text(&refused)
     );
@@ -819,6 +826,52 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert!(
         output.contains("relaying") && output.contains("stopped"),
         "{output}"
+    );
+
+    // An operator's dead letter on the file: listed, shown, skipped, retried.
+    let id = uuid::Uuid::now_v7().to_string();
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload, attempts, last_error, \
+                                    dead_lettered_at) \
+         VALUES ('{id}', 'Order', 'd-1', 1, 'Shipped', 'd-1', '{}.Order.d-1.Shipped', \
+                 '{{\"n\": 1}}', 3, 'refused by the test', \
+                 strftime('%Y-%m-%d %H:%M:%f', 'now'))",
+        env.prefix
+    ))
+    .await
+    .unwrap();
+    let listed = command(&["dead-letters", "list", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(listed.status.code(), Some(0), "{}", text(&listed));
+    let letter: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(
+        (&letter["id"], &letter["attempts"], &letter["last_error"]),
+        (&id.clone().into(), &3.into(), &"refused by the test".into()),
+        "{letter}"
+    );
+    let shown = command(&["dead-letters", "show", &id, "--json"])
+        .output()
+        .unwrap();
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["payload"], serde_json::json!({"n": 1}), "{shown}");
+    for (args, code, said) in [
+        (["skip", id.as_str()], 0, "skipped"),
+        (["skip", id.as_str()], 2, "is not a blocking dead letter"),
+        (["retry", id.as_str()], 0, "retried"),
+        (["retry", id.as_str()], 2, "is not a dead letter"),
+    ] {
+        let done = command(&args).output().unwrap();
+        assert_eq!(done.status.code(), Some(code), "{args:?}: {}", text(&done));
+        assert!(text(&done).contains(said), "{args:?}: {}", text(&done));
+    }
+    let status = command(&["status", "--json"]).output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        (&report["queued"], &report["dead_letters"]),
+        (&1.into(), &0.into()),
+        "back in the queue: {report}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -118,7 +118,7 @@ pub mod causality;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 mod commits;
 pub mod database;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod dead_letter;
 pub mod event;
 #[cfg(feature = "postgres")]

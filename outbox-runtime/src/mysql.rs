@@ -47,9 +47,12 @@
 //!   once by a unit of work that commits in the same process. A row committed by another
 //!   process waits up to one poll interval (500 ms by default): lower it for latency, at the
 //!   cost of one claim query per interval per worker when idle.
+//! - Dead letters: [`crate::dead_letter`]'s functions take an [`AsyncMysqlConnection`]; a
+//!   retry or skip wakes the relays of its own process at once, others at their next poll.
+//!   So do the `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`,
+//!   `relay` and `status` (built with `--features mysql`).
 //! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
-//!   registry, the dead-letter admin functions, and the `outbox` command's operator views
-//!   (its `migrate`, `relay` and `status` run here, built with `--features mysql`).
+//!   registry, and `outbox purge`.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL

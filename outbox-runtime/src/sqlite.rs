@@ -56,9 +56,13 @@
 //! - No LISTEN/NOTIFY: a relay polls every [`RelayConfig::poll_interval`], and is woken at
 //!   once by a unit of work that commits in the same process (the usual set-up for an
 //!   embedded database).
+//! - Dead letters: [`crate::dead_letter`]'s functions take an [`AsyncSqliteConnection`]
+//!   (each retry or skip in one `BEGIN IMMEDIATE` transaction); a retry or skip wakes the
+//!   relay of its own process at once, another process's at its next poll. So do the
+//!   `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`, `relay` and
+//!   `status` (built with `--features sqlite`).
 //! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]), the topology
-//!   registry, the dead-letter admin functions, and the `outbox` command's operator views
-//!   (its `migrate`, `relay` and `status` run here, built with `--features sqlite`).
+//!   registry, and `outbox purge`.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
