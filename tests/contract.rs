@@ -25,7 +25,8 @@ use std::time::Duration;
 #[cfg(feature = "postgres-sync")]
 use diesel::Connection as _;
 use diesel_async::SimpleAsyncConnection;
-use outbox_runtime::dead_letter::{self, DeadLetter, DeadLetterConnection};
+use outbox_runtime::database::OperatorConnection;
+use outbox_runtime::dead_letter::{self, DeadLetter};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{DomainEvent, OutboxStats, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use serde::{Deserialize, Serialize};
@@ -751,10 +752,10 @@ async fn a_unit_of_work_of_thousands_of_events_is_written_whole<B: Backend>() {
     }
 }
 
-/// A backend whose database an operator works on with `outbox_runtime::dead_letter`.
+/// A backend whose database an operator works on: `outbox_runtime::dead_letter`, the purges.
 trait Operated: Backend {
     /// The connection the dead-letter functions take.
-    type Conn: DeadLetterConnection;
+    type Conn: OperatorConnection;
 
     /// A connection to the environment's database.
     fn operator_conn(env: &Env) -> impl Future<Output = Self::Conn> + Send;
@@ -961,6 +962,92 @@ async fn an_operator_retries_and_skips_dead_letters<B: Operated>() {
     assert_eq!((stats.queued, stats.dead_letters, stats.blocked), (0, 0, 0));
 }
 
+/// With `PublishedRows::Mark`, the purges delete the published rows and the dedup keys older
+/// than asked, in batches, and nothing else: not the newer ones, not a queued row, not a
+/// dead letter, however old.
+async fn a_purge_deletes_only_old_published_rows_and_dedup_keys<B: Operated>() {
+    let env = B::setup().await;
+    for (order, key) in [("o-0", Some("r-0")), ("o-1", Some("r-1")), ("o-2", None)] {
+        let (_, result) =
+            B::commit(&env, vec![shipped(order)], key.map(str::to_owned), End::Ok).await;
+        result.unwrap();
+    }
+    let mut config = B::relay_config(&env);
+    config.published = outbox_runtime::PublishedRows::Mark;
+    let relay = B::spawn_relay(&env, config).await;
+    env.until_stream_holds(8, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    let long_ago = "'2000-01-01 00:00:00.000'";
+    B::execute(
+        &env,
+        &format!(
+            "UPDATE outbox_events SET available_at = {long_ago}, published_at = {long_ago} \
+             WHERE aggregate_id IN ('o-0', 'o-1')"
+        ),
+    )
+    .await;
+    B::execute(
+        &env,
+        &format!("UPDATE outbox_dedup_keys SET created_at = {long_ago} WHERE dedup_key = 'r-0'"),
+    )
+    .await;
+    B::execute(
+        &env,
+        &format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                        partition_key, subject, payload, available_at, \
+                                        attempts, dead_lettered_at) \
+             VALUES ('Big', 'b-1', 1, 'Uploaded', 'b-1', '{{prefix}}.Big.b-1.Uploaded', '{{}}', \
+                     {long_ago}, 3, {long_ago}), \
+                    ('Late', 'l-1', 1, 'Noted', 'l-1', '{{prefix}}.Late.l-1.Noted', '{{}}', \
+                     {long_ago}, 0, NULL)"
+        ),
+    )
+    .await;
+
+    let mut conn = B::operator_conn(&env).await;
+    let day = Duration::from_secs(86_400);
+    let mut totals = Vec::new();
+    let purged = outbox_runtime::outbox::purge_published(&mut conn, day, 3, |total| {
+        totals.push(total);
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (purged, totals),
+        (4, vec![3, 4]),
+        "two batches, the second short"
+    );
+    assert_eq!(
+        B::rows(&env).await,
+        [("o-2".to_owned(), 1), ("o-2".to_owned(), 2)],
+        "the rows published within the day are kept"
+    );
+    let stats = B::stats(&env).await;
+    assert_eq!(
+        (stats.queued, stats.dead_letters),
+        (1, 1),
+        "the old queued row and the old dead letter are kept"
+    );
+    let again = outbox_runtime::outbox::purge_published(&mut conn, day, 3, |_| {});
+    assert_eq!(again.await.unwrap(), 0);
+
+    let keys = outbox_runtime::outbox::purge_dedup_keys(&mut conn, day, 1);
+    assert_eq!(keys.await.unwrap(), 1);
+    let keys = outbox_runtime::outbox::purge_dedup_keys(&mut conn, day, 1);
+    assert_eq!(keys.await.unwrap(), 0);
+    // The purged key no longer holds; the kept one does.
+    for key in ["r-0", "r-1"] {
+        let (_, result) = B::commit(&env, vec![], Some(key.to_owned()), End::Ok).await;
+        result.unwrap();
+    }
+    assert_eq!(
+        B::stats(&env).await.queued,
+        2,
+        "r-0's event written again, r-1's a duplicate"
+    );
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -1041,6 +1128,23 @@ contract!(async_mysql => mysql::AsyncMysql);
 contract!(sync_mysql => mysql::SyncMysql);
 #[cfg(feature = "sqlite")]
 contract!(async_sqlite => sqlite::AsyncSqlite, sync_sqlite => sqlite::SyncSqlite);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_deletes_only_old_published_rows_and_dedup_keys_on_postgres() {
+    a_purge_deletes_only_old_published_rows_and_dedup_keys::<AsyncPg>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_deletes_only_old_published_rows_and_dedup_keys_on_mysql() {
+    a_purge_deletes_only_old_published_rows_and_dedup_keys::<mysql::AsyncMysql>().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_deletes_only_old_published_rows_and_dedup_keys_on_sqlite() {
+    a_purge_deletes_only_old_published_rows_and_dedup_keys::<sqlite::AsyncSqlite>().await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_retries_and_skips_dead_letters_on_postgres() {

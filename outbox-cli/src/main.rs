@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use operate::DeadLetterCommand;
-use outbox_runtime::database::Kind;
 
 /// The outbox's operator command.
 #[derive(Debug, Parser)]
@@ -118,19 +117,6 @@ fn main() -> ExitCode {
                 .clone()
                 .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
         };
-        // `migrate`, `relay`, `status` and the dead-letter commands run on MySQL and SQLite
-        // too; `purge` reads PostgreSQL's outbox (its archive, its inbox).
-        let postgres_url = || {
-            let url = database_url()?;
-            match Kind::of(&url) {
-                Kind::Postgres => Kind::Postgres.check(&url, "this command").map(|()| url),
-                _ => Err(format!(
-                    "{} names a MySQL or SQLite database: `outbox purge` reads \
-                     PostgreSQL's outbox only (its archive, its inbox)",
-                    outbox_runtime::database::redacted(&url)
-                )),
-            }
-        };
         match cli.command {
             Command::Migrate => operate::migrate(&database_url()?).await,
             Command::Relay(args) => relay::run(&database_url()?, *args).await,
@@ -145,7 +131,7 @@ fn main() -> ExitCode {
             Command::Skip(args) => {
                 operate::on_dead_letters(&database_url()?, DeadLetterCommand::Skip(args)).await
             }
-            Command::Purge(args) => operate::purge(&postgres_url()?, args).await,
+            Command::Purge(args) => operate::purge(&database_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,
         }
     });

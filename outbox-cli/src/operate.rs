@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Subcommand};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use futures::StreamExt;
-use outbox_runtime::dead_letter::DeadLetterConnection;
+use outbox_runtime::database::OperatorConnection;
 use outbox_runtime::{dead_letter, inbox, outbox};
 use serde_json::json;
 use uuid::Uuid;
@@ -295,37 +295,81 @@ pub(crate) enum DeadLetterCommand {
     Skip(SkipArgs),
 }
 
-/// Runs `command` on the database `database_url` names: PostgreSQL, or with the features
-/// `mysql` and `sqlite` MySQL or a SQLite file.
+/// A connection to the outbox's database for the operator's functions, of the kind the URL
+/// names.
+pub(crate) enum Operator {
+    // Boxed: the connections differ in size by hundreds of bytes.
+    Postgres(Box<AsyncPgConnection>),
+    #[cfg(feature = "mysql")]
+    Mysql(Box<outbox_runtime::mysql::AsyncMysqlConnection>),
+    #[cfg(feature = "sqlite")]
+    Sqlite(Box<outbox_runtime::sqlite::AsyncSqliteConnection>),
+}
+
+/// Evaluates `$body` with `$conn` bound to the [`Operator`]'s connection (`&mut` it),
+/// whatever its type.
+macro_rules! on_operator {
+    ($operator:expr, $conn:ident => $body:expr) => {
+        match $operator {
+            Operator::Postgres(boxed) => {
+                let $conn = &mut **boxed;
+                $body
+            }
+            #[cfg(feature = "mysql")]
+            Operator::Mysql(boxed) => {
+                let $conn = &mut **boxed;
+                $body
+            }
+            #[cfg(feature = "sqlite")]
+            Operator::Sqlite(boxed) => {
+                let $conn = &mut **boxed;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use on_operator;
+
+impl Operator {
+    /// The PostgreSQL connection, for what only PostgreSQL's outbox has (the archive, the
+    /// inbox).
+    pub(crate) fn postgres(&mut self) -> Option<&mut AsyncPgConnection> {
+        #[allow(irrefutable_let_patterns)] // without the features `mysql` and `sqlite`
+        let Self::Postgres(conn) = self else {
+            return None;
+        };
+        Some(&mut **conn)
+    }
+
+    /// Connects to the database `database_url` names: PostgreSQL, or with the features
+    /// `mysql` and `sqlite` MySQL or a SQLite file.
+    pub(crate) async fn connect(database_url: &str) -> Result<Self, String> {
+        use outbox_runtime::database::Kind;
+        match Kind::of(database_url) {
+            Kind::Postgres => Ok(Self::Postgres(Box::new(connect(database_url).await?))),
+            #[cfg(feature = "mysql")]
+            Kind::Mysql => Ok(Self::Mysql(Box::new(connect(database_url).await?))),
+            #[cfg(feature = "sqlite")]
+            Kind::Sqlite => Ok(Self::Sqlite(Box::new(
+                outbox_runtime::sqlite::AsyncSqliteConnection::new(open_sqlite(database_url)?),
+            ))),
+            #[allow(unreachable_patterns)]
+            _ => Err(unknown_database(database_url)),
+        }
+    }
+}
+
+/// Runs `command` on the database `database_url` names.
 pub(crate) async fn on_dead_letters(
     database_url: &str,
     command: DeadLetterCommand,
 ) -> Result<Ended, String> {
-    use outbox_runtime::database::Kind;
-    match Kind::of(database_url) {
-        Kind::Postgres => {
-            let mut conn: AsyncPgConnection = connect(database_url).await?;
-            command.run(&mut conn).await
-        }
-        #[cfg(feature = "mysql")]
-        Kind::Mysql => {
-            let mut conn: outbox_runtime::mysql::AsyncMysqlConnection =
-                connect(database_url).await?;
-            command.run(&mut conn).await
-        }
-        #[cfg(feature = "sqlite")]
-        Kind::Sqlite => {
-            let mut conn =
-                outbox_runtime::sqlite::AsyncSqliteConnection::new(open_sqlite(database_url)?);
-            command.run(&mut conn).await
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(unknown_database(database_url)),
-    }
+    let mut operator = Operator::connect(database_url).await?;
+    on_operator!(&mut operator, conn => command.run(conn).await)
 }
 
 impl DeadLetterCommand {
-    async fn run<C: DeadLetterConnection>(self, conn: &mut C) -> Result<Ended, String> {
+    async fn run<C: OperatorConnection>(self, conn: &mut C) -> Result<Ended, String> {
         match self {
             Self::Inspect(command) => dead_letters(conn, command).await,
             Self::Retry(args) => retry(conn, args).await,
@@ -334,7 +378,7 @@ impl DeadLetterCommand {
     }
 }
 
-async fn dead_letters<C: DeadLetterConnection>(
+async fn dead_letters<C: OperatorConnection>(
     conn: &mut C,
     command: DeadLetters,
 ) -> Result<Ended, String> {
@@ -405,7 +449,7 @@ pub(crate) struct RetryArgs {
     aggregate_type: Option<String>,
 }
 
-async fn retry<C: DeadLetterConnection>(conn: &mut C, args: RetryArgs) -> Result<Ended, String> {
+async fn retry<C: OperatorConnection>(conn: &mut C, args: RetryArgs) -> Result<Ended, String> {
     if let Some(id) = args.id {
         if dead_letter::retry(conn, id).await.map_err(database_error)? {
             println!("retried {id}: back in the queue, attempts reset");
@@ -429,7 +473,7 @@ pub(crate) struct SkipArgs {
     id: Uuid,
 }
 
-async fn skip<C: DeadLetterConnection>(conn: &mut C, args: SkipArgs) -> Result<Ended, String> {
+async fn skip<C: OperatorConnection>(conn: &mut C, args: SkipArgs) -> Result<Ended, String> {
     if dead_letter::skip(conn, args.id)
         .await
         .map_err(database_error)?
@@ -453,7 +497,7 @@ pub(crate) struct PurgeArgs {
     /// Rows per DELETE: each is a short transaction, so no lock is held long.
     #[arg(long, default_value_t = 10_000)]
     batch: i64,
-    /// Leave the inbox's rows alone.
+    /// Leave the inbox's rows alone (PostgreSQL; MySQL and SQLite have no inbox).
     #[arg(long)]
     no_inbox: bool,
     /// Also delete the producers' dedup keys (#[event(dedup_key)]) taken longer ago than
@@ -462,11 +506,45 @@ pub(crate) struct PurgeArgs {
     dedup_keys_older_than: Option<Duration>,
 }
 
+/// Deletes what `args` asks on the database `database_url` names: published rows and dedup
+/// keys on every database; on PostgreSQL also the archive's old days and the inbox's rows.
 pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
-    let mut conn: AsyncPgConnection = connect(database_url).await?;
+    let mut operator = Operator::connect(database_url).await?;
+    on_operator!(&mut operator, conn => purge_outbox(conn, &args).await)?;
+    let Some(conn) = operator.postgres() else {
+        return Ok(Ended::Done);
+    };
+    let dropped = outbox::drop_archived(conn, args.older_than)
+        .await
+        .map_err(database_error)?;
+    for (partition, rows) in &dropped.partitions {
+        println!("dropped archive partition {partition} (about {rows} rows)");
+    }
+    if !args.no_inbox {
+        let mut progress = Progress::new();
+        for consumer in inbox::consumers(conn).await.map_err(database_error)? {
+            let mut handled = 0;
+            loop {
+                let deleted = inbox::purge(conn, &consumer, args.older_than, args.batch)
+                    .await
+                    .map_err(database_error)?;
+                handled += deleted;
+                progress.report(|| format!("outbox_inbox {consumer}: {handled} rows deleted"));
+                if deleted < args.batch as usize {
+                    break;
+                }
+            }
+            println!("deleted {handled} inbox rows of {consumer}");
+        }
+    }
+    Ok(Ended::Done)
+}
+
+/// Deletes the published rows and (when asked) the dedup keys older than `args` says.
+async fn purge_outbox<C: OperatorConnection>(conn: &mut C, args: &PurgeArgs) -> Result<(), String> {
     let started = Instant::now();
     let mut progress = Progress::new();
-    let published = outbox::purge_published(&mut conn, args.older_than, args.batch, |deleted| {
+    let published = outbox::purge_published(conn, args.older_than, args.batch, |deleted| {
         if deleted == 0 {
             return;
         }
@@ -483,14 +561,8 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
         "deleted {published} published rows older than {}",
         humantime::format_duration(args.older_than)
     );
-    let dropped = outbox::drop_archived(&mut conn, args.older_than)
-        .await
-        .map_err(database_error)?;
-    for (partition, rows) in &dropped.partitions {
-        println!("dropped archive partition {partition} (about {rows} rows)");
-    }
     if let Some(older_than) = args.dedup_keys_older_than {
-        let keys = outbox::purge_dedup_keys(&mut conn, older_than, args.batch)
+        let keys = outbox::purge_dedup_keys(conn, older_than, args.batch)
             .await
             .map_err(database_error)?;
         println!(
@@ -498,23 +570,7 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
             humantime::format_duration(older_than)
         );
     }
-    if !args.no_inbox {
-        for consumer in inbox::consumers(&mut conn).await.map_err(database_error)? {
-            let mut handled = 0;
-            loop {
-                let deleted = inbox::purge(&mut conn, &consumer, args.older_than, args.batch)
-                    .await
-                    .map_err(database_error)?;
-                handled += deleted;
-                progress.report(|| format!("outbox_inbox {consumer}: {handled} rows deleted"));
-                if deleted < args.batch as usize {
-                    break;
-                }
-            }
-            println!("deleted {handled} inbox rows of {consumer}");
-        }
-    }
-    Ok(Ended::Done)
+    Ok(())
 }
 
 /// Progress lines on standard error, at most one a second.

@@ -211,13 +211,6 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let config = args.config(database_url);
     let kind = Kind::of(database_url);
-    if kind != Kind::Postgres && args.purge_older_than.is_some() {
-        return Err(
-            "--purge-older-than purges PostgreSQL's outbox; on MySQL and SQLite the relay \
-             deletes what it published (--published delete, the default)"
-                .to_owned(),
-        );
-    }
     let nats = args.nats.connect("outbox-relay").await?;
     let relay = connect(kind, config.clone(), nats).await?;
     tracing::info!(
@@ -295,30 +288,29 @@ fn built_without(feature: &str) -> String {
 }
 
 /// Deletes published rows older than `older_than` every `interval`, in batches of 10,000,
-/// and drops the archive's partitions whose day ended longer ago, until aborted.
+/// and on PostgreSQL drops the archive's partitions whose day ended longer ago, until
+/// aborted.
 async fn purge_on_schedule(database_url: String, older_than: Duration, interval: Duration) {
-    use diesel_async::AsyncConnection;
+    use crate::operate::{Operator, on_operator};
     const BATCH: i64 = 10_000;
     loop {
         tokio::time::sleep(interval).await;
-        let Ok(mut conn) = diesel_async::AsyncPgConnection::establish(&database_url).await else {
+        let Ok(mut operator) = Operator::connect(&database_url).await else {
             tracing::warn!("retention cannot connect to the database; trying again later");
             continue;
         };
-        let deleted =
-            match outbox_runtime::outbox::purge_published(&mut conn, older_than, BATCH, |_| {})
-                .await
-            {
-                Ok(deleted) => deleted,
-                Err(error) => {
-                    tracing::warn!(%error, "retention failed");
-                    0
-                }
-            };
-        if deleted > 0 {
-            tracing::info!(deleted, ?older_than, "deleted published rows");
+        let purged = on_operator!(&mut operator, conn => {
+            outbox_runtime::outbox::purge_published(conn, older_than, BATCH, |_| {}).await
+        });
+        match purged {
+            Ok(0) => {}
+            Ok(deleted) => tracing::info!(deleted, ?older_than, "deleted published rows"),
+            Err(error) => tracing::warn!(%error, "retention failed"),
         }
-        match outbox_runtime::outbox::drop_archived(&mut conn, older_than).await {
+        let Some(conn) = operator.postgres() else {
+            continue;
+        };
+        match outbox_runtime::outbox::drop_archived(conn, older_than).await {
             Ok(dropped) => {
                 for (partition, rows) in dropped.partitions {
                     tracing::info!(%partition, rows, "dropped an archive partition");

@@ -22,6 +22,26 @@ use {
     diesel_async::AsyncPgConnection, futures::future::BoxFuture, std::str::FromStr, std::sync::Arc,
 };
 
+/// A connection the operator's functions run on ([`crate::dead_letter`]'s,
+/// [`crate::outbox::purge_published`], [`crate::outbox::purge_dedup_keys`]): diesel-async's
+/// `AsyncPgConnection`; with the feature `mysql`, `AsyncMysqlConnection`; with the feature
+/// `sqlite`, `outbox_runtime::sqlite::AsyncSqliteConnection` (wrap a `SqliteConnection` with
+/// `AsyncSqliteConnection::new`).
+///
+/// Sealed: implemented by the toolkit for the databases it has statements for.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[allow(private_bounds)]
+pub trait OperatorConnection:
+    Send + crate::dead_letter::sealed::DeadLetters + crate::outbox::purge::sealed::Purges
+{
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+impl<C> OperatorConnection for C where
+    C: Send + crate::dead_letter::sealed::DeadLetters + crate::outbox::purge::sealed::Purges
+{
+}
+
 /// The default connect timeout of the relay, the inbox and [`crate::run_migrations`]: 10 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 

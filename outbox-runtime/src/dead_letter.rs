@@ -19,7 +19,7 @@
 //! aggregate: an inbox consumer that already applied those records it as a dead letter of
 //! its own (out of order) rather than applying it out of order.
 //!
-//! Every function takes a [`DeadLetterConnection`]: PostgreSQL's `AsyncPgConnection`, and
+//! Every function takes an [`OperatorConnection`]: PostgreSQL's `AsyncPgConnection`, and
 //! with the features `mysql` and `sqlite` `outbox_runtime::mysql::AsyncMysqlConnection` and
 //! `outbox_runtime::sqlite::AsyncSqliteConnection` (wrap a `SqliteConnection` with
 //! `AsyncSqliteConnection::new`). What [`retry`] and [`skip`] release is published at once
@@ -34,6 +34,8 @@ use std::future::Future;
 use diesel::sql_types::{BigInt, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use uuid::Uuid;
+
+pub use crate::database::OperatorConnection;
 
 /// A dead letter, as [`list`] returns it.
 #[derive(Clone, Debug, PartialEq)]
@@ -90,10 +92,7 @@ pub struct DeadLetterDetail {
 /// # Errors
 /// The database's error, or [`diesel::result::Error::DeserializationError`] for a row whose
 /// id is not a UUID (the migrations refuse such rows).
-pub async fn list<C: DeadLetterConnection>(
-    conn: &mut C,
-    limit: i64,
-) -> QueryResult<Vec<DeadLetter>> {
+pub async fn list<C: OperatorConnection>(conn: &mut C, limit: i64) -> QueryResult<Vec<DeadLetter>> {
     conn.list(limit)
         .await?
         .into_iter()
@@ -105,7 +104,7 @@ pub async fn list<C: DeadLetterConnection>(
 ///
 /// # Errors
 /// As [`list`].
-pub async fn show<C: DeadLetterConnection>(
+pub async fn show<C: OperatorConnection>(
     conn: &mut C,
     id: Uuid,
 ) -> QueryResult<Option<DeadLetterDetail>> {
@@ -120,7 +119,7 @@ pub async fn show<C: DeadLetterConnection>(
 ///
 /// # Errors
 /// The database's error; the dead letters retried before it stay retried.
-pub async fn retry_all<C: DeadLetterConnection>(
+pub async fn retry_all<C: OperatorConnection>(
     conn: &mut C,
     aggregate_type: Option<&str>,
 ) -> QueryResult<Vec<Uuid>> {
@@ -147,7 +146,7 @@ pub async fn retry_all<C: DeadLetterConnection>(
 ///
 /// # Errors
 /// The database's error; then nothing changed.
-pub async fn retry<C: DeadLetterConnection>(conn: &mut C, id: Uuid) -> QueryResult<bool> {
+pub async fn retry<C: OperatorConnection>(conn: &mut C, id: Uuid) -> QueryResult<bool> {
     conn.release(id, Release::Retry).await
 }
 
@@ -160,17 +159,9 @@ pub async fn retry<C: DeadLetterConnection>(conn: &mut C, id: Uuid) -> QueryResu
 ///
 /// # Errors
 /// The database's error; then nothing changed.
-pub async fn skip<C: DeadLetterConnection>(conn: &mut C, id: Uuid) -> QueryResult<bool> {
+pub async fn skip<C: OperatorConnection>(conn: &mut C, id: Uuid) -> QueryResult<bool> {
     conn.release(id, Release::Skip).await
 }
-
-/// A connection the dead-letter functions run on: `AsyncPgConnection`; with the feature
-/// `mysql`, `AsyncMysqlConnection`; with the feature `sqlite`, `AsyncSqliteConnection`.
-///
-/// Sealed: implemented by the toolkit for the databases it has statements for.
-pub trait DeadLetterConnection: Send + sealed::DeadLetters {}
-
-impl<C: Send + sealed::DeadLetters> DeadLetterConnection for C {}
 
 /// What an operator does with a dead letter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,9 +173,9 @@ enum Release {
     Skip,
 }
 
-// The module is private, so `DeadLetters` cannot be named or implemented outside the crate.
+// The module is crate-private, so `DeadLetters` cannot be implemented outside the crate.
 #[allow(private_interfaces, private_bounds)]
-mod sealed {
+pub(crate) mod sealed {
     use super::*;
 
     /// A database's statements for the dead-letter functions.

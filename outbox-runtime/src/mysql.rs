@@ -51,8 +51,11 @@
 //!   retry or skip wakes the relays of its own process at once, others at their next poll.
 //!   So do the `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`,
 //!   `relay` and `status` (built with `--features mysql`).
-//! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]), the topology
-//!   registry, and `outbox purge`.
+//! - Retention: [`crate::outbox::purge_published`] (for [`PublishedRows::Mark`], through the
+//!   claim's index on `available_at`) and [`crate::outbox::purge_dedup_keys`] take an
+//!   [`AsyncMysqlConnection`]; so do `outbox purge` and `outbox relay --purge-older-than`.
+//! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]) and the topology
+//!   registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL
@@ -63,6 +66,7 @@
 //!
 //! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
 //! [`PublishedRows::Archive`]: crate::PublishedRows::Archive
+//! [`PublishedRows::Mark`]: crate::PublishedRows::Mark
 
 use std::collections::{HashMap, HashSet};
 

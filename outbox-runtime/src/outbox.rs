@@ -14,6 +14,8 @@
 //! SQL in `outbox-runtime/migrations/` defines them all and documents every column;
 //! [`schema`] is diesel's view of the tables.
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) mod purge;
 pub(crate) mod queries;
 #[cfg(feature = "postgres")]
 pub mod schema;
@@ -24,6 +26,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::database::ConnectError;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+use crate::database::OperatorConnection;
 use crate::topology::Topology;
 // PostgreSQL's migrations, topology registry and operator queries.
 #[cfg(feature = "postgres")]
@@ -515,77 +519,37 @@ pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) ->
     Ok(row.count)
 }
 
-/// Deletes every row published more than `older_than` ago, in batches of `batch` rows, each
-/// its own short statement (so no lock is held longer than one batch, and the relay and the
-/// unit of work go on meanwhile), and returns how many; `progress` hears the running total
-/// after each batch. For [`PublishedRows::Mark`], which keeps published rows: run it
-/// periodically to bound the table (`outbox purge`, `outbox relay --purge-older-than`).
-/// Queued rows and dead letters (skipped ones included: they can still be retried) are
-/// never deleted.
+/// Deletes every row published more than `older_than` ago, in batches of `batch` rows (at
+/// least 1), each its own short statement (so no lock is held longer than one batch, and the
+/// relay and the unit of work go on meanwhile), and returns how many; `progress` hears the
+/// running total after each batch. For [`PublishedRows::Mark`], which keeps published rows:
+/// run it periodically to bound the table (`outbox purge`, `outbox relay
+/// --purge-older-than`). Queued rows and dead letters (skipped ones included: they can still
+/// be retried) are never deleted.
 ///
-/// Rows are found through the partial index of published rows on `published_at`, oldest
-/// first, and each batch starts where the previous one ended: a purge reads only the rows it
-/// deletes, however many rows are kept (neither the queue nor the kept rows are scanned,
-/// nor, batch after batch, the index entries of rows already deleted).
+/// On PostgreSQL and SQLite the rows are found through a partial index of published rows on
+/// `published_at`, oldest first: a purge reads only the rows it deletes, however many rows
+/// are kept. On MySQL, which has no partial indexes, through the claim's index on
+/// `available_at` (a row is published after it became available): beside the rows it
+/// deletes, a purge reads the queued rows and dead letters that became available before the
+/// cutoff. `conn` is any [`OperatorConnection`].
 ///
 /// # Errors
 /// The database's error; the batches before it stay deleted.
-#[cfg(feature = "postgres")]
-pub async fn purge_published(
-    conn: &mut AsyncPgConnection,
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub async fn purge_published<C: OperatorConnection>(
+    conn: &mut C,
     older_than: Duration,
     batch: i64,
-    mut progress: impl FnMut(usize),
-) -> QueryResult<usize> {
-    use diesel::sql_types::{Nullable, Timestamptz};
-    use time::OffsetDateTime;
-
-    #[derive(QueryableByName)]
-    struct Cutoff {
-        #[diesel(sql_type = Timestamptz)]
-        cutoff: OffsetDateTime,
-    }
-    #[derive(QueryableByName)]
-    struct Gone {
-        #[diesel(sql_type = Int8)]
-        deleted: i64,
-        #[diesel(sql_type = Nullable<Timestamptz>)]
-        last: Option<OffsetDateTime>,
-    }
-    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-    let Cutoff { cutoff } =
-        diesel::sql_query("SELECT now() - $1 * interval '1 millisecond' AS cutoff")
-            .bind::<Int8, _>(older_than_ms)
-            .get_result(conn)
-            .await?;
-    let (mut deleted, mut from) = (0, None);
-    loop {
-        // `>=` the last batch's newest: rows published in the same instant may be left.
-        let gone: Gone = diesel::sql_query(
-            "WITH gone AS ( \
-                 DELETE FROM outbox_events WHERE id IN ( \
-                     SELECT id FROM outbox_events \
-                     WHERE published_at >= coalesce($1, '-infinity') AND published_at < $2 \
-                     ORDER BY published_at LIMIT $3) \
-                 RETURNING published_at) \
-             SELECT count(*)::int8 AS deleted, max(published_at) AS last FROM gone",
-        )
-        .bind::<Nullable<Timestamptz>, _>(from)
-        .bind::<Timestamptz, _>(cutoff)
-        .bind::<Int8, _>(batch.max(1))
-        .get_result(conn)
-        .await?;
-        deleted += gone.deleted as usize;
-        progress(deleted);
-        if gone.deleted < batch.max(1) {
-            return Ok(deleted);
-        }
-        from = gone.last;
-    }
+    mut progress: impl FnMut(usize) + Send,
+) -> diesel::QueryResult<usize> {
+    conn.purge_published(older_than, batch.max(1), &mut progress)
+        .await
 }
 
 /// Deletes the dedup keys (`#[event(dedup_key)]`) taken longer ago than `older_than`, oldest
-/// first, `batch` keys per statement, and returns how many.
+/// first, `batch` keys per statement (at least 1), and returns how many. `conn` is any
+/// [`OperatorConnection`].
 ///
 /// A key must be kept as long as a duplicate of its event may still be emitted: a client's
 /// longest retry, a command's redelivery, a batch job's re-run. An event whose key was
@@ -593,28 +557,11 @@ pub async fn purge_published(
 ///
 /// # Errors
 /// The database's error; the batches before it stay deleted.
-#[cfg(feature = "postgres")]
-pub async fn purge_dedup_keys(
-    conn: &mut AsyncPgConnection,
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub async fn purge_dedup_keys<C: OperatorConnection>(
+    conn: &mut C,
     older_than: Duration,
     batch: i64,
-) -> QueryResult<usize> {
-    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-    let mut deleted = 0;
-    loop {
-        let gone = diesel::sql_query(
-            "DELETE FROM outbox_dedup_keys WHERE dedup_key IN ( \
-                 SELECT dedup_key FROM outbox_dedup_keys \
-                 WHERE created_at < now() - $1 * interval '1 millisecond' \
-                 ORDER BY created_at LIMIT $2)",
-        )
-        .bind::<Int8, _>(older_than_ms)
-        .bind::<Int8, _>(batch.max(1))
-        .execute(conn)
-        .await?;
-        deleted += gone;
-        if (gone as i64) < batch.max(1) {
-            return Ok(deleted);
-        }
-    }
+) -> diesel::QueryResult<usize> {
+    conn.purge_dedup_keys(older_than, batch.max(1)).await
 }

@@ -61,8 +61,11 @@
 //!   relay of its own process at once, another process's at its next poll. So do the
 //!   `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`, `relay` and
 //!   `status` (built with `--features sqlite`).
-//! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]), the topology
-//!   registry, and `outbox purge`.
+//! - Retention: [`crate::outbox::purge_published`] (for [`PublishedRows::Mark`], through a
+//!   partial index of published rows) and [`crate::outbox::purge_dedup_keys`] take an
+//!   [`AsyncSqliteConnection`]; so do `outbox purge` and `outbox relay --purge-older-than`.
+//! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]) and the topology
+//!   registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
@@ -70,6 +73,7 @@
 //!
 //! [`RelayConfig::poll_interval`]: crate::RelayConfig::poll_interval
 //! [`PublishedRows::Archive`]: crate::PublishedRows::Archive
+//! [`PublishedRows::Mark`]: crate::PublishedRows::Mark
 
 use std::collections::HashSet;
 use std::time::Duration;

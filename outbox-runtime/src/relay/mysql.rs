@@ -342,8 +342,8 @@ impl RelayStore for AsyncMysqlConnection {
 /// Counts what waits in a MySQL outbox: what [`crate::outbox::stats`] counts on PostgreSQL,
 /// in one statement. It reads every row of `outbox_events` (MySQL has no partial index to
 /// keep published rows out): cheap with [`PublishedRows::Delete`], the default; with
-/// [`PublishedRows::Mark`], purge the published rows. Every relay runs it into its gauges
-/// every [`RelayConfig::stats_interval`].
+/// [`PublishedRows::Mark`], purge the published rows ([`crate::outbox::purge_published`]).
+/// Every relay runs it into its gauges every [`RelayConfig::stats_interval`].
 ///
 /// # Errors
 /// The database's error.
