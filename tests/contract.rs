@@ -858,6 +858,10 @@ async fn an_operator_retries_and_skips_dead_letters<B: Operated>() {
         1,
         "the limit"
     );
+    assert!(
+        dead_letter::list(&mut conn, -1).await.unwrap().is_empty(),
+        "a negative limit lists none"
+    );
     let first = listed
         .iter()
         .find(|l| l.aggregate_id == "b-1")

@@ -40,15 +40,36 @@ fn database_error(error: diesel::result::Error) -> String {
     format!("database error: {error}")
 }
 
-/// Opens the SQLite file `url` names; the error names it.
+/// Opens the SQLite file `url` names, which must exist unless `create` (only `migrate`
+/// creates one: a mistyped path must not become an empty database); the error names it.
 #[cfg(feature = "sqlite")]
-fn open_sqlite(url: &str) -> Result<outbox_runtime::sqlite::SqliteConnection, String> {
+fn open_sqlite(
+    url: &str,
+    create: bool,
+) -> Result<outbox_runtime::sqlite::SqliteConnection, String> {
+    if !create {
+        sqlite_file_exists(url)?;
+    }
     outbox_runtime::sqlite::establish(url).map_err(|e| {
         format!(
             "cannot open {}: {e}",
             outbox_runtime::database::redacted(url)
         )
     })
+}
+
+/// Fails, naming the path, when the SQLite file `url` names (a path or `sqlite://path`) does
+/// not exist; a `file:` URI is left to SQLite.
+#[cfg(feature = "sqlite")]
+pub(crate) fn sqlite_file_exists(url: &str) -> Result<(), String> {
+    let path = url.trim().strip_prefix("sqlite://").unwrap_or(url.trim());
+    if path.starts_with("file:") || path == ":memory:" || std::path::Path::new(path).exists() {
+        return Ok(());
+    }
+    Err(format!(
+        "no SQLite database at {path}: `outbox migrate` creates one there, or check \
+         DATABASE_URL"
+    ))
 }
 
 /// The error for a database this build cannot open.
@@ -76,7 +97,7 @@ pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
         Kind::Sqlite => {
             let url = database_url.to_owned();
             tokio::task::spawn_blocking(move || {
-                let mut conn = open_sqlite(&url)?;
+                let mut conn = open_sqlite(&url, true)?;
                 outbox_runtime::sqlite::run_migrations(&mut conn).map_err(|e| e.to_string())
             })
             .await
@@ -147,7 +168,7 @@ async fn read_status(
         Kind::Sqlite => {
             let url = database_url.to_owned();
             let stats = tokio::task::spawn_blocking(move || {
-                let mut conn = open_sqlite(&url)?;
+                let mut conn = open_sqlite(&url, false)?;
                 outbox_runtime::sqlite::stats(&mut conn).map_err(database_error)
             })
             .await
@@ -351,7 +372,10 @@ impl Operator {
             Kind::Mysql => Ok(Self::Mysql(Box::new(connect(database_url).await?))),
             #[cfg(feature = "sqlite")]
             Kind::Sqlite => Ok(Self::Sqlite(Box::new(
-                outbox_runtime::sqlite::AsyncSqliteConnection::new(open_sqlite(database_url)?),
+                outbox_runtime::sqlite::AsyncSqliteConnection::new(open_sqlite(
+                    database_url,
+                    false,
+                )?),
             ))),
             #[allow(unreachable_patterns)]
             _ => Err(unknown_database(database_url)),

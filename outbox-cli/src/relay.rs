@@ -269,10 +269,13 @@ async fn connect(
         #[cfg(not(feature = "mysql"))]
         Kind::Mysql => Err(built_without("mysql")),
         #[cfg(feature = "sqlite")]
-        Kind::Sqlite => Ok(outbox_runtime::sqlite::SqliteRelay::connect(config, nats)
-            .await
-            .map_err(|e| e.to_string())?
-            .spawn()),
+        Kind::Sqlite => Ok({
+            crate::operate::sqlite_file_exists(&config.database_url)?;
+            outbox_runtime::sqlite::SqliteRelay::connect(config, nats)
+                .await
+                .map_err(|e| e.to_string())?
+                .spawn()
+        }),
         #[cfg(not(feature = "sqlite"))]
         Kind::Sqlite => Err(built_without("sqlite")),
     }

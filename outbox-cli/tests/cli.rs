@@ -735,6 +735,15 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
             .env("RUST_LOG", "info");
         command
     };
+    // Before `migrate`: a command other than it does not create the file.
+    let missing = command(&["status"]).output().unwrap();
+    assert_eq!(missing.status.code(), Some(2), "{}", text(&missing));
+    assert!(
+        text(&missing).contains(&format!("no SQLite database at {path}")),
+        "{}",
+        text(&missing)
+    );
+    assert!(!std::path::Path::new(&path).exists(), "no file made");
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
     assert!(text(&migrated).contains("applied 2"), "{}", text(&migrated));

@@ -86,14 +86,15 @@ pub struct DeadLetterDetail {
     pub correlation_id: Option<String>,
 }
 
-/// The dead letters not published, oldest first, at most `limit`: those that block their
-/// aggregate and those skipped, which [`retry`] can still publish.
+/// The dead letters not published, oldest first, at most `limit` (none when it is 0 or
+/// less): those that block their aggregate and those skipped, which [`retry`] can still
+/// publish.
 ///
 /// # Errors
 /// The database's error, or [`diesel::result::Error::DeserializationError`] for a row whose
 /// id is not a UUID (the migrations refuse such rows).
 pub async fn list<C: OperatorConnection>(conn: &mut C, limit: i64) -> QueryResult<Vec<DeadLetter>> {
-    conn.list(limit)
+    conn.list(limit.max(0))
         .await?
         .into_iter()
         .map(DeadLetter::try_from)
