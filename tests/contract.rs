@@ -1491,6 +1491,101 @@ mod mysql {
         super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncMysql>().await;
     }
 
+    /// A MySQL relay whose host vanishes mid-batch (no FIN, no RST: a node lost, a network
+    /// cut) holds its claimed heads in an open transaction until the server closes its
+    /// session. The relay's sessions set `wait_timeout` (30 s with the defaults, not 8
+    /// hours), so another relay publishes those aggregates within about half a minute.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "needs root and nftables to cut a connection; CI runs it"]
+    async fn a_relay_whose_host_vanished_gives_its_heads_back_within_a_minute() {
+        let server = support::NatsServer::start().await;
+        let env = Env {
+            env: TestEnv::unmigrated(&server.url()).await,
+            mysql: Some(Database::create().await),
+            #[cfg(feature = "sqlite")]
+            sqlite: None,
+        };
+        database(&env)
+            .conn()
+            .await
+            .batch_execute("CREATE TABLE orders (id VARCHAR(64))")
+            .await
+            .unwrap();
+        let orders = ["o-1", "o-2", "o-3"].into_iter().map(shipped).collect();
+        AsyncMysql::commit(&env, orders, None, End::Ok)
+            .await
+            .1
+            .unwrap();
+
+        // Relay A claims the three heads and publishes them to a broker that never answers
+        // (a proxy the test freezes): its transaction stays open, the heads locked.
+        let proxy = support::Proxy::start(([127, 0, 0, 1], server.port).into()).await;
+        let unanswered = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
+            .await
+            .unwrap();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.workers = 1;
+        config.poll_interval = Duration::from_millis(200);
+        // Over TCP, which a host's loss cuts (the client prefers the server's Unix socket on
+        // loopback otherwise).
+        config.database_url = format!("{}?prefer_socket=false", config.database_url);
+        let a = MysqlRelay::connect(config.clone(), unanswered)
+            .await
+            .unwrap();
+        proxy.freeze(true);
+        let a = a.spawn();
+        #[derive(QueryableByName)]
+        struct Session {
+            #[diesel(sql_type = Text)]
+            host: String,
+        }
+        let session = support::wait_until(
+            "relay A's claim, open in its transaction",
+            Duration::from_secs(10),
+            || async {
+                diesel::sql_query(
+                    "SELECT p.HOST AS host FROM information_schema.INNODB_TRX t \
+                     JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id \
+                     WHERE p.DB = DATABASE() AND p.ID <> CONNECTION_ID()",
+                )
+                .get_result::<Session>(&mut database(&env).conn().await)
+                .await
+                .ok()
+            },
+        )
+        .await;
+        let (_, client_port) = session
+            .host
+            .rsplit_once(':')
+            .unwrap_or_else(|| panic!("relay A's session is not over TCP: {}", session.host));
+        let server_port = admin_url()
+            .rsplit_once(':')
+            .and_then(|(_, rest)| rest.split('/').next()?.parse().ok())
+            .unwrap_or(3306);
+
+        // A's host vanishes; relay B takes over once the server has closed A's session.
+        let cut = support::Cut::new(server_port, client_port.parse().unwrap());
+        let cut_at = std::time::Instant::now();
+        let b = MysqlRelay::connect(config, env.nats.clone())
+            .await
+            .unwrap()
+            .spawn();
+        env.until_stream_holds(6, Duration::from_secs(120)).await;
+        let took = cut_at.elapsed();
+        println!("relay A's host vanished; relay B published its aggregates {took:.1?} later");
+        b.shutdown().await.unwrap();
+
+        // A comes back: its publishes are duplicates JetStream drops, its session is gone.
+        drop(cut);
+        proxy.freeze(false);
+        let _ = tokio::time::timeout(Duration::from_secs(30), a.shutdown()).await;
+        assert_eq!(env.stream_messages().await.len(), 6, "each event once");
+        assert!(
+            took < Duration::from_secs(45),
+            "the heads came back {took:?} after the cut"
+        );
+    }
+
     /// A batch of more rows than MySQL takes placeholders in one statement (65,535) is
     /// finished in several deletes: all of it published, none of it left queued. About 25 s
     /// of publishing on two cores, so it runs apart from the others (`.ci/run` runs it:

@@ -426,50 +426,6 @@ async fn the_relay_reads_the_duplicate_window_and_warns_when_it_is_shorter_than_
     assert!(config.redelivery_horizon() > relay.duplicate_window());
 }
 
-/// Drops every packet between the database server's port and one client port on loopback,
-/// both ways, as a network cut does (no FIN, no RST), until dropped: an nftables table of
-/// the test's own (`nft`, as root).
-struct Cut {
-    table: String,
-}
-
-impl Cut {
-    fn new(server_port: u16, client_port: u16) -> Self {
-        let table = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
-        let cut = Self { table };
-        let t = &cut.table;
-        for command in [
-            format!("add table inet {t}"),
-            format!("add chain inet {t} out {{ type filter hook output priority 0 ; }}"),
-            format!("add rule inet {t} out tcp sport {server_port} tcp dport {client_port} drop"),
-            format!("add rule inet {t} out tcp sport {client_port} tcp dport {server_port} drop"),
-        ] {
-            Self::nft(&command);
-        }
-        cut
-    }
-
-    fn nft(command: &str) {
-        let output = std::process::Command::new("nft")
-            .arg(command)
-            .output()
-            .unwrap_or_else(|e| panic!("this test needs nftables' `nft` (and root): {e}"));
-        assert!(
-            output.status.success(),
-            "nft {command}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-}
-
-impl Drop for Cut {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("nft")
-            .arg(format!("delete table inet {}", self.table))
-            .output();
-    }
-}
-
 /// A relay whose host vanishes mid-batch (no FIN, no RST: a node lost, a network cut) holds
 /// its claimed heads in an open transaction until PostgreSQL notices it is gone. The
 /// toolkit's sessions set server-side TCP keepalives, so another relay publishes those
@@ -524,7 +480,7 @@ async fn a_relay_whose_host_vanished_gives_its_heads_back_within_half_a_minute()
     .await;
 
     // A's host vanishes; relay B takes over once PostgreSQL has closed A's session.
-    let cut = Cut::new(
+    let cut = support::Cut::new(
         u16::try_from(session.server_port).unwrap(),
         u16::try_from(session.client_port).unwrap(),
     );

@@ -437,11 +437,13 @@ async fn within_connect_timeout<C>(
 }
 
 /// Opens a MySQL / MariaDB connection within the connect timeout, in READ COMMITTED (each
-/// statement of the relay sees the latest committed rows, as on PostgreSQL).
+/// statement of the relay sees the latest committed rows, as on PostgreSQL), whose server
+/// closes it after `wait_timeout` (whole seconds) without a statement.
 #[cfg(feature = "mysql")]
 pub(crate) async fn connect_mysql(
     database_url: &str,
     limits: Limits,
+    wait_timeout: Duration,
 ) -> Result<diesel_async::AsyncMysqlConnection, ConnectError> {
     let setup = async {
         let mut conn = diesel_async::AsyncMysqlConnection::establish(database_url)
@@ -450,6 +452,12 @@ pub(crate) async fn connect_mysql(
         conn.batch_execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(|e| e.to_string())?;
+        conn.batch_execute(&format!(
+            "SET SESSION wait_timeout = {}",
+            wait_timeout.as_secs().max(1)
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
         Ok(conn)
     };
     within_connect_timeout(database_url, limits.connect_timeout, setup).await

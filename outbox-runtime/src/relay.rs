@@ -681,6 +681,10 @@ async fn read_stats<C: worker::RelayStore>(shared: &Shared, stop: CancellationTo
             () = stop.cancelled() => return,
             () = tokio::time::sleep(shared.config.stats_interval) => {}
         }
+        if C::idle_limit(shared).is_some_and(|limit| shared.config.stats_interval >= limit) {
+            // Closed by the server since the last read.
+            conn = None;
+        }
         if conn.is_none() {
             conn = C::connect(shared).await.ok();
         }

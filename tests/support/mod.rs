@@ -358,3 +358,47 @@ impl Drop for NatsServer {
         let _ = std::fs::remove_file(self.store.with_extension("log"));
     }
 }
+
+/// Drops every packet between the database server's port and one client port on loopback,
+/// both ways, as a network cut does (no FIN, no RST), until dropped: an nftables table of
+/// the test's own (`nft`, as root).
+pub struct Cut {
+    table: String,
+}
+
+impl Cut {
+    pub fn new(server_port: u16, client_port: u16) -> Self {
+        let table = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
+        let cut = Self { table };
+        let t = &cut.table;
+        for command in [
+            format!("add table inet {t}"),
+            format!("add chain inet {t} out {{ type filter hook output priority 0 ; }}"),
+            format!("add rule inet {t} out tcp sport {server_port} tcp dport {client_port} drop"),
+            format!("add rule inet {t} out tcp sport {client_port} tcp dport {server_port} drop"),
+        ] {
+            Self::nft(&command);
+        }
+        cut
+    }
+
+    fn nft(command: &str) {
+        let output = std::process::Command::new("nft")
+            .arg(command)
+            .output()
+            .unwrap_or_else(|e| panic!("this test needs nftables' `nft` (and root): {e}"));
+        assert!(
+            output.status.success(),
+            "nft {command}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+impl Drop for Cut {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nft")
+            .arg(format!("delete table inet {}", self.table))
+            .output();
+    }
+}

@@ -108,9 +108,39 @@ const CLAIMABLE: &str = "published_at IS NULL AND skipped_at IS NULL \
 /// The end of time, for MySQL's DATETIME: rows behind a dead letter wait for an operator.
 const FOREVER: &str = "9999-12-31 23:59:59.999999";
 
+/// The server-side `wait_timeout` of a relay's MySQL session (MySQL docs, "Server System
+/// Variables", `wait_timeout`; MariaDB's likewise): after this long without a statement the
+/// server closes the session and rolls back its transaction.
+///
+/// A relay whose host vanished mid-batch (a node lost, a network cut: no FIN, no RST) holds
+/// its claimed heads locked until the server closes its session. MySQL offers no per-session
+/// TCP keepalive (PostgreSQL's bound, see `database::connect`; MariaDB's
+/// `tcp_keepalive_time` is global), and the default `wait_timeout` is 8 hours, during which
+/// no other relay publishes those aggregates. A live relay's session is idle at most while
+/// its batch waits for acks (each publish within `ack_timeout`) or between polls
+/// (`poll_interval`): the bound is twice the longer of the two, plus 20 s, rounded up to whole
+/// seconds (30 s with the defaults). A batch whose publishes take longer in all (a broker
+/// answering each of a long chain's publishes just within `ack_timeout`) loses its session
+/// at COMMIT; its rows are published again by the next batch, and JetStream drops the copies
+/// inside the stream's duplicate window.
+pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
+    let idle = config.poll_interval.max(config.ack_timeout) * 2 + Duration::from_secs(20);
+    Duration::from_secs(idle.as_secs() + u64::from(idle.subsec_nanos() > 0))
+}
+
 impl RelayStore for AsyncMysqlConnection {
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
-        database::connect_mysql(&shared.config.database_url, shared.limits()).await
+        database::connect_mysql(
+            &shared.config.database_url,
+            shared.limits(),
+            session_wait_timeout(&shared.config),
+        )
+        .await
+    }
+
+    /// Five seconds short of [`session_wait_timeout`].
+    fn idle_limit(shared: &Shared) -> Option<Duration> {
+        Some(session_wait_timeout(&shared.config).saturating_sub(Duration::from_secs(5)))
     }
 
     async fn begin(&mut self) -> QueryResult<()> {

@@ -84,9 +84,18 @@ pub(super) async fn run<C: RelayStore>(
     let mut backoff = Backoff::new(config.max_backoff);
     // Batches in a row that claimed rows.
     let mut streak = 0;
+    // When the connection was last used, against `RelayStore::idle_limit`.
+    let mut used = tokio::time::Instant::now();
     while !stop.is_cancelled() {
         let epoch = doorbell.as_ref().map_or(0, |doorbell| doorbell.epoch());
+        if C::idle_limit(&shared).is_some_and(|limit| used.elapsed() >= limit) {
+            // The server has closed it, or is about to: quietly open another.
+            conn = None;
+        }
         let step = step(&shared, me, &mut conn, &stop).await;
+        if !matches!(step, Step::BrokerDown) {
+            used = tokio::time::Instant::now();
+        }
         if matches!(step, Step::Busy) {
             streak += 1;
             if let Some(doorbell) = &doorbell {
@@ -578,6 +587,13 @@ pub(super) trait RelayStore: Send + Sized + 'static {
 
     /// Counts what waits in the outbox, for the gauges (see `outbox::stats`).
     fn stats(&mut self) -> impl Future<Output = QueryResult<OutboxStats>> + Send;
+
+    /// How long a connection may sit unused before the server closes it (MySQL's session
+    /// `wait_timeout`, which the relay sets), less a margin: a worker opens a new one rather
+    /// than meet "server has gone away" after a long broker outage. `None`: no limit.
+    fn idle_limit(_shared: &Shared) -> Option<Duration> {
+        None
+    }
 }
 
 #[cfg(feature = "postgres")]
