@@ -713,6 +713,96 @@ async fn the_relay_authenticates_with_a_credentials_file() {
     assert!(!output.contains(&seed), "{output}");
 }
 
+/// The operator's commands on MySQL (built with `--features mysql`): migrate, status, a dead
+/// letter listed, shown, skipped and retried, and purge, on a database of the test's own
+/// (`OUTBOX_TEST_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`, is the server).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_commands_work_on_mysql() {
+    use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection};
+
+    let admin_url = std::env::var("OUTBOX_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let name = format!(
+        "outbox_cli_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..16]
+    );
+    let mut admin = AsyncMysqlConnection::establish(&admin_url).await.unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let (server, _) = admin_url.rsplit_once('/').expect("a database in the URL");
+    let url = format!("{server}/{name}");
+    let command = |args: &[&str]| {
+        let output = Command::new(OUTBOX)
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap();
+        (output.status.code(), text(&output))
+    };
+    let (code, said) = command(&["migrate"]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("applied 2"), "{said}");
+    let id = uuid::Uuid::now_v7().to_string();
+    AsyncMysqlConnection::establish(&url)
+        .await
+        .unwrap()
+        .batch_execute(&format!(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, \
+                                        event_type, partition_key, subject, payload, attempts, \
+                                        last_error, dead_lettered_at) \
+             VALUES ('{id}', 'Order', 'd-1', 1, 'Shipped', 'd-1', 'app.Order.d-1.Shipped', \
+                     '{{\"n\": 1}}', 3, 'refused by the test', UTC_TIMESTAMP(6))"
+        ))
+        .await
+        .unwrap();
+    let (code, said) = command(&["status", "--json"]);
+    assert_eq!(code, Some(0), "{said}");
+    let report: serde_json::Value = serde_json::from_str(&said).unwrap();
+    assert_eq!(report["dead_letters"], 1, "{report}");
+    let (code, said) = command(&["dead-letters", "list"]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains(&id) && said.contains("refused by the test"),
+        "{said}"
+    );
+    let (code, said) = command(&["dead-letters", "show", &id, "--json"]);
+    assert_eq!(code, Some(0), "{said}");
+    let shown: serde_json::Value = serde_json::from_str(&said).unwrap();
+    assert_eq!(shown["payload"], serde_json::json!({"n": 1}), "{shown}");
+    for (args, expected, says) in [
+        (["skip", id.as_str()], Some(0), "skipped"),
+        (["retry", id.as_str()], Some(0), "retried"),
+        (["retry", id.as_str()], Some(2), "is not a dead letter"),
+    ] {
+        let (code, said) = command(&args);
+        assert_eq!(code, expected, "{args:?}: {said}");
+        assert!(said.contains(says), "{args:?}: {said}");
+    }
+    let (code, said) = command(&[
+        "purge",
+        "--older-than",
+        "1d",
+        "--dedup-keys-older-than",
+        "1d",
+    ]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("deleted 0 published rows"), "{said}");
+    let (code, said) = command(&["status", "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&said).unwrap();
+    assert_eq!(
+        (code, &report["queued"], &report["dead_letters"]),
+        (Some(0), &1.into(), &0.into()),
+        "back in the queue: {report}"
+    );
+    admin
+        .batch_execute(&format!("DROP DATABASE {name}"))
+        .await
+        .unwrap();
+}
+
 /// `outbox migrate` and `outbox relay` on a SQLite file (built with `--features sqlite`): the
 /// daemon publishes what units of work commit to the file, and the operator's commands
 /// (status, dead letters, purge) work on it.
