@@ -361,14 +361,21 @@ impl Drop for NatsServer {
 
 /// Drops every packet between the database server's port and one client port on loopback,
 /// both ways, as a network cut does (no FIN, no RST), until dropped: an nftables table of
-/// the test's own (`nft`, as root).
+/// the test's own (`nft`, as root), named after the test process. Tables that a killed test
+/// process left (its process gone) are deleted first: a client port is reused, and a stale
+/// rule would cut an unrelated connection.
 pub struct Cut {
     table: String,
 }
 
 impl Cut {
     pub fn new(server_port: u16, client_port: u16) -> Self {
-        let table = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
+        Self::delete_orphans();
+        let table = format!(
+            "outbox_test_{}_{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        );
         let cut = Self { table };
         let t = &cut.table;
         for command in [
@@ -380,6 +387,32 @@ impl Cut {
             Self::nft(&command);
         }
         cut
+    }
+
+    /// Deletes the `outbox_test_<pid>_..` tables whose process no longer runs.
+    fn delete_orphans() {
+        let Ok(listed) = std::process::Command::new("nft")
+            .args(["list", "tables"])
+            .output()
+        else {
+            return;
+        };
+        for table in String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter_map(|line| line.strip_prefix("table inet "))
+        {
+            let Some(pid) = table
+                .strip_prefix("outbox_test_")
+                .and_then(|rest| rest.split('_').next())
+            else {
+                continue;
+            };
+            if !std::path::Path::new("/proc").join(pid).exists() {
+                let _ = std::process::Command::new("nft")
+                    .arg(format!("delete table inet {table}"))
+                    .output();
+            }
+        }
     }
 
     fn nft(command: &str) {
