@@ -1052,6 +1052,33 @@ async fn a_purge_deletes_only_old_published_rows_and_dedup_keys<B: Operated>() {
     );
 }
 
+/// A row inserted by hand with an upper-case id (a UUID all the same) is published once and
+/// then deleted, like any other: the relay finds it again by the id it published.
+async fn a_row_with_an_upper_case_id_is_published_once<B: Backend>() {
+    let env = B::setup().await;
+    let id = uuid::Uuid::now_v7();
+    B::execute(
+        &env,
+        &format!(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, \
+                                        event_type, partition_key, subject, payload) \
+             VALUES ('{}', 'Order', 'o-1', 1, 'Noted', 'o-1', '{{prefix}}.Order.o-1.Noted', \
+                     '{{}}')",
+            id.to_string().to_uppercase()
+        ),
+    )
+    .await;
+    let relay = B::spawn_relay(&env, B::relay_config(&env)).await;
+    env.until_stream_holds(1, Duration::from_secs(10)).await;
+    // A few more batches: a row the relay could not find to delete would be claimed again.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    relay.shutdown().await.unwrap();
+    assert!(B::rows(&env).await.is_empty(), "deleted once published");
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].header("Nats-Msg-Id"), id.to_string());
+}
+
 macro_rules! contract {
     ($($module:ident => $backend:ty),* $(,)?) => {$(
         mod $module {
@@ -1112,6 +1139,11 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_unit_of_work_of_thousands_of_events_is_written_whole() {
                 super::a_unit_of_work_of_thousands_of_events_is_written_whole::<$backend>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_with_an_upper_case_id_is_published_once() {
+                super::a_row_with_an_upper_case_id_is_published_once::<$backend>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,2 @@
+DROP TRIGGER outbox_events_id_lowered_on_update;
+DROP TRIGGER outbox_events_id_lowered_on_insert;
