@@ -1523,9 +1523,60 @@ mod mysql {
         super::an_idle_relay_is_woken_by_each_commit_of_its_process::<AsyncMysql>().await;
     }
 
+    /// A batch whose publishes take longer than its session's `wait_timeout` (a broker slow to
+    /// ack: 25 s here, against 21 s) keeps its session: the relay sends it a statement
+    /// meanwhile, and the batch commits what was acked.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_slower_than_its_sessions_wait_timeout_keeps_its_session() {
+        let server = support::NatsServer::start().await;
+        let env = Env {
+            env: TestEnv::unmigrated(&server.url()).await,
+            mysql: Some(Database::create().await),
+            #[cfg(feature = "sqlite")]
+            sqlite: None,
+        };
+        database(&env)
+            .conn()
+            .await
+            .batch_execute("CREATE TABLE orders (id VARCHAR(64))")
+            .await
+            .unwrap();
+        AsyncMysql::commit(&env, vec![shipped("o-1")], None, End::Ok)
+            .await
+            .1
+            .unwrap();
+        let proxy = support::Proxy::start(([127, 0, 0, 1], server.port).into()).await;
+        let slow = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
+            .await
+            .unwrap();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.ack_timeout = Duration::from_secs(60);
+        let mut relay = MysqlRelay::connect(config, slow).await.unwrap();
+        proxy.freeze(true);
+        let thaw = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(25)).await;
+            proxy.freeze(false);
+            proxy
+        });
+        let started = std::time::Instant::now();
+        let report = relay.relay_batch().await.unwrap();
+        let took = started.elapsed();
+        let _proxy = thaw.await.unwrap();
+        assert!(
+            took > Duration::from_secs(22),
+            "the publishes waited: {took:?}"
+        );
+        assert_eq!((report.claimed, report.published), (2, 2), "{report:?}");
+        assert_eq!(
+            AsyncMysql::stats(&env).await.queued,
+            0,
+            "the batch committed"
+        );
+    }
+
     /// A MySQL relay whose host vanishes mid-batch (no FIN, no RST: a node lost, a network
     /// cut) holds its claimed heads in an open transaction until the server closes its
-    /// session. The relay's sessions set `wait_timeout` (30 s with the defaults, not 8
+    /// session. The relay's sessions set `wait_timeout` (21 s with the defaults, not 8
     /// hours), so another relay publishes those aggregates within about half a minute.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "needs root and nftables to cut a connection; CI runs it"]

@@ -48,9 +48,10 @@
 //!   process waits up to one poll interval (500 ms by default): lower it for latency, at the
 //!   cost of one claim query per interval per worker when idle.
 //! - A relay whose host vanished mid-batch (no FIN, no RST) holds its claimed heads until the
-//!   server closes its session: the relay's sessions set `wait_timeout` to twice the longer
-//!   of `poll_interval` and `ack_timeout`, plus 20 s (30 s with the defaults; the server's
-//!   default is 8 hours). PostgreSQL's sessions use TCP keepalives instead (about 25 s).
+//!   server closes its session: the relay's sessions set `wait_timeout` to twice
+//!   `poll_interval` plus 20 s (21 s with the defaults; the server's default is 8 hours), and
+//!   a batch that publishes for longer sends its session a statement every third of that.
+//!   PostgreSQL's sessions use TCP keepalives instead (about 25 s).
 //! - Dead letters: [`crate::dead_letter`]'s functions take an [`AsyncMysqlConnection`]; a
 //!   retry or skip wakes the relays of its own process at once, others at their next poll.
 //!   So do the `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`,

@@ -116,15 +116,13 @@ const FOREVER: &str = "9999-12-31 23:59:59.999999";
 /// its claimed heads locked until the server closes its session. MySQL offers no per-session
 /// TCP keepalive (PostgreSQL's bound, see `database::connect`; MariaDB's
 /// `tcp_keepalive_time` is global), and the default `wait_timeout` is 8 hours, during which
-/// no other relay publishes those aggregates. A live relay's session is idle at most while
-/// its batch waits for acks (each publish within `ack_timeout`) or between polls
-/// (`poll_interval`): the bound is twice the longer of the two, plus 20 s, rounded up to whole
-/// seconds (30 s with the defaults). A batch whose publishes take longer in all (a broker
-/// answering each of a long chain's publishes just within `ack_timeout`) loses its session
-/// at COMMIT; its rows are published again by the next batch, and JetStream drops the copies
-/// inside the stream's duplicate window.
+/// no other relay publishes those aggregates. A live relay's session goes without a
+/// statement between polls (`poll_interval`), and while its batch publishes, when it sends
+/// a keep-alive statement every third of this bound (`RelayStore::while_publishing`): the
+/// bound is twice `poll_interval` plus 20 s, rounded up to whole seconds (21 s with the
+/// defaults).
 pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
-    let idle = config.poll_interval.max(config.ack_timeout) * 2 + Duration::from_secs(20);
+    let idle = config.poll_interval * 2 + Duration::from_secs(20);
     Duration::from_secs(idle.as_secs() + u64::from(idle.subsec_nanos() > 0))
 }
 
@@ -141,6 +139,15 @@ impl RelayStore for AsyncMysqlConnection {
     /// Five seconds short of [`session_wait_timeout`].
     fn idle_limit(shared: &Shared) -> Option<Duration> {
         Some(session_wait_timeout(&shared.config).saturating_sub(Duration::from_secs(5)))
+    }
+
+    /// A third of [`session_wait_timeout`].
+    fn keep_alive_every(shared: &Shared) -> Option<Duration> {
+        Some(session_wait_timeout(&shared.config) / 3)
+    }
+
+    async fn keep_alive(&mut self) -> QueryResult<()> {
+        diesel::sql_query("DO 0").execute(self).await.map(drop)
     }
 
     async fn begin(&mut self) -> QueryResult<()> {

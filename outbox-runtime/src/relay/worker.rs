@@ -307,6 +307,30 @@ pub(super) async fn relay_batch<C: RelayStore>(
     Ok(outcome)
 }
 
+/// Awaits `publishing`, the batch's publishes, sending the session
+/// [`RelayStore::keep_alive`] every [`RelayStore::keep_alive_every`] meanwhile.
+async fn while_publishing<C: RelayStore, T>(
+    shared: &Shared,
+    conn: &mut C,
+    publishing: impl Future<Output = T>,
+) -> Result<T, BatchError> {
+    let Some(every) = C::keep_alive_every(shared) else {
+        return Ok(publishing.await);
+    };
+    tokio::pin!(publishing);
+    loop {
+        tokio::select! {
+            biased;
+            outcome = &mut publishing => return Ok(outcome),
+            () = tokio::time::sleep(every) => {
+                let (limit, target) = (shared.config.statement_timeout, shared.target.as_str());
+                database::bounded(limit, target, "the relay's keep-alive", conn.keep_alive())
+                    .await?;
+            }
+        }
+    }
+}
+
 /// The batch's work inside its transaction.
 async fn batch<C: RelayStore>(
     shared: &Shared,
@@ -348,12 +372,12 @@ async fn batch<C: RelayStore>(
     )));
     // Unordered: the outcomes are independent, and polling them in any order is cheaper than
     // join_all's ordered bookkeeping.
-    let outcomes: Vec<ChainOutcome<'_>> = chains
+    let publishing = chains
         .iter()
         .map(|chain| publish_chain(&shared.publisher, chain, stop))
         .collect::<futures::stream::FuturesUnordered<_>>()
-        .collect()
-        .await;
+        .collect::<Vec<ChainOutcome<'_>>>();
+    let outcomes = while_publishing(shared, conn, publishing).await?;
     if outcomes.iter().any(|outcome| outcome.crashed) {
         return Err(Bounded::Failed(crate::unit_of_work::simulated_crash()));
     }
@@ -593,6 +617,18 @@ pub(super) trait RelayStore: Send + Sized + 'static {
     /// than meet "server has gone away" after a long broker outage. `None`: no limit.
     fn idle_limit(_shared: &Shared) -> Option<Duration> {
         None
+    }
+
+    /// How often a batch sends its session a statement while it publishes, where the server
+    /// closes a session that sends nothing for a while (MySQL's `wait_timeout`): a live
+    /// relay's batch is then never cut, however long its publishes take. `None`: never.
+    fn keep_alive_every(_shared: &Shared) -> Option<Duration> {
+        None
+    }
+
+    /// The keep-alive statement of [`keep_alive_every`](Self::keep_alive_every).
+    fn keep_alive(&mut self) -> impl Future<Output = QueryResult<()>> + Send {
+        async { Ok(()) }
     }
 }
 
