@@ -1576,7 +1576,8 @@ mod mysql {
 
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in
     /// which the server closed the idle session, a MySQL relay opens a new connection quietly
-    /// rather than fail a batch on the closed one and warn of a database failure.
+    /// rather than fail a batch on the closed one and warn of a database failure; so does a
+    /// relay driven batch by batch (`relay_batch`).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "a broker outage of 25 s, its log read alone; CI runs it"]
     async fn a_relay_idle_past_its_sessions_wait_timeout_reconnects_quietly() {
@@ -1596,10 +1597,12 @@ mod mysql {
             .unwrap();
         let mut config = AsyncMysql::relay_config(&env);
         config.workers = 1;
-        let relay = MysqlRelay::connect(config, env.nats.clone())
+        let relay = MysqlRelay::connect(config.clone(), env.nats.clone())
             .await
             .unwrap()
             .spawn();
+        // Another, driven batch by batch: its connection waits as long.
+        let mut driven = MysqlRelay::connect(config, env.nats.clone()).await.unwrap();
         server.stop();
         tokio::time::sleep(Duration::from_secs(25)).await;
         server.restart().await;
@@ -1609,6 +1612,9 @@ mod mysql {
             .unwrap();
         env.until_stream_holds(2, Duration::from_secs(30)).await;
         relay.shutdown().await.unwrap();
+        if let Err(error) = driven.relay_batch().await {
+            panic!("a batch on the connection the server closed: {error}");
+        }
         let text = logs.text();
         assert!(
             !text.contains("the relay's database fails"),

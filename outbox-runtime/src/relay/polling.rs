@@ -43,6 +43,8 @@ pub(super) struct Polling<C> {
     duplicate_window: Duration,
     /// The connection of [`relay_batch`](Self::relay_batch), and then of the first worker.
     conn: Option<C>,
+    /// When `conn` was last used, against `RelayStore::idle_limit`.
+    used: tokio::time::Instant,
 }
 
 impl<C: PolledStore> Polling<C> {
@@ -86,6 +88,7 @@ impl<C: PolledStore> Polling<C> {
             shared,
             duplicate_window,
             conn: Some(conn),
+            used: tokio::time::Instant::now(),
         })
     }
 
@@ -106,7 +109,8 @@ impl<C: PolledStore> Polling<C> {
             .map(|_| Arc::new(Notify::new()))
             .collect();
         let mut workers = JoinSet::new();
-        let mut first_conn = self.conn;
+        let stale = self.idle_too_long();
+        let mut first_conn = self.conn.filter(|_| !stale);
         for (index, wake) in wakers.iter().enumerate() {
             let (shared, wake, stop) = (Arc::clone(&self.shared), Arc::clone(wake), stop.clone());
             let peers = wakers
@@ -154,7 +158,17 @@ impl<C: PolledStore> Polling<C> {
         outcome
     }
 
+    /// Whether the connection has been unused longer than the server keeps it.
+    fn idle_too_long(&self) -> bool {
+        C::idle_limit(&self.shared).is_some_and(|limit| self.used.elapsed() >= limit)
+    }
+
     pub(super) async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
+        if self.idle_too_long() {
+            // Closed by the server (MySQL's wait_timeout), or about to be.
+            self.conn = None;
+        }
+        self.used = tokio::time::Instant::now();
         let conn = match &mut self.conn {
             Some(conn) => conn,
             conn => conn.insert(C::connect(&self.shared).await?),
