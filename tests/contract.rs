@@ -1165,39 +1165,36 @@ contract!(sync_mysql => mysql::SyncMysql);
 #[cfg(feature = "sqlite")]
 contract!(async_sqlite => sqlite::AsyncSqlite, sync_sqlite => sqlite::SyncSqlite);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_purge_deletes_only_old_published_rows_and_dedup_keys_on_postgres() {
-    a_purge_deletes_only_old_published_rows_and_dedup_keys::<AsyncPg>().await;
+/// The operator's tests, once per database: the bodies are one, the connections' types not.
+macro_rules! operated {
+    ($($test:ident),* $(,)?) => {$(
+        mod $test {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_postgres() {
+                super::$test::<AsyncPg>().await;
+            }
+
+            #[cfg(feature = "mysql")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_mysql() {
+                super::$test::<mysql::AsyncMysql>().await;
+            }
+
+            #[cfg(feature = "sqlite")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_sqlite() {
+                super::$test::<sqlite::AsyncSqlite>().await;
+            }
+        }
+    )*};
 }
 
-#[cfg(feature = "mysql")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_purge_deletes_only_old_published_rows_and_dedup_keys_on_mysql() {
-    a_purge_deletes_only_old_published_rows_and_dedup_keys::<mysql::AsyncMysql>().await;
-}
-
-#[cfg(feature = "sqlite")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_purge_deletes_only_old_published_rows_and_dedup_keys_on_sqlite() {
-    a_purge_deletes_only_old_published_rows_and_dedup_keys::<sqlite::AsyncSqlite>().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_operator_retries_and_skips_dead_letters_on_postgres() {
-    an_operator_retries_and_skips_dead_letters::<AsyncPg>().await;
-}
-
-#[cfg(feature = "mysql")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_operator_retries_and_skips_dead_letters_on_mysql() {
-    an_operator_retries_and_skips_dead_letters::<mysql::AsyncMysql>().await;
-}
-
-#[cfg(feature = "sqlite")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_operator_retries_and_skips_dead_letters_on_sqlite() {
-    an_operator_retries_and_skips_dead_letters::<sqlite::AsyncSqlite>().await;
-}
+operated!(
+    an_operator_retries_and_skips_dead_letters,
+    a_purge_deletes_only_old_published_rows_and_dedup_keys,
+);
 
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1345,9 +1342,10 @@ mod mysql {
         }
     }
 
-    impl Backend for AsyncMysql {
-        async fn setup() -> Env {
-            let env = TestEnv::unmigrated(&support::nats_url()).await;
+    impl AsyncMysql {
+        /// A fresh environment with an `orders` table, its stream on the broker at `nats_url`.
+        async fn setup_on(nats_url: &str) -> Env {
+            let env = TestEnv::unmigrated(nats_url).await;
             let mysql = Database::create().await;
             mysql
                 .conn()
@@ -1361,6 +1359,12 @@ mod mysql {
                 #[cfg(feature = "sqlite")]
                 sqlite: None,
             }
+        }
+    }
+
+    impl Backend for AsyncMysql {
+        async fn setup() -> Env {
+            Self::setup_on(&support::nats_url()).await
         }
 
         async fn commit(
@@ -1529,18 +1533,7 @@ mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_slower_than_its_sessions_wait_timeout_keeps_its_session() {
         let server = support::NatsServer::start().await;
-        let env = Env {
-            env: TestEnv::unmigrated(&server.url()).await,
-            mysql: Some(Database::create().await),
-            #[cfg(feature = "sqlite")]
-            sqlite: None,
-        };
-        database(&env)
-            .conn()
-            .await
-            .batch_execute("CREATE TABLE orders (id VARCHAR(64))")
-            .await
-            .unwrap();
+        let env = AsyncMysql::setup_on(&server.url()).await;
         AsyncMysql::commit(&env, vec![shipped("o-1")], None, End::Ok)
             .await
             .1
@@ -1583,18 +1576,7 @@ mod mysql {
     async fn a_relay_idle_past_its_sessions_wait_timeout_reconnects_quietly() {
         let (logs, _turn) = support::Logs::capture().await;
         let mut server = support::NatsServer::start().await;
-        let env = Env {
-            env: TestEnv::unmigrated(&server.url()).await,
-            mysql: Some(Database::create().await),
-            #[cfg(feature = "sqlite")]
-            sqlite: None,
-        };
-        database(&env)
-            .conn()
-            .await
-            .batch_execute("CREATE TABLE orders (id VARCHAR(64))")
-            .await
-            .unwrap();
+        let env = AsyncMysql::setup_on(&server.url()).await;
         let mut config = AsyncMysql::relay_config(&env);
         config.workers = 1;
         let relay = MysqlRelay::connect(config.clone(), env.nats.clone())
@@ -1630,18 +1612,7 @@ mod mysql {
     #[ignore = "needs root and nftables to cut a connection; CI runs it"]
     async fn a_relay_whose_host_vanished_gives_its_heads_back_within_a_minute() {
         let server = support::NatsServer::start().await;
-        let env = Env {
-            env: TestEnv::unmigrated(&server.url()).await,
-            mysql: Some(Database::create().await),
-            #[cfg(feature = "sqlite")]
-            sqlite: None,
-        };
-        database(&env)
-            .conn()
-            .await
-            .batch_execute("CREATE TABLE orders (id VARCHAR(64))")
-            .await
-            .unwrap();
+        let env = AsyncMysql::setup_on(&server.url()).await;
         let orders = ["o-1", "o-2", "o-3"].into_iter().map(shipped).collect();
         AsyncMysql::commit(&env, orders, None, End::Ok)
             .await
@@ -1701,16 +1672,7 @@ mod mysql {
             .await
             .unwrap()
             .spawn();
-        env.until_stream_holds(6, Duration::from_secs(120)).await;
-        let took = cut_at.elapsed();
-        println!("relay A's host vanished; relay B published its aggregates {took:.1?} later");
-        b.shutdown().await.unwrap();
-
-        // A comes back: its publishes are duplicates JetStream drops, its session is gone.
-        drop(cut);
-        proxy.freeze(false);
-        let _ = tokio::time::timeout(Duration::from_secs(30), a.shutdown()).await;
-        assert_eq!(env.stream_messages().await.len(), 6, "each event once");
+        let took = support::taken_over(&env, (cut, cut_at), &proxy, (a, b), 6).await;
         assert!(
             took < Duration::from_secs(45),
             "the heads came back {took:?} after the cut"

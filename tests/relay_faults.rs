@@ -490,16 +490,7 @@ async fn a_relay_whose_host_vanished_gives_its_heads_back_within_half_a_minute()
         .await
         .unwrap()
         .spawn();
-    env.until_stream_holds(3, Duration::from_secs(90)).await;
-    let took = cut_at.elapsed();
-    println!("relay A's host vanished; relay B published its aggregates {took:.1?} later");
-    b.shutdown().await.unwrap();
-
-    // A comes back: its publishes are duplicates JetStream drops, its session is gone.
-    drop(cut);
-    proxy.freeze(false);
-    let _ = tokio::time::timeout(Duration::from_secs(30), a.shutdown()).await;
-    assert_eq!(env.stream_messages().await.len(), 3, "each event once");
+    let took = support::taken_over(&env, (cut, cut_at), &proxy, (a, b), 3).await;
     assert!(
         took < Duration::from_secs(45),
         "the heads came back {took:?} after the cut"

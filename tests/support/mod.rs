@@ -435,3 +435,31 @@ impl Drop for Cut {
             .output();
     }
 }
+
+/// The end of a host-vanished test: relay `b` took over the aggregates of relay `a`, whose
+/// connection `cut` drops and whose broker `proxy` froze. Waits until the stream holds
+/// `expected` messages, then heals both, stops both relays, checks each event was stored
+/// once, and returns how long after `cut_at` the stream held them all.
+pub async fn taken_over(
+    env: &TestEnv,
+    (cut, cut_at): (Cut, std::time::Instant),
+    proxy: &Proxy,
+    (a, b): (outbox_runtime::RelayHandle, outbox_runtime::RelayHandle),
+    expected: u64,
+) -> Duration {
+    env.until_stream_holds(expected, Duration::from_secs(120))
+        .await;
+    let took = cut_at.elapsed();
+    println!("relay A's host vanished; relay B published its aggregates {took:.1?} later");
+    b.shutdown().await.unwrap();
+    // A comes back: its publishes are duplicates JetStream drops, its session is gone.
+    drop(cut);
+    proxy.freeze(false);
+    let _ = tokio::time::timeout(Duration::from_secs(30), a.shutdown()).await;
+    assert_eq!(
+        env.stream_messages().await.len() as u64,
+        expected,
+        "each event once"
+    );
+    took
+}

@@ -118,7 +118,7 @@ const FOREVER: &str = "9999-12-31 23:59:59.999999";
 /// `tcp_keepalive_time` is global), and the default `wait_timeout` is 8 hours, during which
 /// no other relay publishes those aggregates. A live relay's session goes without a
 /// statement between polls (`poll_interval`), and while its batch publishes, when it sends
-/// a keep-alive statement every third of this bound (`RelayStore::while_publishing`): the
+/// a keep-alive statement every third of this bound (`RelayStore::keep_alive_every`): the
 /// bound is twice `poll_interval` plus 20 s, rounded up to whole seconds (21 s with the
 /// defaults).
 pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
