@@ -676,13 +676,13 @@ impl Relay {
 /// keep their last values).
 async fn read_stats<C: worker::RelayStore>(shared: &Shared, stop: CancellationToken) {
     let mut conn = None;
+    let mut used = tokio::time::Instant::now();
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(shared.config.stats_interval) => {}
         }
-        if C::idle_limit(shared).is_some_and(|limit| shared.config.stats_interval >= limit) {
-            // Closed by the server since the last read.
+        if C::idle_too_long(shared, used) {
             conn = None;
         }
         if conn.is_none() {
@@ -698,6 +698,7 @@ async fn read_stats<C: worker::RelayStore>(shared: &Shared, stop: CancellationTo
             connection.stats(),
         )
         .await;
+        used = tokio::time::Instant::now();
         match read {
             Ok(stats) => {
                 metrics::gauge!("outbox_queued_events").set(stats.queued as f64);

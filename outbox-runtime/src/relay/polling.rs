@@ -109,7 +109,7 @@ impl<C: PolledStore> Polling<C> {
             .map(|_| Arc::new(Notify::new()))
             .collect();
         let mut workers = JoinSet::new();
-        let stale = self.idle_too_long();
+        let stale = C::idle_too_long(&self.shared, self.used);
         let mut first_conn = self.conn.filter(|_| !stale);
         for (index, wake) in wakers.iter().enumerate() {
             let (shared, wake, stop) = (Arc::clone(&self.shared), Arc::clone(wake), stop.clone());
@@ -158,14 +158,8 @@ impl<C: PolledStore> Polling<C> {
         outcome
     }
 
-    /// Whether the connection has been unused longer than the server keeps it.
-    fn idle_too_long(&self) -> bool {
-        C::idle_limit(&self.shared).is_some_and(|limit| self.used.elapsed() >= limit)
-    }
-
     pub(super) async fn relay_batch(&mut self) -> Result<BatchReport, RelayError> {
-        if self.idle_too_long() {
-            // Closed by the server (MySQL's wait_timeout), or about to be.
+        if C::idle_too_long(&self.shared, self.used) {
             self.conn = None;
         }
         self.used = tokio::time::Instant::now();

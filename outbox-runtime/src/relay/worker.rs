@@ -88,8 +88,7 @@ pub(super) async fn run<C: RelayStore>(
     let mut used = tokio::time::Instant::now();
     while !stop.is_cancelled() {
         let epoch = doorbell.as_ref().map_or(0, |doorbell| doorbell.epoch());
-        if C::idle_limit(&shared).is_some_and(|limit| used.elapsed() >= limit) {
-            // The server has closed it, or is about to: quietly open another.
+        if C::idle_too_long(&shared, used) {
             conn = None;
         }
         let step = step(&shared, me, &mut conn, &stop).await;
@@ -617,6 +616,13 @@ pub(super) trait RelayStore: Send + Sized + 'static {
     /// than meet "server has gone away" after a long broker outage. `None`: no limit.
     fn idle_limit(_shared: &Shared) -> Option<Duration> {
         None
+    }
+
+    /// Whether a connection last used at `used` has sat unused past
+    /// [`idle_limit`](Self::idle_limit): its server has closed it, or is about to, and the
+    /// caller quietly opens another.
+    fn idle_too_long(shared: &Shared, used: tokio::time::Instant) -> bool {
+        Self::idle_limit(shared).is_some_and(|limit| used.elapsed() >= limit)
     }
 
     /// How often a batch sends its session a statement while it publishes, where the server
