@@ -2367,6 +2367,91 @@ mod sqlite {
         drop(bare);
     }
 
+    /// A unit of work that meets another writer's lock begins within a few milliseconds of
+    /// its release. SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50
+    /// and 100 ms between its tries: for a lock held 200 ms, its try after the release comes
+    /// at 228 ms, 28 ms late.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_unit_of_work_takes_the_write_lock_soon_after_its_release() {
+        let env = SyncSqlite::setup().await;
+        let (path, outbox) = (database(&env).path.clone(), env.outbox());
+        tokio::task::spawn_blocking(move || {
+            use diesel::connection::SimpleConnection as _;
+            let mut holder = outbox_runtime::sqlite::establish(&path).unwrap();
+            holder.batch_execute("BEGIN IMMEDIATE").unwrap();
+            let writer = std::thread::spawn(move || {
+                let mut conn = outbox_runtime::sqlite::establish(&path).unwrap();
+                let mut order = shipped("o-1");
+                let mut began = None;
+                outbox
+                    .sync_transaction(&mut conn, |uow| {
+                        began = Some(std::time::Instant::now());
+                        uow.track(&mut order);
+                        Ok::<_, UnitOfWorkError>(())
+                    })
+                    .unwrap();
+                began.expect("the closure ran")
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            holder.batch_execute("COMMIT").unwrap();
+            let released = std::time::Instant::now();
+            let began = writer.join().unwrap();
+            let late = began.saturating_duration_since(released);
+            assert!(
+                late < Duration::from_millis(15),
+                "the unit of work began {late:?} after the lock's release"
+            );
+        })
+        .await
+        .unwrap();
+        assert_eq!(SyncSqlite::rows(&env).await.len(), 2);
+    }
+
+    /// The wait for the write lock still ends at the connection's `busy_timeout`, with
+    /// SQLite's "database is locked", and leaves the connection's `busy_timeout` as it was.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_unit_of_work_waits_for_the_write_lock_no_longer_than_busy_timeout() {
+        #[derive(QueryableByName)]
+        struct BusyTimeout {
+            #[diesel(sql_type = Integer)]
+            timeout: i32,
+        }
+        let env = SyncSqlite::setup().await;
+        let (path, outbox) = (database(&env).path.clone(), env.outbox());
+        tokio::task::spawn_blocking(move || {
+            use diesel::connection::SimpleConnection as _;
+            let mut holder = outbox_runtime::sqlite::establish(&path).unwrap();
+            holder.batch_execute("BEGIN IMMEDIATE").unwrap();
+            let mut conn = outbox_runtime::sqlite::establish(&path).unwrap();
+            conn.batch_execute("PRAGMA busy_timeout = 150").unwrap();
+            let mut order = shipped("o-1");
+            let started = std::time::Instant::now();
+            let error = outbox
+                .sync_transaction(&mut conn, |uow| {
+                    uow.track(&mut order);
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .unwrap_err();
+            let waited = started.elapsed();
+            assert!(error.to_string().contains("database is locked"), "{error}");
+            assert!(
+                waited >= Duration::from_millis(140),
+                "gave up after {waited:?}"
+            );
+            let BusyTimeout { timeout } = diesel::RunQueryDsl::get_result(
+                diesel::sql_query("PRAGMA busy_timeout"),
+                &mut conn,
+            )
+            .unwrap();
+            assert_eq!(timeout, 150, "the connection's busy_timeout");
+            assert_eq!(order.pending_events().len(), 2, "the events stay pending");
+            holder.batch_execute("COMMIT").unwrap();
+        })
+        .await
+        .unwrap();
+        assert!(SyncSqlite::rows(&env).await.is_empty());
+    }
+
     /// One relay publishes a file's rows at a time: a second one claims nothing while the
     /// first holds the lease, and takes over once it has expired.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -135,7 +135,7 @@ impl SqliteStore {
     ) -> QueryResult<R> {
         self.conn
             .spawn_blocking(move |conn| {
-                AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE")?;
+                crate::sqlite::begin_immediate(conn, "BEGIN IMMEDIATE")?;
                 match task(conn) {
                     Ok(value) => {
                         AnsiTransactionManager::commit_transaction(conn)?;
