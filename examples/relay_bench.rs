@@ -394,7 +394,7 @@ impl Bench {
                     writers,
                     secs,
                     self.args.payload,
-                    writers == 32,
+                    writers == 32 && way != writers::Way::OutboxWithoutRelay,
                 )
                 .await?;
                 if !run.latencies_ms.is_empty() {

@@ -1,7 +1,8 @@
 //! Figure 11 of `relay_bench`: write throughput with 1, 8, 32 and 64 concurrent writers,
 //! without the outbox, with it, and with it notifying at every commit (the insert trigger
-//! of before the relay's doorbell), with a relay draining the outbox all along; and
-//! commit-to-ack latency under 32 writers.
+//! of before the relay's doorbell), with a relay draining the outbox all along; with the
+//! outbox and no relay during the run (the write path's own cost); and commit-to-ack
+//! latency under 32 writers.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -35,16 +36,25 @@ pub enum Way {
     Outbox,
     /// The same, with the insert trigger of before the doorbell: every commit notifies.
     EveryCommitNotifies,
+    /// [`Way::Outbox`] with no relay running during the run (the queue is drained after
+    /// it): the write path's own cost, apart from the relay's work on the same cores.
+    OutboxWithoutRelay,
 }
 
 impl Way {
-    pub const ALL: [Way; 3] = [Way::Bare, Way::Outbox, Way::EveryCommitNotifies];
+    pub const ALL: [Way; 4] = [
+        Way::Bare,
+        Way::Outbox,
+        Way::EveryCommitNotifies,
+        Way::OutboxWithoutRelay,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {
             Way::Bare => "no outbox",
             Way::Outbox => "outbox",
             Way::EveryCommitNotifies => "outbox, every commit notifies",
+            Way::OutboxWithoutRelay => "outbox, no relay running",
         }
     }
 }
@@ -65,7 +75,8 @@ impl Run {
 }
 
 /// Writes with `writers` concurrent connections for `secs` seconds, each writer on
-/// aggregates of its own, while a relay (started before, running after) drains the outbox.
+/// aggregates of its own, while a relay (started before, running after) drains the outbox;
+/// for [`Way::OutboxWithoutRelay`], the relay starts after the run and drains it then.
 pub async fn run(
     place: &Place,
     way: Way,
@@ -90,9 +101,15 @@ pub async fn run(
         .await?;
     let first_new = stream.info().await?.state.last_sequence + 1;
     let tag = format!("W{}{writers}", way as u8);
-    let relay = Relay::connect(place.relay_config(), place.nats.clone())
-        .await?
-        .spawn();
+    let relay = if way == Way::OutboxWithoutRelay {
+        None
+    } else {
+        Some(
+            Relay::connect(place.relay_config(), place.nats.clone())
+                .await?
+                .spawn(),
+        )
+    };
 
     static NEXT_ID: AtomicI64 = AtomicI64::new(0);
     let committed: Arc<Mutex<HashMap<u64, SystemTime>>> = Arc::default();
@@ -172,6 +189,13 @@ pub async fn run(
     let total = AtomicU64::load(&commits, Ordering::Relaxed);
     let committed = std::mem::take(&mut *committed.lock().expect("not poisoned"));
 
+    // Without a relay during the run, one drains the queue now, before the next run.
+    let relay = match relay {
+        Some(relay) => relay,
+        None => Relay::connect(place.relay_config(), place.nats.clone())
+            .await?
+            .spawn(),
+    };
     let mut latencies_ms = Vec::new();
     if way != Way::Bare {
         // Every event of the run reaches the stream (the relay drains it): read them all.
