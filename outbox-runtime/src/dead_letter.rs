@@ -647,7 +647,9 @@ mod sqlite {
         async fn release(&mut self, id: Uuid, release: Release) -> QueryResult<bool> {
             let found = self
                 .spawn_blocking(move |conn| {
-                    conn.immediate_transaction(|conn| released(conn, &id.to_string(), release))
+                    crate::sqlite::immediate_transaction(conn, |conn| {
+                        released(conn, &id.to_string(), release)
+                    })
                 })
                 .await?;
             if found {

@@ -43,9 +43,10 @@
 //!   one database file run one after another and sequences are contiguous and in commit
 //!   order. A connection waits for the lock as long as its `busy_timeout` says
 //!   ([`establish`] sets [`BUSY_TIMEOUT`]); with none, a unit of work that meets another
-//!   writer fails at once with "database is locked". Units of work and the relay try for
-//!   the lock again every 50 us to 1 ms while they wait, not in SQLite's own steps of up to
-//!   100 ms, so a writer takes the lock within about a millisecond of its release.
+//!   writer fails at once with "database is locked". Units of work, the relay, the purges
+//!   and dead-letter retries and skips try for the lock again every 50 us to 1 ms while they
+//!   wait, not in SQLite's own steps of up to 100 ms, so they take it within about a
+//!   millisecond of its release (the application's own statements wait in SQLite's steps).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure ends the unit of work's
 //!   transaction: the unit of work sees that its savepoint is gone before it writes the
 //!   events, writes none, and fails with [`UnitOfWorkError::TransactionEnded`].
@@ -232,12 +233,13 @@ pub(crate) fn begin_immediate(conn: &mut SqliteConnection, sql: &str) -> diesel:
     let deadline = std::time::Instant::now() + timeout;
     let mut pause = Duration::from_micros(50);
     let begun = loop {
+        let now = std::time::Instant::now();
         match AnsiTransactionManager::begin_transaction_sql(conn, sql) {
             Err(diesel::result::Error::DatabaseError(_, info))
-                if info.message().starts_with("database is locked")
-                    && std::time::Instant::now() + pause < deadline =>
+                if info.message().starts_with("database is locked") && now < deadline =>
             {
-                std::thread::sleep(pause);
+                // The last try comes at the deadline.
+                std::thread::sleep(pause.min(deadline - now));
                 pause = (pause * 2).min(LOCK_RETRY_MAX);
             }
             result => break result,
@@ -250,6 +252,28 @@ pub(crate) fn begin_immediate(conn: &mut SqliteConnection, sql: &str) -> diesel:
             Err(error)
         }
         (begun, _) => begun,
+    }
+}
+
+/// Runs `task` in one `BEGIN IMMEDIATE` transaction ([`begin_immediate`]'s wait for the
+/// write lock): committed when it returns `Ok`, rolled back otherwise.
+///
+/// # Errors
+/// The error of the BEGIN, of `task` (after the rollback) or of the COMMIT.
+pub(crate) fn immediate_transaction<R>(
+    conn: &mut SqliteConnection,
+    task: impl FnOnce(&mut SqliteConnection) -> diesel::QueryResult<R>,
+) -> diesel::QueryResult<R> {
+    begin_immediate(conn, "BEGIN IMMEDIATE")?;
+    match task(conn) {
+        Ok(value) => {
+            AnsiTransactionManager::commit_transaction(conn)?;
+            Ok(value)
+        }
+        Err(error) => {
+            let _ = AnsiTransactionManager::rollback_transaction(conn);
+            Err(error)
+        }
     }
 }
 

@@ -251,8 +251,9 @@ mod sqlite {
         Ok(cutoff)
     }
 
-    /// Runs `statement` (binds: the cutoff, the batch) in batches on the file, one
-    /// statement (its own transaction) per batch.
+    /// Runs `statement` (binds: the cutoff, the batch) in batches on the file, each batch in
+    /// a `BEGIN IMMEDIATE` transaction of its own that waits for the write lock as units of
+    /// work do ([`crate::sqlite::begin_immediate`]).
     async fn purge(
         conn: &mut AsyncSqliteConnection,
         statement: &'static str,
@@ -268,10 +269,12 @@ mod sqlite {
             let cutoff = cutoff.clone();
             let gone = conn
                 .spawn_blocking(move |conn| {
-                    diesel::sql_query(statement)
-                        .bind::<Text, _>(cutoff)
-                        .bind::<BigInt, _>(batch)
-                        .execute(conn)
+                    crate::sqlite::immediate_transaction(conn, |conn| {
+                        diesel::sql_query(statement)
+                            .bind::<Text, _>(cutoff)
+                            .bind::<BigInt, _>(batch)
+                            .execute(conn)
+                    })
                 })
                 .await?;
             if batches.done(gone, progress) {

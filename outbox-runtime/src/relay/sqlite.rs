@@ -5,7 +5,6 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel::sqlite::Sqlite;
 use diesel::{Connection as _, QueryResult, QueryableByName, RunQueryDsl};
@@ -134,19 +133,7 @@ impl SqliteStore {
         task: impl FnOnce(&mut SqliteConnection) -> QueryResult<R> + Send + 'static,
     ) -> QueryResult<R> {
         self.conn
-            .spawn_blocking(move |conn| {
-                crate::sqlite::begin_immediate(conn, "BEGIN IMMEDIATE")?;
-                match task(conn) {
-                    Ok(value) => {
-                        AnsiTransactionManager::commit_transaction(conn)?;
-                        Ok(value)
-                    }
-                    Err(error) => {
-                        let _ = AnsiTransactionManager::rollback_transaction(conn);
-                        Err(error)
-                    }
-                }
-            })
+            .spawn_blocking(move |conn| crate::sqlite::immediate_transaction(conn, task))
             .await
     }
 }
