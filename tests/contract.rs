@@ -2383,6 +2383,7 @@ mod sqlite {
                 let mut conn = outbox_runtime::sqlite::establish(&path).unwrap();
                 let mut order = shipped("o-1");
                 let mut began = None;
+                let asked = std::time::Instant::now();
                 outbox
                     .sync_transaction(&mut conn, |uow| {
                         began = Some(std::time::Instant::now());
@@ -2390,12 +2391,16 @@ mod sqlite {
                         Ok::<_, UnitOfWorkError>(())
                     })
                     .unwrap();
-                began.expect("the closure ran")
+                (asked, began.expect("the closure ran"))
             });
             std::thread::sleep(Duration::from_millis(200));
             holder.batch_execute("COMMIT").unwrap();
             let released = std::time::Instant::now();
-            let began = writer.join().unwrap();
+            let (asked, began) = writer.join().unwrap();
+            assert!(
+                asked < released,
+                "the unit of work began after the lock's release: it never met the lock"
+            );
             let late = began.saturating_duration_since(released);
             assert!(
                 late < Duration::from_millis(15),
@@ -2435,8 +2440,8 @@ mod sqlite {
             let waited = started.elapsed();
             assert!(error.to_string().contains("database is locked"), "{error}");
             assert!(
-                waited >= Duration::from_millis(140),
-                "gave up after {waited:?}"
+                waited >= Duration::from_millis(150),
+                "gave up after {waited:?}, before the busy_timeout of 150 ms"
             );
             let BusyTimeout { timeout } = diesel::RunQueryDsl::get_result(
                 diesel::sql_query("PRAGMA busy_timeout"),
