@@ -9,6 +9,7 @@ use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{Relay, RelayError, StreamError, UnitOfWorkError};
+use support::counters::Counters;
 use support::domain::{Order, OrderEvent, PaymentCaptured};
 use support::{Received, TestEnv};
 use time::OffsetDateTime;
@@ -386,6 +387,84 @@ async fn a_spawned_relay_publishes_each_aggregate_in_order_across_small_batches(
     for (aggregate, seqs) in &sequences {
         assert_eq!(*seqs, (1..=8).collect::<Vec<_>>(), "aggregate {aggregate}");
     }
+}
+
+/// A relay's workers claim in turn: a claim knows what its peer holds and takes other
+/// aggregates, so no claim comes back empty while aggregates wait that no worker holds.
+/// (Side by side, a worker woken by its peer's batch claimed at the moment the peer claimed
+/// again, read the same window and found its heads locked: 3 to 6 claims of this drain came
+/// back empty before its last rows were claimed.)
+#[tokio::test]
+async fn a_relays_workers_claim_in_turn_and_do_not_come_back_empty_while_rows_wait() {
+    const ORDERS: usize = 300;
+    const EVENTS: usize = ORDERS * 5;
+    // A claim's window of 50 rows holds 10 aggregates' 5 events each: 30 claims take all.
+    const BATCH: usize = 50;
+    const CLAIMS: u64 = (EVENTS / BATCH) as u64;
+    let counters = Counters::installed();
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut orders: Vec<Order> = (0..ORDERS)
+        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+        .collect();
+    for order in &mut orders {
+        for _ in 0..4 {
+            order.record(OrderEvent::Shipped);
+        }
+    }
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            for order in &mut orders {
+                uow.track(order);
+            }
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    let mut config = env.relay_config();
+    config.workers = 2;
+    config.batch_size = BATCH;
+    // No polls: every claim is a worker's own or a wake-up's.
+    config.poll_interval = std::time::Duration::from_secs(60);
+    let stream = config.topology.stream.name.clone();
+    let key = |found: &str| format!("outbox_relay_claims_total{{stream={stream},found={found}}}");
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    // Until the last claim that finds rows, every claim finds some: aggregates no worker
+    // holds are left. (After it, the workers' last claims find nothing, as they should.)
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (mut seen, mut empty) = (0, 0);
+    while tokio::time::Instant::now() < deadline {
+        let all = counters.all();
+        let count = |found| all.get(&key(found)).copied().unwrap_or(0);
+        if count("rows") >= CLAIMS {
+            break;
+        }
+        (seen, empty) = (count("rows"), count("nothing"));
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let published = loop {
+        let published = env.stream_messages().await.len();
+        if published >= EVENTS || tokio::time::Instant::now() > deadline {
+            break published;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    relay.shutdown().await.unwrap();
+    assert_eq!(published, EVENTS);
+    assert_eq!(counters.get(&key("rows")), CLAIMS);
+    assert!(
+        seen >= CLAIMS - 5,
+        "the drain was watched up to claim {seen} only"
+    );
+    assert_eq!(
+        empty, 0,
+        "{empty} claims found nothing while aggregates waited that no worker held (watched up to \
+         the {seen}th claim that found rows)"
+    );
 }
 
 #[tokio::test]

@@ -7,7 +7,9 @@
 //!   aggregate is published by one relay at a time, in order), publish them with their
 //!   JetStream acks awaited, record what the broker rejected, mark (or delete) the acked rows
 //!   in one statement, commit. Workers overlap one batch's commit with the next one's
-//!   publishes; several relay processes on one outbox behave like more workers.
+//!   publishes. They claim in turn, each claim leaving out the aggregates its peers hold, so
+//!   a claim never reads heads its own relay has locked; several relay processes on one
+//!   outbox behave like more workers, except that they do not know what the others hold.
 //! - the listener holds a dedicated connection that `LISTEN`s on `outbox_events` and wakes
 //!   the workers at each notification. The outbox's insert trigger notifies only while a
 //!   relay waits for rows: when all its workers found nothing to claim, the listener takes
@@ -788,6 +790,10 @@ fn describe_metrics() {
     describe_counter!(
         "outbox_relay_broker_unavailable_total",
         "Times a relay worker found the NATS client disconnected (once per 100 ms while it is)"
+    );
+    describe_counter!(
+        "outbox_relay_claims_total",
+        "Claims, by stream and by what they found (rows, nothing); many that find nothing while events wait mean relays contend for the same aggregates"
     );
     describe_counter!(
         "outbox_relay_notifications_total",
