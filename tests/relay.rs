@@ -337,6 +337,23 @@ async fn a_row_whose_subject_lies_outside_the_prefix_is_dead_lettered_at_once_wh
     );
 }
 
+/// Commits the events `orders` recorded in one unit of work.
+async fn commit_orders(
+    outbox: &outbox_runtime::Outbox,
+    conn: &mut AsyncPgConnection,
+    orders: &mut [Order],
+) {
+    outbox
+        .transaction(conn, async |uow| {
+            for order in orders.iter_mut() {
+                uow.track(order);
+            }
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_spawned_relay_publishes_each_aggregate_in_order_across_small_batches() {
     let env = TestEnv::new().await;
@@ -355,15 +372,7 @@ async fn a_spawned_relay_publishes_each_aggregate_in_order_across_small_batches(
         for order in &mut orders {
             order.record(OrderEvent::Shipped);
         }
-        outbox
-            .transaction(&mut conn, async |uow| {
-                for order in &mut orders {
-                    uow.track(order);
-                }
-                Ok::<_, UnitOfWorkError>(())
-            })
-            .await
-            .unwrap();
+        commit_orders(&outbox, &mut conn, &mut orders).await;
     }
 
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -412,15 +421,7 @@ async fn a_relays_workers_claim_in_turn_and_do_not_come_back_empty_while_rows_wa
             order.record(OrderEvent::Shipped);
         }
     }
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            for order in &mut orders {
-                uow.track(order);
-            }
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    commit_orders(&env.outbox(), &mut conn, &mut orders).await;
 
     let mut config = env.relay_config();
     config.workers = 2;
