@@ -122,6 +122,9 @@ async fn a_committed_unit_of_work_becomes_exactly_the_expected_messages() {
             expected_names,
             "no header more or less"
         );
+        for (name, values) in message.headers.iter() {
+            assert_eq!(values.len(), 1, "one value of {name}: {values:?}");
+        }
         assert_eq!(message.header("ce-specversion"), "1.0");
         assert_eq!(message.header("ce-id"), id.hyphenated().to_string());
         assert_eq!(message.header("ce-source"), "/tests");
