@@ -26,6 +26,9 @@
 //! 10. on nats-server 2.12 and later: atomic batch publish (ADR-50) of the same messages,
 //!     several batches in flight, and on 2.14 and later batched fast publish, against
 //!     figure 1's pipelined publishes, on one stream.
+//! 11. write throughput with 1, 8, 32 and 64 concurrent writers: without the outbox, with it
+//!     and one relay, with every commit notifying, with no relay running, and with two relay
+//!     instances, each with its notifications per commit; the pgbench floor beside them.
 //!
 //! It works in a database and a stream of its own, removed at the end. `OUTBOX_BENCH_DATABASE_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and `NATS_URL` point it elsewhere.
@@ -431,12 +434,19 @@ impl Bench {
                         run.latencies_ms.len()
                     );
                 }
-                rates.push((way, run.commits_per_sec));
+                rates.push((way, run.commits_per_sec, run.notifications_per_commit));
             }
             let bare = rates[0].1;
             let line: Vec<String> = rates
                 .iter()
-                .map(|(way, rate)| format!("{} {rate:.0}/s ({:.2}x)", way.label(), rate / bare))
+                .map(|(way, rate, notified)| match way {
+                    writers::Way::Bare => format!("{} {rate:.0}/s", way.label()),
+                    _ => format!(
+                        "{} {rate:.0}/s ({:.2}x; {notified:.2} notifications per commit)",
+                        way.label(),
+                        rate / bare
+                    ),
+                })
                 .collect();
             println!("11. {writers} writers: {}", line.join(", "));
             match writers::pgbench_floor(&self.place, writers, secs).await {

@@ -1,8 +1,8 @@
 //! Figure 11 of `relay_bench`: write throughput with 1, 8, 32 and 64 concurrent writers,
 //! without the outbox, with it, and with it notifying at every commit (the insert trigger
 //! of before the relay's doorbell), with a relay draining the outbox all along; with the
-//! outbox and no relay during the run (the write path's own cost); and commit-to-ack
-//! latency under 32 writers.
+//! outbox and no relay during the run (the write path's own cost); with two relay instances;
+//! the notifications per commit of each run; and commit-to-ack latency under 32 writers.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -39,14 +39,18 @@ pub enum Way {
     /// [`Way::Outbox`] with no relay running during the run (the queue is drained after
     /// it): the write path's own cost, apart from the relay's work on the same cores.
     OutboxWithoutRelay,
+    /// [`Way::Outbox`] with two relay instances draining: what a second instance, idle
+    /// while the first holds the writers' aggregates, costs the writers.
+    OutboxTwoRelays,
 }
 
 impl Way {
-    pub const ALL: [Way; 4] = [
+    pub const ALL: [Way; 5] = [
         Way::Bare,
         Way::Outbox,
         Way::EveryCommitNotifies,
         Way::OutboxWithoutRelay,
+        Way::OutboxTwoRelays,
     ];
 
     pub fn label(self) -> &'static str {
@@ -55,6 +59,7 @@ impl Way {
             Way::Outbox => "outbox",
             Way::EveryCommitNotifies => "outbox, every commit notifies",
             Way::OutboxWithoutRelay => "outbox, no relay running",
+            Way::OutboxTwoRelays => "outbox, 2 relay instances",
         }
     }
 }
@@ -62,6 +67,9 @@ impl Way {
 /// One run's figures.
 pub struct Run {
     pub commits_per_sec: f64,
+    /// Notifications on the relays' channel per commit during the run (what the doorbell
+    /// left the writers to send).
+    pub notifications_per_commit: f64,
     /// Commit-to-ack latencies of the run's events, in ms, sorted; empty for [`Way::Bare`]
     /// and when latencies were not asked for.
     pub latencies_ms: Vec<f64>,
@@ -101,14 +109,32 @@ pub async fn run(
         .await?;
     let first_new = stream.info().await?.state.last_sequence + 1;
     let tag = format!("W{}{writers}", way as u8);
-    let relay = if way == Way::OutboxWithoutRelay {
-        None
-    } else {
-        Some(
+    let mut relays = Vec::new();
+    let instances = match way {
+        Way::OutboxWithoutRelay => 0,
+        Way::OutboxTwoRelays => 2,
+        _ => 1,
+    };
+    for _ in 0..instances {
+        relays.push(
             Relay::connect(place.relay_config(), place.nats.clone())
                 .await?
                 .spawn(),
-        )
+        );
+    }
+    // Counts the notifications the writers send (this connection only listens: it does not
+    // hold the doorbell, so it makes no one notify).
+    let notifications = Arc::new(AtomicU64::new(0));
+    let mut listener = AsyncPgConnection::establish(&place.database_url).await?;
+    listener.batch_execute("LISTEN outbox_events").await?;
+    let listening = {
+        let notifications = Arc::clone(&notifications);
+        tokio::spawn(async move {
+            let mut stream = std::pin::pin!(listener.notifications_stream());
+            while let Some(Ok(_)) = stream.next().await {
+                notifications.fetch_add(1, Ordering::Relaxed);
+            }
+        })
     };
 
     static NEXT_ID: AtomicI64 = AtomicI64::new(0);
@@ -179,8 +205,11 @@ pub async fn run(
     go.wait().await;
     let started = Instant::now();
     let before = AtomicU64::load(&commits, Ordering::Relaxed);
+    let notified_before = AtomicU64::load(&notifications, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
     let done = AtomicU64::load(&commits, Ordering::Relaxed) - before;
+    let notified = AtomicU64::load(&notifications, Ordering::Relaxed) - notified_before;
+    listening.abort();
     let elapsed = started.elapsed();
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
@@ -190,12 +219,13 @@ pub async fn run(
     let committed = std::mem::take(&mut *committed.lock().expect("not poisoned"));
 
     // Without a relay during the run, one drains the queue now, before the next run.
-    let relay = match relay {
-        Some(relay) => relay,
-        None => Relay::connect(place.relay_config(), place.nats.clone())
-            .await?
-            .spawn(),
-    };
+    if relays.is_empty() {
+        relays.push(
+            Relay::connect(place.relay_config(), place.nats.clone())
+                .await?
+                .spawn(),
+        );
+    }
     let mut latencies_ms = Vec::new();
     if way != Way::Bare {
         // Every event of the run reaches the stream (the relay drains it): read them all.
@@ -225,12 +255,15 @@ pub async fn run(
         }
         latencies_ms.sort_by(f64::total_cmp);
     }
-    relay.shutdown().await?;
+    for relay in relays {
+        relay.shutdown().await?;
+    }
     if way == Way::EveryCommitNotifies {
         admin.batch_execute(DOORBELL).await?;
     }
     Ok(Run {
         commits_per_sec: done as f64 / elapsed.as_secs_f64(),
+        notifications_per_commit: notified as f64 / done.max(1) as f64,
         latencies_ms,
     })
 }
