@@ -797,7 +797,7 @@ fn describe_metrics() {
     );
     describe_counter!(
         "outbox_relay_notifications_total",
-        "LISTEN/NOTIFY wake-ups received"
+        "LISTEN/NOTIFY wake-ups: notifications received while this relay held the doorbell"
     );
     describe_histogram!(
         "outbox_relay_batch_seconds",

@@ -80,8 +80,10 @@ pub(super) enum Rest {
 /// The doorbell's state in the relay: what the workers want, and whether the lock is held.
 pub(super) struct Doorbell {
     workers: usize,
-    /// Workers asleep (having chosen [`Rest::Sleep`]).
+    /// Workers asleep (having chosen [`Rest::Sleep`]) or [`resting`](Self::resting).
     asleep: Mutex<usize>,
+    /// Workers [`resting`](Self::resting).
+    resting: Mutex<usize>,
     /// Whether the workers want the doorbell armed; the listener follows it.
     wanted: watch::Sender<bool>,
     /// The epoch of the armed doorbell; 0 while it is not.
@@ -93,6 +95,7 @@ impl Doorbell {
         Self {
             workers,
             asleep: Mutex::new(0),
+            resting: Mutex::new(0),
             wanted: watch::Sender::new(false),
             armed: watch::Sender::new(0),
         }
@@ -123,14 +126,26 @@ impl Doorbell {
     /// A worker pauses without claiming (a backoff, a broker away) until the guard drops:
     /// it counts as asleep, so that an idle worker does not count on it to claim the rows
     /// that commit meanwhile, and takes the doorbell instead.
+    ///
+    /// When every worker rests, the relay can claim nothing: it lets the doorbell go, so
+    /// that another relay can take it and be woken for the commits meanwhile (only the
+    /// holder is woken: `listener`). Its workers ask for it again once one finds nothing to
+    /// claim.
     pub(super) fn resting(&self) -> impl Drop + '_ {
         struct Resting<'a>(&'a Doorbell);
         impl Drop for Resting<'_> {
             fn drop(&mut self) {
+                *self.0.resting.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
                 self.0.awake();
             }
         }
         *self.asleep.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let mut resting = self.resting.lock().unwrap_or_else(|e| e.into_inner());
+        *resting += 1;
+        if *resting == self.workers {
+            self.wanted
+                .send_if_modified(|wanted| std::mem::replace(wanted, false));
+        }
         Resting(self)
     }
 
@@ -222,6 +237,28 @@ mod tests {
         assert!(*doorbell.wanted().borrow());
         doorbell.busy(SUSTAINED);
         assert!(!*doorbell.wanted().borrow());
+    }
+
+    #[test]
+    fn a_relay_whose_workers_all_rest_lets_the_doorbell_go_until_one_finds_nothing() {
+        let doorbell = Doorbell::new(2);
+        assert_eq!(doorbell.idle(0), Rest::Sleep);
+        assert_eq!(doorbell.idle(0), Rest::Arm);
+        doorbell.set_armed(1);
+        doorbell.awake();
+        doorbell.awake();
+        // One worker backs off: the other can still claim, the doorbell stays.
+        let first = doorbell.resting();
+        assert!(*doorbell.wanted().borrow());
+        // Both: nothing in this relay can claim.
+        let second = doorbell.resting();
+        assert!(!*doorbell.wanted().borrow());
+        doorbell.set_disarmed();
+        drop((first, second));
+        // Back, and finding nothing: the last one awake asks for it again.
+        assert_eq!(doorbell.idle(0), Rest::Sleep);
+        assert_eq!(doorbell.idle(0), Rest::Arm);
+        assert!(*doorbell.wanted().borrow());
     }
 
     #[test]

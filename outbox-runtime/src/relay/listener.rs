@@ -4,8 +4,12 @@
 //! The outbox's insert trigger calls `pg_notify('outbox_events', '')` while the doorbell is
 //! armed; PostgreSQL delivers the notification when the inserting transaction commits and
 //! drops it when it rolls back (PostgreSQL docs, NOTIFY), so a notification means committed
-//! rows. Each one wakes every worker; a worker woken while busy keeps the wake-up for its
-//! next wait, so none is lost between a notification and the worker's next claim.
+//! rows. While the relay holds the doorbell, each one wakes every worker; a worker woken
+//! while busy keeps the wake-up for its next wait, so none is lost between a notification
+//! and the worker's next claim. A relay that does not hold it ignores notifications: they
+//! ring for the relay that does (every listener receives every notification), and a relay
+//! that waits for the doorbell, or is busy and claims anyway, would only claim beside the
+//! holder and find nothing.
 //!
 //! The same connection holds the doorbell's advisory lock, taken and released as the
 //! workers ask: a session-level lock needs no open transaction, and it goes with the
@@ -92,10 +96,15 @@ pub(super) async fn run(
                             return;
                         }
                         notification = notifications.next() => match notification {
-                            Some(Ok(_)) => {
+                            // Only the relay holding the doorbell is woken: another relay
+                            // that waits for it (or a busy one, which claims anyway) would
+                            // claim beside the holder and find nothing, and, never claiming
+                            // rows twice in a row, never let the doorbell go.
+                            Some(Ok(_)) if holding => {
                                 metrics::counter!("outbox_relay_notifications_total").increment(1);
                                 wake_all();
                             }
+                            Some(Ok(_)) => {}
                             Some(Err(error)) => {
                                 tracing::warn!(%error, "the relay's LISTEN connection failed; polling until it is back");
                                 break;
