@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
-use outbox_runtime::relay::DOORBELL_LOCK;
+use outbox_runtime::relay::{BUSY_LOCK, DOORBELL_LOCK};
 use outbox_runtime::{Relay, UnitOfWorkError};
 use support::counters::Counters;
 use support::domain::Order;
@@ -261,34 +261,136 @@ async fn a_notification_wakes_only_the_relay_holding_the_doorbell() {
     assert_eq!(env.stream_messages().await.len() as u64, COMMITS);
 }
 
-/// Waits until a relay holds the doorbell (its lock granted in the env's database).
-async fn until_a_relay_holds_the_doorbell(env: &TestEnv) {
+/// Whether a session of the env's database holds the advisory lock `key` (`mode`:
+/// `ExclusiveLock` or `ShareLock`).
+async fn holds(conn: &mut AsyncPgConnection, key: (i32, i32), mode: &str) -> bool {
     #[derive(diesel::QueryableByName)]
     struct Held {
         #[diesel(sql_type = diesel::sql_types::Bool)]
         held: bool,
     }
+    diesel::sql_query(format!(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+            AND classid = {} AND objid = {} AND mode = '{mode}') AS held",
+        key.0, key.1
+    ))
+    .get_result::<Held>(conn)
+    .await
+    .unwrap()
+    .held
+}
+
+/// Waits until a relay holds the doorbell (its lock granted in the env's database).
+async fn until_a_relay_holds_the_doorbell(env: &TestEnv) {
     let mut conn = env.conn().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let Held { held } = diesel::sql_query(format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
-                AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-                AND classid = {} AND objid = {}) AS held",
-            DOORBELL_LOCK.0, DOORBELL_LOCK.1
-        ))
-        .get_result(&mut conn)
-        .await
-        .unwrap();
-        if held {
-            return;
-        }
+    while !holds(&mut conn, DOORBELL_LOCK, "ExclusiveLock").await {
         assert!(
             std::time::Instant::now() < deadline,
             "no relay took the doorbell"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// An idle relay takes the doorbell only while no relay is busy (holds the busy lock in
+/// shared mode, as a relay claiming batch after batch does): the busy relay claims what
+/// commits. Once no relay is busy, the idle one takes the doorbell, and claims what
+/// committed meanwhile without waiting for its poll.
+#[tokio::test]
+async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
+    let env = TestEnv::new().await;
+    let mut busy = env.conn().await;
+    diesel::sql_query(format!(
+        "SELECT pg_advisory_lock_shared({}, {})",
+        BUSY_LOCK.0, BUSY_LOCK.1
+    ))
+    .execute(&mut busy)
+    .await
+    .unwrap();
+    let mut config = env.relay_config();
+    config.poll_interval = Duration::from_secs(60);
+    config.workers = 1;
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut listener = listening(&env).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut conn = env.conn().await;
+    assert!(
+        !holds(&mut conn, DOORBELL_LOCK, "ExclusiveLock").await,
+        "an idle relay took the doorbell while another relay was busy"
+    );
+    env.commit(&mut Order::place("o-1", "ada", 100)).await;
+    assert!(
+        !notified(&mut listener, Duration::from_millis(300)).await,
+        "a unit of work notified while the only idle relay left the doorbell"
+    );
+
+    diesel::sql_query(format!(
+        "SELECT pg_advisory_unlock_shared({}, {})",
+        BUSY_LOCK.0, BUSY_LOCK.1
+    ))
+    .execute(&mut busy)
+    .await
+    .unwrap();
+    until_a_relay_holds_the_doorbell(&env).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while env.stream_len().await < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the commit made while a relay was busy waits for the poll"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    relay.shutdown().await.unwrap();
+}
+
+/// A relay that claims batch after batch holds the busy lock in shared mode meanwhile, and
+/// gives it back once it has drained the outbox (then it holds the doorbell).
+#[tokio::test]
+async fn a_busy_relay_holds_the_busy_lock_until_it_is_idle() {
+    const ORDERS: usize = 200;
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let mut orders: Vec<Order> = (0..ORDERS)
+        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+        .collect();
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            for order in &mut orders {
+                uow.track(order);
+            }
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    let mut config = env.relay_config();
+    config.poll_interval = Duration::from_secs(60);
+    config.batch_size = 5;
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut seen_busy = false;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while env.stream_len().await < ORDERS as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the drain did not end"
+        );
+        seen_busy |= holds(&mut conn, BUSY_LOCK, "ShareLock").await;
+    }
+    until_a_relay_holds_the_doorbell(&env).await;
+    let busy_after = holds(&mut conn, BUSY_LOCK, "ShareLock").await;
+    relay.shutdown().await.unwrap();
+    assert!(
+        seen_busy,
+        "the busy lock was never held during a drain of 40 batches"
+    );
+    assert!(!busy_after, "the busy lock is still held by an idle relay");
 }
 
 /// A relay holding the doorbell that cannot publish (its broker stopped answering) lets the

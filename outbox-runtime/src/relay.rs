@@ -74,7 +74,7 @@ use {
 };
 
 #[cfg(feature = "postgres")]
-pub use doorbell::DOORBELL_LOCK;
+pub use doorbell::{BUSY_LOCK, DOORBELL_LOCK};
 pub use worker::BatchReport;
 
 /// What happens to the later rows of an aggregate when one of its rows is dead-lettered.

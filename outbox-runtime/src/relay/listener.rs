@@ -27,7 +27,7 @@ use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::doorbell::{self, Doorbell};
+use super::doorbell::{self, Doorbell, Want};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
 
@@ -49,45 +49,28 @@ pub(super) async fn run(
             Ok(mut conn) => {
                 backoff.reset();
                 wake_all();
-                let mut holding = false;
-                // When the next attempt to arm may be made.
-                let mut attempt_at = tokio::time::Instant::now();
+                let mut locks = Locks {
+                    doorbell: false,
+                    busy: false,
+                    want: Want::Nothing,
+                    attempt_at: tokio::time::Instant::now(),
+                };
                 loop {
                     let want = *wanted.borrow_and_update();
-                    let now = tokio::time::Instant::now();
-                    let rung = match (want, holding) {
-                        (true, false) if now >= attempt_at => {
-                            arm(shared, &mut conn).await.map(|granted| {
-                                if granted {
-                                    holding = true;
-                                    epoch += 1;
-                                    doorbell.set_armed(epoch);
-                                    metrics::counter!("outbox_relay_doorbell_armed_total")
-                                        .increment(1);
-                                } else {
-                                    attempt_at = now + doorbell::ARM_RETRY;
-                                }
-                            })
-                        }
-                        (false, true) => {
-                            doorbell.set_disarmed();
-                            holding = false;
-                            lock_statement(
-                                shared,
-                                &mut conn,
-                                "disarming the relay's doorbell",
-                                doorbell::DISARM,
-                            )
-                            .await
-                        }
-                        _ => Ok(()),
-                    };
-                    if let Err(error) = rung {
+                    if let Err(error) =
+                        follow(shared, &mut conn, doorbell, want, &mut locks, &mut epoch).await
+                    {
                         tracing::warn!(%error, "the relay's LISTEN connection failed; polling until it is back");
                         break;
                     }
-                    // An attempt to arm that timed out is retried after ARM_RETRY of listening.
-                    let retry = want && !holding;
+                    // An attempt that failed is retried after ARM_RETRY of listening.
+                    let holding = locks.doorbell;
+                    let retry = match want {
+                        Want::Doorbell => !locks.doorbell,
+                        Want::Busy => !locks.busy,
+                        Want::Nothing => false,
+                    };
+                    let attempt_at = locks.attempt_at;
                     let mut notifications = std::pin::pin!(conn.notifications_stream());
                     tokio::select! {
                         biased;
@@ -98,8 +81,7 @@ pub(super) async fn run(
                         notification = notifications.next() => match notification {
                             // Only the relay holding the doorbell is woken: another relay
                             // that waits for it (or a busy one, which claims anyway) would
-                            // claim beside the holder and find nothing, and, never claiming
-                            // rows twice in a row, never let the doorbell go.
+                            // claim beside the holder and find nothing.
                             Some(Ok(_)) if holding => {
                                 metrics::counter!("outbox_relay_notifications_total").increment(1);
                                 wake_all();
@@ -131,6 +113,119 @@ pub(super) async fn run(
             () = tokio::time::sleep(backoff.next()) => {}
         }
     }
+}
+
+/// The listener connection's advisory locks, and when a failed attempt may be made again.
+struct Locks {
+    /// The doorbell, held exclusively: the relay waits for rows.
+    doorbell: bool,
+    /// The busy lock, held in shared mode: the relay claims batch after batch.
+    busy: bool,
+    /// What the workers wanted when last followed.
+    want: Want,
+    attempt_at: tokio::time::Instant,
+}
+
+/// Takes and releases the listener connection's locks as the workers `want`:
+///
+/// - [`Want::Doorbell`]: the busy lock goes; the doorbell is taken unless another relay is
+///   busy (it claims what commits, and a doorbell rung for this relay would only make every
+///   commit notify) or holds it, in which case the attempt is made again after
+///   [`doorbell::ARM_RETRY`];
+/// - [`Want::Busy`]: the doorbell goes, the busy lock is taken (shared with other busy
+///   relays; a relay probing it holds it exclusively for an instant, then the attempt is
+///   made again);
+/// - [`Want::Nothing`]: both go, so another relay takes the doorbell.
+async fn follow(
+    shared: &Shared,
+    conn: &mut AsyncPgConnection,
+    doorbell: &Doorbell,
+    want: Want,
+    locks: &mut Locks,
+    epoch: &mut u64,
+) -> Result<(), LockError> {
+    if want != Want::Doorbell && locks.doorbell {
+        doorbell.set_disarmed();
+        locks.doorbell = false;
+        lock_statement(
+            shared,
+            conn,
+            "disarming the relay's doorbell",
+            doorbell::DISARM,
+        )
+        .await?;
+    }
+    if want != Want::Busy && locks.busy {
+        locks.busy = false;
+        lock_statement(
+            shared,
+            conn,
+            "releasing the relay's busy lock",
+            doorbell::IDLE,
+        )
+        .await?;
+    }
+    let now = tokio::time::Instant::now();
+    if want != locks.want {
+        // A new wish is acted on at once, whatever a failed attempt at the last one said.
+        locks.want = want;
+        locks.attempt_at = now;
+    }
+    if now < locks.attempt_at {
+        return Ok(());
+    }
+    match want {
+        Want::Doorbell if !locks.doorbell => {
+            if !granted(
+                shared,
+                conn,
+                "probing for busy relays",
+                doorbell::NO_ONE_BUSY,
+            )
+            .await?
+            {
+                locks.attempt_at = now + doorbell::ARM_RETRY;
+            } else if arm(shared, conn).await? {
+                locks.doorbell = true;
+                *epoch += 1;
+                doorbell.set_armed(*epoch);
+                metrics::counter!("outbox_relay_doorbell_armed_total").increment(1);
+            } else {
+                locks.attempt_at = now + doorbell::ARM_RETRY;
+            }
+        }
+        Want::Busy if !locks.busy => {
+            if granted(shared, conn, "taking the relay's busy lock", doorbell::BUSY).await? {
+                locks.busy = true;
+            } else {
+                locks.attempt_at = now + doorbell::ARM_RETRY;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Runs `sql`, a `SELECT` of one boolean named `granted`.
+async fn granted(
+    shared: &Shared,
+    conn: &mut AsyncPgConnection,
+    operation: &'static str,
+    sql: &'static str,
+) -> Result<bool, LockError> {
+    #[derive(diesel::QueryableByName)]
+    struct Granted {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        granted: bool,
+    }
+    database::bounded(
+        shared.config.statement_timeout,
+        &shared.target,
+        operation,
+        diesel::sql_query(sql).get_result::<Granted>(conn),
+    )
+    .await
+    .map(|row| row.granted)
 }
 
 async fn listen(shared: &Shared) -> Result<AsyncPgConnection, String> {
