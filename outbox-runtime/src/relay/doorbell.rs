@@ -167,7 +167,9 @@ impl Doorbell {
     /// When every worker rests, the relay can claim nothing: it lets the doorbell go, so
     /// that another relay can take it and be woken for the commits meanwhile (only the
     /// holder is woken: `listener`). Its workers ask for it again once one finds nothing to
-    /// claim.
+    /// claim. So it does when the relay was busy and the others sleep: until one of them
+    /// polls, it claims nothing, and its busy lock would keep another relay from the
+    /// doorbell.
     pub(super) fn resting(&self) -> impl Drop + '_ {
         struct Resting<'a>(&'a Doorbell);
         impl Drop for Resting<'_> {
@@ -176,10 +178,16 @@ impl Doorbell {
                 self.0.awake();
             }
         }
-        *self.asleep.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let asleep = {
+            let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
+            *asleep += 1;
+            *asleep
+        };
         let mut resting = self.resting.lock().unwrap_or_else(|e| e.into_inner());
         *resting += 1;
-        if *resting == self.workers {
+        if *resting == self.workers
+            || (asleep == self.workers && *self.wanted.borrow() == Want::Busy)
+        {
             self.want(Want::Nothing);
         }
         Resting(self)
@@ -306,6 +314,18 @@ mod tests {
         assert_eq!(doorbell.idle(0), Rest::Sleep);
         assert_eq!(doorbell.idle(0), Rest::Arm);
         assert_eq!(*doorbell.wanted().borrow(), Want::Doorbell);
+    }
+
+    #[test]
+    fn a_busy_relay_whose_last_worker_awake_backs_off_gives_up_its_locks() {
+        let doorbell = Doorbell::new(2);
+        doorbell.busy(SUSTAINED);
+        // One worker finds nothing and sleeps, counting on the other, which backs off.
+        assert_eq!(doorbell.idle(0), Rest::Sleep);
+        assert_eq!(*doorbell.wanted().borrow(), Want::Busy);
+        let resting = doorbell.resting();
+        assert_eq!(*doorbell.wanted().borrow(), Want::Nothing);
+        drop(resting);
     }
 
     #[test]
