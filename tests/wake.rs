@@ -9,7 +9,7 @@ use std::time::Duration;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use outbox_runtime::relay::{BUSY_LOCK, DOORBELL_LOCK};
-use outbox_runtime::{Relay, UnitOfWorkError};
+use outbox_runtime::{Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use support::counters::Counters;
 use support::domain::Order;
 use support::{TestEnv, insert_raw};
@@ -132,6 +132,19 @@ async fn commit_round(env: &TestEnv, conns: &mut [AsyncPgConnection], round: usi
     writers
 }
 
+/// The env's relay config with `workers` workers, polling once a minute: what a test waits
+/// for must come from a notification or a claim of the relay's own.
+fn polling_once_a_minute(env: &TestEnv, workers: usize) -> RelayConfig {
+    let mut config = env.relay_config();
+    config.poll_interval = Duration::from_secs(60);
+    config.workers = workers;
+    config
+}
+
+async fn spawned(config: RelayConfig, nats: &async_nats::Client) -> RelayHandle {
+    Relay::connect(config, nats.clone()).await.unwrap().spawn()
+}
+
 /// `relays` relays of `workers` workers each, polling once a minute, and rounds of
 /// concurrent commits, each round waited for in the stream: a commit that neither notified
 /// a waiting relay nor was seen by a claim would wait a minute.
@@ -139,11 +152,7 @@ async fn every_commit_wakes(relays: usize, workers: usize) {
     let env = TestEnv::new().await;
     let mut handles = Vec::new();
     for _ in 0..relays {
-        let mut config = env.relay_config();
-        config.poll_interval = Duration::from_secs(60);
-        config.workers = workers;
-        let relay = Relay::connect(config, env.nats.clone()).await.unwrap();
-        handles.push(relay.spawn());
+        handles.push(spawned(polling_once_a_minute(&env, workers), &env.nats).await);
     }
     let mut conns = Vec::new();
     for _ in 0..6 {
@@ -208,16 +217,9 @@ async fn a_notification_wakes_only_the_relay_holding_the_doorbell() {
     let mut handles = Vec::new();
     let mut stream = String::new();
     for _ in 0..2 {
-        let mut config = env.relay_config();
-        config.poll_interval = Duration::from_secs(60);
-        config.workers = 1;
+        let config = polling_once_a_minute(&env, 1);
         stream.clone_from(&config.topology.stream.name);
-        handles.push(
-            Relay::connect(config, env.nats.clone())
-                .await
-                .unwrap()
-                .spawn(),
-        );
+        handles.push(spawned(config, &env.nats).await);
     }
     let claims = |found: &str| {
         counters.get(&format!(
@@ -232,14 +234,7 @@ async fn a_notification_wakes_only_the_relay_holding_the_doorbell() {
     for n in 0..COMMITS {
         env.commit(&mut Order::place(&format!("o-{n}"), "ada", 100))
             .await;
-        let deadline = std::time::Instant::now() + Duration::from_secs(3);
-        while env.stream_len().await < n + 1 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "commit {n} is not in the stream after 3 s"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        env.until_stream_holds(n + 1, Duration::from_secs(3)).await;
         // The holder's claim after its batch.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -307,13 +302,7 @@ async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
     .execute(&mut busy)
     .await
     .unwrap();
-    let mut config = env.relay_config();
-    config.poll_interval = Duration::from_secs(60);
-    config.workers = 1;
-    let relay = Relay::connect(config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let relay = spawned(polling_once_a_minute(&env, 1), &env.nats).await;
     let mut listener = listening(&env).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut conn = env.conn().await;
@@ -335,14 +324,8 @@ async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
     .await
     .unwrap();
     until_a_relay_holds_the_doorbell(&env).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(3);
-    while env.stream_len().await < 1 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the commit made while a relay was busy waits for the poll"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // Not the poll: it comes in a minute.
+    env.until_stream_holds(1, Duration::from_secs(3)).await;
     relay.shutdown().await.unwrap();
 }
 
@@ -368,10 +351,7 @@ async fn a_busy_relay_holds_the_busy_lock_until_it_is_idle() {
     let mut config = env.relay_config();
     config.poll_interval = Duration::from_secs(60);
     config.batch_size = 5;
-    let relay = Relay::connect(config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let relay = spawned(config, &env.nats).await;
     let mut seen_busy = false;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while env.stream_len().await < ORDERS as u64 {
@@ -398,15 +378,11 @@ async fn a_busy_relay_holds_the_busy_lock_until_it_is_idle() {
 #[tokio::test]
 async fn a_relay_that_cannot_publish_lets_another_take_the_doorbell() {
     let env = TestEnv::new().await;
-    let mut config = env.relay_config();
-    config.poll_interval = Duration::from_secs(60);
-    config.workers = 1;
+    let mut config = polling_once_a_minute(&env, 1);
     config.ack_timeout = Duration::from_millis(500);
     // Relay A, the first to hold the doorbell, reaches the broker through a proxy.
-    let server = outbox_runtime::testing::nats_url();
-    let server = server.trim_start_matches("nats://");
     let proxy = support::Proxy::start(
-        tokio::net::lookup_host(server)
+        tokio::net::lookup_host(env.nats_url().trim_start_matches("nats://"))
             .await
             .unwrap()
             .next()
@@ -416,15 +392,9 @@ async fn a_relay_that_cannot_publish_lets_another_take_the_doorbell() {
     let unanswered = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
         .await
         .unwrap();
-    let a = Relay::connect(config.clone(), unanswered)
-        .await
-        .unwrap()
-        .spawn();
+    let a = spawned(config.clone(), &unanswered).await;
     until_a_relay_holds_the_doorbell(&env).await;
-    let b = Relay::connect(config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let b = spawned(config, &env.nats).await;
     // B has claimed once and waits for the doorbell A holds.
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.freeze(true);
@@ -432,14 +402,7 @@ async fn a_relay_that_cannot_publish_lets_another_take_the_doorbell() {
     env.commit(&mut Order::place("o-1", "ada", 100)).await;
     // A claims the row, its publish times out (0.5 s), it rolls back and backs off; B must
     // take the doorbell and publish the row long before its poll (60 s).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while env.stream_len().await < 1 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the commit is not in the stream after 10 s: no relay that can publish was woken"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    env.until_stream_holds(1, Duration::from_secs(10)).await;
     b.shutdown().await.unwrap();
     proxy.freeze(false);
     a.shutdown().await.unwrap();

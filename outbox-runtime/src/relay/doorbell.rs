@@ -115,13 +115,20 @@ pub(super) enum Rest {
     Arm,
 }
 
+/// Workers asleep (having chosen [`Rest::Sleep`], or [`resting`](Doorbell::resting)), and
+/// of them those resting.
+#[derive(Debug, Default)]
+struct Counts {
+    asleep: usize,
+    resting: usize,
+}
+
 /// The doorbell's state in the relay: what the workers want, and whether the lock is held.
 pub(super) struct Doorbell {
     workers: usize,
-    /// Workers asleep (having chosen [`Rest::Sleep`]) or [`resting`](Self::resting).
-    asleep: Mutex<usize>,
-    /// Workers [`resting`](Self::resting).
-    resting: Mutex<usize>,
+    /// Workers asleep, and of them those resting: one lock, so that a decision reads both
+    /// as they are.
+    counts: Mutex<Counts>,
     /// What the workers want of the locks; the listener follows it.
     wanted: watch::Sender<Want>,
     /// The epoch of the armed doorbell; 0 while it is not.
@@ -132,8 +139,7 @@ impl Doorbell {
     pub(super) fn new(workers: usize) -> Self {
         Self {
             workers,
-            asleep: Mutex::new(0),
-            resting: Mutex::new(0),
+            counts: Mutex::default(),
             wanted: watch::Sender::new(Want::Nothing),
             armed: watch::Sender::new(0),
         }
@@ -150,10 +156,10 @@ impl Doorbell {
     /// doorbell and claim, before it sleeps). The last one awake asks for the doorbell and
     /// must claim once more when it is armed.
     pub(super) fn idle(&self, epoch: u64) -> Rest {
-        let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts();
         let now = self.epoch();
-        if (now != 0 && now == epoch) || *asleep + 1 < self.workers {
-            *asleep += 1;
+        if (now != 0 && now == epoch) || counts.asleep + 1 < self.workers {
+            counts.asleep += 1;
             return Rest::Sleep;
         }
         self.want(Want::Doorbell);
@@ -174,19 +180,16 @@ impl Doorbell {
         struct Resting<'a>(&'a Doorbell);
         impl Drop for Resting<'_> {
             fn drop(&mut self) {
-                *self.0.resting.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-                self.0.awake();
+                let mut counts = self.0.counts();
+                counts.resting -= 1;
+                counts.asleep = counts.asleep.saturating_sub(1);
             }
         }
-        let asleep = {
-            let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
-            *asleep += 1;
-            *asleep
-        };
-        let mut resting = self.resting.lock().unwrap_or_else(|e| e.into_inner());
-        *resting += 1;
-        if *resting == self.workers
-            || (asleep == self.workers && *self.wanted.borrow() == Want::Busy)
+        let mut counts = self.counts();
+        counts.asleep += 1;
+        counts.resting += 1;
+        if counts.asleep == self.workers
+            && (counts.resting == self.workers || *self.wanted.borrow() == Want::Busy)
         {
             self.want(Want::Nothing);
         }
@@ -195,8 +198,13 @@ impl Doorbell {
 
     /// A worker that chose [`Rest::Sleep`] woke.
     pub(super) fn awake(&self) {
-        let mut asleep = self.asleep.lock().unwrap_or_else(|e| e.into_inner());
-        *asleep = asleep.saturating_sub(1);
+        let mut counts = self.counts();
+        counts.asleep = counts.asleep.saturating_sub(1);
+    }
+
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+        // A poisoned lock only means a worker panicked holding it: the counts stand.
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A worker claimed rows in `streak` batches in a row, without waiting in between. From
