@@ -471,6 +471,65 @@ async fn a_relays_workers_claim_in_turn_and_do_not_come_back_empty_while_rows_wa
     );
 }
 
+/// An idle relay polls once per poll interval, not once per worker: its workers' polls are
+/// the relay's, a claim by any of them counts, and one that finds rows wakes the others.
+/// (Each worker polling on its own, this relay of 4 workers claimed about 4 times per
+/// interval.) A row committed without a notification is still claimed within the interval.
+#[tokio::test]
+async fn an_idle_relay_polls_once_per_interval_whatever_its_workers() {
+    const WORKERS: usize = 4;
+    const INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+    const WATCHED: std::time::Duration = std::time::Duration::from_secs(2);
+    let counters = Counters::installed();
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.workers = WORKERS;
+    config.poll_interval = INTERVAL;
+    // Polling only: no claim after arming a doorbell, no notification.
+    config.listen = false;
+    let key = format!(
+        "outbox_relay_claims_total{{stream={},found=nothing}}",
+        config.topology.stream.name
+    );
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    // Past the workers' first claims.
+    tokio::time::sleep(3 * INTERVAL).await;
+    let before = counters.get(&key);
+    tokio::time::sleep(WATCHED).await;
+    let polls = counters.get(&key) - before;
+    let intervals = (WATCHED.as_millis() / INTERVAL.as_millis()) as u64;
+    assert!(
+        polls <= intervals + 2,
+        "{polls} empty claims in {intervals} poll intervals by an idle relay of {WORKERS} workers"
+    );
+    assert!(
+        polls >= intervals / 2,
+        "the idle relay polled {polls} times in {intervals} poll intervals"
+    );
+
+    let mut conn = env.conn().await;
+    let started = std::time::Instant::now();
+    support::insert_raw(
+        &mut conn,
+        "polled",
+        &format!("{}.Raw.polled.Written", env.prefix),
+    )
+    .await;
+    env.until_stream_holds(1, std::time::Duration::from_secs(5))
+        .await;
+    let waited = started.elapsed();
+    relay.shutdown().await.unwrap();
+    println!("{polls} empty claims in {intervals} poll intervals; a row waited {waited:?}");
+    assert!(
+        waited < 10 * INTERVAL,
+        "a row committed without a notification waited {waited:?} for a relay polling every \
+         {INTERVAL:?}"
+    );
+}
+
 #[tokio::test]
 async fn in_mark_mode_published_rows_stay_with_their_time_and_are_not_claimed_again() {
     let env = TestEnv::new().await;

@@ -117,8 +117,10 @@ pub struct RelayConfig {
     /// Wake on `LISTEN/NOTIFY` when rows commit (inserts notify only while the relay waits:
     /// see the module's documentation). When `false`, the relay only polls. Default `true`.
     pub listen: bool,
-    /// How long an idle worker waits before it looks again without a notification.
-    /// Default 500 ms.
+    /// How long an idle relay waits before it looks again without a notification: a poll
+    /// falls due this long after the relay's last claim began, and one of its idle workers
+    /// claims (the others wait on; a claim that finds rows wakes them), so an idle relay
+    /// claims once per interval whatever its `workers`. Default 500 ms.
     pub poll_interval: Duration,
     /// How long to wait for a JetStream ack before the publish counts as a transport
     /// failure. Default 5 s, async-nats's own default.

@@ -106,8 +106,8 @@ pub(super) async fn run<C: RelayStore>(
         }
         match step {
             Step::Busy => backoff.reset(),
-            // Woken by a notification, by another worker's batch, or after the poll
-            // interval; without a listener, polling alone.
+            // Woken by a notification, by another worker's batch, or when the relay's poll
+            // falls due (one worker's, for all); without a listener, polling alone.
             Step::Idle => {
                 backoff.reset();
                 let rest = doorbell
@@ -124,7 +124,7 @@ pub(super) async fn run<C: RelayStore>(
                     () = stop.cancelled() => {}
                     () = wake.notified() => {}
                     () = armed => {}
-                    () = tokio::time::sleep(config.poll_interval) => {}
+                    () = shared.held.poll_due(config.poll_interval) => {}
                 }
                 if let (Some(doorbell), Rest::Sleep) = (&doorbell, rest) {
                     doorbell.awake();
@@ -528,9 +528,19 @@ async fn stream_answers_now(shared: &Shared, connects: u64) -> bool {
 /// would not know what the peer is claiming, read the same window, find its heads locked
 /// and come back empty, paying a full claim for nothing (measured with `relay_bench`
 /// figure 3: a worker came back empty from 5 to 16 times in its 20 to 26 claims of a drain).
+///
+/// Idle workers poll for the relay, not each for itself ([`poll_due`](Self::poll_due)): a
+/// claim by any worker counts as the relay's look, and the next poll comes a poll interval
+/// after the relay's last claim began. A worker that finds rows wakes its peers, so one
+/// look per interval sees what N would, and an idle relay costs the database one claim per
+/// poll interval whatever its worker count (per worker, an idle relay of 4 workers claimed
+/// 4 times per interval; beside a busy relay, each such claim walks the heads the busy one
+/// holds and finds them locked).
 pub(super) struct HeldAggregates {
     slots: Vec<std::sync::Mutex<Vec<(String, String)>>>,
     turn: tokio::sync::Mutex<()>,
+    /// When the relay's last claim took its turn, or its last poll fell due.
+    last_look: std::sync::Mutex<tokio::time::Instant>,
 }
 
 impl HeldAggregates {
@@ -538,13 +548,45 @@ impl HeldAggregates {
         Self {
             slots: (0..workers).map(|_| std::sync::Mutex::default()).collect(),
             turn: tokio::sync::Mutex::new(()),
+            last_look: std::sync::Mutex::new(tokio::time::Instant::now()),
         }
     }
 
     /// Waits for the relay's turn to claim; the turn ends when the guard drops, after the
     /// claim's aggregates are recorded with [`hold`](Self::hold).
     async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
-        self.turn.lock().await
+        let turn = self.turn.lock().await;
+        *self.last_look() = tokio::time::Instant::now();
+        turn
+    }
+
+    fn last_look(&self) -> std::sync::MutexGuard<'_, tokio::time::Instant> {
+        // The guarded value is an instant, whole whatever a panicking holder did.
+        self.last_look
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Completes once `interval` has passed since the relay last looked for rows (a claim
+    /// took its turn, or a poll fell due), and counts as the relay's look from then: of idle
+    /// workers whose intervals run out together, one goes on to claim and the others wait
+    /// a whole interval more. So a row committed without a notification is claimed within
+    /// about `interval`, as when each worker polled on its own. Cancel-safe: the look is
+    /// taken only when the future completes.
+    pub(super) async fn poll_due(&self, interval: Duration) {
+        loop {
+            let due = {
+                let mut last = self.last_look();
+                let due = *last + interval;
+                let now = tokio::time::Instant::now();
+                if now >= due {
+                    *last = now;
+                    return;
+                }
+                due
+            };
+            tokio::time::sleep_until(due).await;
+        }
     }
 
     fn slot(&self, worker: usize) -> std::sync::MutexGuard<'_, Vec<(String, String)>> {
