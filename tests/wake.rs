@@ -254,6 +254,40 @@ async fn a_notification_wakes_only_the_relay_holding_the_doorbell() {
     assert_eq!(env.stream_messages().await.len() as u64, COMMITS);
 }
 
+/// A relay that starts on an empty outbox claims once per worker, and once more after it
+/// arms the doorbell; then it waits for a notification. (Its listener woke every worker when
+/// it first listened: each claimed a second time, for nothing, 7 claims for 3 workers.) A
+/// commit after that still reaches the stream at once, through the doorbell.
+#[tokio::test]
+async fn a_relay_starting_idle_claims_once_per_worker_and_once_after_arming() {
+    const WORKERS: usize = 3;
+    let counters = Counters::installed();
+    let env = TestEnv::new().await;
+    let config = polling_once_a_minute(&env, WORKERS);
+    let key = format!(
+        "outbox_relay_claims_total{{stream={},found=nothing}}",
+        config.topology.stream.name
+    );
+    let relay = spawned(config, &env.nats).await;
+    until_a_relay_holds_the_doorbell(&env).await;
+    // The claim after arming, however slow the host; then time for any claim more.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while counters.get(&key) <= WORKERS as u64 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let claims = counters.get(&key);
+
+    env.commit(&mut Order::place("o-1", "ada", 100)).await;
+    env.until_stream_holds(1, Duration::from_secs(3)).await;
+    relay.shutdown().await.unwrap();
+    assert_eq!(
+        claims,
+        WORKERS as u64 + 1,
+        "a relay of {WORKERS} workers starting idle claimed {claims} times"
+    );
+}
+
 /// Whether a session of the env's database holds the advisory lock `key` (`mode`:
 /// `ExclusiveLock` or `ShareLock`).
 async fn holds(conn: &mut AsyncPgConnection, key: (i32, i32), mode: &str) -> bool {

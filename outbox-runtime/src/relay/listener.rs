@@ -17,7 +17,12 @@
 //!
 //! Notifications are an accelerator, not the mechanism: when the connection drops the
 //! listener reconnects with backoff and, once listening again, wakes the workers (rows may
-//! have committed while nobody listened). Meanwhile the workers poll.
+//! have committed while nobody listened: notified for this relay's doorbell until the server
+//! noticed the dropped connection, and ignored by the other relays). Meanwhile the workers
+//! poll. The first connection wakes nobody: the workers claim as they start, and what commits
+//! after a worker's first claim is claimed once the doorbell is armed, or rings for the relay
+//! that holds it, or is claimed by a busy relay (a wake-up would only have each worker claim
+//! twice at start, the second time for nothing).
 
 use std::sync::Arc;
 
@@ -44,11 +49,15 @@ pub(super) async fn run(
     let mut backoff = Backoff::new(shared.config.max_backoff);
     let mut wanted = doorbell.wanted();
     let mut epoch = 0_u64;
+    let mut listened = false;
     while !stop.is_cancelled() {
         match listen(shared).await {
             Ok(mut conn) => {
                 backoff.reset();
-                wake_all();
+                if listened {
+                    wake_all();
+                }
+                listened = true;
                 let mut locks = Locks {
                     doorbell: false,
                     busy: false,
