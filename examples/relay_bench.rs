@@ -95,6 +95,11 @@ struct Args {
     /// last; the ratios are those of the medians.
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// Counts figure 3's claims (`outbox_relay_claims_total`, rows found or nothing) and
+    /// prints them after each drain. Installs a metrics recorder, which every metrics call of
+    /// the relays then pays, so the drains' rates are not those of the runs without it.
+    #[arg(long)]
+    count_claims: bool,
     /// The measurements to run, by number (1 to 11); all by default. Ratios are printed when
     /// both their parts ran.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 5, 6, 7, 8, 9, 10, 11])]
@@ -127,6 +132,8 @@ struct Bench {
     place: Place,
     /// The payload of every seeded row: a JSON object of `args.payload` bytes.
     payload: String,
+    /// The metrics recorder's reader, with `--count-claims`.
+    claims: Option<metrics_util::debugging::Snapshotter>,
 }
 
 #[tokio::main]
@@ -134,10 +141,19 @@ async fn main() -> Result<(), BoxError> {
     let args = Args::parse();
     let place = Place::new("bench").await?;
     let payload = place::payload(args.payload);
+    let claims = if args.count_claims {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install()?;
+        Some(snapshotter)
+    } else {
+        None
+    };
     let bench = Bench {
         args,
         place,
         payload,
+        claims,
     };
     let result = bench.run().await;
     bench.place.clean_up().await;
@@ -948,6 +964,8 @@ impl Bench {
             .get_stream(&self.place.stream)
             .await?;
         let done = stream.info().await?.state.messages + self.args.events as u64;
+        // Counted from here: the snapshot takes the counters' increments so far.
+        self.claims_since_last();
         let cpu = CpuTimes::now();
         let started = Instant::now();
         let handles: Vec<_> = relays.into_iter().map(Relay::spawn).collect();
@@ -959,10 +977,34 @@ impl Bench {
         }
         let elapsed = started.elapsed();
         println!("   {}", CpuTimes::per_event_since(cpu, self.args.events));
+        if let Some((rows, nothing)) = self.claims_since_last() {
+            println!("   claims of the drain: {rows} found rows, {nothing} found nothing");
+        }
         for handle in handles {
             handle.shutdown().await?;
         }
         Ok(self.args.events as f64 / elapsed.as_secs_f64())
+    }
+
+    /// With `--count-claims`: the relays' claims that found rows and that found nothing since
+    /// the last call, all streams together.
+    fn claims_since_last(&self) -> Option<(u64, u64)> {
+        use metrics_util::debugging::DebugValue;
+        let snapshotter = self.claims.as_ref()?;
+        let (mut rows, mut nothing) = (0, 0);
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let (DebugValue::Counter(count), "outbox_relay_claims_total") =
+                (value, key.key().name())
+            else {
+                continue;
+            };
+            match key.key().labels().find(|label| label.key() == "found") {
+                Some(label) if label.value() == "rows" => rows += count,
+                Some(_) => nothing += count,
+                None => {}
+            }
+        }
+        Some((rows, nothing))
     }
 
     /// Figure 5: commits one event per unit of work at `rate` for `latency_secs`, with the relay
