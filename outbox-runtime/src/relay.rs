@@ -89,9 +89,16 @@ pub enum DeadLetterPolicy {
     Skip,
 }
 
+/// The longest duration a [`RelayConfig`] takes in any of its fields: 2^31 - 1 ms (24 days,
+/// 20 h 31 min 23.647 s), the largest `statement_timeout` PostgreSQL accepts (an `int` of
+/// milliseconds: PostgreSQL docs, "Client Connection Defaults"). A longer one is refused at
+/// start-up with [`RelayError::Config`] naming the field, rather than overflowing the sums
+/// the relay makes of them ([`RelayConfig::redelivery_horizon`], deadlines).
+pub const MAX_DURATION: Duration = Duration::from_millis(2_147_483_647);
+
 /// How the relay runs: a plain struct with documented defaults. Start from
 /// [`RelayConfig::new`] and set fields. Its `Debug` shows the database URL without its
-/// password.
+/// password. Each duration is at most [`MAX_DURATION`].
 #[derive(Clone)]
 pub struct RelayConfig {
     /// The URL of the database holding the outbox table: PostgreSQL's for `Relay`, a
@@ -241,6 +248,23 @@ impl RelayConfig {
             if value.is_zero() {
                 return Err(RelayError::Config(format!(
                     "{name} must be longer than zero"
+                )));
+            }
+        }
+        for (name, value) in [
+            ("poll_interval", self.poll_interval),
+            ("ack_timeout", self.ack_timeout),
+            ("retry_delay", self.retry_delay),
+            ("max_retry_delay", self.max_retry_delay),
+            ("max_backoff", self.max_backoff),
+            ("connect_timeout", self.connect_timeout),
+            ("statement_timeout", self.statement_timeout),
+            ("stats_interval", self.stats_interval),
+        ] {
+            if value > MAX_DURATION {
+                return Err(RelayError::Config(format!(
+                    "{name} {value:?} is longer than a relay takes: at most {MAX_DURATION:?} \
+                     (2^31 - 1 ms, PostgreSQL's longest statement_timeout)"
                 )));
             }
         }
@@ -901,6 +925,38 @@ mod tests {
         let config = RelayConfig::new("postgres://");
         assert_eq!(config.redelivery_horizon(), Duration::from_millis(65_500));
         assert!(config.redelivery_horizon() < crate::StreamSettings::default().duplicate_window);
+    }
+
+    #[test]
+    fn a_duration_too_long_for_the_relay_is_refused_with_its_name() {
+        type Field = fn(&mut RelayConfig) -> &mut Duration;
+        let fields: [(&str, Field); 8] = [
+            ("poll_interval", |c| &mut c.poll_interval),
+            ("ack_timeout", |c| &mut c.ack_timeout),
+            ("retry_delay", |c| &mut c.retry_delay),
+            ("max_retry_delay", |c| &mut c.max_retry_delay),
+            ("max_backoff", |c| &mut c.max_backoff),
+            ("connect_timeout", |c| &mut c.connect_timeout),
+            ("statement_timeout", |c| &mut c.statement_timeout),
+            ("stats_interval", |c| &mut c.stats_interval),
+        ];
+        for (name, field) in fields {
+            let mut config = RelayConfig::new("postgres://");
+            *field(&mut config) = MAX_DURATION;
+            assert!(config.validate().is_ok(), "{name} at the bound");
+            // Every sum the relay makes of its durations holds at the bound.
+            let _ = config.redelivery_horizon();
+            for value in [MAX_DURATION + Duration::from_millis(1), Duration::MAX] {
+                *field(&mut config) = value;
+                match config.validate() {
+                    Err(RelayError::Config(message)) => assert!(
+                        message.starts_with(&format!("{name} {value:?} is longer")),
+                        "{message}"
+                    ),
+                    other => panic!("{name} = {value:?}: {other:?}"),
+                }
+            }
+        }
     }
 
     #[test]
