@@ -1018,6 +1018,13 @@ async fn a_purge_deletes_only_old_published_rows_and_dedup_keys<B: Operated>() {
     .await;
 
     let mut conn = B::operator_conn(&env).await;
+    // An age no row has (`Duration::MAX`: keep everything) deletes nothing and fails nothing.
+    for older_than in [Duration::MAX, Duration::from_secs(1_001 * 31_557_600)] {
+        let published = outbox_runtime::outbox::purge_published(&mut conn, older_than, 3, |_| {});
+        assert_eq!(published.await.unwrap(), 0, "{older_than:?}");
+        let keys = outbox_runtime::outbox::purge_dedup_keys(&mut conn, older_than, 3);
+        assert_eq!(keys.await.unwrap(), 0, "{older_than:?}");
+    }
     let day = Duration::from_secs(86_400);
     let mut totals = Vec::new();
     let purged = outbox_runtime::outbox::purge_published(&mut conn, day, 3, |total| {

@@ -580,6 +580,9 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
     )
     .await
     .unwrap();
+    // Retention for ever (`Duration::MAX`) deletes nothing and fails nothing.
+    let kept = outbox_runtime::inbox::purge(&mut conn, "policies", Duration::MAX, 10).await;
+    assert_eq!(kept.unwrap(), 0);
     let purged = outbox_runtime::inbox::purge(&mut conn, "policies", Duration::from_secs(3600), 10)
         .await
         .unwrap();

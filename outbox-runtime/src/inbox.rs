@@ -225,7 +225,8 @@ pub struct InboxConfig {
     /// Messages that cannot be read. Default [`Unreadable::DeadLetter`].
     pub unreadable: Unreadable,
     /// How long a handled message's id is kept. Default 7 days (see the module
-    /// documentation for why it must exceed the longest redelivery time).
+    /// documentation for why it must exceed the longest redelivery time). `Duration::MAX`
+    /// (anything over a thousand years) keeps them for ever.
     pub retention: Duration,
     /// How often expired inbox rows are deleted. Default 1 min.
     pub purge_interval: Duration,
@@ -1478,7 +1479,8 @@ impl InboxHandle {
 
 /// Deletes up to `limit` of `consumer`'s inbox rows handled more than `older_than` ago,
 /// oldest first, and failed attempts as old; returns how many inbox rows. A running
-/// [`Inbox`] does this every `purge_interval` with its `retention`.
+/// [`Inbox`] does this every `purge_interval` with its `retention`. An `older_than` over a
+/// thousand years (`Duration::MAX`, say) deletes nothing.
 ///
 /// # Errors
 /// The database's error.
@@ -1488,7 +1490,7 @@ pub async fn purge(
     older_than: Duration,
     limit: i64,
 ) -> diesel::QueryResult<usize> {
-    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    let older_than_ms = crate::outbox::purge::millis(older_than);
     queries::purge(conn, consumer, older_than_ms, limit).await
 }
 

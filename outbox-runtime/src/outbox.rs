@@ -532,7 +532,8 @@ pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) ->
 /// are kept. On MySQL, which has no partial indexes, through the claim's index on
 /// `available_at` (a row is published after it became available): beside the rows it
 /// deletes, a purge reads the queued rows and dead letters that became available before the
-/// cutoff. `conn` is any [`OperatorConnection`].
+/// cutoff. `conn` is any [`OperatorConnection`]. An `older_than` over a thousand years
+/// (`Duration::MAX`, say) deletes nothing: no row is older.
 ///
 /// # Errors
 /// The database's error; the batches before it stay deleted.
@@ -553,7 +554,8 @@ pub async fn purge_published<C: OperatorConnection>(
 ///
 /// A key must be kept as long as a duplicate of its event may still be emitted: a client's
 /// longest retry, a command's redelivery, a batch job's re-run. An event whose key was
-/// purged is written again. Keys are never purged by anything else.
+/// purged is written again. Keys are never purged by anything else. An `older_than` over a
+/// thousand years (`Duration::MAX`, say) deletes nothing.
 ///
 /// # Errors
 /// The database's error; the batches before it stay deleted.

@@ -6,10 +6,17 @@ use std::time::Duration;
 
 use diesel::QueryResult;
 
-/// `older_than` in whole milliseconds, saturated.
-fn millis(older_than: Duration) -> i64 {
-    i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX)
+/// `older_than` in whole milliseconds, at most [`LONGEST_AGE`]'s.
+pub(crate) fn millis(older_than: Duration) -> i64 {
+    i64::try_from(older_than.min(LONGEST_AGE).as_millis()).unwrap_or(i64::MAX)
 }
+
+/// The oldest a purge looks: a thousand years of 365.25 days. No row is older, and so a
+/// longer `older_than` (`Duration::MAX`, to keep everything) purges what this one does,
+/// nothing, where PostgreSQL would fail the statement: `now() - ms * interval '1
+/// millisecond'` is out of its interval's range from about 178 million years (PostgreSQL
+/// docs, "Date/Time Types"), and out of `timestamptz`'s before 4713 BC.
+const LONGEST_AGE: Duration = Duration::from_secs(1_000 * 31_557_600);
 
 // The module is crate-private in effect: `Purges` cannot be implemented outside the crate.
 pub(crate) mod sealed {
