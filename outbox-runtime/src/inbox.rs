@@ -109,6 +109,7 @@ use crate::database::{
 };
 use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox, require_migrations};
+use crate::relay::MAX_DURATION;
 use crate::subject::validate_token;
 use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
@@ -174,6 +175,9 @@ pub enum Unreadable {
 
 /// How a consumer runs: a plain struct with documented defaults. Start from
 /// [`InboxConfig::new`]. Its `Debug` shows the database URL without its password.
+/// `ack_wait`, `retry_delay`, `max_retry_delay`, `connect_timeout` and `statement_timeout`
+/// are at most [`MAX_DURATION`](crate::relay::MAX_DURATION); the other durations take any
+/// length.
 #[derive(Clone)]
 pub struct InboxConfig {
     /// The consumer's name: the durable JetStream consumer, and its key in the inbox tables.
@@ -362,6 +366,23 @@ impl InboxConfig {
             if value < least {
                 return Err(InboxError::Config(format!(
                     "{name} must be at least {least:?}, not {value:?}"
+                )));
+            }
+        }
+        // What the inbox adds up into deadlines, and sends to PostgreSQL as an `int` of
+        // milliseconds: at most the relay's bound. (`gap_timeout`, `retention` and
+        // `purge_interval` take any length: `Duration::MAX` means never.)
+        for (name, value) in [
+            ("ack_wait", self.ack_wait),
+            ("retry_delay", self.retry_delay),
+            ("max_retry_delay", self.max_retry_delay),
+            ("connect_timeout", self.connect_timeout),
+            ("statement_timeout", self.statement_timeout),
+        ] {
+            if value > MAX_DURATION {
+                return Err(InboxError::Config(format!(
+                    "{name} {value:?} is longer than an inbox takes: at most {MAX_DURATION:?} \
+                     (2^31 - 1 ms, PostgreSQL's longest statement_timeout)"
                 )));
             }
         }
@@ -1545,6 +1566,39 @@ mod tests {
         config.max_retry_delay = Duration::from_millis(350);
         let delays: Vec<u128> = (1..=5).map(|d| config.nak_delay(d).as_millis()).collect();
         assert_eq!(delays, [100, 200, 350, 350, 350]);
+    }
+
+    #[test]
+    fn a_duration_too_long_for_the_inbox_is_refused_with_its_name() {
+        type Field = fn(&mut InboxConfig) -> &mut Duration;
+        let fields: [(&str, Field); 5] = [
+            ("ack_wait", |c| &mut c.ack_wait),
+            ("retry_delay", |c| &mut c.retry_delay),
+            ("max_retry_delay", |c| &mut c.max_retry_delay),
+            ("connect_timeout", |c| &mut c.connect_timeout),
+            ("statement_timeout", |c| &mut c.statement_timeout),
+        ];
+        for (name, field) in fields {
+            let mut config = InboxConfig::new("c", "postgres://");
+            *field(&mut config) = MAX_DURATION;
+            assert!(config.validate().is_ok(), "{name} at the bound");
+            for value in [MAX_DURATION + Duration::from_millis(1), Duration::MAX] {
+                *field(&mut config) = value;
+                match config.validate() {
+                    Err(InboxError::Config(message)) => assert!(
+                        message.starts_with(&format!("{name} {value:?} is longer")),
+                        "{message}"
+                    ),
+                    other => panic!("{name} = {value:?}: {other:?}"),
+                }
+            }
+        }
+        // Never: a gap waited for, ids purged, a purge run.
+        let mut config = InboxConfig::new("c", "postgres://");
+        config.gap_timeout = Duration::MAX;
+        config.retention = Duration::MAX;
+        config.purge_interval = Duration::MAX;
+        assert!(config.validate().is_ok());
     }
 
     #[test]
