@@ -119,7 +119,8 @@ pub struct RelayConfig {
     /// memory: about `batch_size` times the average payload. Default 2000.
     pub batch_size: usize,
     /// The most publishes awaiting their ack at once, across the relay's workers
-    /// (async-nats's `max_ack_inflight`, with backpressure). Default 1024.
+    /// (async-nats's `max_ack_inflight`, with backpressure): at most tokio's
+    /// `Semaphore::MAX_PERMITS`, which bounds it. Default 1024.
     pub max_in_flight: usize,
     /// Wake on `LISTEN/NOTIFY` when rows commit (inserts notify only while the relay waits:
     /// see the module's documentation). When `false`, the relay only polls. Default `true`.
@@ -283,6 +284,14 @@ impl RelayConfig {
             return Err(RelayError::Config(format!(
                 "max_attempts {} is larger than the attempts column holds",
                 self.max_attempts
+            )));
+        }
+        // async-nats bounds the acks outstanding with a tokio semaphore of this many permits.
+        if self.max_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(RelayError::Config(format!(
+                "max_in_flight {} is more than the publisher's semaphore holds ({})",
+                self.max_in_flight,
+                tokio::sync::Semaphore::MAX_PERMITS
             )));
         }
         Ok(())
@@ -956,6 +965,20 @@ mod tests {
                     other => panic!("{name} = {value:?}: {other:?}"),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn more_acks_in_flight_than_a_semaphore_holds_are_refused() {
+        let mut config = RelayConfig::new("postgres://");
+        config.max_in_flight = tokio::sync::Semaphore::MAX_PERMITS;
+        assert!(config.validate().is_ok());
+        config.max_in_flight = usize::MAX;
+        match config.validate() {
+            Err(RelayError::Config(message)) => {
+                assert!(message.starts_with("max_in_flight "), "{message}");
+            }
+            other => panic!("{other:?}"),
         }
     }
 
