@@ -109,7 +109,7 @@ use crate::database::{
 };
 use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox, require_migrations};
-use crate::relay::MAX_DURATION;
+use crate::relay::too_long;
 use crate::subject::validate_token;
 use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
@@ -372,21 +372,17 @@ impl InboxConfig {
         // What the inbox adds up into deadlines, and sends to PostgreSQL as an `int` of
         // milliseconds: at most the relay's bound. (`gap_timeout`, `retention` and
         // `purge_interval` take any length: `Duration::MAX` means never.)
-        for (name, value) in [
-            ("ack_wait", self.ack_wait),
-            ("retry_delay", self.retry_delay),
-            ("max_retry_delay", self.max_retry_delay),
-            ("connect_timeout", self.connect_timeout),
-            ("statement_timeout", self.statement_timeout),
-        ] {
-            if value > MAX_DURATION {
-                return Err(InboxError::Config(format!(
-                    "{name} {value:?} is longer than an inbox takes: at most {MAX_DURATION:?} \
-                     (2^31 - 1 ms, PostgreSQL's longest statement_timeout)"
-                )));
-            }
-        }
-        Ok(())
+        too_long(
+            "an inbox",
+            [
+                ("ack_wait", self.ack_wait),
+                ("retry_delay", self.retry_delay),
+                ("max_retry_delay", self.max_retry_delay),
+                ("connect_timeout", self.connect_timeout),
+                ("statement_timeout", self.statement_timeout),
+            ],
+        )
+        .map_err(InboxError::Config)
     }
 
     /// The nak delay after `failures` handler failures: `retry_delay * 2^(failures - 1)`,
@@ -1570,6 +1566,7 @@ mod tests {
 
     #[test]
     fn a_duration_too_long_for_the_inbox_is_refused_with_its_name() {
+        use crate::relay::MAX_DURATION;
         type Field = fn(&mut InboxConfig) -> &mut Duration;
         let fields: [(&str, Field); 5] = [
             ("ack_wait", |c| &mut c.ack_wait),

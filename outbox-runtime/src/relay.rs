@@ -96,6 +96,21 @@ pub enum DeadLetterPolicy {
 /// the relay makes of them ([`RelayConfig::redelivery_horizon`], deadlines).
 pub const MAX_DURATION: Duration = Duration::from_millis(2_147_483_647);
 
+/// The first of `durations` (a configuration field's name, its value) over [`MAX_DURATION`],
+/// as the error that names it; `what` takes them ("a relay").
+pub(crate) fn too_long<const N: usize>(
+    what: &str,
+    durations: [(&str, Duration); N],
+) -> Result<(), String> {
+    match durations.iter().find(|(_, value)| *value > MAX_DURATION) {
+        Some((name, value)) => Err(format!(
+            "{name} {value:?} is longer than {what} takes: at most {MAX_DURATION:?} (2^31 - 1 \
+             ms, PostgreSQL's longest statement_timeout)"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// How the relay runs: a plain struct with documented defaults. Start from
 /// [`RelayConfig::new`] and set fields. Its `Debug` shows the database URL without its
 /// password. Each duration is at most [`MAX_DURATION`].
@@ -252,23 +267,20 @@ impl RelayConfig {
                 )));
             }
         }
-        for (name, value) in [
-            ("poll_interval", self.poll_interval),
-            ("ack_timeout", self.ack_timeout),
-            ("retry_delay", self.retry_delay),
-            ("max_retry_delay", self.max_retry_delay),
-            ("max_backoff", self.max_backoff),
-            ("connect_timeout", self.connect_timeout),
-            ("statement_timeout", self.statement_timeout),
-            ("stats_interval", self.stats_interval),
-        ] {
-            if value > MAX_DURATION {
-                return Err(RelayError::Config(format!(
-                    "{name} {value:?} is longer than a relay takes: at most {MAX_DURATION:?} \
-                     (2^31 - 1 ms, PostgreSQL's longest statement_timeout)"
-                )));
-            }
-        }
+        too_long(
+            "a relay",
+            [
+                ("poll_interval", self.poll_interval),
+                ("ack_timeout", self.ack_timeout),
+                ("retry_delay", self.retry_delay),
+                ("max_retry_delay", self.max_retry_delay),
+                ("max_backoff", self.max_backoff),
+                ("connect_timeout", self.connect_timeout),
+                ("statement_timeout", self.statement_timeout),
+                ("stats_interval", self.stats_interval),
+            ],
+        )
+        .map_err(RelayError::Config)?;
         let positive = [
             ("workers", self.workers),
             ("batch_size", self.batch_size),
