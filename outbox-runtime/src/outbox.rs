@@ -392,7 +392,8 @@ pub struct Dropped {
 /// Drops the partitions of `outbox_published` whose whole day (UTC) lies more than
 /// `older_than` in the past: each is detached `CONCURRENTLY` (no lock that blocks the
 /// relay's inserts into the partitioned table) and then dropped. Each statement runs on its
-/// own, outside any transaction, so `conn` must not be in one.
+/// own, outside any transaction, so `conn` must not be in one. An `older_than` over a
+/// thousand years (`Duration::MAX`, say) drops nothing.
 ///
 /// # Errors
 /// The database's error; the partitions dropped before it stay dropped. A detach that was
@@ -416,7 +417,7 @@ pub async fn drop_archived(
         #[diesel(sql_type = Bool)]
         pending: bool,
     }
-    let older_than_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    let older_than_ms = purge::millis(older_than);
     // The day a partition holds is in its name: outbox_published_pYYYYMMDD.
     let partitions: Vec<Partition> = diesel::sql_query(
         "SELECT c.relname::text AS name, greatest(c.reltuples, 0)::int8 AS rows, \
