@@ -559,7 +559,8 @@ pub struct StreamSettings {
     pub create: bool,
     /// The duplicate window: JetStream drops a message whose `Nats-Msg-Id` it stored within
     /// this window. Default 2 minutes, JetStream's default (NATS docs, "Streams",
-    /// configuration, `Duplicates`).
+    /// configuration, `Duplicates`). At most `i64::MAX` nanoseconds (about 292 years), as
+    /// the JetStream API carries it; a relay refuses a longer one at start-up.
     pub duplicate_window: Duration,
     /// How many servers of a cluster hold the stream (1 to 5; a single server takes 1).
     /// Default 1.
@@ -568,7 +569,7 @@ pub struct StreamSettings {
     /// server restart.
     pub storage: StorageType,
     /// How long the stream keeps a message; zero keeps it until a limit removes it. Default
-    /// zero.
+    /// zero. At most `i64::MAX` nanoseconds, as `duplicate_window`.
     pub max_age: Duration,
     /// The most bytes the stream holds; -1 for no limit. Default -1.
     pub max_bytes: i64,

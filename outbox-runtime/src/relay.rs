@@ -298,6 +298,21 @@ impl RelayConfig {
                 self.max_attempts
             )));
         }
+        // The JetStream API carries a stream's durations as int64 nanoseconds (about 292
+        // years); a longer one wraps, and the server answers that it is negative.
+        let stream = &self.topology.stream;
+        let longest = Duration::from_nanos(i64::MAX.unsigned_abs());
+        for (name, value) in [
+            ("topology.stream.duplicate_window", stream.duplicate_window),
+            ("topology.stream.max_age", stream.max_age),
+        ] {
+            if value > longest {
+                return Err(RelayError::Config(format!(
+                    "{name} {value:?} is longer than JetStream takes: at most {longest:?} \
+                     (int64 nanoseconds)"
+                )));
+            }
+        }
         // async-nats bounds the acks outstanding with a tokio semaphore of this many permits.
         if self.max_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
             return Err(RelayError::Config(format!(
@@ -976,6 +991,30 @@ mod tests {
                     ),
                     other => panic!("{name} = {value:?}: {other:?}"),
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn stream_durations_longer_than_jetstream_carries_are_refused_with_their_name() {
+        let longest = Duration::from_nanos(i64::MAX.unsigned_abs());
+        type Field = fn(&mut crate::StreamSettings) -> &mut Duration;
+        let fields: [(&str, Field); 2] = [
+            ("topology.stream.duplicate_window", |s| {
+                &mut s.duplicate_window
+            }),
+            ("topology.stream.max_age", |s| &mut s.max_age),
+        ];
+        for (name, field) in fields {
+            let mut config = RelayConfig::new("postgres://");
+            *field(&mut config.topology.stream) = longest;
+            assert!(config.validate().is_ok(), "{name} at the bound");
+            *field(&mut config.topology.stream) = longest + Duration::from_nanos(1);
+            match config.validate() {
+                Err(RelayError::Config(message)) => {
+                    assert!(message.starts_with(&format!("{name} ")), "{message}");
+                }
+                other => panic!("{name}: {other:?}"),
             }
         }
     }
