@@ -562,8 +562,8 @@ pub struct StreamSettings {
     /// configuration, `Duplicates`). At most `i64::MAX` nanoseconds (about 292 years), as
     /// the JetStream API carries it; a relay refuses a longer one at start-up.
     pub duplicate_window: Duration,
-    /// How many servers of a cluster hold the stream (1 to 5; a single server takes 1).
-    /// Default 1.
+    /// How many servers of a cluster hold the stream (1 to 5, refused otherwise at a
+    /// relay's start-up; a single server takes 1). Default 1.
     pub replicas: usize,
     /// Where the stream keeps its messages. Default [`StorageType::File`], which survives a
     /// server restart.
@@ -571,7 +571,8 @@ pub struct StreamSettings {
     /// How long the stream keeps a message; zero keeps it until a limit removes it. Default
     /// zero. At most `i64::MAX` nanoseconds, as `duplicate_window`.
     pub max_age: Duration,
-    /// The most bytes the stream holds; -1 for no limit. Default -1.
+    /// The most bytes the stream holds; -1 for no limit. Default -1. A relay refuses 0 and
+    /// values below -1 at start-up.
     pub max_bytes: i64,
 }
 

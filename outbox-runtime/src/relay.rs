@@ -313,6 +313,23 @@ impl RelayConfig {
                 )));
             }
         }
+        // What a stream takes as it is: nats-server 2.9 stores 0 replicas as 1 and a
+        // max_bytes of 0 as -1 (the next start would report the difference), refuses more
+        // than 5 replicas, and keeps a max_bytes below -1 as no limit, which the settings'
+        // documentation spells -1.
+        if !(1..=5).contains(&stream.replicas) {
+            return Err(RelayError::Config(format!(
+                "topology.stream.replicas {} is not 1 to 5, what a JetStream stream takes",
+                stream.replicas
+            )));
+        }
+        if stream.max_bytes != -1 && stream.max_bytes < 1 {
+            return Err(RelayError::Config(format!(
+                "topology.stream.max_bytes {} is neither -1 (no limit) nor a positive number of \
+                 bytes",
+                stream.max_bytes
+            )));
+        }
         // async-nats bounds the acks outstanding with a tokio semaphore of this many permits.
         if self.max_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
             return Err(RelayError::Config(format!(
@@ -1016,6 +1033,31 @@ mod tests {
                 }
                 other => panic!("{name}: {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn stream_replicas_and_max_bytes_nats_server_would_change_are_refused() {
+        let refused = |set: fn(&mut crate::StreamSettings)| {
+            let mut config = RelayConfig::new("postgres://");
+            set(&mut config.topology.stream);
+            match config.validate() {
+                Err(RelayError::Config(message)) => message,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert!(refused(|s| s.replicas = 0).starts_with("topology.stream.replicas 0 "));
+        assert!(refused(|s| s.replicas = 6).starts_with("topology.stream.replicas 6 "));
+        assert!(refused(|s| s.max_bytes = 0).starts_with("topology.stream.max_bytes 0 "));
+        assert!(refused(|s| s.max_bytes = -7).starts_with("topology.stream.max_bytes -7 "));
+        for (replicas, max_bytes) in [(1, -1), (3, 1), (5, i64::MAX)] {
+            let mut config = RelayConfig::new("postgres://");
+            config.topology.stream.replicas = replicas;
+            config.topology.stream.max_bytes = max_bytes;
+            assert!(
+                config.validate().is_ok(),
+                "{replicas} replicas, {max_bytes} bytes"
+            );
         }
     }
 
