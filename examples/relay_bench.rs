@@ -56,6 +56,9 @@ use serde::{Deserialize, Serialize};
 
 #[path = "../tests/support/cluster.rs"]
 mod cluster;
+#[path = "../tests/support/counters.rs"]
+#[allow(dead_code)] // the bench reads the totals by the claims key only
+mod counters;
 #[path = "support/place.rs"]
 mod place;
 #[path = "support/writers.rs"]
@@ -132,8 +135,8 @@ struct Bench {
     place: Place,
     /// The payload of every seeded row: a JSON object of `args.payload` bytes.
     payload: String,
-    /// The metrics recorder's reader, with `--count-claims`.
-    claims: Option<metrics_util::debugging::Snapshotter>,
+    /// The metrics recorder's counters, with `--count-claims`.
+    counters: Option<&'static counters::Counters>,
 }
 
 #[tokio::main]
@@ -141,19 +144,12 @@ async fn main() -> Result<(), BoxError> {
     let args = Args::parse();
     let place = Place::new("bench").await?;
     let payload = place::payload(args.payload);
-    let claims = if args.count_claims {
-        let recorder = metrics_util::debugging::DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder.install()?;
-        Some(snapshotter)
-    } else {
-        None
-    };
+    let counters = args.count_claims.then(counters::Counters::installed);
     let bench = Bench {
         args,
         place,
         payload,
-        claims,
+        counters,
     };
     let result = bench.run().await;
     bench.place.clean_up().await;
@@ -964,8 +960,7 @@ impl Bench {
             .get_stream(&self.place.stream)
             .await?;
         let done = stream.info().await?.state.messages + self.args.events as u64;
-        // Counted from here: the snapshot takes the counters' increments so far.
-        self.claims_since_last();
+        let claims_before = self.claims();
         let cpu = CpuTimes::now();
         let started = Instant::now();
         let handles: Vec<_> = relays.into_iter().map(Relay::spawn).collect();
@@ -977,8 +972,14 @@ impl Bench {
         }
         let elapsed = started.elapsed();
         println!("   {}", CpuTimes::per_event_since(cpu, self.args.events));
-        if let Some((rows, nothing)) = self.claims_since_last() {
-            println!("   claims of the drain: {rows} found rows, {nothing} found nothing");
+        if let (Some((rows_before, nothing_before)), Some((rows, nothing))) =
+            (claims_before, self.claims())
+        {
+            println!(
+                "   claims of the drain: {} found rows, {} found nothing",
+                rows - rows_before,
+                nothing - nothing_before
+            );
         }
         for handle in handles {
             handle.shutdown().await?;
@@ -986,25 +987,17 @@ impl Bench {
         Ok(self.args.events as f64 / elapsed.as_secs_f64())
     }
 
-    /// With `--count-claims`: the relays' claims that found rows and that found nothing since
-    /// the last call, all streams together.
-    fn claims_since_last(&self) -> Option<(u64, u64)> {
-        use metrics_util::debugging::DebugValue;
-        let snapshotter = self.claims.as_ref()?;
-        let (mut rows, mut nothing) = (0, 0);
-        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-            let (DebugValue::Counter(count), "outbox_relay_claims_total") =
-                (value, key.key().name())
-            else {
-                continue;
-            };
-            match key.key().labels().find(|label| label.key() == "found") {
-                Some(label) if label.value() == "rows" => rows += count,
-                Some(_) => nothing += count,
-                None => {}
-            }
-        }
-        Some((rows, nothing))
+    /// With `--count-claims`: the relays' claims on the bench's stream so far that found rows
+    /// and that found nothing.
+    fn claims(&self) -> Option<(u64, u64)> {
+        let all = self.counters?.all();
+        let stream = &self.place.stream;
+        let count = |found| {
+            all.get(&counters::Counters::claims_key(stream, found))
+                .copied()
+                .unwrap_or(0)
+        };
+        Some((count("rows"), count("nothing")))
     }
 
     /// Figure 5: commits one event per unit of work at `rate` for `latency_secs`, with the relay

@@ -432,7 +432,7 @@ async fn a_relays_workers_claim_in_turn_and_do_not_come_back_empty_while_rows_wa
     // No polls: every claim is a worker's own or a wake-up's.
     config.poll_interval = std::time::Duration::from_secs(60);
     let stream = config.topology.stream.name.clone();
-    let key = |found: &str| format!("outbox_relay_claims_total{{stream={stream},found={found}}}");
+    let key = |found: &str| Counters::claims_key(&stream, found);
     let relay = Relay::connect(config, env.nats.clone())
         .await
         .unwrap()
@@ -487,10 +487,7 @@ async fn an_idle_relay_polls_once_per_interval_whatever_its_workers() {
     config.poll_interval = INTERVAL;
     // Polling only: no claim after arming a doorbell, no notification.
     config.listen = false;
-    let key = format!(
-        "outbox_relay_claims_total{{stream={},found=nothing}}",
-        config.topology.stream.name
-    );
+    let key = Counters::claims_key(&config.topology.stream.name, "nothing");
     let relay = Relay::connect(config, env.nats.clone())
         .await
         .unwrap()

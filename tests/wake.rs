@@ -29,13 +29,16 @@ async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> bool {
         .is_ok()
 }
 
-/// `SELECT function(DOORBELL_LOCK)`: `pg_advisory_lock` takes the doorbell as an idle relay
-/// does, `pg_advisory_unlock` releases it.
+/// `SELECT function(key)` of an advisory lock: `pg_advisory_lock` of [`DOORBELL_LOCK`] takes
+/// the doorbell as an idle relay does, `pg_advisory_lock_shared` of [`BUSY_LOCK`] the busy
+/// lock as a busy relay does; the `_unlock` functions release them.
+fn lock_sql(function: &str, key: (i32, i32)) -> String {
+    format!("SELECT {function}({}, {})", key.0, key.1)
+}
+
+/// [`lock_sql`] of the doorbell.
 fn doorbell_sql(function: &str) -> String {
-    format!(
-        "SELECT {function}({}, {})",
-        DOORBELL_LOCK.0, DOORBELL_LOCK.1
-    )
+    lock_sql(function, DOORBELL_LOCK)
 }
 
 /// Takes the doorbell's lock as an idle relay does, on a connection of its own.
@@ -221,11 +224,7 @@ async fn a_notification_wakes_only_the_relay_holding_the_doorbell() {
         stream.clone_from(&config.topology.stream.name);
         handles.push(spawned(config, &env.nats).await);
     }
-    let claims = |found: &str| {
-        counters.get(&format!(
-            "outbox_relay_claims_total{{stream={stream},found={found}}}"
-        ))
-    };
+    let claims = |found: &str| counters.get(&Counters::claims_key(&stream, found));
     // Both relays idle, one of them holding the doorbell.
     until_a_relay_holds_the_doorbell(&env).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -264,10 +263,7 @@ async fn a_relay_starting_idle_claims_once_per_worker_and_once_after_arming() {
     let counters = Counters::installed();
     let env = TestEnv::new().await;
     let config = polling_once_a_minute(&env, WORKERS);
-    let key = format!(
-        "outbox_relay_claims_total{{stream={},found=nothing}}",
-        config.topology.stream.name
-    );
+    let key = Counters::claims_key(&config.topology.stream.name, "nothing");
     let relay = spawned(config, &env.nats).await;
     until_a_relay_holds_the_doorbell(&env).await;
     // The claim after arming, however slow the host; then time for any claim more.
@@ -329,13 +325,10 @@ async fn until_a_relay_holds_the_doorbell(env: &TestEnv) {
 async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
     let env = TestEnv::new().await;
     let mut busy = env.conn().await;
-    diesel::sql_query(format!(
-        "SELECT pg_advisory_lock_shared({}, {})",
-        BUSY_LOCK.0, BUSY_LOCK.1
-    ))
-    .execute(&mut busy)
-    .await
-    .unwrap();
+    diesel::sql_query(lock_sql("pg_advisory_lock_shared", BUSY_LOCK))
+        .execute(&mut busy)
+        .await
+        .unwrap();
     let relay = spawned(polling_once_a_minute(&env, 1), &env.nats).await;
     let mut listener = listening(&env).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -350,13 +343,10 @@ async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
         "a unit of work notified while the only idle relay left the doorbell"
     );
 
-    diesel::sql_query(format!(
-        "SELECT pg_advisory_unlock_shared({}, {})",
-        BUSY_LOCK.0, BUSY_LOCK.1
-    ))
-    .execute(&mut busy)
-    .await
-    .unwrap();
+    diesel::sql_query(lock_sql("pg_advisory_unlock_shared", BUSY_LOCK))
+        .execute(&mut busy)
+        .await
+        .unwrap();
     until_a_relay_holds_the_doorbell(&env).await;
     // Not the poll: it comes in a minute.
     env.until_stream_holds(1, Duration::from_secs(3)).await;
@@ -382,8 +372,7 @@ async fn a_busy_relay_holds_the_busy_lock_until_it_is_idle() {
         })
         .await
         .unwrap();
-    let mut config = env.relay_config();
-    config.poll_interval = Duration::from_secs(60);
+    let mut config = polling_once_a_minute(&env, env.relay_config().workers);
     config.batch_size = 5;
     let relay = spawned(config, &env.nats).await;
     let mut seen_busy = false;

@@ -1507,7 +1507,7 @@ pub async fn purge(
     older_than: Duration,
     limit: i64,
 ) -> diesel::QueryResult<usize> {
-    let older_than_ms = crate::outbox::purge::millis(older_than);
+    let older_than_ms = crate::outbox::purge::age_millis(older_than);
     queries::purge(conn, consumer, older_than_ms, limit).await
 }
 

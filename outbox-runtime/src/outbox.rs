@@ -417,7 +417,7 @@ pub async fn drop_archived(
         #[diesel(sql_type = Bool)]
         pending: bool,
     }
-    let older_than_ms = purge::millis(older_than);
+    let older_than_ms = purge::age_millis(older_than);
     // The day a partition holds is in its name: outbox_published_pYYYYMMDD.
     let partitions: Vec<Partition> = diesel::sql_query(
         "SELECT c.relname::text AS name, greatest(c.reltuples, 0)::int8 AS rows, \

@@ -596,6 +596,40 @@ impl Default for StreamSettings {
 }
 
 impl StreamSettings {
+    /// The first setting a stream would not take as it is, as an error that names it
+    /// (`"replicas 0 is not 1 to 5, ..."`). The JetStream API carries a stream's durations
+    /// as int64 nanoseconds (about 292 years), and a longer one wraps: nats-server answers
+    /// that it is negative. nats-server 2.9 stores 0 replicas as 1 and a `max_bytes` of 0 as
+    /// -1 (a relay's next start would report the difference), refuses more than 5 replicas,
+    /// and keeps a `max_bytes` below -1 as no limit, which these settings spell -1.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let longest = Duration::from_nanos(i64::MAX.unsigned_abs());
+        for (name, value) in [
+            ("duplicate_window", self.duplicate_window),
+            ("max_age", self.max_age),
+        ] {
+            if value > longest {
+                return Err(format!(
+                    "{name} {value:?} is longer than JetStream takes: at most {longest:?} \
+                     (int64 nanoseconds)"
+                ));
+            }
+        }
+        if !(1..=5).contains(&self.replicas) {
+            return Err(format!(
+                "replicas {} is not 1 to 5, what a JetStream stream takes",
+                self.replicas
+            ));
+        }
+        if self.max_bytes != -1 && self.max_bytes < 1 {
+            return Err(format!(
+                "max_bytes {} is neither -1 (no limit) nor a positive number of bytes",
+                self.max_bytes
+            ));
+        }
+        Ok(())
+    }
+
     /// The settings of `config` that differ from these: `(setting, the stream's value, these
     /// settings' value)`.
     pub fn differences(&self, config: &stream::Config) -> Vec<(&'static str, String, String)> {

@@ -298,38 +298,10 @@ impl RelayConfig {
                 self.max_attempts
             )));
         }
-        // The JetStream API carries a stream's durations as int64 nanoseconds (about 292
-        // years); a longer one wraps, and the server answers that it is negative.
-        let stream = &self.topology.stream;
-        let longest = Duration::from_nanos(i64::MAX.unsigned_abs());
-        for (name, value) in [
-            ("topology.stream.duplicate_window", stream.duplicate_window),
-            ("topology.stream.max_age", stream.max_age),
-        ] {
-            if value > longest {
-                return Err(RelayError::Config(format!(
-                    "{name} {value:?} is longer than JetStream takes: at most {longest:?} \
-                     (int64 nanoseconds)"
-                )));
-            }
-        }
-        // What a stream takes as it is: nats-server 2.9 stores 0 replicas as 1 and a
-        // max_bytes of 0 as -1 (the next start would report the difference), refuses more
-        // than 5 replicas, and keeps a max_bytes below -1 as no limit, which the settings'
-        // documentation spells -1.
-        if !(1..=5).contains(&stream.replicas) {
-            return Err(RelayError::Config(format!(
-                "topology.stream.replicas {} is not 1 to 5, what a JetStream stream takes",
-                stream.replicas
-            )));
-        }
-        if stream.max_bytes != -1 && stream.max_bytes < 1 {
-            return Err(RelayError::Config(format!(
-                "topology.stream.max_bytes {} is neither -1 (no limit) nor a positive number of \
-                 bytes",
-                stream.max_bytes
-            )));
-        }
+        self.topology
+            .stream
+            .check()
+            .map_err(|error| RelayError::Config(format!("topology.stream.{error}")))?;
         // async-nats bounds the acks outstanding with a tokio semaphore of this many permits.
         if self.max_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
             return Err(RelayError::Config(format!(

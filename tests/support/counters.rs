@@ -51,6 +51,12 @@ impl Counters {
         totals.clone()
     }
 
+    /// The key of the relay's `outbox_relay_claims_total` for `stream`'s claims that found
+    /// `found` (`"rows"` or `"nothing"`), as [`all`](Self::all) and [`get`](Self::get) take it.
+    pub fn claims_key(stream: &str, found: &str) -> String {
+        format!("outbox_relay_claims_total{{stream={stream},found={found}}}")
+    }
+
     /// One counter's value, 0 when it was never incremented.
     pub fn get(&self, key: &str) -> u64 {
         self.all().get(key).copied().unwrap_or(0)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use diesel::QueryResult;
 
 /// `older_than` in whole milliseconds, at most [`LONGEST_AGE`]'s.
-pub(crate) fn millis(older_than: Duration) -> i64 {
+pub(crate) fn age_millis(older_than: Duration) -> i64 {
     i64::try_from(older_than.min(LONGEST_AGE).as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -71,7 +71,7 @@ mod postgres {
     use std::time::Duration;
     use time::OffsetDateTime;
 
-    use super::{Batches, millis};
+    use super::{Batches, age_millis};
 
     impl super::sealed::Purges for AsyncPgConnection {
         /// Through the partial index of published rows on `published_at`, oldest first, each
@@ -98,7 +98,7 @@ mod postgres {
             }
             let Cutoff { cutoff } =
                 diesel::sql_query("SELECT now() - $1 * interval '1 millisecond' AS cutoff")
-                    .bind::<Int8, _>(millis(older_than))
+                    .bind::<Int8, _>(age_millis(older_than))
                     .get_result(self)
                     .await?;
             let (mut batches, mut from) = (Batches::of(batch), None);
@@ -130,7 +130,7 @@ mod postgres {
             older_than: Duration,
             batch: i64,
         ) -> QueryResult<usize> {
-            let (older_than_ms, mut batches) = (millis(older_than), Batches::of(batch));
+            let (older_than_ms, mut batches) = (age_millis(older_than), Batches::of(batch));
             loop {
                 let gone = diesel::sql_query(
                     "DELETE FROM outbox_dedup_keys WHERE dedup_key IN ( \
@@ -157,7 +157,7 @@ mod mysql {
     use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
     use std::time::Duration;
 
-    use super::{Batches, millis};
+    use super::{Batches, age_millis};
 
     /// `older_than` before the server's clock, as DATETIME(6) text.
     async fn cutoff(conn: &mut AsyncMysqlConnection, older_than: Duration) -> QueryResult<String> {
@@ -171,7 +171,7 @@ mod mysql {
             "SELECT CAST(COALESCE(UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND, \
                                   '1000-01-01 00:00:00') AS CHAR) AS cutoff",
         )
-        .bind::<BigInt, _>(millis(older_than).saturating_mul(1_000))
+        .bind::<BigInt, _>(age_millis(older_than).saturating_mul(1_000))
         .get_result(conn)
         .await?;
         Ok(cutoff)
@@ -237,7 +237,7 @@ mod sqlite {
     use diesel::{QueryResult, QueryableByName, RunQueryDsl};
     use std::time::Duration;
 
-    use super::{Batches, millis};
+    use super::{Batches, age_millis};
     use crate::sqlite::{AsyncSqliteConnection, SqliteConnection};
 
     /// `older_than` before now, in the tables' time shape (UTC text to the millisecond).
@@ -248,8 +248,8 @@ mod sqlite {
             cutoff: String,
         }
         // A modifier of whole seconds and a fraction (SQLite docs, "Date And Time
-        // Functions", modifiers 1-6); far past the calendar's start, the cutoff is its start.
-        let ms = millis(older_than).min(10_000 * 366 * 86_400_000);
+        // Functions", modifiers 1-6); out of the calendar, the cutoff is its start.
+        let ms = age_millis(older_than);
         let Cutoff { cutoff } = diesel::sql_query(
             "SELECT coalesce(strftime('%Y-%m-%d %H:%M:%f', 'now', ?), '0000-01-01') AS cutoff",
         )
