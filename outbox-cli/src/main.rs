@@ -26,6 +26,14 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use operate::DeadLetterCommand;
 
+/// mimalloc (built without transparent huge pages) instead of glibc's malloc: the relay
+/// allocates about a hundred times per event, in async-nats, tokio-postgres and diesel, and
+/// glibc's malloc and free were a third of its instructions. Measured with
+/// `relay_bench --phases 3` under callgrind: 69.1k instructions per relayed event on glibc,
+/// 51.9k on mimalloc; peak memory 28 MB against 33 MB.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The outbox's operator command.
 #[derive(Debug, Parser)]
 #[command(name = "outbox", version, about, long_about = None)]
