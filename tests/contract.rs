@@ -27,7 +27,7 @@ use diesel::Connection as _;
 use diesel_async::SimpleAsyncConnection;
 use outbox_runtime::database::OperatorConnection;
 use outbox_runtime::dead_letter::{self, DeadLetter};
-use outbox_runtime::outbox::schema::outbox_events;
+use outbox_runtime::outbox::{QueuedByType, schema::outbox_events};
 use outbox_runtime::{DomainEvent, OutboxStats, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use serde::{Deserialize, Serialize};
 use support::TestEnv;
@@ -1018,6 +1018,36 @@ async fn a_purge_deletes_only_old_published_rows_and_dedup_keys<B: Operated>() {
     .await;
 
     let mut conn = B::operator_conn(&env).await;
+    // What `outbox status` reads: the queue by type, the most queued first, and the rows
+    // published in the last minute (o-2's and the two invoices; o-0's and o-1's "in 2000"),
+    // counted up to the window.
+    let by_type = outbox_runtime::outbox::queued_by_type(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        by_type
+            .iter()
+            .map(|row| {
+                let QueuedByType {
+                    aggregate_type,
+                    event_type,
+                    queued,
+                    dead_letters,
+                } = row;
+                (
+                    aggregate_type.as_str(),
+                    event_type.as_str(),
+                    *queued,
+                    *dead_letters,
+                )
+            })
+            .collect::<Vec<_>>(),
+        [("Late", "Noted", 1, 0), ("Big", "Uploaded", 0, 1)]
+    );
+    for (window, counted) in [(100, 4), (3, 3)] {
+        let recent = outbox_runtime::outbox::published_last_minute(&mut conn, window);
+        assert_eq!(recent.await.unwrap(), counted, "window {window}");
+    }
     // An age no row has (`Duration::MAX`: keep everything) deletes nothing and fails nothing.
     for older_than in [Duration::MAX, Duration::from_secs(1_001 * 31_557_600)] {
         let published = outbox_runtime::outbox::purge_published(&mut conn, older_than, 3, |_| {});

@@ -137,51 +137,35 @@ fn shown(duration: Duration) -> String {
     }
 }
 
-/// What `status` reads: the stats, and on PostgreSQL the queue by type and the rows
-/// published in the last minute.
+/// What `status` reads: the stats, the queue by type and the rows published in the last
+/// minute.
 async fn read_status(
     database_url: &str,
-) -> Result<(outbox::OutboxStats, Vec<outbox::QueuedByType>, Option<i64>), String> {
-    use outbox_runtime::database::Kind;
-    match Kind::of(database_url) {
-        Kind::Postgres => {
-            let mut conn: AsyncPgConnection = connect(database_url).await?;
-            let stats = outbox::stats(&mut conn).await.map_err(database_error)?;
-            let by_type = outbox::queued_by_type(&mut conn)
-                .await
-                .map_err(database_error)?;
-            let recent = outbox::published_last_minute(&mut conn, RECENT_WINDOW)
-                .await
-                .map_err(database_error)?;
-            Ok((stats, by_type, Some(recent)))
-        }
+) -> Result<(outbox::OutboxStats, Vec<outbox::QueuedByType>, i64), String> {
+    let mut operator = Operator::connect(database_url).await?;
+    let stats = match &mut operator {
+        Operator::Postgres(conn) => outbox::stats(conn).await.map_err(database_error)?,
         #[cfg(feature = "mysql")]
-        Kind::Mysql => {
-            let mut conn: outbox_runtime::mysql::AsyncMysqlConnection =
-                connect(database_url).await?;
-            let stats = outbox_runtime::mysql::stats(&mut conn)
-                .await
-                .map_err(database_error)?;
-            Ok((stats, Vec::new(), None))
-        }
-        #[cfg(feature = "sqlite")]
-        Kind::Sqlite => {
-            let url = database_url.to_owned();
-            let stats = tokio::task::spawn_blocking(move || {
-                let mut conn = open_sqlite(&url, false)?;
-                outbox_runtime::sqlite::stats(&mut conn).map_err(database_error)
-            })
+        Operator::Mysql(conn) => outbox_runtime::mysql::stats(conn)
             .await
-            .map_err(|e| e.to_string())??;
-            Ok((stats, Vec::new(), None))
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(unknown_database(database_url)),
-    }
+            .map_err(database_error)?,
+        #[cfg(feature = "sqlite")]
+        Operator::Sqlite(conn) => conn
+            .spawn_blocking(outbox_runtime::sqlite::stats)
+            .await
+            .map_err(database_error)?,
+    };
+    on_operator!(&mut operator, conn => {
+        let by_type = outbox::queued_by_type(conn).await.map_err(database_error)?;
+        let recent = outbox::published_last_minute(conn, RECENT_WINDOW)
+            .await
+            .map_err(database_error)?;
+        Ok((stats, by_type, recent))
+    })
 }
 
-/// Prints what waits in the outbox. On MySQL and SQLite it shows the stats (queue, lag,
-/// dead letters), without the queue by type and the rows published in the last minute.
+/// Prints what waits in the outbox: the stats (queue, lag, dead letters), the queue by
+/// type and the rows published in the last minute.
 pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended, String> {
     let (stats, by_type, recent) = read_status(database_url).await?;
     let lag = stats.lag();
@@ -223,11 +207,9 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
             stats.dead_letters, stats.blocked
         );
         println!("skipped dead letters    {}", stats.skipped_dead_letters);
-        if let Some(recent) = recent {
-            println!(
-                "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
-            );
-        }
+        println!(
+            "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
+        );
         if !by_type.is_empty() {
             let width_a = by_type
                 .iter()

@@ -762,6 +762,15 @@ async fn the_operators_commands_work_on_mysql() {
     assert_eq!(code, Some(0), "{said}");
     let report: serde_json::Value = serde_json::from_str(&said).unwrap();
     assert_eq!(report["dead_letters"], 1, "{report}");
+    assert_eq!(
+        (&report["by_type"], &report["published_last_minute"]),
+        (
+            &serde_json::json!([{"aggregate_type": "Order", "event_type": "Shipped",
+                                 "queued": 0, "dead_letters": 1}]),
+            &0.into()
+        ),
+        "{report}"
+    );
     let (code, said) = command(&["dead-letters", "list"]);
     assert_eq!(code, Some(0), "{said}");
     assert!(
@@ -880,6 +889,18 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert_eq!(report["queued"], 2, "{report}");
     assert_eq!(report["dead_letters"], 0, "{report}");
     assert!(report["lag_seconds"].as_f64().unwrap() > 0.0, "{report}");
+    let types: Vec<_> = report["by_type"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            (
+                row["event_type"].as_str().unwrap(),
+                row["queued"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(types, [("Placed", 1), ("Shipped", 1)], "{report}");
     std::thread::sleep(Duration::from_millis(20));
     let probe = command(&["status", "--max-lag", "10ms"]).output().unwrap();
     assert_eq!(probe.status.code(), Some(1), "{}", text(&probe));

@@ -23,7 +23,8 @@ use {
 };
 
 /// A connection the operator's functions run on ([`crate::dead_letter`]'s,
-/// [`crate::outbox::purge_published`], [`crate::outbox::purge_dedup_keys`]): diesel-async's
+/// [`crate::outbox::purge_published`], [`crate::outbox::purge_dedup_keys`],
+/// [`crate::outbox::queued_by_type`], [`crate::outbox::published_last_minute`]): diesel-async's
 /// `AsyncPgConnection`; with the feature `mysql`, `AsyncMysqlConnection`; with the feature
 /// `sqlite`, `outbox_runtime::sqlite::AsyncSqliteConnection` (wrap a `SqliteConnection` with
 /// `AsyncSqliteConnection::new`).
@@ -32,13 +33,19 @@ use {
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[allow(private_bounds)]
 pub trait OperatorConnection:
-    Send + crate::dead_letter::sealed::DeadLetters + crate::outbox::purge::sealed::Purges
+    Send
+    + crate::dead_letter::sealed::DeadLetters
+    + crate::outbox::purge::sealed::Purges
+    + crate::outbox::report::sealed::Reports
 {
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl<C> OperatorConnection for C where
-    C: Send + crate::dead_letter::sealed::DeadLetters + crate::outbox::purge::sealed::Purges
+    C: Send
+        + crate::dead_letter::sealed::DeadLetters
+        + crate::outbox::purge::sealed::Purges
+        + crate::outbox::report::sealed::Reports
 {
 }
 

@@ -17,6 +17,8 @@
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) mod purge;
 pub(crate) mod queries;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) mod report;
 #[cfg(feature = "postgres")]
 pub mod schema;
 #[cfg(feature = "postgres")]
@@ -454,8 +456,8 @@ pub async fn drop_archived(
 
 /// What waits in the outbox, by aggregate type and event type, as [`queued_by_type`]
 /// returns it.
-#[cfg(feature = "postgres")]
-#[derive(Clone, Debug, PartialEq, Eq, QueryableByName)]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[derive(Clone, Debug, PartialEq, Eq, diesel::QueryableByName)]
 pub struct QueuedByType {
     /// The aggregate type.
     #[diesel(sql_type = diesel::sql_types::Text)]
@@ -464,60 +466,46 @@ pub struct QueuedByType {
     #[diesel(sql_type = diesel::sql_types::Text)]
     pub event_type: String,
     /// Rows waiting to be published (parked ones included, dead letters not).
-    #[diesel(sql_type = Int8)]
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
     pub queued: i64,
     /// Dead letters that block their aggregate.
-    #[diesel(sql_type = Int8)]
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
     pub dead_letters: i64,
 }
 
-/// [`stats`] broken down by aggregate type and event type, the most queued first. Reads the
-/// queued rows only.
+/// What waits in the outbox (the queued rows and the dead letters) by aggregate type and
+/// event type, the most queued first, then the most dead letters, then by name. `conn` is
+/// any [`OperatorConnection`]. Reads the queued rows only on PostgreSQL and SQLite (their
+/// partial index of them), every row of `outbox_events` on MySQL (as
+/// [`mysql::stats`](crate::mysql::stats) does).
 ///
 /// # Errors
 /// The database's error.
-#[cfg(feature = "postgres")]
-pub async fn queued_by_type(conn: &mut AsyncPgConnection) -> QueryResult<Vec<QueuedByType>> {
-    diesel::sql_query(
-        "SELECT aggregate_type::text AS aggregate_type, event_type, \
-                count(*) FILTER (WHERE dead_lettered_at IS NULL) AS queued, \
-                count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) AS dead_letters \
-         FROM outbox_events WHERE published_at IS NULL AND skipped_at IS NULL \
-         GROUP BY 1, 2 ORDER BY 3 DESC, 4 DESC, 1, 2",
-    )
-    .load(conn)
-    .await
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub async fn queued_by_type<C: OperatorConnection>(
+    conn: &mut C,
+) -> diesel::QueryResult<Vec<QueuedByType>> {
+    conn.queued_by_type().await
 }
 
 /// How many rows were published in the last minute, counting at most `window` of them in
 /// each place that keeps published rows: `outbox_events` for [`PublishedRows::Mark`]
-/// (through its index of published rows), and `outbox_published` for
-/// [`PublishedRows::Archive`] (through its BRIN index on `published_at`). Deleted rows leave
-/// no trace ([`PublishedRows::Delete`]: read the relay's `outbox_relay_published_total`
-/// instead). Its cost is bounded by `window`, whatever the tables hold.
+/// (through its index of published rows on PostgreSQL and SQLite), and on PostgreSQL
+/// `outbox_published` for [`PublishedRows::Archive`] (through its BRIN index on
+/// `published_at`). Deleted rows leave no trace ([`PublishedRows::Delete`], the default:
+/// read the relay's `outbox_relay_published_total` instead). `conn` is any
+/// [`OperatorConnection`]. Its cost is bounded by `window` on PostgreSQL and SQLite,
+/// whatever the tables hold; MySQL has no index on `published_at`, and reads
+/// `outbox_events` until it has counted `window` rows.
 ///
 /// # Errors
 /// The database's error.
-#[cfg(feature = "postgres")]
-pub async fn published_last_minute(conn: &mut AsyncPgConnection, window: i64) -> QueryResult<i64> {
-    #[derive(QueryableByName)]
-    struct Count {
-        #[diesel(sql_type = Int8)]
-        count: i64,
-    }
-    let row: Count = diesel::sql_query(
-        "SELECT (SELECT count(*) FROM ( \
-                     SELECT 1 FROM outbox_events \
-                     WHERE published_at > now() - interval '1 minute' LIMIT $1) marked) \
-              + (SELECT count(*) FROM ( \
-                     SELECT 1 FROM outbox_published \
-                     WHERE published_at > now() - interval '1 minute' LIMIT $1) archived) \
-              AS count",
-    )
-    .bind::<Int8, _>(window)
-    .get_result(conn)
-    .await?;
-    Ok(row.count)
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub async fn published_last_minute<C: OperatorConnection>(
+    conn: &mut C,
+    window: i64,
+) -> diesel::QueryResult<i64> {
+    conn.published_last_minute(window).await
 }
 
 /// Deletes every row published more than `older_than` ago, in batches of `batch` rows (at
