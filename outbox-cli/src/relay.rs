@@ -22,6 +22,9 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::nats::NatsArgs;
 use crate::{Ended, LogArgs};
 
+/// The shortest `--purge-interval`.
+const MIN_PURGE_INTERVAL: Duration = Duration::from_secs(1);
+
 fn defaults() -> RelayConfig {
     RelayConfig::new("")
 }
@@ -140,7 +143,7 @@ pub(crate) struct RelayArgs {
     /// ended longer ago than this, every --purge-interval (with --published mark or archive).
     #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN")]
     purge_older_than: Option<Span>,
-    /// How often the relay purges.
+    /// How often the relay purges; at least 1s.
     #[arg(long, env = "OUTBOX_PURGE_INTERVAL", default_value = "1m")]
     purge_interval: Span,
     /// The longest graceful stop after SIGTERM or SIGINT.
@@ -193,6 +196,14 @@ impl RelayArgs {
 
 pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, String> {
     args.log.install();
+    // Each purge opens a connection of its own: more often than once a second is a
+    // connection storm, and zero a loop without a pause.
+    if args.purge_older_than.is_some() && *args.purge_interval < MIN_PURGE_INTERVAL {
+        return Err(format!(
+            "--purge-interval must be at least 1s, not {}",
+            args.purge_interval
+        ));
+    }
     if let Some(address) = args.metrics_addr {
         metrics_exporter_prometheus::PrometheusBuilder::new()
             .with_http_listener(address)

@@ -271,6 +271,48 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
 }
 
 /// Starts `outbox relay` for `env`, with `extra` arguments.
+/// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
+/// connections) are refused before the relay starts, naming the setting.
+#[tokio::test]
+async fn the_relay_refuses_intervals_that_would_loop_without_a_pause() {
+    let env = TestEnv::new().await;
+    for (flags, says) in [
+        (
+            &["--poll-interval", "0s"][..],
+            "poll_interval must be at least 1ms, not 0ns",
+        ),
+        (
+            &["--max-backoff", "500us"][..],
+            "max_backoff must be at least 1ms, not 500µs",
+        ),
+        (
+            &["--purge-older-than", "1d", "--purge-interval", "0s"][..],
+            "--purge-interval must be at least 1s, not 0s",
+        ),
+    ] {
+        let mut args = vec![
+            "relay",
+            "--subject-prefix",
+            &env.prefix,
+            "--stream",
+            &env.stream,
+        ];
+        args.extend_from_slice(flags);
+        let refused = outbox(&env, &support::nats_url(), &args);
+        assert_eq!(
+            refused.status.code(),
+            Some(2),
+            "{flags:?}: {}",
+            text(&refused)
+        );
+        assert!(
+            text(&refused).contains(says),
+            "{flags:?}: {}",
+            text(&refused)
+        );
+    }
+}
+
 fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::Child {
     Command::new(OUTBOX)
         .args([

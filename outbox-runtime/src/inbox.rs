@@ -109,7 +109,7 @@ use crate::database::{
 };
 use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox, require_migrations};
-use crate::relay::too_long;
+use crate::relay::{too_long, too_short};
 use crate::subject::validate_token;
 use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
@@ -232,7 +232,9 @@ pub struct InboxConfig {
     /// documentation for why it must exceed the longest redelivery time). `Duration::MAX`
     /// (anything over a thousand years) keeps them for ever.
     pub retention: Duration,
-    /// How often expired inbox rows are deleted. Default 1 min.
+    /// How often expired inbox rows are deleted. Default 1 min; at least
+    /// [`MIN_INTERVAL`](crate::relay::MIN_INTERVAL) (to keep ids for ever, set `retention`
+    /// to `Duration::MAX`).
     pub purge_interval: Duration,
     /// How long opening a database connection may take. Default
     /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
@@ -369,6 +371,7 @@ impl InboxConfig {
                 )));
             }
         }
+        too_short([("purge_interval", self.purge_interval)]).map_err(InboxError::Config)?;
         // What the inbox adds up into deadlines, and sends to PostgreSQL as an `int` of
         // milliseconds: at most the relay's bound. (`gap_timeout`, `retention` and
         // `purge_interval` take any length: `Duration::MAX` means never.)
@@ -1588,6 +1591,20 @@ mod tests {
                     ),
                     other => panic!("{name} = {value:?}: {other:?}"),
                 }
+            }
+        }
+        // A purge loop without a pause is refused; `retention` keeps ids for ever instead.
+        for value in [Duration::ZERO, Duration::from_nanos(999_999)] {
+            let mut config = InboxConfig::new("c", "postgres://");
+            config.purge_interval = value;
+            match config.validate() {
+                Err(InboxError::Config(message)) => assert!(
+                    message.starts_with(&format!(
+                        "purge_interval must be at least 1ms, not {value:?}"
+                    )),
+                    "{message}"
+                ),
+                other => panic!("purge_interval = {value:?}: {other:?}"),
             }
         }
         // Never: a gap waited for, ids purged, a purge run.

@@ -96,6 +96,31 @@ pub enum DeadLetterPolicy {
 /// the relay makes of them ([`RelayConfig::redelivery_horizon`], deadlines).
 pub const MAX_DURATION: Duration = Duration::from_millis(2_147_483_647);
 
+/// The shortest interval that paces one of the toolkit's loops: a relay's `poll_interval`,
+/// `max_backoff` and (when not zero, which switches it off) `stats_interval`, an inbox's
+/// `purge_interval`. A shorter one, zero above all, is refused at start-up with an error
+/// naming the field: the loop would run again at once, an idle relay claiming without pause
+/// (measured with `outbox relay --poll-interval 0s`: the relay at 100% of a core, PostgreSQL
+/// at 45%), a relay whose database is down reconnecting without pause.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
+
+/// The first of `intervals` (a configuration field's name, its value) under
+/// [`MIN_INTERVAL`], as the error that names it.
+pub(crate) fn too_short<'a>(
+    intervals: impl IntoIterator<Item = (&'a str, Duration)>,
+) -> Result<(), String> {
+    match intervals
+        .into_iter()
+        .find(|(_, value)| *value < MIN_INTERVAL)
+    {
+        Some((name, value)) => Err(format!(
+            "{name} must be at least {MIN_INTERVAL:?}, not {value:?}: a shorter one repeats \
+             its loop without a pause"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The first of `durations` (a configuration field's name, its value) over [`MAX_DURATION`],
 /// as the error that names it; `what` takes them ("a relay").
 pub(crate) fn too_long<const N: usize>(
@@ -143,7 +168,8 @@ pub struct RelayConfig {
     /// How long an idle relay waits before it looks again without a notification: a poll
     /// falls due this long after the relay's last claim began, and one of its idle workers
     /// claims (the others wait on; a claim that finds rows wakes them), so an idle relay
-    /// claims once per interval whatever its `workers`. Default 500 ms.
+    /// claims once per interval whatever its `workers`. Default 500 ms; at least
+    /// [`MIN_INTERVAL`].
     pub poll_interval: Duration,
     /// How long to wait for a JetStream ack before the publish counts as a transport
     /// failure. Default 5 s, async-nats's own default.
@@ -165,7 +191,7 @@ pub struct RelayConfig {
     pub dead_letters: DeadLetterPolicy,
     /// The longest pause after a transport failure or a database error; pauses start at
     /// 100 ms and double up to this. A pause ends early when the NATS client reconnects.
-    /// Default 30 s.
+    /// Default 30 s; at least [`MIN_INTERVAL`].
     pub max_backoff: Duration,
     /// How long opening a database connection may take, server answer included. Default
     /// [`DEFAULT_CONNECT_TIMEOUT`] (10 s).
@@ -185,7 +211,8 @@ pub struct RelayConfig {
     /// How often the relay reads the outbox's state into the gauges `outbox_queued_events`,
     /// `outbox_oldest_queued_age_seconds`, `outbox_dead_letters`, `outbox_blocked_events`
     /// and `outbox_skipped_dead_letters` (one query on the queued rows; every replica runs
-    /// it). `Duration::ZERO` switches it off. Default 15 s.
+    /// it). `Duration::ZERO` switches it off; any other value is at least [`MIN_INTERVAL`].
+    /// Default 15 s.
     pub stats_interval: Duration,
 }
 
@@ -267,6 +294,18 @@ impl RelayConfig {
                 )));
             }
         }
+        // `stats_interval` zero switches the gauges off.
+        let stats =
+            (!self.stats_interval.is_zero()).then_some(("stats_interval", self.stats_interval));
+        too_short(
+            [
+                ("poll_interval", self.poll_interval),
+                ("max_backoff", self.max_backoff),
+            ]
+            .into_iter()
+            .chain(stats),
+        )
+        .map_err(RelayError::Config)?;
         too_long(
             "a relay",
             [
@@ -981,6 +1020,44 @@ mod tests {
                     other => panic!("{name} = {value:?}: {other:?}"),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn an_interval_that_would_loop_without_a_pause_is_refused_with_its_name() {
+        type Field = fn(&mut RelayConfig) -> &mut Duration;
+        let fields: [(&str, Field); 3] = [
+            ("poll_interval", |c| &mut c.poll_interval),
+            ("max_backoff", |c| &mut c.max_backoff),
+            ("stats_interval", |c| &mut c.stats_interval),
+        ];
+        for (name, field) in fields {
+            let mut config = RelayConfig::new("postgres://");
+            *field(&mut config) = MIN_INTERVAL;
+            assert!(config.validate().is_ok(), "{name} at the bound");
+            for value in [
+                MIN_INTERVAL - Duration::from_nanos(1),
+                Duration::from_nanos(1),
+            ] {
+                *field(&mut config) = value;
+                match config.validate() {
+                    Err(RelayError::Config(message)) => assert_eq!(
+                        message,
+                        format!(
+                            "{name} must be at least 1ms, not {value:?}: a shorter one repeats \
+                             its loop without a pause"
+                        )
+                    ),
+                    other => panic!("{name} = {value:?}: {other:?}"),
+                }
+            }
+        }
+        // Zero: the gauges off, the others refused.
+        for (name, field) in fields {
+            let mut config = RelayConfig::new("postgres://");
+            *field(&mut config) = Duration::ZERO;
+            let refused = config.validate().is_err();
+            assert_eq!(refused, name != "stats_interval", "{name} = 0");
         }
     }
 
