@@ -99,9 +99,10 @@ pub const MAX_DURATION: Duration = Duration::from_millis(2_147_483_647);
 /// The shortest interval that paces one of the toolkit's loops: a relay's `poll_interval`,
 /// `max_backoff` and (when not zero, which switches it off) `stats_interval`, an inbox's
 /// `purge_interval`. A shorter one, zero above all, is refused at start-up with an error
-/// naming the field: the loop would run again at once, an idle relay claiming without pause
-/// (measured with `outbox relay --poll-interval 0s`: the relay at 100% of a core, PostgreSQL
-/// at 45%), a relay whose database is down reconnecting without pause.
+/// naming the field: the loop would run again at once. Measured with `outbox relay
+/// --poll-interval 0s`: an idle relay claimed without a pause, at 100% of a core, and
+/// PostgreSQL at 45%; with `max_backoff` zero every pause after a failure is zero (read in
+/// the code), so a relay whose database is down would reconnect without a pause.
 pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
 
 /// The first of `intervals` (a configuration field's name, its value) under
