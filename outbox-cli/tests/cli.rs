@@ -270,7 +270,6 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
     assert_eq!(left, ["a:new", "archived 2", "o-1#2", "o-2#1", "o-3#1"]);
 }
 
-/// Starts `outbox relay` for `env`, with `extra` arguments.
 /// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
 /// connections) are refused before the relay starts, naming the setting.
 #[tokio::test]
@@ -313,6 +312,7 @@ async fn the_relay_refuses_intervals_that_would_loop_without_a_pause() {
     }
 }
 
+/// Starts `outbox relay` for `env`, with `extra` arguments.
 fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::Child {
     Command::new(OUTBOX)
         .args([

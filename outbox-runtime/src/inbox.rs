@@ -374,7 +374,7 @@ impl InboxConfig {
         too_short([("purge_interval", self.purge_interval)]).map_err(InboxError::Config)?;
         // What the inbox adds up into deadlines, and sends to PostgreSQL as an `int` of
         // milliseconds: at most the relay's bound. (`gap_timeout`, `retention` and
-        // `purge_interval` take any length: `Duration::MAX` means never.)
+        // `purge_interval` have no upper bound: `Duration::MAX` means never.)
         too_long(
             "an inbox",
             [

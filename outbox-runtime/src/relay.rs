@@ -1053,12 +1053,16 @@ mod tests {
                 }
             }
         }
-        // Zero: the gauges off, the others refused.
+        // Zero: the gauges off, the others refused, by name.
         for (name, field) in fields {
             let mut config = RelayConfig::new("postgres://");
             *field(&mut config) = Duration::ZERO;
-            let refused = config.validate().is_err();
-            assert_eq!(refused, name != "stats_interval", "{name} = 0");
+            match (name, config.validate()) {
+                ("stats_interval", Ok(())) => {}
+                (_, Err(RelayError::Config(message)))
+                    if message.starts_with(&format!("{name} must be at least 1ms, not 0ns")) => {}
+                (_, other) => panic!("{name} = 0: {other:?}"),
+            }
         }
     }
 
