@@ -91,7 +91,7 @@ pub(crate) struct RelayArgs {
     /// The messages' `ce-source` (a URI-reference naming the producing service).
     #[arg(long, env = "OUTBOX_SOURCE", default_value_t = defaults().source)]
     source: String,
-    /// Batch loops, each with its own database connection.
+    /// Batch loops, each with its own database connection: 1 to 64.
     #[arg(long, env = "OUTBOX_WORKERS", default_value_t = defaults().workers)]
     workers: usize,
     /// Rows claimed per batch.

@@ -271,9 +271,10 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
 }
 
 /// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
-/// connections) are refused before the relay starts, naming the setting.
+/// connections), and more workers than a relay runs (each a connection of the database's),
+/// are refused before the relay starts, naming the setting.
 #[tokio::test]
-async fn the_relay_refuses_intervals_that_would_loop_without_a_pause() {
+async fn the_relay_refuses_intervals_that_would_loop_without_a_pause_and_workers_past_its_bound() {
     let env = TestEnv::new().await;
     for (flags, says) in [
         (
@@ -287,6 +288,10 @@ async fn the_relay_refuses_intervals_that_would_loop_without_a_pause() {
         (
             &["--purge-older-than", "1d", "--purge-interval", "0s"][..],
             "--purge-interval must be at least 1s, not 0s",
+        ),
+        (
+            &["--workers", "2000"][..],
+            "workers 2000 is more than a relay runs (64)",
         ),
     ] {
         let mut args = vec![
