@@ -229,8 +229,10 @@ pub struct InboxConfig {
     /// Messages that cannot be read. Default [`Unreadable::DeadLetter`].
     pub unreadable: Unreadable,
     /// How long a handled message's id is kept. Default 7 days (see the module
-    /// documentation for why it must exceed the longest redelivery time). `Duration::MAX`
-    /// (anything over a thousand years) keeps them for ever.
+    /// documentation for why it must exceed the longest redelivery time); at least the
+    /// consumer's own redeliveries, `max_attempts` times `ack_wait` plus the nak delays (40 s
+    /// with the defaults), or the configuration is refused. `Duration::MAX` (anything over a
+    /// thousand years) keeps them for ever.
     pub retention: Duration,
     /// How often expired inbox rows are deleted. Default 1 min; at least
     /// [`MIN_INTERVAL`](crate::relay::MIN_INTERVAL) (to keep ids for ever, set `retention`
@@ -385,7 +387,34 @@ impl InboxConfig {
                 ("statement_timeout", self.statement_timeout),
             ],
         )
-        .map_err(InboxError::Config)
+        .map_err(InboxError::Config)?;
+        let redeliveries = self.own_redelivery_time();
+        if self.retention < redeliveries {
+            return Err(InboxError::Config(format!(
+                "retention {:?} is shorter than this consumer's own redeliveries can take \
+                 ({redeliveries:?}: max_attempts x ack_wait plus the nak delays): a duplicate \
+                 arriving after its id was purged would be handled again",
+                self.retention
+            )));
+        }
+        Ok(())
+    }
+
+    /// How long the consumer itself may go on delivering one message: `max_attempts` times
+    /// `ack_wait` (each delivery may be redelivered after it) plus the nak delays between
+    /// attempts; the shortest `retention` (see the module documentation's "Retention").
+    fn own_redelivery_time(&self) -> Duration {
+        let failures = u64::from(self.max_attempts.saturating_sub(1));
+        // The delays stop doubling after 21 failures (`nak_delay`), so the rest repeat the last.
+        let doubling = failures.min(21);
+        let naks = (1..=doubling).fold(Duration::ZERO, |sum, n| {
+            sum.saturating_add(self.nak_delay(n))
+        });
+        let repeated = u32::try_from(failures - doubling).unwrap_or(u32::MAX);
+        self.ack_wait
+            .saturating_mul(self.max_attempts)
+            .saturating_add(naks)
+            .saturating_add(self.nak_delay(22).saturating_mul(repeated))
     }
 
     /// The nak delay after `failures` handler failures: `retry_delay * 2^(failures - 1)`,
@@ -1580,6 +1609,8 @@ mod tests {
         ];
         for (name, field) in fields {
             let mut config = InboxConfig::new("c", "postgres://");
+            // Ids kept for ever: an ack_wait this long needs a longer retention.
+            config.retention = Duration::MAX;
             *field(&mut config) = MAX_DURATION;
             assert!(config.validate().is_ok(), "{name} at the bound");
             for value in [MAX_DURATION + Duration::from_millis(1), Duration::MAX] {
@@ -1613,6 +1644,38 @@ mod tests {
         config.retention = Duration::MAX;
         config.purge_interval = Duration::MAX;
         assert!(config.validate().is_ok());
+    }
+
+    /// Ids purged before the consumer's own redeliveries of them end would let a duplicate be
+    /// handled again: refused, naming the bound.
+    #[test]
+    fn a_retention_shorter_than_the_consumers_own_redeliveries_is_refused() {
+        // With the defaults (5 attempts, 5 s ack_wait, naks of 1, 2, 4 and 8 s) that is 40 s.
+        let mut config = InboxConfig::new("c", "postgres://");
+        assert_eq!(config.own_redelivery_time(), Duration::from_secs(40));
+        config.retention = Duration::from_secs(40);
+        assert!(config.validate().is_ok(), "retention at the bound");
+        for retention in [Duration::ZERO, Duration::from_secs(39)] {
+            config.retention = retention;
+            match config.validate() {
+                Err(InboxError::Config(message)) => assert_eq!(
+                    message,
+                    format!(
+                        "retention {retention:?} is shorter than this consumer's own \
+                         redeliveries can take (40s: max_attempts x ack_wait plus the nak \
+                         delays): a duplicate arriving after its id was purged would be \
+                         handled again"
+                    )
+                ),
+                other => panic!("retention = {retention:?}: {other:?}"),
+            }
+        }
+        // The most attempts: summed without a loop per attempt, and without overflowing.
+        config.max_attempts = u32::MAX;
+        config.ack_wait = Duration::from_secs(60);
+        assert!(config.own_redelivery_time() > Duration::from_secs(60) * u32::MAX);
+        config.ack_wait = Duration::MAX;
+        assert_eq!(config.own_redelivery_time(), Duration::MAX);
     }
 
     #[test]
