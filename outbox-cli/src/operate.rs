@@ -257,8 +257,9 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
 pub(crate) enum DeadLetters {
     /// The dead letters not published, oldest first: blocking ones and skipped ones.
     List {
-        /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        /// At most this many, at least 1.
+        #[arg(long, default_value_t = 100, allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
         /// Print JSON lines instead of a table.
         #[arg(long)]
@@ -500,8 +501,9 @@ pub(crate) struct PurgeArgs {
     /// archive's days (--published archive) that ended longer ago than this.
     #[arg(long, value_parser = crate::duration)]
     older_than: Duration,
-    /// Rows per DELETE: each is a short transaction, so no lock is held long.
-    #[arg(long, default_value_t = 10_000)]
+    /// Rows per DELETE, at least 1: each is a short transaction, so no lock is held long.
+    #[arg(long, default_value_t = 10_000, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(1..))]
     batch: i64,
     /// Leave the inbox's rows alone (PostgreSQL; MySQL and SQLite have no inbox).
     #[arg(long)]

@@ -139,6 +139,16 @@ async fn dead_letters_are_listed_shown_retried_and_skipped() {
     insert(&env, "o-3", 1, "Placed", SKIPPED).await;
     let nats = support::nats_url();
 
+    // A limit of no rows is refused, naming the flag: it printed "no dead letters" over three.
+    for limit in ["0", "-1"] {
+        let refused = outbox(&env, &nats, &["dead-letters", "list", "--limit", limit]);
+        assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+        assert!(
+            text(&refused).contains(&format!("invalid value '{limit}' for '--limit <LIMIT>'")),
+            "{}",
+            text(&refused)
+        );
+    }
     let list = outbox(&env, &nats, &["dead-letters", "list", "--json"]);
     assert!(list.status.success(), "{}", text(&list));
     let letters: Vec<serde_json::Value> = String::from_utf8_lossy(&list.stdout)
@@ -234,6 +244,21 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
         )
         .await
         .unwrap();
+    // A batch of no rows is refused, naming the flag (it was taken as 1, silently); nothing is
+    // deleted, as the counts below show.
+    for batch in ["0", "-5"] {
+        let refused = outbox(
+            &env,
+            &support::nats_url(),
+            &["purge", "--older-than", "1d", "--batch", batch],
+        );
+        assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+        assert!(
+            text(&refused).contains(&format!("invalid value '{batch}' for '--batch <BATCH>'")),
+            "{}",
+            text(&refused)
+        );
+    }
     let purged = outbox(
         &env,
         &support::nats_url(),
