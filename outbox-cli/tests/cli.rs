@@ -296,10 +296,10 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
 }
 
 /// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
-/// connections), and more workers than a relay runs (each a connection of the database's),
-/// are refused before the relay starts, naming the setting.
+/// connections), more workers than a relay runs (each a connection of the database's), and a
+/// first retry delay over its cap, are refused before the relay starts, naming the setting.
 #[tokio::test]
-async fn the_relay_refuses_intervals_that_would_loop_without_a_pause_and_workers_past_its_bound() {
+async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     let env = TestEnv::new().await;
     for (flags, says) in [
         (
@@ -317,6 +317,10 @@ async fn the_relay_refuses_intervals_that_would_loop_without_a_pause_and_workers
         (
             &["--workers", "2000"][..],
             "workers 2000 is more than a relay runs (64)",
+        ),
+        (
+            &["--retry-delay", "10m"][..],
+            "retry_delay 600s is longer than max_retry_delay 300s",
         ),
     ] {
         let mut args = vec![

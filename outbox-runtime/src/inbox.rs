@@ -211,6 +211,7 @@ pub struct InboxConfig {
     /// Default 1 s.
     pub retry_delay: Duration,
     /// The longest nak delay. Default 60 s.
+    /// At least `retry_delay`, or the configuration is refused.
     pub max_retry_delay: Duration,
     /// Messages handled at once (different aggregates), and database connections. An
     /// instance also holds up to four times this many messages it has not started.
@@ -388,6 +389,13 @@ impl InboxConfig {
             ],
         )
         .map_err(InboxError::Config)?;
+        if self.retry_delay > self.max_retry_delay {
+            return Err(InboxError::Config(format!(
+                "retry_delay {:?} is longer than max_retry_delay {:?}, which caps every nak's \
+                 delay: raise max_retry_delay or shorten retry_delay",
+                self.retry_delay, self.max_retry_delay
+            )));
+        }
         let redeliveries = self.own_redelivery_time();
         if self.retention < redeliveries {
             return Err(InboxError::Config(format!(
@@ -1609,8 +1617,10 @@ mod tests {
         ];
         for (name, field) in fields {
             let mut config = InboxConfig::new("c", "postgres://");
-            // Ids kept for ever: an ack_wait this long needs a longer retention.
+            // Ids kept for ever: an ack_wait this long needs a longer retention; and a cap
+            // that lets the first delay be this long.
             config.retention = Duration::MAX;
+            config.max_retry_delay = MAX_DURATION;
             *field(&mut config) = MAX_DURATION;
             assert!(config.validate().is_ok(), "{name} at the bound");
             for value in [MAX_DURATION + Duration::from_millis(1), Duration::MAX] {
@@ -1676,6 +1686,23 @@ mod tests {
         assert!(config.own_redelivery_time() > Duration::from_secs(60) * u32::MAX);
         config.ack_wait = Duration::MAX;
         assert_eq!(config.own_redelivery_time(), Duration::MAX);
+    }
+
+    /// A first delay over the cap was silently replaced by the cap.
+    #[test]
+    fn a_retry_delay_longer_than_its_cap_is_refused_naming_both() {
+        let mut config = InboxConfig::new("c", "postgres://");
+        config.retry_delay = config.max_retry_delay;
+        assert!(config.validate().is_ok(), "retry_delay at its cap");
+        config.retry_delay = Duration::from_secs(120);
+        match config.validate() {
+            Err(InboxError::Config(message)) => assert_eq!(
+                message,
+                "retry_delay 120s is longer than max_retry_delay 60s, which caps every nak's \
+                 delay: raise max_retry_delay or shorten retry_delay"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

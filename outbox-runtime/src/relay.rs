@@ -200,6 +200,7 @@ pub struct RelayConfig {
     /// jitter. Default 1 s.
     pub retry_delay: Duration,
     /// The longest delay between retries of a rejected row. Default 5 min.
+    /// At least `retry_delay`, or the configuration is refused.
     pub max_retry_delay: Duration,
     /// What a dead letter does to the later rows of its aggregate. Default
     /// [`DeadLetterPolicy::Block`].
@@ -345,6 +346,13 @@ impl RelayConfig {
             if value == 0 {
                 return Err(RelayError::Config(format!("{name} must be at least 1")));
             }
+        }
+        if self.retry_delay > self.max_retry_delay {
+            return Err(RelayError::Config(format!(
+                "retry_delay {:?} is longer than max_retry_delay {:?}, which caps every retry's \
+                 delay: raise max_retry_delay or shorten retry_delay",
+                self.retry_delay, self.max_retry_delay
+            )));
         }
         if self.workers > MAX_WORKERS {
             return Err(RelayError::Config(format!(
@@ -1028,6 +1036,8 @@ mod tests {
         ];
         for (name, field) in fields {
             let mut config = RelayConfig::new("postgres://");
+            // A cap that lets the first retry's delay be this long.
+            config.max_retry_delay = MAX_DURATION;
             *field(&mut config) = MAX_DURATION;
             assert!(config.validate().is_ok(), "{name} at the bound");
             // Every sum the relay makes of its durations holds at the bound.
@@ -1178,6 +1188,24 @@ mod tests {
                 ),
                 other => panic!("workers = {workers}: {other:?}"),
             }
+        }
+    }
+
+    /// A first delay over the cap was silently replaced by the cap.
+    #[test]
+    fn a_retry_delay_longer_than_its_cap_is_refused_naming_both() {
+        let mut config = RelayConfig::new("postgres://");
+        config.retry_delay = config.max_retry_delay;
+        assert!(config.validate().is_ok(), "retry_delay at its cap");
+        config.retry_delay = Duration::from_secs(2 * 3600);
+        config.max_retry_delay = Duration::from_secs(1);
+        match config.validate() {
+            Err(RelayError::Config(message)) => assert_eq!(
+                message,
+                "retry_delay 7200s is longer than max_retry_delay 1s, which caps every retry's \
+                 delay: raise max_retry_delay or shorten retry_delay"
+            ),
+            other => panic!("{other:?}"),
         }
     }
 
