@@ -14,8 +14,10 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+#[cfg(feature = "mysql")]
+use diesel_async::AsyncConnection;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-use diesel_async::{AsyncConnection, SimpleAsyncConnection};
+use diesel_async::SimpleAsyncConnection;
 // PostgreSQL's connections and the parsing of its URLs.
 #[cfg(feature = "postgres")]
 use {
@@ -375,6 +377,41 @@ pub(crate) struct Limits {
     pub statement_timeout: Duration,
 }
 
+/// Connects to `database_url` as diesel-async's `establish` does, keeping in the error what
+/// tokio-postgres puts in its cause: its own message says only "error connecting to server"
+/// or "invalid connection string", and the cause names what is wrong ("Connection refused",
+/// "invalid value for option `sslmode`").
+#[cfg(feature = "postgres")]
+async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
+    let (client, connection) = tokio_postgres::connect(database_url, tokio_postgres::NoTls)
+        .await
+        .map_err(|error| explained(&error))?;
+    AsyncPgConnection::try_from_client_and_connection(client, connection)
+        .await
+        .map_err(|error| error.to_string())
+}
+
+/// tokio-postgres's `error` with its cause: the server's message for a server's error; for a
+/// connection string that does not parse, only a cause that names an option (its other
+/// causes quote the string, which may hold a password).
+#[cfg(feature = "postgres")]
+fn explained(error: &tokio_postgres::Error) -> String {
+    if let Some(server) = error.as_db_error() {
+        return server.message().to_owned();
+    }
+    let Some(cause) = std::error::Error::source(error).map(ToString::to_string) else {
+        return error.to_string();
+    };
+    let parse = error.to_string() == "invalid connection string";
+    let names_an_option =
+        cause.starts_with("unknown option `") || cause.starts_with("invalid value for option `");
+    if parse && !names_an_option {
+        error.to_string()
+    } else {
+        format!("{error}: {cause}")
+    }
+}
+
 /// Opens a connection (with `connector`, or to `database_url`) within
 /// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
 /// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`] and
@@ -403,9 +440,7 @@ pub(crate) async fn connect(
     let setup = async {
         let mut conn = match connector {
             Some(connector) => connector.open().await?,
-            None => AsyncPgConnection::establish(database_url)
-                .await
-                .map_err(|e| e.to_string())?,
+            None => establish(database_url).await?,
         };
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
@@ -559,6 +594,50 @@ mod kind_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Why a connection failed, as the driver's cause says it: an option with a bad value, a
+    /// server that refuses; never a password. (Before, "invalid connection string" and
+    /// "error connecting to server" alone.)
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn a_failed_connection_says_what_is_wrong_and_never_the_password() {
+        let limits = Limits {
+            connect_timeout: Duration::from_secs(10),
+            statement_timeout: Duration::from_secs(10),
+        };
+        for (url, says) in [
+            (
+                "postgres://u:s3cret@127.0.0.1:5432/db?sslmode=bogus",
+                "invalid connection string: invalid value for option `sslmode`",
+            ),
+            (
+                "postgres://u:s3cret@127.0.0.1:5432/db?sslmod=require",
+                "invalid connection string: unknown option `sslmod`",
+            ),
+            (
+                "host=127.0.0.1 port=none user=u password=s3cret",
+                "invalid connection string: invalid value for option `port`",
+            ),
+            // Port 1 on loopback: nothing listens there.
+            (
+                "postgres://u:s3cret@127.0.0.1:1/db",
+                "error connecting to server: Connection refused (os error 111)",
+            ),
+            // A parse error that quotes the string ("expected `=` but got `s`", the password's
+            // first letter) is shown without its cause.
+            (
+                "host=127.0.0.1 user=u password s3cret",
+                "at <a database URL that does not parse>: invalid connection string",
+            ),
+        ] {
+            let Err(error) = connect(url, None, "outbox-test", limits).await else {
+                panic!("{url} connected");
+            };
+            let shown = error.to_string();
+            assert!(shown.ends_with(says), "{url}: {shown}");
+            assert!(!shown.contains("s3cret"), "{url}: {shown}");
+        }
+    }
 
     /// `redacted(url)` is `shown`, and holds no password.
     fn shows(url: &str, shown: &str) {
