@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_async::AsyncPgConnection;
 use futures::StreamExt;
 use outbox_runtime::database::OperatorConnection;
 use outbox_runtime::{dead_letter, inbox, outbox};
@@ -14,9 +14,10 @@ use uuid::Uuid;
 use crate::Ended;
 use crate::nats::NatsArgs;
 
-/// Opens a connection of type `C` (PostgreSQL's or MySQL's) within the connect
-/// timeout; the error names the database without its password.
-async fn connect<C: AsyncConnection>(database_url: &str) -> Result<C, String> {
+/// Opens a connection of type `C` (MySQL's) within the connect timeout; the error names the
+/// database without its password.
+#[cfg(feature = "mysql")]
+async fn connect<C: diesel_async::AsyncConnection>(database_url: &str) -> Result<C, String> {
     let connecting = C::establish(database_url);
     let target = outbox_runtime::database::redacted(database_url);
     match tokio::time::timeout(
@@ -350,7 +351,14 @@ impl Operator {
     pub(crate) async fn connect(database_url: &str) -> Result<Self, String> {
         use outbox_runtime::database::Kind;
         match Kind::of(database_url) {
-            Kind::Postgres => Ok(Self::Postgres(Box::new(connect(database_url).await?))),
+            Kind::Postgres => Ok(Self::Postgres(Box::new(
+                outbox_runtime::database::establish_postgres(
+                    database_url,
+                    outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT,
+                )
+                .await
+                .map_err(|error| error.to_string())?,
+            ))),
             #[cfg(feature = "mysql")]
             Kind::Mysql => Ok(Self::Mysql(Box::new(connect(database_url).await?))),
             #[cfg(feature = "sqlite")]

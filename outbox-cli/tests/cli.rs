@@ -53,6 +53,40 @@ const QUEUED: &str = "now() - interval '2 hours', NULL, NULL, NULL, NULL";
 const DEAD: &str = "now(), now(), NULL, NULL, 'max payload exceeded'";
 const SKIPPED: &str = "now(), now(), now(), NULL, 'max payload exceeded'";
 
+/// A database the command cannot reach is named without its password, with why: the option
+/// whose value is wrong, the refused connection, the server's message. (Before: "invalid
+/// connection string" and "error connecting to server", nothing more.)
+#[test]
+fn a_database_it_cannot_reach_is_named_with_why() {
+    for (url, says) in [
+        (
+            "postgres://u:s3cret@127.0.0.1:5432/db?sslmode=bogus",
+            "cannot connect to the database at <a database URL that does not parse>: invalid \
+             connection string: invalid value for option `sslmode`",
+        ),
+        (
+            "postgres://u:s3cret@127.0.0.1:1/db",
+            "cannot connect to the database at postgres://u@127.0.0.1:1/db: error connecting \
+             to server: Connection refused (os error 111)",
+        ),
+        (
+            "postgres://postgres:s3cret@127.0.0.1:5432/outbox_no_such_database",
+            "cannot connect to the database at \
+             postgres://postgres@127.0.0.1/outbox_no_such_database: database \
+             \"outbox_no_such_database\" does not exist",
+        ),
+    ] {
+        let output = Command::new(OUTBOX)
+            .arg("status")
+            .env("DATABASE_URL", url)
+            .output()
+            .expect("run outbox");
+        assert_eq!(output.status.code(), Some(2), "{url}: {}", text(&output));
+        assert!(text(&output).contains(says), "{url}: {}", text(&output));
+        assert!(!text(&output).contains("s3cret"), "{}", text(&output));
+    }
+}
+
 #[tokio::test]
 async fn migrate_applies_then_says_up_to_date() {
     let env = TestEnv::unmigrated(&support::nats_url()).await;

@@ -377,6 +377,26 @@ pub(crate) struct Limits {
     pub statement_timeout: Duration,
 }
 
+/// Opens a connection to the PostgreSQL database `database_url` names (a URL or a
+/// `key=value` string) within `connect_timeout`, as diesel-async's
+/// `AsyncPgConnection::establish` does, with no session settings of the toolkit's: for an
+/// operator's or a tool's connection.
+///
+/// # Errors
+/// [`ConnectError`]: the database without its password ([`redacted`]) and why, with
+/// tokio-postgres's cause, which its own message leaves out ("error connecting to server:
+/// Connection refused (os error 111)", "invalid connection string: invalid value for option
+/// `sslmode`", the server's message); a connection string that does not parse is shown
+/// without the parser's words when they quote it (they could quote a password); or "no
+/// answer within" `connect_timeout`.
+#[cfg(feature = "postgres")]
+pub async fn establish_postgres(
+    database_url: &str,
+    connect_timeout: Duration,
+) -> Result<AsyncPgConnection, ConnectError> {
+    within_connect_timeout(database_url, connect_timeout, establish(database_url)).await
+}
+
 /// Connects to `database_url` as diesel-async's `establish` does, keeping in the error what
 /// tokio-postgres puts in its cause: its own message says only "error connecting to server"
 /// or "invalid connection string", and the cause names what is wrong ("Connection refused",
