@@ -299,7 +299,8 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
     let other = TestEnv::new().await;
     other.create_stream(Duration::from_secs(10)).await;
     let mut config = other.relay_config();
-    config.topology.stream.max_age = Duration::from_secs(60);
+    // (Longer than the settings' duplicate window, 2 min: a shorter one is refused.)
+    config.topology.stream.max_age = Duration::from_secs(3600);
     Relay::connect(config, other.nats.clone()).await.unwrap();
     let text = logs.text();
     let reports = |stream: &str| -> Vec<String> {
@@ -319,7 +320,7 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
         reported[0]
     );
     assert!(
-        reported[1].contains("setting=\"max_age\"") && reported[1].contains("settings_say=60s"),
+        reported[1].contains("setting=\"max_age\"") && reported[1].contains("settings_say=3600s"),
         "{}",
         reported[1]
     );

@@ -560,7 +560,9 @@ pub struct StreamSettings {
     /// The duplicate window: JetStream drops a message whose `Nats-Msg-Id` it stored within
     /// this window. Default 2 minutes, JetStream's default (NATS docs, "Streams",
     /// configuration, `Duplicates`). At most `i64::MAX` nanoseconds (about 292 years), as
-    /// the JetStream API carries it; a relay refuses a longer one at start-up.
+    /// the JetStream API carries it; a relay refuses a longer one at start-up, and zero
+    /// (nats-server would store its default instead), or one longer than a non-zero
+    /// `max_age` (nats-server refuses that stream).
     pub duplicate_window: Duration,
     /// How many servers of a cluster hold the stream (1 to 5, refused otherwise at a
     /// relay's start-up; a single server takes 1). Default 1.
@@ -569,7 +571,8 @@ pub struct StreamSettings {
     /// server restart.
     pub storage: StorageType,
     /// How long the stream keeps a message; zero keeps it until a limit removes it. Default
-    /// zero. At most `i64::MAX` nanoseconds, as `duplicate_window`.
+    /// zero. At most `i64::MAX` nanoseconds, as `duplicate_window`; when not zero, at least
+    /// 100 ms, nats-server's least (its error "max age needs to be >= 100ms").
     pub max_age: Duration,
     /// The most bytes the stream holds; -1 for no limit. Default -1. A relay refuses 0 and
     /// values below -1 at start-up.
@@ -614,6 +617,27 @@ impl StreamSettings {
                      (int64 nanoseconds)"
                 ));
             }
+        }
+        if self.duplicate_window.is_zero() {
+            return Err(
+                "duplicate_window 0ns leaves the relay without JetStream's dedup: nats-server \
+                 would store its own default (2 min) in its place"
+                    .to_owned(),
+            );
+        }
+        if !self.max_age.is_zero() && self.max_age < Duration::from_millis(100) {
+            return Err(format!(
+                "max_age {:?} is shorter than nats-server takes: at least 100ms, or zero for no \
+                 limit",
+                self.max_age
+            ));
+        }
+        if !self.max_age.is_zero() && self.duplicate_window > self.max_age {
+            return Err(format!(
+                "duplicate_window {:?} is longer than max_age {:?}: nats-server refuses a \
+                 stream that forgets a message before its duplicates",
+                self.duplicate_window, self.max_age
+            ));
         }
         if !(1..=5).contains(&self.replicas) {
             return Err(format!(

@@ -1121,6 +1121,44 @@ mod tests {
         }
     }
 
+    /// Windows nats-server would replace (a zero duplicate window) or refuse (a max age under
+    /// 100 ms, a duplicate window over the max age) are refused by name before it is asked.
+    #[test]
+    fn stream_windows_nats_server_would_replace_or_refuse_are_refused_by_name() {
+        let refused = |duplicate_window: u64, max_age: u64| {
+            let mut config = RelayConfig::new("postgres://");
+            config.topology.stream.duplicate_window = Duration::from_millis(duplicate_window);
+            config.topology.stream.max_age = Duration::from_millis(max_age);
+            match config.validate() {
+                Err(RelayError::Config(message)) => Some(message),
+                Ok(()) => None,
+                Err(other) => panic!("{other:?}"),
+            }
+        };
+        let message = refused(0, 0).unwrap();
+        assert!(
+            message.starts_with("topology.stream.duplicate_window 0ns "),
+            "{message}"
+        );
+        let message = refused(50, 99).unwrap();
+        assert!(
+            message.starts_with("topology.stream.max_age 99ms is shorter"),
+            "{message}"
+        );
+        let message = refused(120_000, 60_000).unwrap();
+        assert!(
+            message.starts_with(
+                "topology.stream.duplicate_window 120s is longer than \
+                 max_age 60s"
+            ),
+            "{message}"
+        );
+        // Taken: a window within the age, at the least age, or with no age limit.
+        for (duplicate_window, max_age) in [(100, 100), (1, 0), (120_000, 120_000)] {
+            assert_eq!(refused(duplicate_window, max_age), None);
+        }
+    }
+
     #[test]
     fn stream_replicas_and_max_bytes_nats_server_would_change_are_refused() {
         let refused = |set: fn(&mut crate::StreamSettings)| {
