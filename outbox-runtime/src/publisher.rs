@@ -620,8 +620,8 @@ impl StreamSettings {
         }
         if self.duplicate_window.is_zero() {
             return Err(
-                "duplicate_window 0ns leaves the relay without JetStream's dedup: nats-server \
-                 would store its own default (2 min) in its place"
+                "duplicate_window 0ns is no window: nats-server would store its own default (2 \
+                 min) instead, and the relay report the difference at its next start"
                     .to_owned(),
             );
         }
