@@ -328,6 +328,10 @@ impl InboxConfig {
                  topology, or a filter under its prefix"
             )));
         }
+        self.topology
+            .stream
+            .check_name()
+            .map_err(|error| InboxError::Config(format!("topology.stream.{error}")))?;
         validate_token(&self.consumer).map_err(|reason| {
             InboxError::Config(format!(
                 "consumer name {:?} is not a valid NATS name: {reason}",
@@ -1703,6 +1707,17 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_producers_stream_name_is_checked() {
+        let mut config = InboxConfig::new("c", "postgres://");
+        config.topology.stream.name = String::new();
+        assert_eq!(
+            config.validate().unwrap_err().to_string(),
+            "inbox configuration: topology.stream.name \"\" is not a JetStream stream name: it \
+             is empty"
+        );
     }
 
     #[test]

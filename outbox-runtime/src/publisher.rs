@@ -552,7 +552,9 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
 /// start-up as a warning that names the stream, the setting and both values.
 #[derive(Clone, Debug)]
 pub struct StreamSettings {
-    /// The stream name. Default [`DEFAULT_STREAM`].
+    /// The stream name. Default [`DEFAULT_STREAM`]. A relay refuses, naming the rule, a name
+    /// nats-server would refuse: empty, over 255 bytes, or holding whitespace, `.`, `*`, `>`,
+    /// `/`, `\\` or a control character.
     pub name: String,
     /// Create the stream when it does not exist; when `false`, a missing stream is an error.
     /// Default `true`.
@@ -606,6 +608,7 @@ impl StreamSettings {
     /// -1 (a relay's next start would report the difference), refuses more than 5 replicas,
     /// and keeps a `max_bytes` below -1 as no limit, which these settings spell -1.
     pub(crate) fn check(&self) -> Result<(), String> {
+        self.check_name()?;
         let longest = Duration::from_nanos(i64::MAX.unsigned_abs());
         for (name, value) in [
             ("duplicate_window", self.duplicate_window),
@@ -649,6 +652,29 @@ impl StreamSettings {
             return Err(format!(
                 "max_bytes {} is neither -1 (no limit) nor a positive number of bytes",
                 self.max_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The stream name's first fault, as an error that names it. NATS docs, "Naming
+    /// Things": a stream name holds no whitespace, `.`, `*`, `>`, path separator or
+    /// non-printable character; nats-server 2.9 takes at most 255 bytes ("stream name is too
+    /// long, maximum allowed is 255").
+    pub(crate) fn check_name(&self) -> Result<(), String> {
+        if self.name.len() > 255 {
+            return Err(format!(
+                "name is {} bytes long, over nats-server's limit of 255",
+                self.name.len()
+            ));
+        }
+        let name = crate::subject::shortened(&self.name, 64);
+        crate::subject::validate_token(&self.name)
+            .map_err(|reason| format!("name {name:?} is not a JetStream stream name: {reason}"))?;
+        if let Some(separator) = self.name.chars().find(|c| matches!(c, '/' | '\\')) {
+            return Err(format!(
+                "name {name:?} is not a JetStream stream name: it contains the path separator \
+                 {separator:?}"
             ));
         }
         Ok(())

@@ -1159,6 +1159,42 @@ mod tests {
         }
     }
 
+    /// Stream names nats-server refuses are refused by name, with the rule they break (an
+    /// empty one was "empty name cannot be empty", from async-nats, after connecting).
+    #[test]
+    fn stream_names_nats_server_refuses_are_refused_with_the_rule() {
+        let checked = |name: &str| {
+            let mut config = RelayConfig::new("postgres://");
+            config.topology.stream.name = name.to_owned();
+            config.validate().err().map(|error| error.to_string())
+        };
+        for (name, says) in [
+            ("", "\"\" is not a JetStream stream name: it is empty"),
+            ("EV.ENTS", "it contains '.', the NATS token separator"),
+            ("EV ENTS", "it contains whitespace (' ')"),
+            ("EVENTS>", "it contains the NATS wildcard '>'"),
+            ("EV/ENTS", "it contains the path separator '/'"),
+            ("EV\\ENTS", "it contains the path separator '\\\\'"),
+        ] {
+            let error = checked(name).unwrap_or_else(|| panic!("{name:?} was taken"));
+            assert!(
+                error.starts_with("relay configuration: topology.stream.name ")
+                    && error.ends_with(says),
+                "{name:?}: {error}"
+            );
+        }
+        assert_eq!(
+            checked(&"E".repeat(300)).as_deref(),
+            Some(
+                "relay configuration: topology.stream.name is 300 bytes long, over \
+                 nats-server's limit of 255"
+            )
+        );
+        for name in ["EVENTS", "orders-events_2", "ÉVÉNEMENTS", &"E".repeat(255)] {
+            assert_eq!(checked(name), None, "{name}");
+        }
+    }
+
     #[test]
     fn stream_replicas_and_max_bytes_nats_server_would_change_are_refused() {
         let refused = |set: fn(&mut crate::StreamSettings)| {
