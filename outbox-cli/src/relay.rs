@@ -200,7 +200,7 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     // connection storm, and zero a loop without a pause.
     if args.purge_older_than.is_some() && *args.purge_interval < MIN_PURGE_INTERVAL {
         return Err(format!(
-            "--purge-interval must be at least 1s, not {}",
+            "--purge-interval must be at least {MIN_PURGE_INTERVAL:?}, not {}",
             args.purge_interval
         ));
     }

@@ -24,6 +24,34 @@ fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
         .expect("run outbox")
 }
 
+/// `outbox args...` on `env`'s database and NATS, which must refuse them: its output once it
+/// exits, or a panic naming `args` when it is still running after 30 s (it took them and
+/// went on: a relay that started, a purge that loops).
+fn refused(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
+    let mut child = Command::new(OUTBOX)
+        .args(args)
+        .env("DATABASE_URL", &env.database_url)
+        .env("NATS_URL", nats_url)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run outbox");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait for outbox").is_none() {
+        if Instant::now() > deadline {
+            child.kill().expect("kill outbox");
+            let output = child.wait_with_output().expect("outbox's output");
+            panic!(
+                "outbox {args:?} went on instead of refusing: {}",
+                text(&output)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("outbox's output")
+}
+
 fn text(output: &Output) -> String {
     format!(
         "{}{}",
@@ -281,7 +309,7 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
     // A batch of no rows is refused, naming the flag (it was taken as 1, silently); nothing is
     // deleted, as the counts below show.
     for batch in ["0", "-5"] {
-        let refused = outbox(
+        let refused = refused(
             &env,
             &support::nats_url(),
             &["purge", "--older-than", "1d", "--batch", batch],
@@ -365,7 +393,7 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
             &env.stream,
         ];
         args.extend_from_slice(flags);
-        let refused = outbox(&env, &support::nats_url(), &args);
+        let refused = refused(&env, &support::nats_url(), &args);
         assert_eq!(
             refused.status.code(),
             Some(2),

@@ -109,7 +109,7 @@ use crate::database::{
 };
 use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox, require_migrations};
-use crate::relay::{too_long, too_short};
+use crate::relay::{over_its_cap, too_long, too_short};
 use crate::subject::validate_token;
 use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
@@ -393,13 +393,8 @@ impl InboxConfig {
             ],
         )
         .map_err(InboxError::Config)?;
-        if self.retry_delay > self.max_retry_delay {
-            return Err(InboxError::Config(format!(
-                "retry_delay {:?} is longer than max_retry_delay {:?}, which caps every nak's \
-                 delay: raise max_retry_delay or shorten retry_delay",
-                self.retry_delay, self.max_retry_delay
-            )));
-        }
+        over_its_cap(self.retry_delay, self.max_retry_delay, "nak's")
+            .map_err(InboxError::Config)?;
         let redeliveries = self.own_redelivery_time();
         if self.retention < redeliveries {
             return Err(InboxError::Config(format!(

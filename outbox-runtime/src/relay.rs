@@ -136,6 +136,22 @@ pub(crate) fn too_short<'a>(
     }
 }
 
+/// `retry_delay` over `max_retry_delay`, which caps every `delay` ("retry's", "nak's"), as the
+/// error that names both: the first delay would silently be the cap.
+pub(crate) fn over_its_cap(
+    retry_delay: Duration,
+    max_retry_delay: Duration,
+    delay: &str,
+) -> Result<(), String> {
+    if retry_delay > max_retry_delay {
+        return Err(format!(
+            "retry_delay {retry_delay:?} is longer than max_retry_delay {max_retry_delay:?}, \
+             which caps every {delay} delay: raise max_retry_delay or shorten retry_delay"
+        ));
+    }
+    Ok(())
+}
+
 /// The first of `durations` (a configuration field's name, its value) over [`MAX_DURATION`],
 /// as the error that names it; `what` takes them ("a relay").
 pub(crate) fn too_long<const N: usize>(
@@ -347,13 +363,8 @@ impl RelayConfig {
                 return Err(RelayError::Config(format!("{name} must be at least 1")));
             }
         }
-        if self.retry_delay > self.max_retry_delay {
-            return Err(RelayError::Config(format!(
-                "retry_delay {:?} is longer than max_retry_delay {:?}, which caps every retry's \
-                 delay: raise max_retry_delay or shorten retry_delay",
-                self.retry_delay, self.max_retry_delay
-            )));
-        }
+        over_its_cap(self.retry_delay, self.max_retry_delay, "retry's")
+            .map_err(RelayError::Config)?;
         if self.workers > MAX_WORKERS {
             return Err(RelayError::Config(format!(
                 "workers {} is more than a relay runs ({MAX_WORKERS}): each holds a database \
