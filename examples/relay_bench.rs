@@ -266,7 +266,7 @@ impl Bench {
             println!();
             if let Some(ceiling) = ceiling {
                 let r = relay / ceiling;
-                ratio("4. ratio 3/1 (this relay / ceiling)", r, ">= 0.5", r >= 0.5);
+                ratio("4. ratio 3/1 (this relay / ceiling)", r, ">= 0.7", r >= 0.7);
             }
             if let Some(naive) = naive {
                 let r = relay / naive;
@@ -304,8 +304,8 @@ impl Bench {
             ratio(
                 "5. p99 with notifications (ms)",
                 notified.p99_ms,
-                "<= 25",
-                notified.p99_ms <= 25.0,
+                "<= 10",
+                notified.p99_ms <= 10.0,
             );
             println!();
         }
@@ -324,7 +324,7 @@ impl Bench {
                 cost.median[3]
             );
             let one = cost.mean[1] / cost.mean[0];
-            ratio("6. 1 event / none", one, "<= 1.3", one <= 1.3);
+            ratio("6. 1 event / none", one, "<= 1.15", one <= 1.15);
             untargeted_ratio("6. 10 events / none", cost.mean[2] / cost.mean[0]);
             untargeted_ratio("6. 1 keyed event / 1 event", cost.mean[3] / cost.mean[1]);
             println!(

@@ -189,9 +189,9 @@ pub struct RelayConfig {
     /// The most rows claimed per batch (one transaction). The relay holds a batch's rows in
     /// memory: about `batch_size` times the average payload. Default 2000.
     pub batch_size: usize,
-    /// The most publishes awaiting their ack at once, across the relay's workers
-    /// (async-nats's `max_ack_inflight`, with backpressure): at most tokio's
-    /// `Semaphore::MAX_PERMITS`, which bounds it. Default 1024.
+    /// The most publishes awaiting their ack at once, across the relay's workers (a publish
+    /// beyond waits for one to be acked): at most tokio's `Semaphore::MAX_PERMITS`, which
+    /// bounds it. Default 1024.
     pub max_in_flight: usize,
     /// Wake on `LISTEN/NOTIFY` when rows commit (inserts notify only while the relay waits:
     /// see the module's documentation). When `false`, the relay only polls. Default `true`.
@@ -382,7 +382,7 @@ impl RelayConfig {
             .stream
             .check()
             .map_err(|error| RelayError::Config(format!("topology.stream.{error}")))?;
-        // async-nats bounds the acks outstanding with a tokio semaphore of this many permits.
+        // The publisher bounds the acks outstanding with a tokio semaphore of this many permits.
         if self.max_in_flight > tokio::sync::Semaphore::MAX_PERMITS {
             return Err(RelayError::Config(format!(
                 "max_in_flight {} is more than the publisher's semaphore holds ({})",
