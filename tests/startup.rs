@@ -235,6 +235,41 @@ async fn credentials_in_a_nats_url_work_and_no_secret_reaches_a_log_an_error_or_
     assert!(leaks.is_empty(), "a secret in the logs: {leaks:?}");
 }
 
+/// A JetStream API request the server drops (here: a user who may not publish to
+/// `$JS.API.>`, which nats-server answers only with an asynchronous permissions error) fails
+/// the relay's start after `ack_timeout`, and the error says that this is what bounded it.
+#[tokio::test]
+async fn a_stream_lookup_the_server_never_answers_names_the_ack_timeout_that_bounded_it() {
+    let dir = std::env::temp_dir().join(format!("outbox-test-auth-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config_file = dir.join("server.conf");
+    std::fs::write(
+        &config_file,
+        "authorization {\n  users = [\n    { user: relay, password: relay-pw, permissions: {\n      \
+         publish: { allow: [\"_INBOX.>\", \"events.>\"] }\n      \
+         subscribe: { allow: [\">\"] }\n    } }\n  ]\n}\n",
+    )
+    .unwrap();
+    let server = NatsServer::start_with(&["--config", config_file.to_str().unwrap()]).await;
+    let nats =
+        outbox_runtime::nats::connect(&format!("nats://relay:relay-pw@127.0.0.1:{}", server.port))
+            .await
+            .unwrap();
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.ack_timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    let error = Relay::connect(config, nats).await.err().unwrap();
+    let waited = started.elapsed();
+    assert!(matches!(error, RelayError::Stream(_)), "{error:?}");
+    let text = error.to_string();
+    assert!(
+        text.contains("no answer within 300ms, the relay's ack_timeout"),
+        "{text}"
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+}
+
 #[tokio::test]
 async fn an_empty_source_is_refused() {
     let env = TestEnv::new().await;

@@ -801,19 +801,37 @@ pub enum StreamError {
     },
 }
 
-/// Makes sure the stream exists and captures `{prefix}.>`; returns its configuration.
+/// Makes sure the stream exists and captures `{prefix}.>`; returns its configuration. Each
+/// JetStream API request waits at most `timeout` (the relay's `ack_timeout`, its JetStream
+/// context's), and an error says so when one did not come back in it.
 pub(crate) async fn ensure_stream(
     jetstream: &jetstream::Context,
     settings: &StreamSettings,
     prefix: &str,
+    timeout: Duration,
 ) -> Result<stream::Config, StreamError> {
     let api = |message: String| StreamError::Api {
         stream: settings.name.clone(),
         message,
     };
+    // A request the server never answered: say how long it waited, and what set that.
+    let unanswered = |message: String| {
+        api(format!(
+            "{message}: no answer within {:?}, the relay's ack_timeout, which bounds its \
+             JetStream API requests too",
+            timeout
+        ))
+    };
     let wanted = format!("{prefix}.>");
     let info = match jetstream.get_stream(&settings.name).await {
-        Ok(mut stream) => stream.info().await.map_err(|e| api(e.to_string()))?.clone(),
+        Ok(mut stream) => match stream.info().await {
+            Ok(info) => info.clone(),
+            Err(error) if error.kind() == jetstream::context::RequestErrorKind::TimedOut => {
+                return Err(unanswered(error.to_string()));
+            }
+            Err(error) => return Err(api(error.to_string())),
+        },
+        Err(error) if request_timed_out(&error) => return Err(unanswered(error.to_string())),
         Err(error) => {
             let not_found = matches!(
                 error.kind(),
@@ -841,7 +859,13 @@ pub(crate) async fn ensure_stream(
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| api(e.to_string()))?
+                .map_err(|error| {
+                    if error.kind() == jetstream::context::CreateStreamErrorKind::TimedOut {
+                        unanswered(error.to_string())
+                    } else {
+                        api(error.to_string())
+                    }
+                })?
                 .cached_info()
                 .clone()
         }
@@ -869,6 +893,21 @@ pub(crate) async fn ensure_stream(
         );
     }
     Ok(info.config)
+}
+
+/// Whether `error` is, or was caused by, a JetStream API request that timed out.
+fn request_timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if error
+            .downcast_ref::<jetstream::context::RequestError>()
+            .is_some_and(|error| error.kind() == jetstream::context::RequestErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// Whether the subject filter `filter` matches every subject under `prefix`, i.e. `{prefix}.>`.

@@ -486,6 +486,7 @@ impl Shared {
             publisher.jetstream(),
             &config.topology.stream,
             config.topology.subject_prefix.as_str(),
+            config.ack_timeout,
         )
         .await?;
         let horizon = config.redelivery_horizon();
