@@ -242,7 +242,7 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     /// A publisher with at most `max_in_flight` publishes awaiting their ack (a publish
-    /// beyond waits for a permit: async-nats's backpressure).
+    /// beyond waits for one of them to end), each waiting at most `ack_timeout`.
     pub(crate) fn new(
         client: async_nats::Client,
         prefix: &str,
