@@ -235,8 +235,9 @@ pub(crate) struct Publisher {
     /// with their values, the row's own with an empty list of values. Cloned per message, so
     /// that its map is allocated once at its size and never grows (growing rehashed every
     /// name three times: 14% of the relay's instructions, measured with callgrind); an empty
-    /// list clones without an allocation, and the row's value is appended to it instead of
-    /// replacing a list that must then be freed.
+    /// list clones without an allocation, and frees none when the row's one-value list
+    /// replaces it (which costs less than appending to it: a push onto an empty `Vec`
+    /// allocates room for four, 3% of the relay's instructions).
     template: HeaderMap,
 }
 
@@ -385,14 +386,8 @@ impl Publisher {
             Some(causation) => encoded(causation)?,
             None => id.clone(),
         };
-        // Into the template's empty lists; over whatever a row's own headers hold.
-        let mut set = |name: HeaderName, value: HeaderValue| {
-            if own {
-                headers.insert(name, value);
-            } else {
-                headers.append(name, value);
-            }
-        };
+        // Over the template's empty lists, and over whatever a row's own headers hold.
+        let mut set = |name: HeaderName, value: HeaderValue| headers.insert(name, value);
         set(NATS_MESSAGE_ID, id.clone());
         set(CE_ID, id);
         set(CE_TYPE, encoded(&row.event_type)?);
