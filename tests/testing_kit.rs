@@ -12,7 +12,7 @@ use outbox_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+#[derive(Clone, Debug, Serialize, Deserialize, DomainEvent)]
 enum AccountEvent {
     Opened {
         owner: String,
@@ -199,6 +199,55 @@ async fn the_in_memory_outbox_keeps_the_unit_of_works_rules() {
         "{invalid:?}"
     );
     bad.discard_pending_events();
+}
+
+/// Tracking an aggregate again, among many, takes nothing twice; an aggregate value's clone
+/// is another buffer and is taken on its own.
+#[tokio::test]
+async fn each_of_many_aggregates_tracked_again_is_taken_once() {
+    let outbox = InMemoryOutbox::new();
+    let mut accounts: Vec<Account> = (0..1000)
+        .map(|n| {
+            let mut account = Account::new(&format!("a-{n}"));
+            account.deposit(n, None);
+            account
+        })
+        .collect();
+    let mut copy = Account {
+        id: accounts[7].id.clone(),
+        balance: accounts[7].balance,
+        pending_events: accounts[7].pending_events.clone(),
+    };
+    outbox
+        .transaction(async |uow| {
+            for account in &mut accounts {
+                uow.track(account);
+            }
+            for account in accounts.iter_mut().rev() {
+                uow.track(account);
+            }
+            uow.track(&mut copy);
+            uow.track(&mut accounts[7]);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    let written = outbox.written();
+    assert_eq!(written.len(), 1001);
+    let sevens: Vec<i64> = written
+        .iter()
+        .filter(|event| event.aggregate_id == "a-7")
+        .map(|event| event.aggregate_seq)
+        .collect();
+    assert_eq!(sevens, [1, 2], "the account and its copy");
+    assert!(
+        written
+            .iter()
+            .filter(|event| event.aggregate_id != "a-7")
+            .all(|event| event.aggregate_seq == 1)
+    );
+    assert!(accounts.iter().all(|a| a.pending_events().is_empty()));
+    assert!(copy.pending_events().is_empty());
 }
 
 #[tokio::test]

@@ -12,6 +12,7 @@
 //! [`emit`](UnitOfWork::emit) for a standalone event. The handle is borrowed for the closure
 //! only, so events cannot reach the outbox outside a transaction or after its commit.
 
+use std::collections::HashSet;
 use std::future::Future;
 
 #[cfg(feature = "postgres")]
@@ -691,6 +692,10 @@ pub(crate) struct EventBuffer<'o> {
     events: Vec<NewEvent>,
     /// Aggregates whose events were taken: drained after COMMIT, detached at the end.
     tracked: Vec<Tracked>,
+    /// The addresses of their buffers ([`CommitHandle::buffer_address`]): an aggregate
+    /// tracked again is found in constant time (a search of `tracked` made a unit of work of
+    /// n aggregates quadratic: 1.3 G instructions for two of 10,000, callgrind).
+    tracked_buffers: HashSet<usize>,
     /// The first invalid event; reported, and the transaction rolled back, at commit.
     error: Option<UnitOfWorkError>,
     /// What to do with an event whose dedup key is taken.
@@ -704,6 +709,7 @@ impl<'o> EventBuffer<'o> {
             causality,
             events: Vec::new(),
             tracked: Vec::new(),
+            tracked_buffers: HashSet::new(),
             error: None,
             duplicates: DuplicateEvents::default(),
         }
@@ -712,7 +718,7 @@ impl<'o> EventBuffer<'o> {
     /// [`UnitOfWork::track`].
     pub(crate) fn track<A: Aggregate>(&mut self, aggregate: &mut A) {
         let handle = aggregate.pending().commit_handle();
-        if self.tracked.iter().any(|t| t.handle.same_buffer(&handle)) {
+        if !self.tracked_buffers.insert(handle.buffer_address()) {
             return;
         }
         let aggregate_id = aggregate.aggregate_id();
