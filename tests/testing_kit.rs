@@ -250,6 +250,25 @@ async fn each_of_many_aggregates_tracked_again_is_taken_once() {
     assert!(copy.pending_events().is_empty());
 }
 
+/// nats-server 2.9 removed the account's store directory with its last file-storage stream,
+/// and a stream created at that moment failed ("could not create storage directory", a
+/// contract test in CI); the kit's environments keep a stream that holds the directory.
+#[tokio::test]
+async fn deleting_a_tests_stream_leaves_the_servers_store_in_place() {
+    let server = support::NatsServer::start().await;
+    let env = TestEnv::with_nats(&server.url()).await;
+    env.create_stream(Duration::from_secs(120)).await;
+    env.jetstream().delete_stream(&env.stream).await.unwrap();
+    let account = server.store().join("jetstream").join("$G");
+    assert!(
+        account.is_dir(),
+        "{} was removed with the last stream",
+        account.display()
+    );
+    env.create_stream(Duration::from_secs(120)).await;
+    assert_eq!(env.stream_len().await, 0);
+}
+
 #[tokio::test]
 async fn waiting_for_events_that_never_come_fails_with_what_is_missing_and_what_is_stored() {
     let env = TestEnv::new().await;
