@@ -13,13 +13,20 @@ use support::{NatsServer, TestEnv, wait_until};
 
 const OUTBOX: &str = env!("CARGO_BIN_EXE_outbox");
 
-/// `outbox args...` on `env`'s database and NATS, to completion.
-fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
-    Command::new(OUTBOX)
-        .args(args)
+/// The `outbox` command on `env`'s database and NATS, logging at `info`.
+fn command(env: &TestEnv, nats_url: &str) -> Command {
+    let mut command = Command::new(OUTBOX);
+    command
         .env("DATABASE_URL", &env.database_url)
         .env("NATS_URL", nats_url)
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", "info");
+    command
+}
+
+/// `outbox args...` on `env`'s database and NATS, to completion.
+fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
+    command(env, nats_url)
+        .args(args)
         .output()
         .expect("run outbox")
 }
@@ -28,11 +35,8 @@ fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
 /// exits, or a panic naming `args` when it is still running after 30 s (it took them and
 /// went on: a relay that started, a purge that loops).
 fn refused(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
-    let mut child = Command::new(OUTBOX)
+    let mut child = command(env, nats_url)
         .args(args)
-        .env("DATABASE_URL", &env.database_url)
-        .env("NATS_URL", nats_url)
-        .env("RUST_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -410,7 +414,7 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
 
 /// Starts `outbox relay` for `env`, with `extra` arguments.
 fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::Child {
-    Command::new(OUTBOX)
+    command(env, nats_url)
         .args([
             "relay",
             "--subject-prefix",
@@ -420,9 +424,6 @@ fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::C
         ])
         .args(["--poll-interval", "50ms", "--stats-interval", "200ms"])
         .args(extra)
-        .env("DATABASE_URL", &env.database_url)
-        .env("NATS_URL", nats_url)
-        .env("RUST_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

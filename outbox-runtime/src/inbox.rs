@@ -279,6 +279,10 @@ impl fmt::Debug for InboxConfig {
     }
 }
 
+/// The most times a nak delay doubles (`retry_delay` x 2^20, before `max_retry_delay` caps
+/// it): later failures wait as long as the last doubled one.
+const NAK_DOUBLINGS: u64 = 20;
+
 impl InboxConfig {
     /// The defaults, for the consumer `consumer` on the database at `database_url`.
     pub fn new(consumer: impl Into<String>, database_url: impl Into<String>) -> Self {
@@ -412,8 +416,8 @@ impl InboxConfig {
     /// attempts; the shortest `retention` (see the module documentation's "Retention").
     fn own_redelivery_time(&self) -> Duration {
         let failures = u64::from(self.max_attempts.saturating_sub(1));
-        // The delays stop doubling after 21 failures (`nak_delay`), so the rest repeat the last.
-        let doubling = failures.min(21);
+        // The delays double up to failure `NAK_DOUBLINGS + 1`; the rest repeat the last.
+        let doubling = failures.min(NAK_DOUBLINGS + 1);
         let naks = (1..=doubling).fold(Duration::ZERO, |sum, n| {
             sum.saturating_add(self.nak_delay(n))
         });
@@ -421,13 +425,14 @@ impl InboxConfig {
         self.ack_wait
             .saturating_mul(self.max_attempts)
             .saturating_add(naks)
-            .saturating_add(self.nak_delay(22).saturating_mul(repeated))
+            .saturating_add(self.nak_delay(doubling).saturating_mul(repeated))
     }
 
     /// The nak delay after `failures` handler failures: `retry_delay * 2^(failures - 1)`,
     /// capped at `max_retry_delay`.
     fn nak_delay(&self, failures: u64) -> Duration {
-        let doublings = u32::try_from(failures.saturating_sub(1).min(20)).unwrap_or(20);
+        let doublings = u32::try_from(failures.saturating_sub(1).min(NAK_DOUBLINGS))
+            .expect("at most NAK_DOUBLINGS");
         self.retry_delay
             .saturating_mul(2_u32.saturating_pow(doublings))
             .min(self.max_retry_delay)

@@ -809,24 +809,20 @@ pub(crate) async fn ensure_stream(
         stream: settings.name.clone(),
         message,
     };
-    // A request the server never answered: say how long it waited, and what set that.
-    let unanswered = |message: String| {
-        api(format!(
-            "{message}: no answer within {:?}, the relay's ack_timeout, which bounds its \
-             JetStream API requests too",
-            timeout
-        ))
+    // A request the server never answered says how long it waited, and what set that.
+    let failed = |error: &(dyn std::error::Error + 'static)| {
+        if request_timed_out(error) {
+            api(format!(
+                "{error}: no answer within {timeout:?}, the relay's ack_timeout, which bounds \
+                 its JetStream API requests too"
+            ))
+        } else {
+            api(error.to_string())
+        }
     };
     let wanted = format!("{prefix}.>");
     let info = match jetstream.get_stream(&settings.name).await {
-        Ok(mut stream) => match stream.info().await {
-            Ok(info) => info.clone(),
-            Err(error) if error.kind() == jetstream::context::RequestErrorKind::TimedOut => {
-                return Err(unanswered(error.to_string()));
-            }
-            Err(error) => return Err(api(error.to_string())),
-        },
-        Err(error) if request_timed_out(&error) => return Err(unanswered(error.to_string())),
+        Ok(mut stream) => stream.info().await.map_err(|e| failed(&e))?.clone(),
         Err(error) => {
             let not_found = matches!(
                 error.kind(),
@@ -834,7 +830,7 @@ pub(crate) async fn ensure_stream(
                     if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
             );
             if !not_found {
-                return Err(api(error.to_string()));
+                return Err(failed(&error));
             }
             if !settings.create {
                 return Err(StreamError::Missing {
@@ -854,13 +850,7 @@ pub(crate) async fn ensure_stream(
                     ..Default::default()
                 })
                 .await
-                .map_err(|error| {
-                    if error.kind() == jetstream::context::CreateStreamErrorKind::TimedOut {
-                        unanswered(error.to_string())
-                    } else {
-                        api(error.to_string())
-                    }
-                })?
+                .map_err(|e| failed(&e))?
                 .cached_info()
                 .clone()
         }
@@ -890,13 +880,18 @@ pub(crate) async fn ensure_stream(
     Ok(info.config)
 }
 
-/// Whether `error` is, or was caused by, a JetStream API request that timed out.
+/// Whether `error` is, or was caused by, a JetStream API request that timed out (a stream
+/// creation's error keeps only its kind).
 fn request_timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    use jetstream::context::{CreateStreamError, CreateStreamErrorKind, RequestError};
     let mut cause = Some(error);
     while let Some(error) = cause {
-        if error
-            .downcast_ref::<jetstream::context::RequestError>()
-            .is_some_and(|error| error.kind() == jetstream::context::RequestErrorKind::TimedOut)
+        let request = error.downcast_ref::<RequestError>().map(RequestError::kind);
+        let create = error
+            .downcast_ref::<CreateStreamError>()
+            .map(CreateStreamError::kind);
+        if request == Some(jetstream::context::RequestErrorKind::TimedOut)
+            || create == Some(CreateStreamErrorKind::TimedOut)
         {
             return true;
         }
