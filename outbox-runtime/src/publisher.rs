@@ -306,10 +306,10 @@ impl Publisher {
         #[cfg(feature = "opentelemetry")]
         {
             use tracing::Instrument as _;
-            let id = row.id.hyphenated().to_string();
+            let mut id = [0_u8; uuid::fmt::Hyphenated::LENGTH];
             let span = crate::telemetry::producer_span(
                 &row.subject,
-                &id,
+                row.id.hyphenated().encode_lower(&mut id),
                 row.payload.0.len(),
                 &mut headers,
             );
