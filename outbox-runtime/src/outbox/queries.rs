@@ -24,7 +24,7 @@ use uuid::Uuid;
 // PostgreSQL's statements, and its binary `json` and `jsonb`.
 #[cfg(feature = "postgres")]
 use {
-    super::statement::statement,
+    super::statement::{ArrayBind, statement},
     crate::causality::Causality,
     diesel::QueryResult,
     diesel::deserialize::{self, FromSql},
@@ -95,7 +95,7 @@ pub(crate) fn insert_statement<'a>(
         ids: events.iter().map(|e| e.id).collect(),
         event_aggregate_types: column(events, |e| &e.aggregate_type),
         event_aggregate_ids: column(events, |e| &e.aggregate_id),
-        ordinals,
+        ordinals: ordinals.into(),
         event_types: column(events, |e| e.event_type),
         event_versions: events.iter().map(|e| e.event_version).collect(),
         partition_keys: column(events, |e| &e.partition_key),
@@ -225,8 +225,8 @@ statement! {
     /// COMMIT sent inside the closure) would commit on its own, and the event it guards,
     /// never written, would be dropped as a duplicate when the unit of work is retried.
     pub(crate) struct TakeDedupKeys<'a> {
-        keys: Vec<&'a str> => Array<Text>,
-        ids: Vec<Uuid> => Array<SqlUuid>,
+        keys: ArrayBind<'a, &'a str> => Array<Text>,
+        ids: ArrayBind<'a, Uuid> => Array<SqlUuid>,
     }
     sql = "INSERT INTO outbox_dedup_keys (dedup_key, event_id) \
            SELECT k.dedup_key, k.event_id FROM outbox_assert_unit_of_work(), \
@@ -239,28 +239,31 @@ statement! {
     /// The unit of work's INSERT (see [`insert_events`]): the function of migration 000004,
     /// whose plan PostgreSQL caches for the session.
     pub(crate) struct InsertEvents<'a> {
-        aggregate_types: Vec<&'a str> => Array<Text>,
-        aggregate_ids: Vec<&'a str> => Array<Text>,
-        counts: Vec<i64> => Array<Int8>,
+        aggregate_types: ArrayBind<'a, &'a str> => Array<Text>,
+        aggregate_ids: ArrayBind<'a, &'a str> => Array<Text>,
+        counts: ArrayBind<'a, i64> => Array<Int8>,
         correlation_id: &'a str => Text,
         causation_id: &'a str => Text,
         headers: &'a str => Text,
-        ids: Vec<Uuid> => Array<SqlUuid>,
-        event_aggregate_types: Vec<&'a str> => Array<Text>,
-        event_aggregate_ids: Vec<&'a str> => Array<Text>,
-        ordinals: Vec<i64> => Array<Int8>,
-        event_types: Vec<&'a str> => Array<Text>,
-        event_versions: Vec<i32> => Array<Int4>,
-        partition_keys: Vec<&'a str> => Array<Text>,
-        subjects: Vec<&'a str> => Array<Text>,
-        payloads: Vec<&'a str> => Array<Text>,
+        ids: ArrayBind<'a, Uuid> => Array<SqlUuid>,
+        event_aggregate_types: ArrayBind<'a, &'a str> => Array<Text>,
+        event_aggregate_ids: ArrayBind<'a, &'a str> => Array<Text>,
+        ordinals: ArrayBind<'a, i64> => Array<Int8>,
+        event_types: ArrayBind<'a, &'a str> => Array<Text>,
+        event_versions: ArrayBind<'a, i32> => Array<Int4>,
+        partition_keys: ArrayBind<'a, &'a str> => Array<Text>,
+        subjects: ArrayBind<'a, &'a str> => Array<Text>,
+        payloads: ArrayBind<'a, &'a str> => Array<Text>,
     }
     sql = "SELECT outbox_insert_events($1, $2, $3, $4, $5, $6::jsonb, $7, $8, $9, $10, $11, \
            $12, $13, $14, $15)";
 }
 
 #[cfg(feature = "postgres")]
-fn column<'a>(events: &'a [NewEvent], field: impl Fn(&'a NewEvent) -> &'a str) -> Vec<&'a str> {
+fn column<'a>(
+    events: &'a [NewEvent],
+    field: impl Fn(&'a NewEvent) -> &'a str,
+) -> ArrayBind<'a, &'a str> {
     events.iter().map(field).collect()
 }
 
@@ -445,8 +448,8 @@ pub(crate) async fn claim_batch(
         window: claim_window(batch),
         heads: batch,
         rows: batch,
-        held_types: &held.types,
-        held_ids: &held.ids,
+        held_types: held.types.as_slice().into(),
+        held_ids: held.ids.as_slice().into(),
     }
     .load(conn)
     .await
@@ -456,8 +459,8 @@ pub(crate) async fn claim_batch(
 statement! {
     /// The relay's claim (see [`claim_batch`]).
     struct ClaimBatch<'a> {
-        held_types: &'a [&'a str] => Array<Text>,
-        held_ids: &'a [&'a str] => Array<Text>,
+        held_types: ArrayBind<'a, &'a str> => Array<Text>,
+        held_ids: ArrayBind<'a, &'a str> => Array<Text>,
         window: i64 => Int8,
         heads: i64 => Int8,
         rows: i64 => Int8,
@@ -551,9 +554,9 @@ pub(crate) async fn finish_published(
     mode: PublishedRows,
 ) -> QueryResult<()> {
     match mode {
-        PublishedRows::Mark => MarkPublished { ids }.execute(conn).await?,
-        PublishedRows::Delete => DeletePublished { ids }.execute(conn).await?,
-        PublishedRows::Archive => ArchivePublished { ids }.execute(conn).await?,
+        PublishedRows::Mark => MarkPublished { ids: ids.into() }.execute(conn).await?,
+        PublishedRows::Delete => DeletePublished { ids: ids.into() }.execute(conn).await?,
+        PublishedRows::Archive => ArchivePublished { ids: ids.into() }.execute(conn).await?,
     };
     Ok(())
 }
@@ -561,7 +564,7 @@ pub(crate) async fn finish_published(
 #[cfg(feature = "postgres")]
 statement! {
     struct MarkPublished<'a> {
-        ids: &'a [Uuid] => Array<SqlUuid>,
+        ids: ArrayBind<'a, Uuid> => Array<SqlUuid>,
     }
     sql = "UPDATE outbox_events SET published_at = now() WHERE id = ANY($1)";
 }
@@ -570,7 +573,7 @@ statement! {
 statement! {
     /// The function of migration 000006: moves the rows to `outbox_published`.
     struct ArchivePublished<'a> {
-        ids: &'a [Uuid] => Array<SqlUuid>,
+        ids: ArrayBind<'a, Uuid> => Array<SqlUuid>,
     }
     sql = "SELECT outbox_archive_published($1)";
 }
@@ -578,7 +581,7 @@ statement! {
 #[cfg(feature = "postgres")]
 statement! {
     struct DeletePublished<'a> {
-        ids: &'a [Uuid] => Array<SqlUuid>,
+        ids: ArrayBind<'a, Uuid> => Array<SqlUuid>,
     }
     sql = "DELETE FROM outbox_events WHERE id = ANY($1)";
 }
@@ -694,39 +697,46 @@ mod tests {
     fn every_statement_renders_its_sql_with_the_binds_in_place() {
         let ids = [Uuid::nil()];
         let insert = InsertEvents {
-            aggregate_types: vec![],
-            aggregate_ids: vec![],
-            counts: vec![],
+            aggregate_types: Vec::new().into(),
+            aggregate_ids: Vec::new().into(),
+            counts: Vec::new().into(),
             correlation_id: "c",
             causation_id: "c",
             headers: "{}",
-            ids: vec![],
-            event_aggregate_types: vec![],
-            event_aggregate_ids: vec![],
-            ordinals: vec![],
-            event_types: vec![],
-            event_versions: vec![],
-            partition_keys: vec![],
-            subjects: vec![],
-            payloads: vec![],
+            ids: Vec::new().into(),
+            event_aggregate_types: Vec::new().into(),
+            event_aggregate_ids: Vec::new().into(),
+            ordinals: Vec::new().into(),
+            event_types: Vec::new().into(),
+            event_versions: Vec::new().into(),
+            partition_keys: Vec::new().into(),
+            subjects: Vec::new().into(),
+            payloads: Vec::new().into(),
         };
         assert_eq!(rendered(&insert), InsertEvents::SQL);
         let claim = ClaimBatch {
             window: 2,
             heads: 1,
             rows: 1,
-            held_types: &["Order"],
-            held_ids: &["o-1"],
+            held_types: ["Order"].as_slice().into(),
+            held_ids: ["o-1"].as_slice().into(),
         };
         assert_eq!(rendered(&claim), ClaimBatch::SQL);
         let keys = TakeDedupKeys {
-            keys: vec!["k"],
-            ids: ids.to_vec(),
+            keys: vec!["k"].into(),
+            ids: ids.to_vec().into(),
         };
         assert_eq!(rendered(&keys), TakeDedupKeys::SQL);
-        assert_eq!(rendered(&MarkPublished { ids: &ids }), MarkPublished::SQL);
         assert_eq!(
-            rendered(&DeletePublished { ids: &ids }),
+            rendered(&MarkPublished {
+                ids: ids.as_slice().into()
+            }),
+            MarkPublished::SQL
+        );
+        assert_eq!(
+            rendered(&DeletePublished {
+                ids: ids.as_slice().into()
+            }),
             DeletePublished::SQL
         );
     }
