@@ -506,24 +506,24 @@ statement! {
                partition_key, subject, payload, headers, occurred_at, correlation_id, \
                causation_id, available \
         FROM ( \
-        SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
-               partition_key, subject, payload, headers, occurred_at, correlation_id, \
-               causation_id, true AS available, rank_at, rank_id \
-        FROM claimed \
-        UNION ALL \
-        SELECT e.id, e.aggregate_type, e.aggregate_id, e.aggregate_seq, e.event_type, \
-               e.event_version, e.partition_key, e.subject, e.payload, e.headers, e.occurred_at, \
-               e.correlation_id, e.causation_id, \
-               e.available_at <= now() AND e.dead_lettered_at IS NULL, c.rank_at, c.rank_id \
-        FROM claimed c \
-        CROSS JOIN LATERAL ( \
-            SELECT * FROM outbox_events e \
-            WHERE e.published_at IS NULL AND e.skipped_at IS NULL \
-              AND e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
-              AND e.aggregate_seq > c.aggregate_seq \
-            ORDER BY e.aggregate_seq \
-            LIMIT (SELECT ($5 - count(*)) / greatest(count(*), 1) FROM claimed) \
-        ) e \
+            SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
+                   partition_key, subject, payload, headers, occurred_at, correlation_id, \
+                   causation_id, true AS available, rank_at, rank_id \
+            FROM claimed \
+            UNION ALL \
+            SELECT e.id, e.aggregate_type, e.aggregate_id, e.aggregate_seq, e.event_type, \
+                   e.event_version, e.partition_key, e.subject, e.payload, e.headers, \
+                   e.occurred_at, e.correlation_id, e.causation_id, \
+                   e.available_at <= now() AND e.dead_lettered_at IS NULL, c.rank_at, c.rank_id \
+            FROM claimed c \
+            CROSS JOIN LATERAL ( \
+                SELECT * FROM outbox_events e \
+                WHERE e.published_at IS NULL AND e.skipped_at IS NULL \
+                  AND e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id \
+                  AND e.aggregate_seq > c.aggregate_seq \
+                ORDER BY e.aggregate_seq \
+                LIMIT (SELECT ($5 - count(*)) / greatest(count(*), 1) FROM claimed) \
+            ) e \
         ) claim \
         ORDER BY rank_at, rank_id, aggregate_seq";
 }
