@@ -13,7 +13,10 @@
 //! 2. relay throughput: `--events` events queued over `--aggregates` aggregates (and figure
 //!    1's), drained by one relay with its defaults (events/s until the stream holds them all);
 //! 3. commit-to-ack latency at `--rate` events/s offered by 4 writers of the relay's process
-//!    (the ack time is the stream's store timestamp), p50 / p99 / max.
+//!    (the ack time is the stream's store timestamp), p50 / p99 / max;
+//! 4. figure 2's drain of `--events` twice more: deleting the published rows, then with
+//!    `PublishedRows::Archive` (each moved to `outbox_published`), the two ways after the same
+//!    history.
 //!
 //! Each backend works in a database and a stream of its own, removed at the end.
 //! `OUTBOX_TEST_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
@@ -34,7 +37,8 @@ use outbox_runtime::mysql::MysqlRelay;
 use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
 use outbox_runtime::testing::TestEnv;
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, RelayHandle, UnitOfWorkError, aggregate,
+    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, RelayConfig, RelayHandle,
+    UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -434,6 +438,30 @@ async fn main() -> Result<(), BoxError> {
             percentile(0.99),
             latencies[latencies.len() - 1]
         );
+
+        // Figure 4: figure 2's drain again, deleting and then archiving, so that the two
+        // ways meet the same table (a first drain on a fresh database can run at another pace).
+        for (name, published) in [
+            ("deleting", PublishedRows::Delete),
+            ("archiving", PublishedRows::Archive),
+        ] {
+            on!(&database, seed(&url, &outbox, args.events, args.aggregates))?;
+            let before = stream.info().await?.state.messages;
+            let mut config = config.clone();
+            config.published = published;
+            let started = Instant::now();
+            let relay = on!(&database, spawn_relay(config, env.nats.clone()))?;
+            env.until_stream_holds(before + args.events as u64, Duration::from_secs(600))
+                .await;
+            let drained = started.elapsed();
+            relay.shutdown().await?;
+            println!(
+                "4. relay throughput, {name} ({published:?}): {} events in {:.2?}: {:.0} events/s",
+                args.events,
+                drained,
+                args.events as f64 / drained.as_secs_f64()
+            );
+        }
         match database {
             Database::Postgres => {}
             Database::Mysql(db) => db.drop_database().await?,

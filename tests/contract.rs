@@ -759,6 +759,9 @@ trait Operated: Backend {
 
     /// A connection to the environment's database.
     fn operator_conn(env: &Env) -> impl Future<Output = Self::Conn> + Send;
+
+    /// Every row of the archive, by aggregate and sequence.
+    fn archived(env: &Env) -> impl Future<Output = Vec<Archived>> + Send;
 }
 
 impl Operated for AsyncPg {
@@ -767,6 +770,163 @@ impl Operated for AsyncPg {
     async fn operator_conn(env: &Env) -> Self::Conn {
         env.conn().await
     }
+
+    async fn archived(env: &Env) -> Vec<Archived> {
+        use diesel_async::RunQueryDsl;
+        diesel::sql_query(archived_sql("id::text", "payload::text"))
+            .load(&mut env.conn().await)
+            .await
+            .unwrap()
+    }
+}
+
+/// A row of the archive (`outbox_published`, `PublishedRows::Archive`), as the tests read it.
+#[derive(Debug, diesel::QueryableByName)]
+struct Archived {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    id: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    aggregate_id: String,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    aggregate_seq: i64,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    event_type: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    subject: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    payload: String,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    attempts: i32,
+}
+
+/// The query of every archived row, by aggregate and sequence, with the backend's
+/// expressions of the id and the payload as text.
+fn archived_sql(id: &str, payload: &str) -> String {
+    format!(
+        "SELECT {id} AS id, aggregate_id, aggregate_seq, event_type, subject, \
+                {payload} AS payload, attempts \
+         FROM outbox_published ORDER BY aggregate_id, aggregate_seq"
+    )
+}
+
+/// A backend whose archive is one table that retention deletes row by row (MySQL, SQLite;
+/// PostgreSQL drops its daily partitions whole: `tests/retention.rs`).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+trait PurgedByRow: Operated {
+    /// The backend's `purge_archived`.
+    fn purge_archived(
+        conn: &mut Self::Conn,
+        older_than: Duration,
+        batch: i64,
+        progress: impl FnMut(usize) + Send,
+    ) -> impl Future<Output = diesel::QueryResult<usize>> + Send;
+}
+
+/// With `PublishedRows::Archive`, the relay moves each published row, whole, out of
+/// `outbox_events` into `outbox_published`: every message on the stream has its archived
+/// row (same id, subject and payload bytes), the queue is empty, and `outbox status` counts
+/// the archived rows among the last minute's publishes.
+async fn the_archive_keeps_each_published_row_whole<B: Operated>() {
+    let env = B::setup().await;
+    let (_, result) = B::commit(
+        &env,
+        vec![shipped("o-1"), shipped("o-2")],
+        Some("r-1".to_owned()),
+        End::Ok,
+    )
+    .await;
+    result.unwrap();
+    let mut config = B::relay_config(&env);
+    config.published = outbox_runtime::PublishedRows::Archive;
+    let relay = B::spawn_relay(&env, config).await;
+    env.until_stream_holds(5, Duration::from_secs(10)).await;
+    // A few more batches: a row left in the queue would be published again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    relay.shutdown().await.unwrap();
+
+    assert!(B::rows(&env).await.is_empty(), "moved out of the queue");
+    let stats = B::stats(&env).await;
+    assert_eq!((stats.queued, stats.dead_letters), (0, 0));
+    let archived = B::archived(&env).await;
+    assert_eq!(
+        archived
+            .iter()
+            .map(|row| (
+                row.aggregate_id.as_str(),
+                row.aggregate_seq,
+                row.event_type.as_str()
+            ))
+            .collect::<Vec<_>>(),
+        [
+            ("i-1", 1, "Invoiced"),
+            ("o-1", 1, "Placed"),
+            ("o-1", 2, "Shipped"),
+            ("o-2", 1, "Placed"),
+            ("o-2", 2, "Shipped"),
+        ]
+    );
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 5, "each published once");
+    for message in &messages {
+        let id = message.header("Nats-Msg-Id");
+        let row = archived
+            .iter()
+            .find(|row| row.id == id)
+            .unwrap_or_else(|| panic!("no archived row {id}: {archived:?}"));
+        assert_eq!(row.subject, message.subject);
+        assert_eq!(row.payload.as_bytes(), message.payload.as_slice(), "{id}");
+        assert_eq!(row.attempts, 0);
+    }
+    let mut conn = B::operator_conn(&env).await;
+    for (window, counted) in [(100, 5), (3, 3)] {
+        let recent = outbox_runtime::outbox::published_last_minute(&mut conn, window);
+        assert_eq!(recent.await.unwrap(), counted, "window {window}");
+    }
+}
+
+/// The archive's retention deletes the rows published longer ago than asked, oldest first
+/// and in batches, and keeps the newer ones; an age no row has deletes nothing.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+async fn a_purge_of_the_archive_deletes_only_old_rows<B: PurgedByRow>() {
+    let env = B::setup().await;
+    let orders = vec![shipped("o-0"), shipped("o-1"), shipped("o-2")];
+    let (_, result) = B::commit(&env, orders, None, End::Ok).await;
+    result.unwrap();
+    let mut config = B::relay_config(&env);
+    config.published = outbox_runtime::PublishedRows::Archive;
+    let relay = B::spawn_relay(&env, config).await;
+    env.until_stream_holds(6, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    B::execute(
+        &env,
+        "UPDATE outbox_published SET published_at = '2000-01-01 00:00:00.000' \
+         WHERE aggregate_id IN ('o-0', 'o-1')",
+    )
+    .await;
+
+    let mut conn = B::operator_conn(&env).await;
+    for older_than in [Duration::MAX, Duration::from_secs(1_001 * 31_557_600)] {
+        let purged = B::purge_archived(&mut conn, older_than, 3, |_| {}).await;
+        assert_eq!(purged.unwrap(), 0, "{older_than:?}");
+    }
+    let day = Duration::from_secs(86_400);
+    let mut totals = Vec::new();
+    let purged = B::purge_archived(&mut conn, day, 3, |total| totals.push(total))
+        .await
+        .unwrap();
+    assert_eq!(
+        (purged, totals),
+        (4, vec![3, 4]),
+        "two batches, the second short"
+    );
+    let kept: Vec<_> = B::archived(&env)
+        .await
+        .into_iter()
+        .map(|row| (row.aggregate_id, row.aggregate_seq))
+        .collect();
+    assert_eq!(kept, [("o-2".to_owned(), 1), ("o-2".to_owned(), 2)]);
+    let again = B::purge_archived(&mut conn, day, 3, |_| {}).await;
+    assert_eq!(again.unwrap(), 0);
 }
 
 /// `(aggregate_id, aggregate_seq, attempts, waiting, skipped)` of each dead letter listed,
@@ -1239,6 +1399,7 @@ macro_rules! operated {
 operated!(
     an_operator_retries_and_skips_dead_letters,
     a_purge_deletes_only_old_published_rows_and_dedup_keys,
+    the_archive_keeps_each_published_row_whole,
 );
 
 #[cfg(feature = "postgres-sync")]
@@ -1385,6 +1546,29 @@ mod mysql {
         async fn operator_conn(env: &Env) -> AsyncMysqlConnection {
             database(env).conn().await
         }
+
+        async fn archived(env: &Env) -> Vec<Archived> {
+            diesel::sql_query(archived_sql("id", "payload"))
+                .load(&mut database(env).conn().await)
+                .await
+                .unwrap()
+        }
+    }
+
+    impl PurgedByRow for AsyncMysql {
+        async fn purge_archived(
+            conn: &mut AsyncMysqlConnection,
+            older_than: Duration,
+            batch: i64,
+            progress: impl FnMut(usize) + Send,
+        ) -> diesel::QueryResult<usize> {
+            outbox_runtime::mysql::purge_archived(conn, older_than, batch, progress).await
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_purge_of_the_archive_deletes_only_old_rows() {
+        super::a_purge_of_the_archive_deletes_only_old_rows::<AsyncMysql>().await;
     }
 
     impl AsyncMysql {
@@ -1998,6 +2182,29 @@ mod sqlite {
         async fn operator_conn(env: &Env) -> Self::Conn {
             database(env).conn()
         }
+
+        async fn archived(env: &Env) -> Vec<Archived> {
+            diesel::sql_query(archived_sql("id", "payload"))
+                .load(&mut database(env).conn())
+                .await
+                .unwrap()
+        }
+    }
+
+    impl PurgedByRow for AsyncSqlite {
+        async fn purge_archived(
+            conn: &mut AsyncSqliteConnection,
+            older_than: Duration,
+            batch: i64,
+            progress: impl FnMut(usize) + Send,
+        ) -> diesel::QueryResult<usize> {
+            outbox_runtime::sqlite::purge_archived(conn, older_than, batch, progress).await
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_purge_of_the_archive_deletes_only_old_rows() {
+        super::a_purge_of_the_archive_deletes_only_old_rows::<AsyncSqlite>().await;
     }
 
     impl Backend for AsyncSqlite {
@@ -2200,19 +2407,10 @@ mod sqlite {
         assert_eq!(env.stream_messages().await.len(), 2, "stored once");
     }
 
-    /// What SQLite cannot do is refused at connect, naming it: the archive, another
-    /// database's URL.
+    /// Another database's URL is refused at connect, naming the relay to use.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_relay_refuses_the_archive_and_another_databases_url() {
+    async fn a_relay_refuses_another_databases_url() {
         let env = AsyncSqlite::setup().await;
-        let mut config = AsyncSqlite::relay_config(&env);
-        config.published = outbox_runtime::PublishedRows::Archive;
-        let error = SqliteRelay::connect(config, env.nats.clone())
-            .await
-            .err()
-            .expect("refused")
-            .to_string();
-        assert!(error.contains("on SQLite use Delete or Mark"), "{error}");
         let mut config = AsyncSqlite::relay_config(&env);
         config.database_url = env.database_url.clone();
         let error = SqliteRelay::connect(config, env.nats.clone())

@@ -7,7 +7,7 @@
 //! outbox dead-letters list|show ID     inspect dead letters
 //! outbox retry ID | --all [--aggregate-type T]
 //! outbox skip ID
-//! outbox purge --older-than D          delete published and inbox rows in batches, drop archive days
+//! outbox purge --older-than D          delete published, archived and inbox rows in batches
 //! outbox tail [--subject S] [--all]    print the stream's events as they arrive
 //! ```
 //!
@@ -63,8 +63,8 @@ enum Command {
     /// Drop a dead letter from the queue: never published unless retried; its
     /// aggregate's later events flow.
     Skip(operate::SkipArgs),
-    /// Delete published rows (kept by `--published mark`) and inbox rows older than a
-    /// duration, in bounded batches; queued rows and dead letters are never touched.
+    /// Delete published rows (kept by `--published mark` or `archive`) and inbox rows older
+    /// than a duration, in bounded batches; queued rows and dead letters are never touched.
     Purge(operate::PurgeArgs),
     /// Print the stream's events as they arrive: subject, stream sequence, type, payload.
     Tail(Box<operate::TailArgs>),

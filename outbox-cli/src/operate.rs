@@ -335,9 +335,54 @@ macro_rules! on_operator {
 }
 pub(crate) use on_operator;
 
+/// What [`Operator::purge_archive`] removed from the archive (`--published archive`).
+pub(crate) enum ArchivePurged {
+    /// PostgreSQL's: whole days, each partition with its row estimate.
+    Partitions(Vec<(String, i64)>),
+    /// MySQL's and SQLite's (one table): rows.
+    #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
+    Rows(usize),
+}
+
 impl Operator {
-    /// The PostgreSQL connection, for what only PostgreSQL's outbox has (the archive, the
-    /// inbox).
+    /// Removes what the archive holds from longer ago than `older_than`: on PostgreSQL the
+    /// partitions whose whole day is older (`outbox::drop_archived`), on MySQL and SQLite the
+    /// rows, `batch` per statement (`mysql::purge_archived`, `sqlite::purge_archived`),
+    /// `progress` hearing the running total.
+    pub(crate) async fn purge_archive(
+        &mut self,
+        older_than: Duration,
+        #[cfg_attr(
+            not(any(feature = "mysql", feature = "sqlite")),
+            allow(unused_variables)
+        )]
+        batch: i64,
+        #[cfg_attr(
+            not(any(feature = "mysql", feature = "sqlite")),
+            allow(unused_variables)
+        )]
+        progress: impl FnMut(usize) + Send,
+    ) -> diesel::QueryResult<ArchivePurged> {
+        match self {
+            Self::Postgres(conn) => outbox::drop_archived(conn, older_than)
+                .await
+                .map(|dropped| ArchivePurged::Partitions(dropped.partitions)),
+            #[cfg(feature = "mysql")]
+            Self::Mysql(conn) => {
+                outbox_runtime::mysql::purge_archived(conn, older_than, batch, progress)
+                    .await
+                    .map(ArchivePurged::Rows)
+            }
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(conn) => {
+                outbox_runtime::sqlite::purge_archived(conn, older_than, batch, progress)
+                    .await
+                    .map(ArchivePurged::Rows)
+            }
+        }
+    }
+
+    /// The PostgreSQL connection, for what only PostgreSQL's outbox has (the inbox).
     pub(crate) fn postgres(&mut self) -> Option<&mut AsyncPgConnection> {
         #[allow(irrefutable_let_patterns)] // without the features `mysql` and `sqlite`
         let Self::Postgres(conn) = self else {
@@ -505,8 +550,9 @@ async fn skip<C: OperatorConnection>(conn: &mut C, args: SkipArgs) -> Result<End
 
 #[derive(Debug, Args)]
 pub(crate) struct PurgeArgs {
-    /// Delete what was published (or handled, in the inbox) longer ago than this; drop the
-    /// archive's days (--published archive) that ended longer ago than this.
+    /// Delete what was published (or handled, in the inbox) longer ago than this, archived
+    /// rows (--published archive) included; on PostgreSQL drop the archive's days that ended
+    /// longer ago than this.
     #[arg(long, value_parser = crate::duration)]
     older_than: Duration,
     /// Rows per DELETE, at least 1: each is a short transaction, so no lock is held long.
@@ -522,20 +568,35 @@ pub(crate) struct PurgeArgs {
     dedup_keys_older_than: Option<Duration>,
 }
 
-/// Deletes what `args` asks on the database `database_url` names: published rows and dedup
-/// keys on every database; on PostgreSQL also the archive's old days and the inbox's rows.
+/// Deletes what `args` asks on the database `database_url` names: published rows, the
+/// archive's old rows (PostgreSQL: its old days) and dedup keys on every database; on
+/// PostgreSQL also the inbox's rows.
 pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
     let mut operator = Operator::connect(database_url).await?;
     on_operator!(&mut operator, conn => purge_outbox(conn, &args).await)?;
+    let mut progress = Progress::new();
+    let purged = operator
+        .purge_archive(args.older_than, args.batch, |deleted| {
+            if deleted > 0 {
+                progress.report(|| format!("outbox_published: {deleted} archived rows deleted"));
+            }
+        })
+        .await
+        .map_err(database_error)?;
+    match purged {
+        ArchivePurged::Partitions(partitions) => {
+            for (partition, rows) in &partitions {
+                println!("dropped archive partition {partition} (about {rows} rows)");
+            }
+        }
+        ArchivePurged::Rows(rows) => println!(
+            "deleted {rows} archived rows older than {}",
+            humantime::format_duration(args.older_than)
+        ),
+    }
     let Some(conn) = operator.postgres() else {
         return Ok(Ended::Done);
     };
-    let dropped = outbox::drop_archived(conn, args.older_than)
-        .await
-        .map_err(database_error)?;
-    for (partition, rows) in &dropped.partitions {
-        println!("dropped archive partition {partition} (about {rows} rows)");
-    }
     if !args.no_inbox {
         let mut progress = Progress::new();
         for consumer in inbox::consumers(conn).await.map_err(database_error)? {

@@ -36,8 +36,9 @@ pub(crate) enum Published {
     /// Keep acked rows with `published_at` (purge them with --purge-older-than or `outbox
     /// purge`).
     Mark,
-    /// Move acked rows to `outbox_published`, in daily partitions (UTC) that
-    /// --purge-older-than or `outbox purge` drop whole.
+    /// Move acked rows to `outbox_published` (on PostgreSQL in daily partitions, UTC, that
+    /// --purge-older-than or `outbox purge` drop whole; on MySQL and SQLite they delete its
+    /// old rows in batches).
     Archive,
 }
 
@@ -139,8 +140,9 @@ pub(crate) struct RelayArgs {
     /// Serve Prometheus metrics at this address (e.g. 0.0.0.0:9464), path /metrics.
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
-    /// Delete published rows older than this, in batches, and drop the archive's days that
-    /// ended longer ago than this, every --purge-interval (with --published mark or archive).
+    /// Delete published and archived rows older than this, in batches (on PostgreSQL drop
+    /// the archive's days that ended longer ago than this), every --purge-interval (with
+    /// --published mark or archive).
     #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN")]
     purge_older_than: Option<Span>,
     /// How often the relay purges; at least 1s.
@@ -302,10 +304,10 @@ fn built_without(feature: &str) -> String {
 }
 
 /// Deletes published rows older than `older_than` every `interval`, in batches of 10,000,
-/// and on PostgreSQL drops the archive's partitions whose day ended longer ago, until
+/// and the archive's (on PostgreSQL its partitions whose day ended longer ago), until
 /// aborted.
 async fn purge_on_schedule(database_url: String, older_than: Duration, interval: Duration) {
-    use crate::operate::{Operator, on_operator};
+    use crate::operate::{ArchivePurged, Operator, on_operator};
     const BATCH: i64 = 10_000;
     loop {
         tokio::time::sleep(interval).await;
@@ -321,16 +323,17 @@ async fn purge_on_schedule(database_url: String, older_than: Duration, interval:
             Ok(deleted) => tracing::info!(deleted, ?older_than, "deleted published rows"),
             Err(error) => tracing::warn!(%error, "retention failed"),
         }
-        let Some(conn) = operator.postgres() else {
-            continue;
-        };
-        match outbox_runtime::outbox::drop_archived(conn, older_than).await {
-            Ok(dropped) => {
-                for (partition, rows) in dropped.partitions {
+        match operator.purge_archive(older_than, BATCH, |_| {}).await {
+            Ok(ArchivePurged::Partitions(partitions)) => {
+                for (partition, rows) in partitions {
                     tracing::info!(%partition, rows, "dropped an archive partition");
                 }
             }
-            Err(error) => tracing::warn!(%error, "dropping archive partitions failed"),
+            Ok(ArchivePurged::Rows(0)) => {}
+            Ok(ArchivePurged::Rows(deleted)) => {
+                tracing::info!(deleted, ?older_than, "deleted archived rows");
+            }
+            Err(error) => tracing::warn!(%error, "the archive's retention failed"),
         }
     }
 }

@@ -883,7 +883,7 @@ async fn the_operators_commands_work_on_mysql() {
     };
     let (code, said) = command(&["migrate"]);
     assert_eq!(code, Some(0), "{said}");
-    assert!(said.contains("applied 2"), "{said}");
+    assert!(said.contains("applied 3"), "{said}");
     let id = uuid::Uuid::now_v7().to_string();
     AsyncMysqlConnection::establish(&url)
         .await
@@ -984,7 +984,7 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert!(!std::path::Path::new(&path).exists(), "no file made");
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
-    assert!(text(&migrated).contains("applied 3"), "{}", text(&migrated));
+    assert!(text(&migrated).contains("applied 4"), "{}", text(&migrated));
     let letters = command(&["dead-letters", "list"]).output().unwrap();
     assert_eq!(letters.status.code(), Some(0), "{}", text(&letters));
     assert!(
@@ -1060,6 +1060,8 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         "200ms",
         "--metrics-addr",
         &address,
+        "--published",
+        "archive",
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -1085,8 +1087,13 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert_eq!(status.status.code(), Some(0), "{}", text(&status));
     let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(
-        (&report["queued"], &report["lag_seconds"]),
-        (&0.into(), &0.0.into())
+        (
+            &report["queued"],
+            &report["lag_seconds"],
+            &report["published_last_minute"]
+        ),
+        (&0.into(), &0.0.into(), &6.into()),
+        "the six rows archived: {report}"
     );
     let (output, took, code) = stop(relay).await;
     assert_eq!(code, Some(0), "{output}");
@@ -1095,6 +1102,28 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         output.contains("relaying") && output.contains("stopped"),
         "{output}"
     );
+    // `purge` deletes the archived rows older than it is told, and only those.
+    conn.batch_execute(
+        "UPDATE outbox_published SET published_at = '2000-01-01 00:00:00.000' \
+         WHERE aggregate_id = 'o-1'",
+    )
+    .await
+    .unwrap();
+    let purged = command(&["purge", "--older-than", "1d"]).output().unwrap();
+    assert_eq!(purged.status.code(), Some(0), "{}", text(&purged));
+    assert!(
+        text(&purged).contains("deleted 2 archived rows older than 1day"),
+        "{}",
+        text(&purged)
+    );
+    let kept: i64 = {
+        use diesel_async::RunQueryDsl;
+        diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM outbox_published")
+            .get_result(&mut conn)
+            .await
+            .unwrap()
+    };
+    assert_eq!(kept, 4, "o-0's and o-2's rows are kept");
 
     // An operator's dead letter on the file: listed, shown, skipped, retried.
     let id = uuid::Uuid::now_v7().to_string();

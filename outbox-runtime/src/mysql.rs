@@ -56,11 +56,16 @@
 //!   retry or skip wakes the relays of its own process at once, others at their next poll.
 //!   So do the `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`,
 //!   `relay` and `status` (built with `--features mysql`).
+//! - The archive ([`PublishedRows::Archive`]): the relay moves each acked row, whole, into
+//!   `outbox_published` in its batch's transaction, so `outbox_events` keeps only what is
+//!   queued (MySQL has no partial index, so with [`PublishedRows::Mark`] the claim steps over
+//!   the published rows kept beside the queue; the archive keeps them elsewhere). One table,
+//!   clustered by `published_at`; PostgreSQL's is partitioned by day.
 //! - Retention: [`crate::outbox::purge_published`] (for [`PublishedRows::Mark`], through the
-//!   claim's index on `available_at`) and [`crate::outbox::purge_dedup_keys`] take an
-//!   [`AsyncMysqlConnection`]; so do `outbox purge` and `outbox relay --purge-older-than`.
-//! - Not on MySQL yet: the inbox, the archive ([`PublishedRows::Archive`]) and the topology
-//!   registry.
+//!   claim's index on `available_at`), [`purge_archived`] (for [`PublishedRows::Archive`])
+//!   and [`crate::outbox::purge_dedup_keys`] take an [`AsyncMysqlConnection`]; so do
+//!   `outbox purge` and `outbox relay --purge-older-than`.
+//! - Not on MySQL yet: the inbox and the topology registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL
@@ -141,6 +146,30 @@ pub async fn pending_migrations(
     conn: &mut AsyncMysqlConnection,
 ) -> diesel::QueryResult<Vec<String>> {
     pending_versions(conn).await
+}
+
+/// Deletes the archived rows ([`PublishedRows::Archive`]: `outbox_published`) published
+/// more than `older_than` ago, oldest first, `batch` rows per statement (at least 1), each its
+/// own short transaction, and returns how many; `progress` hears the running total after each
+/// batch. Each batch reads only the rows it deletes (the archive is clustered by
+/// `published_at`). An `older_than` over a thousand years (`Duration::MAX`, say) deletes
+/// nothing. The `outbox` command runs it in `purge` and `relay --purge-older-than`.
+///
+/// PostgreSQL's archive is partitioned by day and dropped a day at a time
+/// ([`drop_archived`](crate::outbox::drop_archived)); MySQL's is one table, deleted row by
+/// row.
+///
+/// # Errors
+/// The database's error; the batches before it stay deleted.
+///
+/// [`PublishedRows::Archive`]: crate::PublishedRows::Archive
+pub async fn purge_archived(
+    conn: &mut AsyncMysqlConnection,
+    older_than: std::time::Duration,
+    batch: i64,
+    mut progress: impl FnMut(usize) + Send,
+) -> diesel::QueryResult<usize> {
+    crate::outbox::purge::mysql::purge_archived(conn, older_than, batch.max(1), &mut progress).await
 }
 
 /// [`pending_migrations`] on either connection.

@@ -490,13 +490,13 @@ pub async fn queued_by_type<C: OperatorConnection>(
 
 /// How many rows were published in the last minute, counting at most `window` of them in
 /// each place that keeps published rows: `outbox_events` for [`PublishedRows::Mark`]
-/// (through its index of published rows on PostgreSQL and SQLite), and on PostgreSQL
-/// `outbox_published` for [`PublishedRows::Archive`] (through its BRIN index on
-/// `published_at`). Deleted rows leave no trace ([`PublishedRows::Delete`], the default:
+/// (through its index of published rows on PostgreSQL and SQLite), and `outbox_published`
+/// for [`PublishedRows::Archive`] (through its index on `published_at`: BRIN on PostgreSQL,
+/// the primary key on MySQL). Deleted rows leave no trace ([`PublishedRows::Delete`], the default:
 /// read the relay's `outbox_relay_published_total` instead). `conn` is any
 /// [`OperatorConnection`]. Its cost is bounded by `window` on PostgreSQL and SQLite,
-/// whatever the tables hold; MySQL has no index on `published_at`, and reads
-/// `outbox_events` until it has counted `window` rows.
+/// whatever the tables hold; MySQL has no index of `outbox_events` on `published_at`, and
+/// reads `outbox_events` until it has counted `window` rows.
 ///
 /// # Errors
 /// The database's error.

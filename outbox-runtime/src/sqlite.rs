@@ -64,11 +64,15 @@
 //!   relay of its own process at once, another process's at its next poll. So do the
 //!   `outbox` command's `dead-letters`, `retry` and `skip`, beside `migrate`, `relay` and
 //!   `status` (built with `--features sqlite`).
+//! - The archive ([`PublishedRows::Archive`]): the relay moves each acked row, whole, into
+//!   `outbox_published` in the transaction that would delete it, so `outbox_events` keeps
+//!   only what is queued. One table with an index on `published_at`; PostgreSQL's is
+//!   partitioned by day.
 //! - Retention: [`crate::outbox::purge_published`] (for [`PublishedRows::Mark`], through a
-//!   partial index of published rows) and [`crate::outbox::purge_dedup_keys`] take an
-//!   [`AsyncSqliteConnection`]; so do `outbox purge` and `outbox relay --purge-older-than`.
-//! - Not on SQLite: the inbox, the archive ([`PublishedRows::Archive`]) and the topology
-//!   registry.
+//!   partial index of published rows), [`purge_archived`] (for [`PublishedRows::Archive`])
+//!   and [`crate::outbox::purge_dedup_keys`] take an [`AsyncSqliteConnection`]; so do
+//!   `outbox purge` and `outbox relay --purge-older-than`.
+//! - Not on SQLite: the inbox and the topology registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand
@@ -149,6 +153,28 @@ pub fn run_migrations(conn: &mut SqliteConnection) -> Result<Vec<String>, Migrat
         .into_iter()
         .map(|version| version.to_string())
         .collect())
+}
+
+/// Deletes the archived rows ([`PublishedRows::Archive`]: `outbox_published`) published
+/// more than `older_than` ago, oldest first, `batch` rows per statement (at least 1), each in
+/// a `BEGIN IMMEDIATE` transaction of its own (units of work and the relay go on between
+/// batches), and returns how many; `progress` hears the running total after each batch. Each
+/// batch reads only the rows it deletes (the archive's index on `published_at`). An
+/// `older_than` over a thousand years (`Duration::MAX`, say) deletes nothing. The `outbox`
+/// command runs it in `purge` and `relay --purge-older-than`.
+///
+/// # Errors
+/// The database's error; the batches before it stay deleted.
+///
+/// [`PublishedRows::Archive`]: crate::PublishedRows::Archive
+pub async fn purge_archived(
+    conn: &mut AsyncSqliteConnection,
+    older_than: Duration,
+    batch: i64,
+    mut progress: impl FnMut(usize) + Send,
+) -> diesel::QueryResult<usize> {
+    crate::outbox::purge::sqlite::purge_archived(conn, older_than, batch.max(1), &mut progress)
+        .await
 }
 
 /// The versions of [`MIGRATIONS`] the database at the other end of `conn` has not applied,

@@ -1,5 +1,6 @@
 //! Each database's statements for [`purge_published`](super::purge_published) and
-//! [`purge_dedup_keys`](super::purge_dedup_keys).
+//! [`purge_dedup_keys`](super::purge_dedup_keys), and MySQL's and SQLite's for their archive
+//! (`crate::mysql::purge_archived`, `crate::sqlite::purge_archived`).
 
 use std::future::Future;
 use std::time::Duration;
@@ -151,7 +152,7 @@ mod postgres {
 }
 
 #[cfg(feature = "mysql")]
-mod mysql {
+pub(crate) mod mysql {
     use diesel::sql_types::{BigInt, Text};
     use diesel::{QueryResult, QueryableByName};
     use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
@@ -175,6 +176,30 @@ mod mysql {
         .get_result(conn)
         .await?;
         Ok(cutoff)
+    }
+
+    /// [`crate::mysql::purge_archived`]: through the archive's primary key, which starts
+    /// with `published_at`, oldest first: each batch reads only the rows it deletes.
+    pub(crate) async fn purge_archived(
+        conn: &mut AsyncMysqlConnection,
+        older_than: Duration,
+        batch: i64,
+        progress: &mut (dyn FnMut(usize) + Send),
+    ) -> QueryResult<usize> {
+        let (cutoff, mut batches) = (cutoff(conn, older_than).await?, Batches::of(batch));
+        loop {
+            let gone = diesel::sql_query(
+                "DELETE FROM outbox_published WHERE published_at < ? \
+                 ORDER BY published_at, id LIMIT ?",
+            )
+            .bind::<Text, _>(&cutoff)
+            .bind::<BigInt, _>(batch)
+            .execute(conn)
+            .await?;
+            if batches.done(gone, progress) {
+                return Ok(batches.deleted);
+            }
+        }
     }
 
     impl super::sealed::Purges for AsyncMysqlConnection {
@@ -232,7 +257,7 @@ mod mysql {
 }
 
 #[cfg(feature = "sqlite")]
-mod sqlite {
+pub(crate) mod sqlite {
     use diesel::sql_types::{BigInt, Text};
     use diesel::{QueryResult, QueryableByName, RunQueryDsl};
     use std::time::Duration;
@@ -288,6 +313,26 @@ mod sqlite {
                 return Ok(batches.deleted);
             }
         }
+    }
+
+    /// [`crate::sqlite::purge_archived`]: through the archive's index on `published_at`
+    /// (`outbox_published_at`), oldest first.
+    pub(crate) async fn purge_archived(
+        conn: &mut AsyncSqliteConnection,
+        older_than: Duration,
+        batch: i64,
+        progress: &mut (dyn FnMut(usize) + Send),
+    ) -> QueryResult<usize> {
+        purge(
+            conn,
+            "DELETE FROM outbox_published WHERE rowid IN ( \
+                 SELECT rowid FROM outbox_published WHERE published_at < ? \
+                 ORDER BY published_at LIMIT ?)",
+            older_than,
+            batch,
+            progress,
+        )
+        .await
     }
 
     impl super::sealed::Purges for AsyncSqliteConnection {

@@ -539,10 +539,12 @@ pub enum PublishedRows {
     /// Set `published_at` and keep the row, for history and replay; purge old rows with
     /// [`purge_published`](crate::outbox::purge_published).
     Mark,
-    /// Move the row to `outbox_published`, partitioned by the day it was published (UTC),
-    /// for history and replay at scale: `outbox_events` keeps only what is queued, and
-    /// retention drops whole days ([`drop_archived`](crate::outbox::drop_archived)) instead
-    /// of deleting rows one by one.
+    /// Move the row, whole, to `outbox_published`, stamped with the time it was published
+    /// (`published_at`, UTC), for history and replay at scale: `outbox_events` keeps only
+    /// what is queued. On PostgreSQL the archive is partitioned by that day, and retention
+    /// drops whole days ([`drop_archived`](crate::outbox::drop_archived)) instead of
+    /// deleting rows one by one; on MySQL and SQLite it is one table, and retention deletes
+    /// its oldest rows in batches (`mysql::purge_archived`, `sqlite::purge_archived`).
     Archive,
 }
 

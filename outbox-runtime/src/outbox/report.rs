@@ -98,16 +98,25 @@ mod mysql {
             .await
         }
 
-        /// Marked rows only (MySQL has no archive). No index holds `published_at`, so it
-        /// reads `outbox_events` until it has counted `window` (every row when fewer were
-        /// published in the minute): cheap with [`crate::PublishedRows::Delete`], the
-        /// default; with [`crate::PublishedRows::Mark`], as large as what the purges keep.
+        /// Marked rows and archived ones. No index of `outbox_events` holds
+        /// `published_at`, so it reads `outbox_events` until it has counted `window` (every
+        /// row when fewer were published in the minute): cheap with
+        /// [`crate::PublishedRows::Delete`], the default, and with
+        /// [`crate::PublishedRows::Archive`]; with [`crate::PublishedRows::Mark`], as large
+        /// as what the purges keep. The archive is read through its primary key, which
+        /// starts with `published_at`.
         async fn published_last_minute(&mut self, window: i64) -> QueryResult<i64> {
             let row: Count = diesel::sql_query(
-                "SELECT COUNT(*) AS count FROM ( \
-                     SELECT 1 FROM outbox_events \
-                     WHERE published_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE LIMIT ?) marked",
+                "SELECT (SELECT COUNT(*) FROM ( \
+                             SELECT 1 FROM outbox_events \
+                             WHERE published_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE \
+                             LIMIT ?) marked) \
+                      + (SELECT COUNT(*) FROM ( \
+                             SELECT 1 FROM outbox_published \
+                             WHERE published_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE \
+                             LIMIT ?) archived) AS count",
             )
+            .bind::<BigInt, _>(window)
             .bind::<BigInt, _>(window)
             .get_result(self)
             .await?;
@@ -141,17 +150,23 @@ mod sqlite {
             .await
         }
 
-        /// Marked rows (SQLite has no archive), through the partial index of published rows
-        /// (`outbox_events_published`).
+        /// Marked rows through the partial index of published rows
+        /// (`outbox_events_published`), archived ones through the archive's index on
+        /// `published_at`.
         async fn published_last_minute(&mut self, window: i64) -> QueryResult<i64> {
             self.spawn_blocking(move |conn| {
                 let row: Count = diesel::sql_query(
-                    "SELECT count(*) AS count FROM ( \
-                         SELECT 1 FROM outbox_events \
-                         WHERE published_at IS NOT NULL \
-                           AND published_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-60 seconds') \
-                         LIMIT ?) marked",
+                    "SELECT (SELECT count(*) FROM ( \
+                                 SELECT 1 FROM outbox_events \
+                                 WHERE published_at IS NOT NULL \
+                                   AND published_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-60 seconds') \
+                                 LIMIT ?) marked) \
+                          + (SELECT count(*) FROM ( \
+                                 SELECT 1 FROM outbox_published \
+                                 WHERE published_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-60 seconds') \
+                                 LIMIT ?) archived) AS count",
                 )
+                .bind::<BigInt, _>(window)
                 .bind::<BigInt, _>(window)
                 .get_result(conn)?;
                 Ok(row.count)

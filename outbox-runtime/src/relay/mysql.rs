@@ -26,7 +26,7 @@ use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, Retry
 /// no notifications): a worker that finds nothing waits for a unit of work of this process
 /// to commit, or for `poll_interval`. Its outbox gauges are PostgreSQL's, every
 /// `stats_interval` ([`stats`](crate::mysql::stats)). Not supported here: a `connector`
-/// (connections are opened from the URL) and [`PublishedRows::Archive`].
+/// (connections are opened from the URL).
 pub struct MysqlRelay(Polling<AsyncMysqlConnection>);
 
 impl MysqlRelay {
@@ -34,7 +34,7 @@ impl MysqlRelay {
     /// that the database is reachable and migrated.
     ///
     /// # Errors
-    /// [`RelayError::Config`] (also for a `connector` or [`PublishedRows::Archive`]),
+    /// [`RelayError::Config`] (also for a `connector`),
     /// [`RelayError::Stream`], [`RelayError::Connect`], [`RelayError::MissingMigrations`].
     ///
     /// [`Relay::connect`]: crate::Relay::connect
@@ -76,7 +76,7 @@ impl MysqlRelay {
 
 impl PolledStore for AsyncMysqlConnection {
     const KIND: database::Kind = database::Kind::Mysql;
-    const NAMES: (&'static str, &'static str) = ("MysqlRelay", "MySQL");
+    const NAME: &'static str = "MysqlRelay";
 
     async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
         pending_migrations(self).await
@@ -104,6 +104,16 @@ const QUEUED: &str = "published_at IS NULL AND skipped_at IS NULL";
 /// A claimable row: queued, not a dead letter, not parked.
 const CLAIMABLE: &str = "published_at IS NULL AND skipped_at IS NULL \
     AND dead_lettered_at IS NULL AND available_at <= UTC_TIMESTAMP(6)";
+
+/// Copies the rows `id IN (...)` into the archive, whole, stamped with the time of their
+/// publication ([`PublishedRows::Archive`]; migration `2026-11-26-000003_archive`).
+const ARCHIVE: &str = "INSERT INTO outbox_published (id, aggregate_type, aggregate_id, \
+        aggregate_seq, event_type, event_version, partition_key, subject, payload, headers, \
+        occurred_at, correlation_id, causation_id, attempts, published_at) \
+    SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
+        partition_key, subject, payload, headers, occurred_at, correlation_id, causation_id, \
+        attempts, UTC_TIMESTAMP(6) \
+    FROM outbox_events WHERE id IN";
 
 /// The end of time, for MySQL's DATETIME: rows behind a dead letter wait for an operator.
 const FOREVER: &str = "9999-12-31 23:59:59.999999";
@@ -346,27 +356,31 @@ impl RelayStore for AsyncMysqlConnection {
         })
     }
 
+    /// With [`PublishedRows::Archive`], each row is copied whole into `outbox_published`
+    /// (stamped `UTC_TIMESTAMP(6)`) and then deleted, both in the batch's transaction: the
+    /// rows are the batch's claimed ones, which no other relay takes while this batch holds
+    /// their aggregates' heads, so what is copied is what was published.
     async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
-        let sql = match mode {
-            PublishedRows::Delete => "DELETE FROM outbox_events WHERE id IN",
+        const DELETE: &str = "DELETE FROM outbox_events WHERE id IN";
+        let statements: &[&str] = match mode {
+            PublishedRows::Delete => &[DELETE],
             PublishedRows::Mark => {
-                "UPDATE outbox_events SET published_at = UTC_TIMESTAMP(6) WHERE id IN"
+                &["UPDATE outbox_events SET published_at = UTC_TIMESTAMP(6) WHERE id IN"]
             }
-            PublishedRows::Archive => {
-                return Err(diesel::result::Error::QueryBuilderError(
-                    "PublishedRows::Archive is not supported on MySQL".into(),
-                ));
-            }
+            PublishedRows::Archive => &[ARCHIVE, DELETE],
         };
         // Within MySQL's placeholders a statement, whatever the batch size.
         for chunk in ids.chunks(crate::mysql::MAX_BOUND_VALUES) {
-            let mut statement =
-                diesel::sql_query(format!("{sql} ({})", groups(chunk.len(), "?", ", ")))
-                    .into_boxed::<Mysql>();
-            for id in chunk {
-                statement = statement.bind::<Text, _>(id.to_string());
+            let ids: Vec<String> = chunk.iter().map(Uuid::to_string).collect();
+            for sql in statements {
+                let mut statement =
+                    diesel::sql_query(format!("{sql} ({})", groups(ids.len(), "?", ", ")))
+                        .into_boxed::<Mysql>();
+                for id in &ids {
+                    statement = statement.bind::<Text, _>(id.as_str());
+                }
+                statement.execute(self).await?;
             }
-            statement.execute(self).await?;
         }
         Ok(())
     }

@@ -24,8 +24,8 @@ use crate::outbox::{MissingMigrations, OutboxStats};
 pub(super) trait PolledStore: RelayStore {
     /// The database the relay publishes from.
     const KIND: database::Kind;
-    /// The relay's name and the database's, for errors.
-    const NAMES: (&'static str, &'static str);
+    /// The relay's name, for errors.
+    const NAME: &'static str;
 
     /// Adapts the configuration to the database (e.g. the number of workers).
     fn configure(config: RelayConfig) -> RelayConfig {
@@ -54,7 +54,7 @@ impl<C: PolledStore> Polling<C> {
         config: RelayConfig,
         nats: async_nats::Client,
     ) -> Result<Self, RelayError> {
-        let (relay, name) = C::NAMES;
+        let relay = C::NAME;
         C::KIND
             .check(&config.database_url, relay)
             .map_err(RelayError::Config)?;
@@ -63,12 +63,6 @@ impl<C: PolledStore> Polling<C> {
             return Err(RelayError::Config(format!(
                 "a connector opens PostgreSQL connections; {relay} opens its own from \
                  database_url"
-            )));
-        }
-        if config.published == crate::PublishedRows::Archive {
-            return Err(RelayError::Config(format!(
-                "PublishedRows::Archive needs PostgreSQL's partitioned archive; on {name} use \
-                 Delete or Mark"
             )));
         }
         let config = C::configure(config);

@@ -37,8 +37,7 @@ use crate::sqlite::{AsyncSqliteConnection, NOW, SqliteConnection, pending_migrat
 /// never while it publishes.
 /// Its `listen` is ignored: a worker that finds nothing waits for a unit of work of this
 /// process to commit, or for `poll_interval`. Its outbox gauges are PostgreSQL's, every
-/// `stats_interval` ([`stats`](crate::sqlite::stats)). Not supported here: a `connector` and
-/// [`PublishedRows::Archive`].
+/// `stats_interval` ([`stats`](crate::sqlite::stats)). Not supported here: a `connector`.
 pub struct SqliteRelay(Polling<SqliteStore>);
 
 impl SqliteRelay {
@@ -60,7 +59,7 @@ impl SqliteRelay {
     /// that the database file opens and is migrated.
     ///
     /// # Errors
-    /// [`RelayError::Config`] (also for a `connector` or [`PublishedRows::Archive`]),
+    /// [`RelayError::Config`] (also for a `connector`),
     /// [`RelayError::Stream`], [`RelayError::Connect`], [`RelayError::MissingMigrations`].
     ///
     /// [`Relay::connect`]: crate::Relay::connect
@@ -140,7 +139,7 @@ impl SqliteStore {
 
 impl PolledStore for SqliteStore {
     const KIND: database::Kind = database::Kind::Sqlite;
-    const NAMES: (&'static str, &'static str) = ("SqliteRelay", "SQLite");
+    const NAME: &'static str = "SqliteRelay";
 
     fn configure(mut config: RelayConfig) -> RelayConfig {
         config.workers = 1;
@@ -367,29 +366,32 @@ impl RelayStore for SqliteStore {
         .await
     }
 
+    /// With [`PublishedRows::Archive`], each row is copied whole into `outbox_published`
+    /// (stamped now, UTC) and then deleted, in one `BEGIN IMMEDIATE` transaction: a row
+    /// another relay archived meanwhile (after this one's lease ran out) is gone, and is
+    /// neither copied nor deleted twice.
     async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
-        let sql = match mode {
-            PublishedRows::Delete => "DELETE FROM outbox_events WHERE id IN".to_owned(),
-            PublishedRows::Mark => {
-                format!("UPDATE outbox_events SET published_at = {NOW} WHERE id IN")
-            }
-            PublishedRows::Archive => {
-                return Err(diesel::result::Error::QueryBuilderError(
-                    "PublishedRows::Archive is not supported on SQLite".into(),
-                ));
-            }
+        const DELETE: &str = "DELETE FROM outbox_events WHERE id IN";
+        let statements = match mode {
+            PublishedRows::Delete => vec![DELETE.to_owned()],
+            PublishedRows::Mark => vec![format!(
+                "UPDATE outbox_events SET published_at = {NOW} WHERE id IN"
+            )],
+            PublishedRows::Archive => vec![archive_statement(), DELETE.to_owned()],
         };
         let ids: Vec<String> = ids.iter().map(Uuid::to_string).collect();
         self.immediate(move |conn| {
             // Within SQLite's limit of bound values per statement.
             for chunk in ids.chunks(10_000) {
-                let mut statement =
-                    diesel::sql_query(format!("{sql} ({})", groups(chunk.len(), "?", ", ")))
-                        .into_boxed::<Sqlite>();
-                for id in chunk {
-                    statement = statement.bind::<Text, _>(id.as_str());
+                for sql in &statements {
+                    let mut statement =
+                        diesel::sql_query(format!("{sql} ({})", groups(chunk.len(), "?", ", ")))
+                            .into_boxed::<Sqlite>();
+                    for id in chunk {
+                        statement = statement.bind::<Text, _>(id.as_str());
+                    }
+                    statement.execute(conn)?;
                 }
-                statement.execute(conn)?;
             }
             Ok(())
         })
@@ -399,6 +401,20 @@ impl RelayStore for SqliteStore {
     async fn stats(&mut self) -> QueryResult<OutboxStats> {
         self.conn.spawn_blocking(stats).await
     }
+}
+
+/// Copies the rows `id IN (...)` into the archive, whole, stamped with the time of their
+/// publication ([`PublishedRows::Archive`]; migration `2026-11-26-000004_archive`).
+fn archive_statement() -> String {
+    format!(
+        "INSERT INTO outbox_published (id, aggregate_type, aggregate_id, aggregate_seq, \
+             event_type, event_version, partition_key, subject, payload, headers, occurred_at, \
+             correlation_id, causation_id, attempts, published_at) \
+         SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
+             partition_key, subject, payload, headers, occurred_at, correlation_id, \
+             causation_id, attempts, {NOW} \
+         FROM outbox_events WHERE id IN"
+    )
 }
 
 /// The claimable rows, within `batch`, inside the claim's transaction: the heads, found as on
