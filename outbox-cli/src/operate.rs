@@ -392,8 +392,46 @@ impl Operator {
     }
 
     /// Connects to the database `database_url` names: PostgreSQL, or with the features
-    /// `mysql` and `sqlite` MySQL or a SQLite file.
+    /// `mysql` and `sqlite` MySQL or a SQLite file; fails, naming them, when the database
+    /// lacks migrations of this build (an `outbox` upgraded before `outbox migrate` ran),
+    /// where a command would otherwise fail on a missing table or column.
     pub(crate) async fn connect(database_url: &str) -> Result<Self, String> {
+        let mut operator = Self::open(database_url).await?;
+        let pending = operator
+            .pending_migrations()
+            .await
+            .map_err(database_error)?;
+        if pending.is_empty() {
+            return Ok(operator);
+        }
+        Err(format!(
+            "the outbox schema of {} lacks {} of this outbox: {}; run `outbox migrate`",
+            outbox_runtime::database::redacted(database_url),
+            if pending.len() == 1 {
+                "a migration"
+            } else {
+                "migrations"
+            },
+            pending.join(", ")
+        ))
+    }
+
+    /// The versions of this build's migrations the database has not applied.
+    async fn pending_migrations(&mut self) -> diesel::QueryResult<Vec<String>> {
+        match self {
+            Self::Postgres(conn) => outbox::pending_migrations(conn).await,
+            #[cfg(feature = "mysql")]
+            Self::Mysql(conn) => outbox_runtime::mysql::pending_migrations(conn).await,
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(conn) => {
+                conn.spawn_blocking(outbox_runtime::sqlite::pending_migrations)
+                    .await
+            }
+        }
+    }
+
+    /// Opens the connection [`connect`](Self::connect) checks.
+    async fn open(database_url: &str) -> Result<Self, String> {
         use outbox_runtime::database::Kind;
         match Kind::of(database_url) {
             Kind::Postgres => Ok(Self::Postgres(Box::new(

@@ -122,6 +122,26 @@ fn a_database_it_cannot_reach_is_named_with_why() {
 #[tokio::test]
 async fn migrate_applies_then_says_up_to_date() {
     let env = TestEnv::unmigrated(&support::nats_url()).await;
+    // Before `migrate`, the operator's commands name what is missing, not a missing table.
+    for args in [
+        &["status"][..],
+        &["dead-letters", "list"],
+        &["purge", "--older-than", "1d"],
+    ] {
+        let refused = outbox(&env, &support::nats_url(), args);
+        assert_eq!(
+            refused.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&refused)
+        );
+        assert!(
+            text(&refused).contains("lacks migrations of this outbox: 20261121000001, ")
+                && text(&refused).contains("20261124000011; run `outbox migrate`"),
+            "{args:?}: {}",
+            text(&refused)
+        );
+    }
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
@@ -881,6 +901,15 @@ async fn the_operators_commands_work_on_mysql() {
             .unwrap();
         (output.status.code(), text(&output))
     };
+    let (code, said) = command(&["status"]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains(
+            "lacks migrations of this outbox: 20261124000001, 20261125000002, \
+                       20261126000003; run `outbox migrate`"
+        ),
+        "{said}"
+    );
     let (code, said) = command(&["migrate"]);
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("applied 3"), "{said}");
