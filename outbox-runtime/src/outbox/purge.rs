@@ -153,6 +153,7 @@ mod postgres {
 
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql {
+    use diesel::mysql::Mysql;
     use diesel::sql_types::{BigInt, Text};
     use diesel::{QueryResult, QueryableByName};
     use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
@@ -178,6 +179,30 @@ pub(crate) mod mysql {
         Ok(cutoff)
     }
 
+    /// Runs `statement` in batches until one deletes fewer than `batch` rows: each of its
+    /// placeholders but the last is the cutoff, `older_than` before the server's clock, and
+    /// the last is `batch`.
+    async fn purge(
+        conn: &mut AsyncMysqlConnection,
+        statement: &'static str,
+        older_than: Duration,
+        batch: i64,
+        progress: &mut (dyn FnMut(usize) + Send),
+    ) -> QueryResult<usize> {
+        let (cutoff, mut batches) = (cutoff(conn, older_than).await?, Batches::of(batch));
+        let cutoffs = statement.matches('?').count().saturating_sub(1);
+        loop {
+            let mut query = diesel::sql_query(statement).into_boxed::<Mysql>();
+            for _ in 0..cutoffs {
+                query = query.bind::<Text, _>(cutoff.clone());
+            }
+            let gone = query.bind::<BigInt, _>(batch).execute(conn).await?;
+            if batches.done(gone, progress) {
+                return Ok(batches.deleted);
+            }
+        }
+    }
+
     /// [`crate::mysql::purge_archived`]: through the archive's primary key, which starts
     /// with `published_at`, oldest first: each batch reads only the rows it deletes.
     pub(crate) async fn purge_archived(
@@ -186,20 +211,15 @@ pub(crate) mod mysql {
         batch: i64,
         progress: &mut (dyn FnMut(usize) + Send),
     ) -> QueryResult<usize> {
-        let (cutoff, mut batches) = (cutoff(conn, older_than).await?, Batches::of(batch));
-        loop {
-            let gone = diesel::sql_query(
-                "DELETE FROM outbox_published WHERE published_at < ? \
-                 ORDER BY published_at, id LIMIT ?",
-            )
-            .bind::<Text, _>(&cutoff)
-            .bind::<BigInt, _>(batch)
-            .execute(conn)
-            .await?;
-            if batches.done(gone, progress) {
-                return Ok(batches.deleted);
-            }
-        }
+        purge(
+            conn,
+            "DELETE FROM outbox_published WHERE published_at < ? \
+             ORDER BY published_at, id LIMIT ?",
+            older_than,
+            batch,
+            progress,
+        )
+        .await
     }
 
     impl super::sealed::Purges for AsyncMysqlConnection {
@@ -215,22 +235,16 @@ pub(crate) mod mysql {
             batch: i64,
             progress: &mut (dyn FnMut(usize) + Send),
         ) -> QueryResult<usize> {
-            let (cutoff, mut batches) = (cutoff(self, older_than).await?, Batches::of(batch));
-            loop {
-                let gone = diesel::sql_query(
-                    "DELETE FROM outbox_events \
-                     WHERE available_at < ? AND published_at < ? \
-                     ORDER BY available_at, id LIMIT ?",
-                )
-                .bind::<Text, _>(&cutoff)
-                .bind::<Text, _>(&cutoff)
-                .bind::<BigInt, _>(batch)
-                .execute(self)
-                .await?;
-                if batches.done(gone, progress) {
-                    return Ok(batches.deleted);
-                }
-            }
+            purge(
+                self,
+                "DELETE FROM outbox_events \
+                 WHERE available_at < ? AND published_at < ? \
+                 ORDER BY available_at, id LIMIT ?",
+                older_than,
+                batch,
+                progress,
+            )
+            .await
         }
 
         async fn purge_dedup_keys(
@@ -238,20 +252,15 @@ pub(crate) mod mysql {
             older_than: Duration,
             batch: i64,
         ) -> QueryResult<usize> {
-            let (cutoff, mut batches) = (cutoff(self, older_than).await?, Batches::of(batch));
-            loop {
-                let gone = diesel::sql_query(
-                    "DELETE FROM outbox_dedup_keys WHERE created_at < ? \
-                     ORDER BY created_at LIMIT ?",
-                )
-                .bind::<Text, _>(&cutoff)
-                .bind::<BigInt, _>(batch)
-                .execute(self)
-                .await?;
-                if batches.done(gone, &mut |_| {}) {
-                    return Ok(batches.deleted);
-                }
-            }
+            purge(
+                self,
+                "DELETE FROM outbox_dedup_keys WHERE created_at < ? \
+                 ORDER BY created_at LIMIT ?",
+                older_than,
+                batch,
+                &mut |_| {},
+            )
+            .await
         }
     }
 }

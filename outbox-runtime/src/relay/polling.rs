@@ -216,7 +216,8 @@ pub(super) struct Head {
     pub(super) aggregate_type: String,
     #[diesel(sql_type = Text)]
     pub(super) aggregate_id: String,
-    /// `None` when its rows were published since the window was read.
+    /// `None` when its rows were published since the window was read (SQLite's claim;
+    /// MySQL's returns no row for such an aggregate).
     #[diesel(sql_type = Nullable<BigInt>)]
     pub(super) head: Option<i64>,
 }
