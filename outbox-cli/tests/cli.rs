@@ -474,7 +474,7 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
     }
     env.until_stream_holds(6, Duration::from_secs(20)).await;
 
-    let scraped = scraped_once_drained(&address).await;
+    let scraped = scraped_once_drained(&address, 6.0).await;
     let value = |line_start: &str| -> f64 {
         scraped
             .lines()
@@ -512,16 +512,22 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
 
 /// The body of an HTTP GET, by hand: the endpoint speaks plain HTTP/1.1.
 /// The metrics the relay at `address` serves, once its gauges say the outbox is drained
-/// (`outbox_queued_events 0`); within 10 s.
-async fn scraped_once_drained(address: &str) -> String {
+/// (`outbox_queued_events 0`) and its counters have counted `published` events (a batch's
+/// acks reach the stream before its commit, and the counters count after it); within 10 s.
+async fn scraped_once_drained(address: &str, published: f64) -> String {
     let url = format!("http://{address}/metrics");
-    wait_until("the gauges", Duration::from_secs(10), || {
+    wait_until("the gauges and counters", Duration::from_secs(10), || {
         let url = url.clone();
         async move {
             let body = tokio::task::spawn_blocking(move || scrape(&url))
                 .await
                 .ok()??;
-            (body.contains("outbox_queued_events 0")).then_some(body)
+            let counted: f64 = body
+                .lines()
+                .filter(|line| line.starts_with("outbox_relay_published_total{"))
+                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            (body.contains("outbox_queued_events 0") && counted == published).then_some(body)
         }
     })
     .await
@@ -1102,7 +1108,7 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     // Another process's commits: the relay sees them at its poll.
     env.until_stream_holds(6, Duration::from_secs(20)).await;
     // The outbox's gauges, read from the file.
-    let scraped = scraped_once_drained(&address).await;
+    let scraped = scraped_once_drained(&address, 6.0).await;
     for drained in [
         "outbox_dead_letters 0",
         "outbox_blocked_events 0",
