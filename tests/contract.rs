@@ -15,7 +15,11 @@
 //! by plain SQL is relayed, and one the relay could not read is refused; three relays racing
 //! keep each aggregate in order; a relay that dies before its delete is followed without
 //! duplicates; a rejected message is dead-lettered while the others flow; dedup keys hold
-//! across backends that share a table.
+//! across backends that share a table. The operator's functions (dead letters, purges, the
+//! archive) and the inbox (each event applied once and in order by two instances and after
+//! a second delivery of every message; a failing handler's event dead-lettered while its
+//! aggregate moves on; a handler that ends the transaction never acked as handled; an event
+//! after a gap in the stream applied and the gap recorded; retention) run on each database.
 
 mod support;
 
@@ -28,7 +32,10 @@ use diesel_async::SimpleAsyncConnection;
 use outbox_runtime::database::OperatorConnection;
 use outbox_runtime::dead_letter::{self, DeadLetter};
 use outbox_runtime::outbox::{QueuedByType, schema::outbox_events};
-use outbox_runtime::{DomainEvent, OutboxStats, Relay, RelayConfig, RelayHandle, UnitOfWorkError};
+use outbox_runtime::{
+    DomainEvent, Handler, Inbox, InboxConfig, InboxConnection, Metadata, OutboxStats, Relay,
+    RelayConfig, RelayHandle, UnitOfWork, UnitOfWorkError, inbox,
+};
 use serde::{Deserialize, Serialize};
 use support::TestEnv;
 use support::domain::{Order, OrderEvent};
@@ -1402,6 +1409,392 @@ operated!(
     the_archive_keeps_each_published_row_whole,
 );
 
+/// A backend an inbox runs on: the consumer's database is the environment's own, with a
+/// table `applied` where [`Applier`] writes each event it applies, numbered in commit order
+/// (the inbox applies one aggregate's events one transaction after another).
+trait Consumed: Operated<Conn: InboxConnection> + 'static {
+    /// The statement that creates `applied (n, aggregate, seq)`, `n` counting up.
+    const APPLIED_TABLE: &'static str;
+
+    /// Writes one applied event, on the handler's connection.
+    fn apply(
+        conn: &mut Self::Conn,
+        aggregate: &str,
+        seq: i64,
+    ) -> impl Future<Output = diesel::QueryResult<usize>> + Send;
+
+    /// Each aggregate's applied sequences, in the order they were applied.
+    fn applied(env: &Env) -> impl Future<Output = BTreeMap<String, Vec<i64>>> + Send;
+
+    /// The rows of a table of the environment's database.
+    fn count(env: &Env, table: &str) -> impl Future<Output = i64> + Send;
+
+    /// `(message_id, error)` of each of the inbox's dead letters.
+    fn inbox_dead_letters(env: &Env) -> impl Future<Output = Vec<(String, String)>> + Send;
+}
+
+/// A row of `(aggregate, seq)`, read from `applied`.
+#[derive(diesel::QueryableByName)]
+struct AppliedRow {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    aggregate: String,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    seq: i64,
+}
+
+fn by_aggregate(rows: Vec<AppliedRow>) -> BTreeMap<String, Vec<i64>> {
+    let mut applied: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for row in rows {
+        applied.entry(row.aggregate).or_default().push(row.seq);
+    }
+    applied
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct InboxDeadLetter {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    message_id: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    error: String,
+}
+
+const INBOX_DEAD_LETTERS: &str =
+    "SELECT message_id, error FROM outbox_inbox_dead_letters ORDER BY message_id";
+
+impl Consumed for AsyncPg {
+    const APPLIED_TABLE: &'static str = "CREATE TABLE applied (n bigserial PRIMARY KEY, \
+         aggregate text NOT NULL, seq bigint NOT NULL)";
+
+    async fn apply(
+        conn: &mut diesel_async::AsyncPgConnection,
+        aggregate: &str,
+        seq: i64,
+    ) -> diesel::QueryResult<usize> {
+        use diesel_async::RunQueryDsl;
+        diesel::sql_query("INSERT INTO applied (aggregate, seq) VALUES ($1, $2)")
+            .bind::<diesel::sql_types::Text, _>(aggregate)
+            .bind::<diesel::sql_types::BigInt, _>(seq)
+            .execute(conn)
+            .await
+    }
+
+    async fn applied(env: &Env) -> BTreeMap<String, Vec<i64>> {
+        use diesel_async::RunQueryDsl;
+        let rows = diesel::sql_query("SELECT aggregate, seq FROM applied ORDER BY n")
+            .load(&mut env.conn().await)
+            .await
+            .unwrap();
+        by_aggregate(rows)
+    }
+
+    async fn count(env: &Env, table: &str) -> i64 {
+        use diesel_async::RunQueryDsl;
+        let row: Count = diesel::sql_query(format!("SELECT count(*) AS n FROM {table}"))
+            .get_result(&mut env.conn().await)
+            .await
+            .unwrap();
+        row.n
+    }
+
+    async fn inbox_dead_letters(env: &Env) -> Vec<(String, String)> {
+        use diesel_async::RunQueryDsl;
+        let rows: Vec<InboxDeadLetter> = diesel::sql_query(INBOX_DEAD_LETTERS)
+            .load(&mut env.conn().await)
+            .await
+            .unwrap();
+        rows.into_iter().map(|r| (r.message_id, r.error)).collect()
+    }
+}
+
+/// Writes each event it applies into `applied`, in the inbox's transaction; fails every
+/// time on the first event of the aggregate `refused`, and sends `end` (a ROLLBACK) on the
+/// unit of work's connection after the write, when given; takes `slow_first` over each
+/// aggregate's first event (so that another instance meets the later ones while it works).
+struct Applier<B> {
+    refused: Option<&'static str>,
+    end: Option<&'static str>,
+    slow_first: Duration,
+    backend: std::marker::PhantomData<fn() -> B>,
+}
+
+impl<B> Applier<B> {
+    fn new() -> Self {
+        Self {
+            refused: None,
+            end: None,
+            slow_first: Duration::ZERO,
+            backend: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<B: Consumed> Handler<B::Conn> for Applier<B> {
+    type Event = OrderEvent;
+    type Error = String;
+
+    async fn handle(
+        &self,
+        _event: OrderEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_, B::Conn>,
+    ) -> Result<(), String> {
+        if self.refused == Some(message.aggregate_id.as_str()) && message.sequence == 1 {
+            return Err("refused by the test".to_owned());
+        }
+        if message.sequence == 1 {
+            tokio::time::sleep(self.slow_first).await;
+        }
+        B::apply(uow.conn(), &message.aggregate_id, message.sequence)
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(end) = self.end {
+            uow.conn()
+                .batch_execute(end)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// The configuration of consumer `name` on the environment's database and stream: fast
+/// redeliveries, for tests.
+fn inbox_config<B: Consumed>(env: &Env, name: &str) -> InboxConfig {
+    let mut config = InboxConfig::new(name, B::relay_config(env).database_url);
+    config.outbox = env.outbox();
+    config.topology = env.topology();
+    config.ack_wait = Duration::from_secs(1);
+    config.retry_delay = Duration::from_millis(50);
+    config.max_retry_delay = Duration::from_millis(200);
+    config
+}
+
+/// Runs `instances` instances of the inbox of `config` until JetStream has nothing left for
+/// the consumer (every message delivered and settled), then shuts them down.
+async fn consume<B: Consumed>(
+    env: &Env,
+    config: &InboxConfig,
+    instances: usize,
+    handler: fn() -> Applier<B>,
+) {
+    let mut running = Vec::new();
+    let mut probe = None;
+    for _ in 0..instances {
+        let inbox: Inbox<Applier<B>, B::Conn> =
+            Inbox::connect(config.clone(), env.nats.clone(), handler())
+                .await
+                .unwrap();
+        probe.get_or_insert_with(|| inbox.consumer().clone());
+        running.push(inbox.spawn());
+    }
+    let mut consumer = probe.expect("an instance");
+    support::wait_until("every message settled", Duration::from_secs(60), || {
+        let mut consumer = consumer.clone();
+        async move {
+            let info = consumer.info().await.ok()?;
+            (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+        }
+    })
+    .await;
+    let _ = consumer.info().await;
+    for instance in running {
+        instance.shutdown().await.unwrap();
+    }
+}
+
+/// Commits four events for each of `ids` in three units of work, and relays them.
+async fn four_events_each<B: Consumed>(env: &Env, ids: &[&str]) {
+    let mut orders: Vec<Order> = ids.iter().map(|id| shipped(id)).collect();
+    for round in 0..3 {
+        if round > 0 {
+            for order in &mut orders {
+                order.record(OrderEvent::ItemAdded {
+                    sku: format!("sku-{round}"),
+                    quantity: 1,
+                });
+            }
+        }
+        let (committed, result) = B::commit(env, orders, None, End::Ok).await;
+        result.unwrap();
+        orders = committed;
+    }
+    B::relay_all(env).await;
+}
+
+/// Two instances of one consumer apply every event once, each aggregate's in sequence order;
+/// a second delivery of every message (a new durable consumer of the same name, from the
+/// stream's start) changes nothing; the consumer is listed, and retention deletes its rows.
+async fn an_inbox_applies_each_event_once_in_order<B: Consumed>() {
+    let env = B::setup().await;
+    B::execute(&env, B::APPLIED_TABLE).await;
+    let ids: Vec<String> = (0..8).map(|i| format!("o-{i}")).collect();
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    four_events_each::<B>(&env, &ids).await;
+    let mut config = inbox_config::<B>(&env, "applier");
+    config.max_concurrency = 2;
+    consume(&env, &config, 2, || Applier::<B> {
+        slow_first: Duration::from_millis(400),
+        ..Applier::new()
+    })
+    .await;
+    let expected: BTreeMap<String, Vec<i64>> = ids
+        .iter()
+        .map(|id| ((*id).to_owned(), vec![1, 2, 3, 4]))
+        .collect();
+    assert_eq!(
+        B::applied(&env).await,
+        expected,
+        "each event once, in order"
+    );
+
+    async_nats::jetstream::new(env.nats.clone())
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .delete_consumer("applier")
+        .await
+        .unwrap();
+    consume(&env, &config, 1, Applier::<B>::new).await;
+    assert_eq!(
+        B::applied(&env).await,
+        expected,
+        "the redeliveries changed nothing"
+    );
+    let letters = B::inbox_dead_letters(&env).await;
+    assert!(
+        letters.is_empty(),
+        "each was a duplicate, not late: {letters:?}"
+    );
+    assert_eq!(B::count(&env, "outbox_inbox").await, 32);
+
+    let mut conn = B::operator_conn(&env).await;
+    assert_eq!(inbox::consumers(&mut conn).await.unwrap(), ["applier"]);
+    let kept = inbox::purge(&mut conn, "applier", Duration::MAX, 100).await;
+    assert_eq!(kept.unwrap(), 0, "nothing is a thousand years old");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let first = inbox::purge(&mut conn, "applier", Duration::ZERO, 20).await;
+    assert_eq!(first.unwrap(), 20, "a batch of 20, the oldest");
+    let rest = inbox::purge(&mut conn, "applier", Duration::ZERO, 20).await;
+    assert_eq!(rest.unwrap(), 12);
+    assert_eq!(B::count(&env, "outbox_inbox").await, 0);
+    assert_eq!(
+        B::count(&env, "outbox_inbox_positions").await,
+        8,
+        "positions are kept"
+    );
+}
+
+/// A handler that fails on one event is retried, then the event is dead-lettered with its
+/// error and its aggregate moves on; the other aggregates flow meanwhile. A handler that
+/// ends the transaction itself (a ROLLBACK on the unit of work's connection) fails its
+/// message as the handler's failure: it is never acked as handled.
+async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_on<B: Consumed>() {
+    let env = B::setup().await;
+    B::execute(&env, B::APPLIED_TABLE).await;
+    four_events_each::<B>(&env, &["o-bad", "o-good"]).await;
+    let mut config = inbox_config::<B>(&env, "refuser");
+    config.max_attempts = 2;
+    consume(&env, &config, 1, || Applier::<B> {
+        refused: Some("o-bad"),
+        ..Applier::new()
+    })
+    .await;
+    let applied = B::applied(&env).await;
+    assert_eq!(applied["o-good"], [1, 2, 3, 4]);
+    assert_eq!(
+        applied["o-bad"],
+        [2, 3, 4],
+        "the aggregate moved past its dead letter"
+    );
+    let letters = B::inbox_dead_letters(&env).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(
+        letters[0].1.contains("refused by the test") && letters[0].1.contains("failed 2 times"),
+        "{letters:?}"
+    );
+
+    // A second consumer whose handler rolls back by hand: each message fails, and is
+    // dead-lettered at its one attempt; nothing the handler wrote stays.
+    let mut config = inbox_config::<B>(&env, "rollbacker");
+    config.max_attempts = 1;
+    consume(&env, &config, 1, || Applier::<B> {
+        end: Some("ROLLBACK"),
+        ..Applier::new()
+    })
+    .await;
+    let letters = B::inbox_dead_letters(&env).await;
+    let ended = letters
+        .iter()
+        .filter(|(_, error)| error.contains("ended inside its closure"))
+        .count();
+    assert_eq!(
+        ended, 8,
+        "every message of the second consumer: {letters:?}"
+    );
+    assert_eq!(B::applied(&env).await, applied, "nothing it wrote stayed");
+}
+
+/// An event whose predecessor is not in the stream (removed from it) is applied over the
+/// gap, which is recorded; the events after it follow in order.
+async fn an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap<B: Consumed>() {
+    let env = B::setup().await;
+    B::execute(&env, B::APPLIED_TABLE).await;
+    four_events_each::<B>(&env, &["o-gap"]).await;
+    let stream = async_nats::jetstream::new(env.nats.clone())
+        .get_stream(&env.stream)
+        .await
+        .unwrap();
+    // One aggregate on a fresh stream: its event 2 is the stream's message 2.
+    assert!(stream.delete_message(2).await.unwrap());
+    consume(
+        &env,
+        &inbox_config::<B>(&env, "gapped"),
+        1,
+        Applier::<B>::new,
+    )
+    .await;
+    assert_eq!(B::applied(&env).await["o-gap"], [1, 3, 4]);
+    assert_eq!(B::count(&env, "outbox_inbox_gaps").await, 1);
+}
+
+/// The inbox's tests, once per database.
+macro_rules! consumed {
+    ($($test:ident),* $(,)?) => {$(
+        mod $test {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_postgres() {
+                super::$test::<AsyncPg>().await;
+            }
+
+            #[cfg(feature = "mysql")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_mysql() {
+                super::$test::<mysql::AsyncMysql>().await;
+            }
+
+            #[cfg(feature = "sqlite")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_sqlite() {
+                super::$test::<sqlite::AsyncSqlite>().await;
+            }
+        }
+    )*};
+}
+
+consumed!(
+    an_inbox_applies_each_event_once_in_order,
+    an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_on,
+    an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap,
+);
+
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dedup_key_taken_by_an_async_unit_of_work_holds_for_a_sync_one() {
@@ -1539,6 +1932,50 @@ mod mysql {
     }
 
     pub struct AsyncMysql;
+
+    impl Consumed for AsyncMysql {
+        const APPLIED_TABLE: &'static str = "CREATE TABLE applied (n BIGINT AUTO_INCREMENT \
+             PRIMARY KEY, aggregate VARCHAR(64) NOT NULL, seq BIGINT NOT NULL)";
+
+        async fn apply(
+            conn: &mut AsyncMysqlConnection,
+            aggregate: &str,
+            seq: i64,
+        ) -> diesel::QueryResult<usize> {
+            diesel::sql_query("INSERT INTO applied (aggregate, seq) VALUES (?, ?)")
+                .bind::<Text, _>(aggregate)
+                .bind::<BigInt, _>(seq)
+                .execute(conn)
+                .await
+        }
+
+        async fn applied(env: &Env) -> BTreeMap<String, Vec<i64>> {
+            let rows = diesel::sql_query("SELECT aggregate, seq FROM applied ORDER BY n")
+                .load(&mut database(env).conn().await)
+                .await
+                .unwrap();
+            by_aggregate(rows)
+        }
+
+        async fn count(env: &Env, table: &str) -> i64 {
+            let row: Count = diesel::sql_query(format!("SELECT COUNT(*) AS n FROM {table}"))
+                .get_result(&mut database(env).conn().await)
+                .await
+                .unwrap();
+            row.n
+        }
+
+        async fn inbox_dead_letters(env: &Env) -> Vec<(String, String)> {
+            let rows: Vec<InboxDeadLetter> = diesel::sql_query(
+                "SELECT CAST(message_id AS CHAR) AS message_id, error \
+                 FROM outbox_inbox_dead_letters ORDER BY message_id",
+            )
+            .load(&mut database(env).conn().await)
+            .await
+            .unwrap();
+            rows.into_iter().map(|r| (r.message_id, r.error)).collect()
+        }
+    }
 
     impl Operated for AsyncMysql {
         type Conn = AsyncMysqlConnection;
@@ -2175,6 +2612,47 @@ mod sqlite {
     }
 
     pub struct AsyncSqlite;
+
+    impl Consumed for AsyncSqlite {
+        const APPLIED_TABLE: &'static str = "CREATE TABLE applied (n INTEGER PRIMARY KEY \
+             AUTOINCREMENT, aggregate TEXT NOT NULL, seq INTEGER NOT NULL)";
+
+        async fn apply(
+            conn: &mut AsyncSqliteConnection,
+            aggregate: &str,
+            seq: i64,
+        ) -> diesel::QueryResult<usize> {
+            diesel::sql_query("INSERT INTO applied (aggregate, seq) VALUES (?, ?)")
+                .bind::<Text, _>(aggregate)
+                .bind::<BigInt, _>(seq)
+                .execute(conn)
+                .await
+        }
+
+        async fn applied(env: &Env) -> BTreeMap<String, Vec<i64>> {
+            let rows = diesel::sql_query("SELECT aggregate, seq FROM applied ORDER BY n")
+                .load(&mut database(env).conn())
+                .await
+                .unwrap();
+            by_aggregate(rows)
+        }
+
+        async fn count(env: &Env, table: &str) -> i64 {
+            let row: Count = diesel::sql_query(format!("SELECT count(*) AS n FROM {table}"))
+                .get_result(&mut database(env).conn())
+                .await
+                .unwrap();
+            row.n
+        }
+
+        async fn inbox_dead_letters(env: &Env) -> Vec<(String, String)> {
+            let rows: Vec<InboxDeadLetter> = diesel::sql_query(INBOX_DEAD_LETTERS)
+                .load(&mut database(env).conn())
+                .await
+                .unwrap();
+            rows.into_iter().map(|r| (r.message_id, r.error)).collect()
+        }
+    }
 
     impl Operated for AsyncSqlite {
         type Conn = outbox_runtime::sqlite::AsyncSqliteConnection;

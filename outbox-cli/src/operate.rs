@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use diesel_async::AsyncPgConnection;
 use futures::StreamExt;
 use outbox_runtime::database::OperatorConnection;
-use outbox_runtime::{dead_letter, inbox, outbox};
+use outbox_runtime::{InboxConnection, dead_letter, inbox, outbox};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -382,15 +382,6 @@ impl Operator {
         }
     }
 
-    /// The PostgreSQL connection, for what only PostgreSQL's outbox has (the inbox).
-    pub(crate) fn postgres(&mut self) -> Option<&mut AsyncPgConnection> {
-        #[allow(irrefutable_let_patterns)] // without the features `mysql` and `sqlite`
-        let Self::Postgres(conn) = self else {
-            return None;
-        };
-        Some(&mut **conn)
-    }
-
     /// Connects to the database `database_url` names: PostgreSQL, or with the features
     /// `mysql` and `sqlite` MySQL or a SQLite file; fails, naming them, when the database
     /// lacks migrations of this build (an `outbox` upgraded before `outbox migrate` ran),
@@ -597,7 +588,7 @@ pub(crate) struct PurgeArgs {
     #[arg(long, default_value_t = 10_000, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i64).range(1..))]
     batch: i64,
-    /// Leave the inbox's rows alone (PostgreSQL; MySQL and SQLite have no inbox).
+    /// Leave the inbox's rows alone.
     #[arg(long)]
     no_inbox: bool,
     /// Also delete the producers' dedup keys (#[event(dedup_key)]) taken longer ago than
@@ -607,8 +598,7 @@ pub(crate) struct PurgeArgs {
 }
 
 /// Deletes what `args` asks on the database `database_url` names: published rows, the
-/// archive's old rows (PostgreSQL: its old days) and dedup keys on every database; on
-/// PostgreSQL also the inbox's rows.
+/// archive's old rows (PostgreSQL: its old days), dedup keys and the inbox's rows.
 pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
     let mut operator = Operator::connect(database_url).await?;
     on_operator!(&mut operator, conn => purge_outbox(conn, &args).await)?;
@@ -632,27 +622,30 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
             humantime::format_duration(args.older_than)
         ),
     }
-    let Some(conn) = operator.postgres() else {
-        return Ok(Ended::Done);
-    };
     if !args.no_inbox {
-        let mut progress = Progress::new();
-        for consumer in inbox::consumers(conn).await.map_err(database_error)? {
-            let mut handled = 0;
-            loop {
-                let deleted = inbox::purge(conn, &consumer, args.older_than, args.batch)
-                    .await
-                    .map_err(database_error)?;
-                handled += deleted;
-                progress.report(|| format!("outbox_inbox {consumer}: {handled} rows deleted"));
-                if deleted < args.batch as usize {
-                    break;
-                }
-            }
-            println!("deleted {handled} inbox rows of {consumer}");
-        }
+        on_operator!(&mut operator, conn => purge_inbox(conn, &args).await)?;
     }
     Ok(Ended::Done)
+}
+
+/// Deletes each consumer's inbox rows handled longer ago than `args` says, in batches.
+async fn purge_inbox<C: InboxConnection>(conn: &mut C, args: &PurgeArgs) -> Result<(), String> {
+    let mut progress = Progress::new();
+    for consumer in inbox::consumers(conn).await.map_err(database_error)? {
+        let mut handled = 0;
+        loop {
+            let deleted = inbox::purge(conn, &consumer, args.older_than, args.batch)
+                .await
+                .map_err(database_error)?;
+            handled += deleted;
+            progress.report(|| format!("outbox_inbox {consumer}: {handled} rows deleted"));
+            if deleted < args.batch as usize {
+                break;
+            }
+        }
+        println!("deleted {handled} inbox rows of {consumer}");
+    }
+    Ok(())
 }
 
 /// Deletes the published rows and (when asked) the dedup keys older than `args` says.

@@ -912,13 +912,13 @@ async fn the_operators_commands_work_on_mysql() {
     assert!(
         said.contains(
             "lacks migrations of this outbox: 20261124000001, 20261125000002, \
-                       20261126000003; run `outbox migrate`"
+                       20261126000003, 20261127000004; run `outbox migrate`"
         ),
         "{said}"
     );
     let (code, said) = command(&["migrate"]);
     assert_eq!(code, Some(0), "{said}");
-    assert!(said.contains("applied 3"), "{said}");
+    assert!(said.contains("applied 4"), "{said}");
     let id = uuid::Uuid::now_v7().to_string();
     AsyncMysqlConnection::establish(&url)
         .await
@@ -928,7 +928,10 @@ async fn the_operators_commands_work_on_mysql() {
                                         event_type, partition_key, subject, payload, attempts, \
                                         last_error, dead_lettered_at) \
              VALUES ('{id}', 'Order', 'd-1', 1, 'Shipped', 'd-1', 'app.Order.d-1.Shipped', \
-                     '{{\"n\": 1}}', 3, 'refused by the test', UTC_TIMESTAMP(6))"
+                     '{{\"n\": 1}}', 3, 'refused by the test', UTC_TIMESTAMP(6)); \
+             INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) \
+             VALUES ('billing', '', 'm-old', UTC_TIMESTAMP(6) - INTERVAL 2 DAY), \
+                    ('billing', '', 'm-new', UTC_TIMESTAMP(6))"
         ))
         .await
         .unwrap();
@@ -973,6 +976,7 @@ async fn the_operators_commands_work_on_mysql() {
     ]);
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("deleted 0 published rows"), "{said}");
+    assert!(said.contains("deleted 1 inbox rows of billing"), "{said}");
     let (code, said) = command(&["status", "--json"]);
     let report: serde_json::Value = serde_json::from_str(&said).unwrap();
     assert_eq!(
@@ -993,6 +997,7 @@ async fn the_operators_commands_work_on_mysql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     use outbox_runtime::UnitOfWorkError;
+    use outbox_runtime::diesel::connection::SimpleConnection as _;
     use outbox_runtime::sqlite::AsyncSqliteConnection;
 
     let env = TestEnv::unmigrated(&support::nats_url()).await;
@@ -1019,7 +1024,15 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert!(!std::path::Path::new(&path).exists(), "no file made");
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
-    assert!(text(&migrated).contains("applied 4"), "{}", text(&migrated));
+    assert!(text(&migrated).contains("applied 5"), "{}", text(&migrated));
+    outbox_runtime::sqlite::establish(&path)
+        .unwrap()
+        .batch_execute(
+            "INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) \
+             VALUES ('billing', '', 'm-old', strftime('%Y-%m-%d %H:%M:%f', 'now', '-2 days')), \
+                    ('billing', '', 'm-new', strftime('%Y-%m-%d %H:%M:%f', 'now'))",
+        )
+        .unwrap();
     let letters = command(&["dead-letters", "list"]).output().unwrap();
     assert_eq!(letters.status.code(), Some(0), "{}", text(&letters));
     assert!(
@@ -1039,7 +1052,8 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert_eq!(purged.status.code(), Some(0), "{}", text(&purged));
     assert!(
         text(&purged).contains("deleted 0 published rows older than 1day")
-            && text(&purged).contains("deleted 0 dedup keys"),
+            && text(&purged).contains("deleted 0 dedup keys")
+            && text(&purged).contains("deleted 1 inbox rows of billing"),
         "{}",
         text(&purged)
     );

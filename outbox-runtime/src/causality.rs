@@ -54,7 +54,7 @@ impl Causality {
     /// What events emitted while handling a message carry: the message's conversation (its
     /// correlation id, or its id when it has none or one that an outbox row cannot carry:
     /// over [`MAX_ID_BYTES`], or with a NUL), the message as cause, its trace continued.
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub(crate) fn caused_by(
         message_id: &str,
         correlation_id: Option<&str>,
@@ -234,7 +234,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     fn handled_messages_pass_on_their_conversation() {
         let traceparent: Traceparent = EXAMPLE.parse().unwrap();
         let caused = Causality::caused_by("m-2", Some("c-1"), Some(&traceparent));

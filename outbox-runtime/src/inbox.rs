@@ -73,6 +73,16 @@
 //! first two; a stream replayed from further back needs a longer one. Positions are kept:
 //! one row per aggregate.
 //!
+//! # Databases
+//! The inbox runs on the connection `C` of [`Inbox<H, C>`](Inbox), its handler's
+//! [`UnitOfWork`] on the same: `AsyncPgConnection` (the default), `AsyncMysqlConnection`
+//! (feature `mysql`; [`crate::mysql`] says how its sessions differ) or
+//! `AsyncSqliteConnection` (feature `sqlite`; [`crate::sqlite`]: messages are applied one at
+//! a time). The tables are the same on each, in each database's migrations; PostgreSQL runs
+//! the statement that records a message and moves the aggregate's position as a function of
+//! its migrations, MySQL and SQLite as the statements that function runs. The guarantees
+//! above hold on all three, and the same tests check them on each (`tests/contract.rs`).
+//!
 //! # Observability
 //! Every delivery is counted in the `metrics` counter `outbox_inbox_messages_total`, labelled
 //! `consumer` and `outcome` ([`Outcome::label`]); the histogram `outbox_inbox_process_seconds`
@@ -84,8 +94,16 @@
 
 mod dispatch;
 mod message;
+#[cfg(feature = "mysql")]
+mod mysql;
 mod order;
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+mod portable;
+#[cfg(feature = "postgres")]
 mod queries;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+mod store;
 
 use std::fmt;
 use std::future::Future;
@@ -94,21 +112,21 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
-use diesel_async::pooled_connection::deadpool::{Object, Pool};
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+#[cfg(feature = "postgres")]
+use diesel_async::AsyncPgConnection;
 use futures::FutureExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::causality::Causality;
+#[cfg(feature = "postgres")]
+use crate::database::Connector;
 use crate::database::{
-    self, Bounded, Connector, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Redacted,
-    TimedOut,
+    self, Bounded, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Kind, Redacted, TimedOut,
 };
 use crate::event::{EventSet, PayloadError};
-use crate::outbox::{MissingMigrations, Outbox, require_migrations};
+use crate::outbox::{MissingMigrations, Outbox};
 use crate::relay::{over_its_cap, too_long, too_short};
 use crate::subject::validate_token;
 use crate::topology::Topology;
@@ -116,9 +134,27 @@ use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
 
 pub use message::{Metadata, UnreadableMessage};
 use order::Predecessor;
-use queries::{MessageKey, Place, Recorded};
+pub use store::InboxConnection;
+use store::{MessageKey, Place, Recorded, Session};
 
-/// What a consumer does with each event.
+/// The connection an [`Inbox`] and its [`Handler`] run on when they name none:
+/// `AsyncPgConnection` (feature `postgres`, on by default), else `AsyncMysqlConnection`
+/// (feature `mysql`), else [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection).
+#[cfg(feature = "postgres")]
+pub type DefaultConnection = AsyncPgConnection;
+/// The connection an [`Inbox`] and its [`Handler`] run on when they name none:
+/// `AsyncPgConnection` (feature `postgres`, on by default), else `AsyncMysqlConnection`
+/// (feature `mysql`), else [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection).
+#[cfg(all(not(feature = "postgres"), feature = "mysql"))]
+pub type DefaultConnection = diesel_async::AsyncMysqlConnection;
+/// The connection an [`Inbox`] and its [`Handler`] run on when they name none:
+/// `AsyncPgConnection` (feature `postgres`, on by default), else `AsyncMysqlConnection`
+/// (feature `mysql`), else [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection).
+#[cfg(all(not(feature = "postgres"), not(feature = "mysql")))]
+pub type DefaultConnection = crate::sqlite::AsyncSqliteConnection;
+
+/// What a consumer does with each event, on the connection `C` (PostgreSQL's by default;
+/// see [`DefaultConnection`]).
 ///
 /// Implement it with an `async fn`:
 ///
@@ -131,7 +167,11 @@ use queries::{MessageKey, Place, Recorded};
 ///         -> Result<(), Self::Error> { /* writes on uow.conn(), events via uow.track */ Ok(()) }
 /// }
 /// ```
-pub trait Handler: Send + Sync + 'static {
+///
+/// On MySQL or SQLite, implement `Handler<AsyncMysqlConnection>` (or
+/// `Handler<AsyncSqliteConnection>`) and run it in an `Inbox<_, AsyncMysqlConnection>`:
+/// the handler gets a [`UnitOfWork`] on that connection.
+pub trait Handler<C: InboxConnection = DefaultConnection>: Send + Sync + 'static {
     /// The events it consumes: one [`DomainEvent`](crate::DomainEvent) type, or several in an enum with
     /// `#[derive(EventSet)]` (one durable consumer for the events of several aggregates).
     /// Decoded from each message by `ce-type` and `ce-eventversion`.
@@ -147,7 +187,7 @@ pub trait Handler: Send + Sync + 'static {
         &self,
         event: Self::Event,
         message: &Metadata,
-        uow: &mut UnitOfWork<'_>,
+        uow: &mut UnitOfWork<'_, C>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 }
 
@@ -183,7 +223,9 @@ pub struct InboxConfig {
     /// The consumer's name: the durable JetStream consumer, and its key in the inbox tables.
     /// A valid NATS subject token, at most 255 bytes (nats-server's limit on names).
     pub consumer: String,
-    /// The PostgreSQL URL of the consumer's database (its inbox, its tables, its outbox).
+    /// The URL of the consumer's database (its inbox, its tables, its outbox): a
+    /// PostgreSQL URL, a `mysql://` URL or a SQLite file, the database of the inbox's
+    /// connection type ([`Inbox::connect`] refuses another).
     pub database_url: String,
     /// Where the handlers' events go. Default [`Outbox::new`].
     pub outbox: Outbox,
@@ -245,17 +287,19 @@ pub struct InboxConfig {
     /// Opens the consumer's connections the service's way (its pool's TLS, credentials and
     /// setup) instead of from `database_url`, which then only names the database in logs.
     /// The inbox holds up to `max_concurrency` connections, in a pool of its own. Default
-    /// `None`.
+    /// `None`. PostgreSQL only: an inbox on MySQL or SQLite refuses it.
+    #[cfg(feature = "postgres")]
     pub connector: Option<Connector>,
-    /// How long one query may take: set as the sessions' server-side `statement_timeout`
-    /// (the handlers' queries included), and enforced by the inbox on its own queries.
-    /// Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
+    /// How long one query may take: enforced by the inbox on its own queries, and on
+    /// PostgreSQL also set as the sessions' server-side `statement_timeout` (the handlers'
+    /// queries included). Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
     pub statement_timeout: Duration,
 }
 
 impl fmt::Debug for InboxConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InboxConfig")
+        let mut debug = f.debug_struct("InboxConfig");
+        debug
             .field("consumer", &self.consumer)
             .field("database_url", &Redacted(&self.database_url))
             .field("outbox", &self.outbox)
@@ -272,8 +316,10 @@ impl fmt::Debug for InboxConfig {
             .field("unreadable", &self.unreadable)
             .field("retention", &self.retention)
             .field("purge_interval", &self.purge_interval)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("connector", &self.connector)
+            .field("connect_timeout", &self.connect_timeout);
+        #[cfg(feature = "postgres")]
+        debug.field("connector", &self.connector);
+        debug
             .field("statement_timeout", &self.statement_timeout)
             .finish()
     }
@@ -304,6 +350,7 @@ impl InboxConfig {
             retention: Duration::from_secs(7 * 24 * 3600),
             purge_interval: Duration::from_secs(60),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            #[cfg(feature = "postgres")]
             connector: None,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
         }
@@ -444,13 +491,6 @@ impl InboxConfig {
     fn hold_delay(deliveries: u64) -> Duration {
         let doublings = u32::try_from(deliveries.saturating_sub(1).min(4)).unwrap_or(4);
         (Duration::from_millis(100) * 2_u32.pow(doublings)).min(Duration::from_secs(1))
-    }
-
-    fn limits(&self) -> database::Limits {
-        database::Limits {
-            connect_timeout: self.connect_timeout,
-            statement_timeout: self.statement_timeout,
-        }
     }
 }
 
@@ -624,6 +664,15 @@ impl From<Bounded<diesel::result::Error>> for Failure {
     }
 }
 
+impl From<Bounded<UnitOfWorkError>> for Failure {
+    fn from(error: Bounded<UnitOfWorkError>) -> Self {
+        match error {
+            Bounded::Failed(error) => Self::Outbox(error),
+            Bounded::TimedOut(timed_out) => Self::TimedOut(timed_out),
+        }
+    }
+}
+
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -662,14 +711,14 @@ impl Failure {
     }
 }
 
-struct Shared<H> {
+struct Shared<H, C: InboxConnection> {
     config: InboxConfig,
     /// The consumer's subject filters ([`InboxConfig::filters`]).
     filters: Vec<String>,
     /// The database URL without its password.
     target: String,
     handler: H,
-    pool: Pool<AsyncPgConnection>,
+    pool: C::Pool,
     stream: jetstream::stream::Stream,
     consumer: jetstream::consumer::PullConsumer,
     /// The consumer's ack floor (stream sequence) when last read, and when: every message
@@ -677,13 +726,15 @@ struct Shared<H> {
     ack_floor: Mutex<(u64, Option<Instant>)>,
 }
 
-/// An idempotent consumer: a handler behind the inbox. Create it with
-/// [`Inbox::connect`], then [`spawn`](Inbox::spawn) it or [`run`](Inbox::run) it.
-pub struct Inbox<H: Handler> {
-    shared: Arc<Shared<H>>,
+/// An idempotent consumer: a handler behind the inbox, on the connection `C` (PostgreSQL's
+/// by default; `Inbox<H, AsyncMysqlConnection>` on MySQL or MariaDB, `Inbox<H,
+/// AsyncSqliteConnection>` on SQLite). Create it with [`Inbox::connect`], then
+/// [`spawn`](Inbox::spawn) it or [`run`](Inbox::run) it.
+pub struct Inbox<H: Handler<C>, C: InboxConnection = DefaultConnection> {
+    shared: Arc<Shared<H, C>>,
 }
 
-impl<H: Handler> Clone for Inbox<H> {
+impl<H: Handler<C>, C: InboxConnection> Clone for Inbox<H, C> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -691,7 +742,7 @@ impl<H: Handler> Clone for Inbox<H> {
     }
 }
 
-impl<H: Handler> Inbox<H> {
+impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// Checks the configuration, gets or creates the durable pull consumer (explicit acks,
     /// `ack_wait`, `max_ack_pending`, the filter subjects, unlimited deliveries: the inbox
     /// counts handler failures itself; an existing consumer's filter is checked, and its
@@ -699,7 +750,8 @@ impl<H: Handler> Inbox<H> {
     /// inbox tables are migrated.
     ///
     /// # Errors
-    /// [`InboxError::Config`], [`InboxError::Consumer`] (the stream is missing, or an
+    /// [`InboxError::Config`] (also for a `database_url` of another database than `C`'s, or
+    /// a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing, or an
     /// existing consumer of that name filters another subject), [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
@@ -708,6 +760,7 @@ impl<H: Handler> Inbox<H> {
         handler: H,
     ) -> Result<Self, InboxError> {
         config.validate()?;
+        check_database::<C>(&config)?;
         describe_metrics();
         let consumer_error = |message: String| InboxError::Consumer {
             consumer: config.consumer.clone(),
@@ -784,33 +837,18 @@ impl<H: Handler> Inbox<H> {
         let ack_floor = consumer.cached_info().ack_floor.stream_sequence;
 
         let target = database::redacted(&config.database_url);
-        let limits = config.limits();
-        let mut manager = ManagerConfig::default();
-        let connector = config.connector.clone();
-        manager.custom_setup = Box::new(move |url| {
-            let (url, connector) = (url.to_owned(), connector.clone());
-            Box::pin(async move {
-                database::connect(&url, connector.as_ref(), "outbox-inbox", limits)
-                    .await
-                    .map_err(|e| diesel::ConnectionError::BadConnection(e.to_string()))
-            })
-        });
-        let pool = Pool::builder(AsyncDieselConnectionManager::new_with_config(
+        let pool = C::pool(
             config.database_url.clone(),
-            manager,
-        ))
-        .max_size(config.max_concurrency)
-        .build()
-        .map_err(|e| InboxError::Connect(e.to_string()))?;
-        let mut conn = pool
-            .get()
-            .await
-            .map_err(|e| InboxError::Connect(e.to_string()))?;
+            Session::of(&config),
+            config.max_concurrency,
+        )
+        .map_err(InboxError::Connect)?;
+        let mut conn = C::pooled(&pool).await.map_err(InboxError::Connect)?;
         match database::bounded(
             config.statement_timeout,
             &target,
             "the migrations check",
-            require_migrations(&mut conn),
+            conn.missing_migrations(),
         )
         .await
         {
@@ -1070,7 +1108,7 @@ impl<H: Handler> Inbox<H> {
                 config.statement_timeout,
                 &self.shared.target,
                 "counting a handler failure",
-                queries::count_failure(&mut conn, key, &error),
+                conn.count_failure(key, &error),
             )
             .await
             .map_err(Failure::from)
@@ -1131,10 +1169,8 @@ impl<H: Handler> Inbox<H> {
         })
     }
 
-    async fn connection(&self) -> Result<Object<AsyncPgConnection>, Failure> {
-        self.shared
-            .pool
-            .get()
+    async fn connection(&self) -> Result<C::Pooled, Failure> {
+        C::pooled(&self.shared.pool)
             .await
             .map_err(|e| Failure::Outbox(UnitOfWorkError::Database(pool_error(e))))
     }
@@ -1167,7 +1203,7 @@ impl<H: Handler> Inbox<H> {
                     limit,
                     target,
                     "recording a message in the inbox",
-                    queries::record(uow.conn(), key, place, gap.is_some()),
+                    uow.conn().record(key, place, gap.is_some()),
                 )
                 .await?;
                 match recorded {
@@ -1206,7 +1242,7 @@ impl<H: Handler> Inbox<H> {
                                 limit,
                                 target,
                                 "recording a gap",
-                                queries::insert_gap(uow.conn(), key, place, previous, &gap.reason),
+                                uow.conn().insert_gap(key, place, previous, &gap.reason),
                             )
                             .await?;
                         }
@@ -1236,7 +1272,7 @@ impl<H: Handler> Inbox<H> {
                                 limit,
                                 target,
                                 "finishing a handled message",
-                                queries::finish(uow.conn(), key, retried),
+                                uow.conn().finish(key, retried),
                             )
                             .await?;
                         }
@@ -1249,7 +1285,7 @@ impl<H: Handler> Inbox<H> {
                     Body::DeadLetter(error) => {
                         let headers = message::headers_json(message);
                         let subject = message::storable_text(&message.subject);
-                        let letter = queries::DeadLetter {
+                        let letter = store::DeadLetter {
                             key,
                             subject: &subject,
                             headers: &headers,
@@ -1263,7 +1299,7 @@ impl<H: Handler> Inbox<H> {
                             limit,
                             target,
                             "recording a dead letter",
-                            queries::insert_dead_letter(uow.conn(), &letter),
+                            uow.conn().insert_dead_letter(&letter),
                         )
                         .await?;
                         tracing::error!(message_id = %metadata.id, %error, "dead-lettered a message");
@@ -1321,8 +1357,7 @@ impl<H: Handler> Inbox<H> {
                         config.statement_timeout,
                         &shared.target,
                         "checking a predecessor",
-                        queries::settled(
-                            &mut conn,
+                        conn.settled(
                             &config.consumer,
                             metadata.source.as_deref().unwrap_or_default(),
                             id.as_deref().filter(|id| !id.contains('\0')),
@@ -1380,7 +1415,7 @@ impl<H: Handler> Inbox<H> {
     ) -> Outcome {
         let info = message.info().ok();
         let stream_sequence = info.as_ref().map_or(0, |info| info.stream_sequence);
-        let unread_id = queries::unread_id(stream_sequence);
+        let unread_id = store::unread_id(stream_sequence);
         let key = match metadata {
             Some(metadata) => self.key(metadata),
             None => MessageKey {
@@ -1392,7 +1427,7 @@ impl<H: Handler> Inbox<H> {
         let headers = message::headers_json(message);
         let subject = message::storable_text(&message.subject);
         let stored_error = message::storable_text(&error);
-        let letter = queries::DeadLetter {
+        let letter = store::DeadLetter {
             key,
             subject: &subject,
             headers: &headers,
@@ -1407,13 +1442,12 @@ impl<H: Handler> Inbox<H> {
         );
         let written = async {
             let mut conn = self.connection().await?;
-            database::bounded(limit, target, "recording a dead letter", async {
-                conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-                    queries::record(conn, key, None, false).await?;
-                    queries::insert_dead_letter(conn, &letter).await
-                })
-                .await
-            })
+            database::bounded(
+                limit,
+                target,
+                "recording a dead letter",
+                conn.dead_letter_alone(&letter),
+            )
             .await
             .map_err(Failure::from)
         };
@@ -1545,23 +1579,56 @@ impl InboxHandle {
 ///
 /// # Errors
 /// The database's error.
-pub async fn purge(
-    conn: &mut AsyncPgConnection,
+pub async fn purge<C: InboxConnection>(
+    conn: &mut C,
     consumer: &str,
     older_than: Duration,
     limit: i64,
 ) -> diesel::QueryResult<usize> {
-    let older_than_ms = crate::outbox::purge::age_millis(older_than);
-    queries::purge(conn, consumer, older_than_ms, limit).await
+    conn.purge(consumer, older_than, limit).await
 }
 
-/// The consumers that have rows in the inbox, in byte order (a loose index scan of the
-/// primary key: one probe per consumer, however many rows each has).
+/// The consumers that have rows in the inbox, in byte order (on PostgreSQL and MySQL a
+/// loose index scan of the primary key: one probe per consumer, however many rows each
+/// has; SQLite reads the primary key whole).
 ///
 /// # Errors
 /// The database's error.
-pub async fn consumers(conn: &mut AsyncPgConnection) -> diesel::QueryResult<Vec<String>> {
-    queries::consumers(conn).await
+pub async fn consumers<C: InboxConnection>(conn: &mut C) -> diesel::QueryResult<Vec<String>> {
+    conn.consumers().await
+}
+
+/// Refuses a `database_url` of another database than `C`'s (unless a connector opens
+/// PostgreSQL's connections, when the URL only names the database), and a connector on
+/// MySQL or SQLite.
+fn check_database<C: InboxConnection>(config: &InboxConfig) -> Result<(), InboxError> {
+    #[cfg(feature = "postgres")]
+    if config.connector.is_some() {
+        return if C::KIND == Kind::Postgres {
+            Ok(())
+        } else {
+            Err(InboxError::Config(
+                "a connector opens PostgreSQL connections; an inbox on MySQL or SQLite opens \
+                 its own from database_url"
+                    .to_owned(),
+            ))
+        };
+    }
+    let kind = Kind::of(&config.database_url);
+    if config.database_url.trim().is_empty() || kind == C::KIND {
+        return Ok(());
+    }
+    let (what, connection, feature) = match kind {
+        Kind::Postgres => ("a PostgreSQL URL", "AsyncPgConnection", "postgres"),
+        Kind::Mysql => ("a MySQL URL", "AsyncMysqlConnection", "mysql"),
+        Kind::Sqlite => ("a SQLite file", "AsyncSqliteConnection", "sqlite"),
+    };
+    Err(InboxError::Config(format!(
+        "database_url {} is {what}, and this inbox runs on {}: make it an Inbox<_, \
+         {connection}> with a Handler<{connection}> (feature `{feature}`)",
+        database::redacted(&config.database_url),
+        std::any::type_name::<C>()
+    )))
 }
 
 #[cfg(test)]
@@ -1725,5 +1792,57 @@ mod tests {
         let config = InboxConfig::new("orders.reservations", "postgres://");
         let error = config.validate().unwrap_err();
         assert!(error.to_string().contains("orders.reservations"), "{error}");
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn an_inbox_refuses_a_url_of_another_database_naming_the_connection_to_use() {
+        use diesel_async::AsyncMysqlConnection;
+        let config = InboxConfig::new("c", "postgres://app:secret@db/orders");
+        let error = check_database::<AsyncMysqlConnection>(&config)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("is a PostgreSQL URL")
+                && error.contains("Inbox<_, AsyncPgConnection>")
+                && error.contains("AsyncMysqlConnection")
+                && !error.contains("secret"),
+            "{error}"
+        );
+        let config = InboxConfig::new("c", "mysql://app@db/orders");
+        assert!(check_database::<AsyncMysqlConnection>(&config).is_ok());
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn an_inbox_on_sqlite_refuses_a_mysql_url() {
+        use crate::sqlite::AsyncSqliteConnection;
+        let config = InboxConfig::new("c", "mysql://app@db/orders");
+        let error = check_database::<AsyncSqliteConnection>(&config)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("is a MySQL URL") && error.contains("AsyncMysqlConnection"),
+            "{error}"
+        );
+        assert!(
+            check_database::<AsyncSqliteConnection>(&InboxConfig::new("c", "orders.db")).is_ok()
+        );
+    }
+
+    #[cfg(all(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn a_connector_is_refused_on_mysql() {
+        let mut config = InboxConfig::new("c", "mysql://app@db/orders");
+        config.connector = Some(Connector::new(|| async {
+            Err::<AsyncPgConnection, _>("unused")
+        }));
+        let error = check_database::<diesel_async::AsyncMysqlConnection>(&config)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("a connector opens PostgreSQL connections"),
+            "{error}"
+        );
     }
 }

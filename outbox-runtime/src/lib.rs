@@ -121,7 +121,7 @@ pub mod database;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod dead_letter;
 pub mod event;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod inbox;
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -164,10 +164,10 @@ pub use causality::{InvalidTraceparent, Traceparent};
 pub use database::Connector;
 pub use database::{ConnectError, TimedOut};
 pub use event::{DomainEvent, EventSet, EventType, PayloadError, UpcastError};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use inbox::{
-    Handler, Inbox, InboxConfig, InboxError, InboxHandle, Metadata, Outcome, UnknownEvents,
-    Unreadable,
+    Handler, Inbox, InboxConfig, InboxConnection, InboxError, InboxHandle, Metadata, Outcome,
+    UnknownEvents, Unreadable,
 };
 #[cfg(feature = "postgres")]
 pub use outbox::{MIGRATIONS, pending_migrations, run_migrations, run_migrations_on};

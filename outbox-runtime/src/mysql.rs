@@ -65,7 +65,17 @@
 //!   claim's index on `available_at`), [`purge_archived`] (for [`PublishedRows::Archive`])
 //!   and [`crate::outbox::purge_dedup_keys`] take an [`AsyncMysqlConnection`]; so do
 //!   `outbox purge` and `outbox relay --purge-older-than`.
-//! - Not on MySQL yet: the inbox and the topology registry.
+//! - The inbox: [`Inbox<H, AsyncMysqlConnection>`](crate::Inbox) with a
+//!   [`Handler<AsyncMysqlConnection>`](crate::Handler), on the tables of migration
+//!   `2026-11-27-000004_inbox`, with the same guarantees as on PostgreSQL: effects once per
+//!   message, each aggregate's events in order across restarts and instances, dead letters.
+//!   Its sessions set `wait_timeout` to 60 s, so that an instance whose host vanished
+//!   mid-message gives its aggregate's position back within a minute (PostgreSQL's sessions:
+//!   TCP keepalives); a handler that spends longer than that without a statement on its
+//!   connection loses its transaction, and the message is retried. The inbox's own queries
+//!   are bounded by `statement_timeout` on the client; the handlers' are not (no
+//!   server-side equivalent covers every statement on both servers).
+//! - Not on MySQL: the topology registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - A COMMIT or ROLLBACK sent by hand inside the closure, or a DDL statement (which MySQL

@@ -72,7 +72,15 @@
 //!   partial index of published rows), [`purge_archived`] (for [`PublishedRows::Archive`])
 //!   and [`crate::outbox::purge_dedup_keys`] take an [`AsyncSqliteConnection`]; so do
 //!   `outbox purge` and `outbox relay --purge-older-than`.
-//! - Not on SQLite: the inbox and the topology registry.
+//! - The inbox: [`Inbox<H, AsyncSqliteConnection>`](crate::Inbox) with a
+//!   [`Handler<AsyncSqliteConnection>`](crate::Handler), on the tables of migration
+//!   `2026-11-27-000005_inbox`, with the same guarantees as on PostgreSQL: effects once per
+//!   message, each aggregate's events in order across restarts and instances, dead letters.
+//!   Each message is applied in a unit of work's `BEGIN IMMEDIATE` transaction, so the
+//!   consumer's messages are applied one at a time, in turn with every other writer of the
+//!   file, whatever `max_concurrency` says (keep it small: the rest wait for the lock). The
+//!   inbox's own queries are bounded by `statement_timeout` on the client.
+//! - Not on SQLite: the topology registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).
 //! - Times are UTC text with milliseconds (`YYYY-MM-DD HH:MM:SS.SSS`); a row inserted by hand

@@ -4,8 +4,9 @@
 //! cargo test -p outbox-runtime --no-default-features --features sqlite,testing --test without_postgres
 //! ```
 //!
-//! Units of work commit to a SQLite file, the `SqliteRelay` publishes them, and a consumer
-//! reads exactly the committed events from the stream, each aggregate's in order; the test
+//! Units of work commit to a SQLite file, the `SqliteRelay` publishes them, a consumer reads
+//! exactly the committed events from the stream, each aggregate's in order, and an inbox on
+//! another SQLite file (the build's default inbox connection) applies each once; the test
 //! kit's aggregate tests and in-memory outbox run too. CI also checks that this build holds
 //! no tokio-postgres. Needs the NATS server at `NATS_URL` (default `nats://127.0.0.1:4222`).
 
@@ -14,11 +15,13 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use outbox_runtime::async_nats::jetstream::{self, consumer::pull};
+use outbox_runtime::diesel::sql_types::{BigInt, Text};
+use outbox_runtime::diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
 use outbox_runtime::testing::{AggregateTest, InMemoryOutbox};
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, RelayConfig, StreamSettings, Topology, UnitOfWorkError,
-    aggregate,
+    DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, RelayConfig,
+    StreamSettings, Topology, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -65,6 +68,29 @@ fn database() -> (String, AsyncSqliteConnection) {
     let mut conn = outbox_runtime::sqlite::establish(&path).expect("a SQLite file");
     outbox_runtime::sqlite::run_migrations(&mut conn).expect("the SQLite migrations");
     (path, AsyncSqliteConnection::new(conn))
+}
+
+/// Logs each lamp event it applies into `lamp_log`.
+struct LampLog;
+
+// `Handler` without a connection: the build's default, SQLite's when it is the only one.
+impl Handler for LampLog {
+    type Event = LampEvent;
+    type Error = outbox_runtime::diesel::result::Error;
+
+    async fn handle(
+        &self,
+        _event: LampEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_, AsyncSqliteConnection>,
+    ) -> Result<(), Self::Error> {
+        outbox_runtime::diesel::sql_query("INSERT INTO lamp_log (lamp, seq) VALUES (?, ?)")
+            .bind::<Text, _>(&message.aggregate_id)
+            .bind::<BigInt, _>(message.sequence)
+            .execute(uow.conn())
+            .await?;
+        Ok(())
+    }
 }
 
 #[tokio::test]
@@ -161,6 +187,54 @@ async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() 
         assert_eq!(seen.remove(lamp), Some(expected), "{lamp}");
     }
     assert!(seen.is_empty(), "nothing else published: {seen:?}");
+
+    // Another service's inbox, on a SQLite file of its own, applies each event once.
+    let (consumer_path, mut consumer_conn) = database();
+    consumer_conn
+        .batch_execute("CREATE TABLE lamp_log (n INTEGER PRIMARY KEY, lamp TEXT, seq INTEGER)")
+        .await
+        .expect("the consumer's table");
+    let mut inbox_config = InboxConfig::new("lamp-log", &consumer_path);
+    inbox_config.topology = topology.clone();
+    let inbox: Inbox<LampLog> = Inbox::connect(inbox_config, js.client(), LampLog)
+        .await
+        .expect("the inbox connects");
+    let mut durable = inbox.consumer().clone();
+    let running = inbox.spawn();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = durable.info().await.expect("the consumer's info");
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "settled within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    running.shutdown().await.expect("the inbox stops");
+    #[derive(outbox_runtime::diesel::QueryableByName)]
+    struct Logged {
+        #[diesel(sql_type = Text)]
+        lamp: String,
+        #[diesel(sql_type = BigInt)]
+        seq: i64,
+    }
+    let logged: Vec<Logged> =
+        outbox_runtime::diesel::sql_query("SELECT lamp, seq FROM lamp_log ORDER BY n")
+            .load(&mut consumer_conn)
+            .await
+            .expect("the log");
+    let mut applied: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for row in logged {
+        applied.entry(row.lamp).or_default().push(row.seq);
+    }
+    let once_in_order: BTreeMap<String, Vec<i64>> = ["desk", "hall", "porch"]
+        .map(|lamp| (lamp.to_owned(), vec![1, 2, 3]))
+        .into();
+    assert_eq!(applied, once_in_order);
+    let _ = std::fs::remove_file(&consumer_path);
 
     js.delete_stream(&topology.stream.name)
         .await

@@ -47,8 +47,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::message::{Metadata, ordering_key};
-use super::queries::{self, Aggregate};
-use super::{Handler, Inbox, InboxError, Outcome};
+use super::store::Aggregate;
+use super::{Handler, Inbox, InboxConnection, InboxError, Outcome};
 
 /// How many messages an instance holds that it has not started, per handler it runs.
 const BUFFERED_PER_HANDLER: usize = 4;
@@ -61,8 +61,8 @@ const PARK_SLACK: Duration = Duration::from_secs(1);
 /// waits behind parked events already.
 const BEHIND_PARKED_DELAY: Duration = Duration::from_millis(250);
 
-pub(super) async fn run<H: Handler>(
-    inbox: Inbox<H>,
+pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
+    inbox: Inbox<H, C>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), InboxError> {
     let config = inbox.shared.config.clone();
@@ -212,16 +212,14 @@ const PARK_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The consumer's positions in `aggregates`; `None` when the database did not answer in
 /// time (the parked events wait for the next check, or their time).
-async fn check_positions<H: Handler>(
-    inbox: Inbox<H>,
+async fn check_positions<H: Handler<C>, C: InboxConnection>(
+    inbox: Inbox<H, C>,
     aggregates: Vec<Aggregate>,
 ) -> Option<Positions> {
     let config = &inbox.shared.config;
     let read = async {
-        let mut conn = inbox.shared.pool.get().await.ok()?;
-        queries::positions(&mut conn, &config.consumer, &aggregates)
-            .await
-            .ok()
+        let mut conn = C::pooled(&inbox.shared.pool).await.ok()?;
+        conn.positions(&config.consumer, &aggregates).await.ok()
     };
     tokio::time::timeout(config.statement_timeout.min(PARK_CHECK_TIMEOUT), read)
         .await
@@ -294,7 +292,7 @@ struct Parked {
     since: Instant,
 }
 
-async fn handle<H: Handler>(inbox: Inbox<H>, job: Job) -> Finished {
+async fn handle<H: Handler<C>, C: InboxConnection>(inbox: Inbox<H, C>, job: Job) -> Finished {
     let Job {
         key,
         message,
@@ -704,7 +702,10 @@ impl Queues {
 }
 
 /// Deletes expired inbox rows every `purge_interval`, until stopped.
-async fn purge_loop<H: Handler>(inbox: Inbox<H>, stop: CancellationToken) {
+async fn purge_loop<H: Handler<C>, C: InboxConnection>(
+    inbox: Inbox<H, C>,
+    stop: CancellationToken,
+) {
     const BATCH: i64 = 1000;
     let config = &inbox.shared.config;
     loop {
@@ -712,13 +713,13 @@ async fn purge_loop<H: Handler>(inbox: Inbox<H>, stop: CancellationToken) {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(config.purge_interval) => {}
         }
-        let Ok(mut conn) = inbox.shared.pool.get().await else {
+        let Ok(mut conn) = C::pooled(&inbox.shared.pool).await else {
             continue;
         };
         loop {
             let purged = tokio::time::timeout(
                 config.statement_timeout,
-                super::purge(&mut conn, &config.consumer, config.retention, BATCH),
+                super::purge(&mut *conn, &config.consumer, config.retention, BATCH),
             )
             .await;
             match purged {

@@ -1,58 +1,19 @@
-//! The inbox's statements, and the guarantee each one carries.
-//!
-//! - [`record`] runs first in the transaction that applies a message: it records the
-//!   message for the consumer (unique on consumer, `ce-source` and `ce-id`: a second delivery
-//!   finds the row and changes nothing) and, for an event of an aggregate, moves the
-//!   consumer's position in that aggregate to the event only when it is the next one. The
-//!   position row stays locked until the transaction ends, so the instances of a consumer
-//!   apply one aggregate's events one at a time and in `ce-sequence` order.
-//! - [`finish`] runs last, after the handler: it fails when the handler ended the
-//!   transaction itself, so no effect is acked without its inbox row.
-//! - [`count_failure`] runs after a handler failure rolled back: handler failures, not
-//!   deliveries, decide when a message is dead-lettered.
+//! The inbox's statements on PostgreSQL: the functions `outbox_inbox_record` and
+//! `outbox_inbox_finish` of the migrations, and plain statements (see `super::store` for
+//! what each guarantees).
 
-use diesel::sql_types::{Array, Bool, Bytea, Int4, Int8, Jsonb, Nullable, Text};
+use diesel::sql_types::{Array, Bool, Bytea, Int8, Jsonb, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
+use super::store::sealed::InboxStore;
+use super::store::{
+    Aggregate, ConsumerRow, DeadLetter, FailuresRow, MessageKey, Place, PositionRow, Recorded,
+    Session, unread_id,
+};
+use crate::database::{self, ConnectError, Kind};
 use crate::outbox::statement::statement;
-
-/// The message a statement is about: the consumer and the message's identity.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct MessageKey<'a> {
-    pub consumer: &'a str,
-    /// `ce-source`, or empty.
-    pub source: &'a str,
-    /// `ce-id` (or `Nats-Msg-Id`), or a stand-in for a message without one.
-    pub message_id: &'a str,
-}
-
-/// An event's place in its aggregate, for [`record`].
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Place<'a> {
-    pub aggregate_type: &'a str,
-    pub aggregate_id: &'a str,
-    /// `ce-sequence`.
-    pub seq: i64,
-    /// The message's sequence in the stream.
-    pub stream_sequence: i64,
-}
-
-/// What [`record`] found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Recorded {
-    /// The message was recorded already: a duplicate.
-    Duplicate,
-    /// Recorded, and (for an event of an aggregate) it is the next one, or the caller
-    /// accepted a gap: the consumer's position moved to it from `previous_seq` (`None` for
-    /// a message without an aggregate).
-    Next { previous_seq: Option<i64> },
-    /// Recorded, but an earlier event of the aggregate has not been applied: `last_seq` is
-    /// the last applied (0 for none), at stream sequence `stream_sequence`.
-    Gap { last_seq: i64, stream_sequence: i64 },
-    /// Recorded, but a later event of the aggregate was applied already (`last_seq`).
-    Late { last_seq: i64 },
-}
+use crate::unit_of_work::UnitOfWorkError;
 
 statement! {
     /// The inbox's first statement (see [`record`]): the function `outbox_inbox_record` of
@@ -86,7 +47,7 @@ struct RecordRow {
 /// Records the message and, when `place` is given, moves the consumer's position in the
 /// aggregate to it if it is the next one (or if `accept_gap`, when the caller has found that
 /// the events in between will not come).
-pub(crate) async fn record(
+async fn record(
     conn: &mut AsyncPgConnection,
     key: MessageKey<'_>,
     place: Option<Place<'_>>,
@@ -142,7 +103,7 @@ statement! {
 
 /// Checks that the transaction is still the inbox's own (the handler did not end it), and
 /// forgets the message's failed attempts when `clear_attempts`.
-pub(crate) async fn finish(
+async fn finish(
     conn: &mut AsyncPgConnection,
     key: MessageKey<'_>,
     clear_attempts: bool,
@@ -173,20 +134,14 @@ statement! {
            RETURNING failures";
 }
 
-#[derive(QueryableByName)]
-struct Failures {
-    #[diesel(sql_type = Int4)]
-    failures: i32,
-}
-
 /// Counts a handler failure of the message, outside any transaction of it; returns the
 /// failures so far.
-pub(crate) async fn count_failure(
+async fn count_failure(
     conn: &mut AsyncPgConnection,
     key: MessageKey<'_>,
     error: &str,
 ) -> QueryResult<u32> {
-    let row: Failures = CountFailure {
+    let row: FailuresRow = CountFailure {
         consumer: key.consumer,
         source: key.source,
         message_id: key.message_id,
@@ -194,23 +149,12 @@ pub(crate) async fn count_failure(
     }
     .get_result(conn)
     .await?;
-    Ok(u32::try_from(row.failures).unwrap_or(1))
-}
-
-/// A message to dead-letter, whole.
-pub(crate) struct DeadLetter<'a> {
-    pub key: MessageKey<'a>,
-    pub subject: &'a str,
-    pub headers: &'a serde_json::Value,
-    pub payload: &'a [u8],
-    pub error: &'a str,
-    pub deliveries: i64,
-    pub stream_sequence: i64,
+    Ok(row.count())
 }
 
 /// Writes a dead letter, in the caller's transaction (which also records the message, so a
 /// later delivery of it is skipped).
-pub(crate) async fn insert_dead_letter(
+async fn insert_dead_letter(
     conn: &mut AsyncPgConnection,
     letter: &DeadLetter<'_>,
 ) -> QueryResult<()> {
@@ -234,7 +178,7 @@ pub(crate) async fn insert_dead_letter(
 }
 
 /// Records that the consumer applied an event over a gap in its aggregate's sequence.
-pub(crate) async fn insert_gap(
+async fn insert_gap(
     conn: &mut AsyncPgConnection,
     key: MessageKey<'_>,
     place: Place<'_>,
@@ -261,7 +205,7 @@ pub(crate) async fn insert_gap(
 
 /// Whether the consumer settled a message (applied, skipped or dead-lettered it): by its
 /// `source` and `message_id`, or, for one it could not read, by its stream sequence.
-pub(crate) async fn settled(
+async fn settled(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     source: &str,
@@ -287,36 +231,16 @@ pub(crate) async fn settled(
     Ok(row.settled)
 }
 
-/// An aggregate whose position a parked event waits on (see `dispatch`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Aggregate {
-    /// `ce-source`, or empty.
-    pub source: String,
-    pub aggregate_type: String,
-    pub aggregate_id: String,
-}
-
 /// The consumer's position (last applied sequence) in each of `aggregates` that has one.
-pub(crate) async fn positions(
+async fn positions(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     aggregates: &[Aggregate],
 ) -> QueryResult<Vec<(Aggregate, i64)>> {
-    #[derive(QueryableByName)]
-    struct Position {
-        #[diesel(sql_type = Text)]
-        source: String,
-        #[diesel(sql_type = Text)]
-        aggregate_type: String,
-        #[diesel(sql_type = Text)]
-        aggregate_id: String,
-        #[diesel(sql_type = Int8)]
-        last_seq: i64,
-    }
     let column = |field: fn(&Aggregate) -> &String| -> Vec<&str> {
         aggregates.iter().map(|a| field(a).as_str()).collect()
     };
-    let rows: Vec<Position> = diesel::sql_query(
+    let rows: Vec<PositionRow> = diesel::sql_query(
         "SELECT p.source, p.aggregate_type, p.aggregate_id, p.last_seq \
          FROM unnest($2::text[], $3::text[], $4::text[]) AS w(source, aggregate_type, aggregate_id) \
          JOIN outbox_inbox_positions p ON p.consumer = $1 AND p.source = w.source \
@@ -328,29 +252,12 @@ pub(crate) async fn positions(
     .bind::<Array<Text>, _>(column(|a| &a.aggregate_id))
     .load(conn)
     .await?;
-    Ok(rows
-        .into_iter()
-        .map(|row| {
-            (
-                Aggregate {
-                    source: row.source,
-                    aggregate_type: row.aggregate_type,
-                    aggregate_id: row.aggregate_id,
-                },
-                row.last_seq,
-            )
-        })
-        .collect())
-}
-
-/// The id under which the inbox records a message it could not read: its stream sequence.
-pub(crate) fn unread_id(stream_sequence: u64) -> String {
-    format!("stream-sequence-{stream_sequence}")
+    Ok(rows.into_iter().map(PositionRow::into_position).collect())
 }
 
 /// Deletes up to `limit` of `consumer`'s inbox rows handled more than `older_than_ms` ago,
 /// oldest first, and failed attempts as old; returns how many inbox rows.
-pub(crate) async fn purge(
+async fn purge(
     conn: &mut AsyncPgConnection,
     consumer: &str,
     older_than_ms: i64,
@@ -375,13 +282,8 @@ pub(crate) async fn purge(
 }
 
 /// The consumers with rows in `outbox_inbox` (see [`super::consumers`]).
-pub(crate) async fn consumers(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
-    #[derive(QueryableByName)]
-    struct Consumer {
-        #[diesel(sql_type = Text)]
-        consumer: String,
-    }
-    let rows: Vec<Consumer> = diesel::sql_query(
+async fn consumers(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
+    let rows: Vec<ConsumerRow> = diesel::sql_query(
         "WITH RECURSIVE c AS ( \
              (SELECT consumer FROM outbox_inbox ORDER BY consumer LIMIT 1) \
              UNION ALL \
@@ -393,6 +295,101 @@ pub(crate) async fn consumers(conn: &mut AsyncPgConnection) -> QueryResult<Vec<S
     .load(conn)
     .await?;
     Ok(rows.into_iter().map(|row| row.consumer).collect())
+}
+
+#[allow(private_interfaces)]
+impl InboxStore for AsyncPgConnection {
+    super::store::deadpool_store!(AsyncPgConnection);
+
+    const KIND: Kind = Kind::Postgres;
+
+    async fn connect(database_url: &str, session: &Session) -> Result<Self, ConnectError> {
+        database::connect(
+            database_url,
+            session.connector.as_ref(),
+            "outbox-inbox",
+            session.limits,
+        )
+        .await
+    }
+
+    async fn record(
+        &mut self,
+        key: MessageKey<'_>,
+        place: Option<Place<'_>>,
+        accept_gap: bool,
+    ) -> QueryResult<Recorded> {
+        record(self, key, place, accept_gap).await
+    }
+
+    async fn finish(
+        &mut self,
+        key: MessageKey<'_>,
+        clear_attempts: bool,
+    ) -> Result<(), UnitOfWorkError> {
+        finish(self, key, clear_attempts)
+            .await
+            .map_err(UnitOfWorkError::from_database)
+    }
+
+    async fn count_failure(&mut self, key: MessageKey<'_>, error: &str) -> QueryResult<u32> {
+        count_failure(self, key, error).await
+    }
+
+    async fn insert_dead_letter(&mut self, letter: &DeadLetter<'_>) -> QueryResult<()> {
+        insert_dead_letter(self, letter).await
+    }
+
+    async fn dead_letter_alone(&mut self, letter: &DeadLetter<'_>) -> QueryResult<()> {
+        use diesel_async::AsyncConnection;
+        self.transaction::<_, diesel::result::Error, _>(async |conn| {
+            record(conn, letter.key, None, false).await?;
+            insert_dead_letter(conn, letter).await
+        })
+        .await
+    }
+
+    async fn insert_gap(
+        &mut self,
+        key: MessageKey<'_>,
+        place: Place<'_>,
+        after_seq: i64,
+        reason: &str,
+    ) -> QueryResult<()> {
+        insert_gap(self, key, place, after_seq, reason).await
+    }
+
+    async fn settled(
+        &mut self,
+        consumer: &str,
+        source: &str,
+        message_id: Option<&str>,
+        stream_sequence: u64,
+    ) -> QueryResult<bool> {
+        settled(self, consumer, source, message_id, stream_sequence).await
+    }
+
+    async fn positions(
+        &mut self,
+        consumer: &str,
+        aggregates: &[Aggregate],
+    ) -> QueryResult<Vec<(Aggregate, i64)>> {
+        positions(self, consumer, aggregates).await
+    }
+
+    async fn purge(
+        &mut self,
+        consumer: &str,
+        older_than: std::time::Duration,
+        limit: i64,
+    ) -> QueryResult<usize> {
+        let older_than_ms = crate::outbox::purge::age_millis(older_than);
+        purge(self, consumer, older_than_ms, limit).await
+    }
+
+    async fn consumers(&mut self) -> QueryResult<Vec<String>> {
+        consumers(self).await
+    }
 }
 
 #[cfg(test)]
