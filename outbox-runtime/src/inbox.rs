@@ -137,59 +137,57 @@ use order::Predecessor;
 pub use store::InboxConnection;
 use store::{MessageKey, Place, Recorded, Session};
 
-/// The connection an [`Inbox`] and its [`Handler`] run on when they name none:
-/// `AsyncPgConnection` (feature `postgres`, on by default), else `AsyncMysqlConnection`
-/// (feature `mysql`), else [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection).
-#[cfg(feature = "postgres")]
-pub type DefaultConnection = AsyncPgConnection;
-/// The connection an [`Inbox`] and its [`Handler`] run on when they name none:
-/// `AsyncPgConnection` (feature `postgres`, on by default), else `AsyncMysqlConnection`
-/// (feature `mysql`), else [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection).
-#[cfg(all(not(feature = "postgres"), feature = "mysql"))]
-pub type DefaultConnection = diesel_async::AsyncMysqlConnection;
-/// The connection an [`Inbox`] and its [`Handler`] run on when they name none:
-/// `AsyncPgConnection` (feature `postgres`, on by default), else `AsyncMysqlConnection`
-/// (feature `mysql`), else [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection).
-#[cfg(all(not(feature = "postgres"), not(feature = "mysql")))]
-pub type DefaultConnection = crate::sqlite::AsyncSqliteConnection;
+/// Declares [`Handler`], with `$default` (`= AsyncPgConnection`) as its connection when the
+/// build has PostgreSQL: a default that other features change would break code that
+/// relies on it when a crate elsewhere in the build turns a feature on.
+macro_rules! handler_trait {
+    ($($default:tt)*) => {
+        /// What a consumer does with each event, on the connection `C`: PostgreSQL's unless said
+        /// otherwise (with the feature `postgres`), so `Handler` is a handler on an
+        /// `AsyncPgConnection`.
+        ///
+        /// Implement it with an `async fn`:
+        ///
+        /// ```ignore
+        /// impl Handler for Reservations {
+        ///     type Event = OrderEvent;
+        ///     type Error = diesel::result::Error;
+        ///
+        ///     async fn handle(&self, event: OrderEvent, message: &Metadata, uow: &mut UnitOfWork<'_>)
+        ///         -> Result<(), Self::Error> { /* writes on uow.conn(), events via uow.track */ Ok(()) }
+        /// }
+        /// ```
+        ///
+        /// On MySQL or SQLite, implement `Handler<AsyncMysqlConnection>` (or
+        /// `Handler<AsyncSqliteConnection>`) and run it in an `Inbox<_, AsyncMysqlConnection>`:
+        /// the handler gets a [`UnitOfWork`] on that connection.
+        pub trait Handler<C: InboxConnection $($default)*>: Send + Sync + 'static {
+            /// The events it consumes: one [`DomainEvent`](crate::DomainEvent) type, or
+            /// several in an enum with `#[derive(EventSet)]` (one durable consumer for the
+            /// events of several aggregates). Decoded from each message by `ce-type` and
+            /// `ce-eventversion`.
+            type Event: EventSet;
+            /// Its error; the inbox records the `Display` text (in the dead letter's `error`).
+            type Error: fmt::Display + Send + 'static;
 
-/// What a consumer does with each event, on the connection `C` (PostgreSQL's by default;
-/// see [`DefaultConnection`]).
-///
-/// Implement it with an `async fn`:
-///
-/// ```ignore
-/// impl Handler for Reservations {
-///     type Event = OrderEvent;
-///     type Error = diesel::result::Error;
-///
-///     async fn handle(&self, event: OrderEvent, message: &Metadata, uow: &mut UnitOfWork<'_>)
-///         -> Result<(), Self::Error> { /* writes on uow.conn(), events via uow.track */ Ok(()) }
-/// }
-/// ```
-///
-/// On MySQL or SQLite, implement `Handler<AsyncMysqlConnection>` (or
-/// `Handler<AsyncSqliteConnection>`) and run it in an `Inbox<_, AsyncMysqlConnection>`:
-/// the handler gets a [`UnitOfWork`] on that connection.
-pub trait Handler<C: InboxConnection = DefaultConnection>: Send + Sync + 'static {
-    /// The events it consumes: one [`DomainEvent`](crate::DomainEvent) type, or several in an enum with
-    /// `#[derive(EventSet)]` (one durable consumer for the events of several aggregates).
-    /// Decoded from each message by `ce-type` and `ce-eventversion`.
-    type Event: EventSet;
-    /// Its error; the inbox records the `Display` text (in the dead letter's `error`).
-    type Error: fmt::Display + Send + 'static;
-
-    /// Handles one event, inside the transaction that records the message in the inbox.
-    /// Write through `uow.conn()`; record events with `uow.track` or `uow.emit`. Do not
-    /// send `COMMIT` or `ROLLBACK` on the connection: return an error to roll back (a
-    /// transaction ended by the handler fails the message, and nothing it did is acked).
-    fn handle(
-        &self,
-        event: Self::Event,
-        message: &Metadata,
-        uow: &mut UnitOfWork<'_, C>,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+            /// Handles one event, inside the transaction that records the message in the inbox.
+            /// Write through `uow.conn()`; record events with `uow.track` or `uow.emit`. Do not
+            /// send `COMMIT` or `ROLLBACK` on the connection: return an error to roll back (a
+            /// transaction ended by the handler fails the message, and nothing it did is acked).
+            fn handle(
+                &self,
+                event: Self::Event,
+                message: &Metadata,
+                uow: &mut UnitOfWork<'_, C>,
+            ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+        }
+    };
 }
+
+#[cfg(feature = "postgres")]
+handler_trait!(= AsyncPgConnection);
+#[cfg(not(feature = "postgres"))]
+handler_trait!();
 
 /// What the inbox does with an event type or version the handler's event type does not carry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -727,10 +725,20 @@ struct Shared<H, C: InboxConnection> {
 }
 
 /// An idempotent consumer: a handler behind the inbox, on the connection `C` (PostgreSQL's
-/// by default; `Inbox<H, AsyncMysqlConnection>` on MySQL or MariaDB, `Inbox<H,
+/// unless said otherwise; `Inbox<H, AsyncMysqlConnection>` on MySQL or MariaDB, `Inbox<H,
 /// AsyncSqliteConnection>` on SQLite). Create it with [`Inbox::connect`], then
 /// [`spawn`](Inbox::spawn) it or [`run`](Inbox::run) it.
-pub struct Inbox<H: Handler<C>, C: InboxConnection = DefaultConnection> {
+#[cfg(feature = "postgres")]
+pub struct Inbox<H: Handler<C>, C: InboxConnection = AsyncPgConnection> {
+    shared: Arc<Shared<H, C>>,
+}
+
+/// An idempotent consumer: a handler behind the inbox, on the connection `C`
+/// (`Inbox<H, AsyncMysqlConnection>` on MySQL or MariaDB, `Inbox<H, AsyncSqliteConnection>`
+/// on SQLite). Create it with [`Inbox::connect`], then [`spawn`](Inbox::spawn) it or
+/// [`run`](Inbox::run) it.
+#[cfg(not(feature = "postgres"))]
+pub struct Inbox<H: Handler<C>, C: InboxConnection> {
     shared: Arc<Shared<H, C>>,
 }
 

@@ -6,7 +6,7 @@
 //!
 //! Units of work commit to a SQLite file, the `SqliteRelay` publishes them, a consumer reads
 //! exactly the committed events from the stream, each aggregate's in order, and an inbox on
-//! another SQLite file (the build's default inbox connection) applies each once; the test
+//! another SQLite file applies each once; the test
 //! kit's aggregate tests and in-memory outbox run too. CI also checks that this build holds
 //! no tokio-postgres. Needs the NATS server at `NATS_URL` (default `nats://127.0.0.1:4222`).
 
@@ -73,8 +73,7 @@ fn database() -> (String, AsyncSqliteConnection) {
 /// Logs each lamp event it applies into `lamp_log`.
 struct LampLog;
 
-// `Handler` without a connection: the build's default, SQLite's when it is the only one.
-impl Handler for LampLog {
+impl Handler<AsyncSqliteConnection> for LampLog {
     type Event = LampEvent;
     type Error = outbox_runtime::diesel::result::Error;
 
@@ -196,9 +195,10 @@ async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() 
         .expect("the consumer's table");
     let mut inbox_config = InboxConfig::new("lamp-log", &consumer_path);
     inbox_config.topology = topology.clone();
-    let inbox: Inbox<LampLog> = Inbox::connect(inbox_config, js.client(), LampLog)
-        .await
-        .expect("the inbox connects");
+    let inbox: Inbox<LampLog, AsyncSqliteConnection> =
+        Inbox::connect(inbox_config, js.client(), LampLog)
+            .await
+            .expect("the inbox connects");
     let mut durable = inbox.consumer().clone();
     let running = inbox.spawn();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
