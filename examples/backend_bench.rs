@@ -16,7 +16,12 @@
 //!    (the ack time is the stream's store timestamp), p50 / p99 / max;
 //! 4. figure 2's drain of `--events` twice more: deleting the published rows, then with
 //!    `PublishedRows::Archive` (each moved to `outbox_published`), the two ways after the same
-//!    history.
+//!    history;
+//! 5. the inbox's throughput: `--inbox-events` events over `--aggregates` aggregates, relayed
+//!    to a stream of their own, applied by one inbox instance (`--inbox-concurrency`
+//!    handlers at once, the inbox's default 16) on the same
+//!    database (each in its transaction: the inbox row, the aggregate's position, one INSERT of
+//!    the handler), events/s until the consumer has acked them all.
 //!
 //! Each backend works in a database and a stream of its own, removed at the end.
 //! `OUTBOX_TEST_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
@@ -37,7 +42,8 @@ use outbox_runtime::mysql::MysqlRelay;
 use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
 use outbox_runtime::testing::TestEnv;
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, RelayConfig, RelayHandle,
+    DomainEvent, Handler, Inbox, InboxConfig, InboxConnection, Metadata, Outbox, PendingEvents,
+    PublishedRows, Relay, RelayConfig, RelayHandle, StreamSettings, Topology, UnitOfWork,
     UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
@@ -65,6 +71,33 @@ struct Args {
     /// How long figure 3 offers its load, in seconds.
     #[arg(long, default_value_t = 5)]
     latency_secs: u64,
+    /// Events the inbox applies in figure 5.
+    #[arg(long, default_value_t = 5_000)]
+    inbox_events: usize,
+    /// The inbox's `max_concurrency` in figure 5 (its default: 16).
+    #[arg(long, default_value_t = 16)]
+    inbox_concurrency: usize,
+}
+
+/// Figure 5's handler: one INSERT per event, in the inbox's transaction.
+struct Applier<C>(std::marker::PhantomData<fn() -> C>);
+
+impl<C: InboxConnection> Handler<C> for Applier<C> {
+    type Event = Ticked;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        event: Ticked,
+        _message: &Metadata,
+        uow: &mut UnitOfWork<'_, C>,
+    ) -> Result<(), Self::Error> {
+        // Ids above figure 1's orders.
+        let id = 1_000_000_000 + event.n;
+        uow.conn()
+            .batch_execute(&format!("INSERT INTO bench_orders VALUES ({id}, 4200)"))
+            .await
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize, DomainEvent)]
@@ -175,6 +208,35 @@ macro_rules! backend {
                         .await?;
                 }
                 Ok(())
+            }
+
+            /// Figure 5: how long an inbox on `url` takes to apply every message of
+            /// `topology`'s stream.
+            pub async fn consume(
+                url: &str,
+                nats: async_nats::Client,
+                topology: Topology,
+                concurrency: usize,
+            ) -> Result<Duration, BoxError> {
+                let mut config = InboxConfig::new("bench", url);
+                config.max_concurrency = concurrency;
+                config.outbox = Outbox::with_topology(topology.clone());
+                config.topology = topology;
+                let inbox: Inbox<Applier<$conn>, $conn> =
+                    Inbox::connect(config, nats, Applier(std::marker::PhantomData)).await?;
+                let mut durable = inbox.consumer().clone();
+                let started = Instant::now();
+                let running = inbox.spawn();
+                loop {
+                    let info = durable.info().await?;
+                    if info.num_pending == 0 && info.num_ack_pending == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                let took = started.elapsed();
+                running.shutdown().await?;
+                Ok(took)
             }
 
             pub async fn spawn_relay(
@@ -462,6 +524,51 @@ async fn main() -> Result<(), BoxError> {
                 args.events as f64 / drained.as_secs_f64()
             );
         }
+
+        // Figure 5: the inbox on this database, reading a stream of its own.
+        let topology = Topology::new(
+            format!("{}in", env.prefix).parse()?,
+            StreamSettings {
+                name: format!("{}_IN", env.stream),
+                ..StreamSettings::default()
+            },
+        );
+        let inbox_outbox = Outbox::with_topology(topology.clone());
+        on!(
+            &database,
+            seed(&url, &inbox_outbox, args.inbox_events, args.aggregates)
+        )?;
+        let mut inbox_relay = config.clone();
+        inbox_relay.topology = topology.clone();
+        let relay = on!(&database, spawn_relay(inbox_relay, env.nats.clone()))?;
+        loop {
+            if let Ok(mut stream) = env.jetstream().get_stream(&topology.stream.name).await
+                && stream.info().await?.state.messages == args.inbox_events as u64
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        relay.shutdown().await?;
+        let took = on!(
+            &database,
+            consume(
+                &url,
+                env.nats.clone(),
+                topology.clone(),
+                args.inbox_concurrency
+            )
+        )?;
+        println!(
+            "5. inbox throughput, one instance, max_concurrency {}: {} events in {:.2?}: \
+             {:.0} events/s",
+            args.inbox_concurrency,
+            args.inbox_events,
+            took,
+            args.inbox_events as f64 / took.as_secs_f64()
+        );
+        env.jetstream().delete_stream(&topology.stream.name).await?;
+
         match database {
             Database::Postgres => {}
             Database::Mysql(db) => db.drop_database().await?,
