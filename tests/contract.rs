@@ -1593,7 +1593,7 @@ async fn consume<B: Consumed>(
         probe.get_or_insert_with(|| inbox.consumer().clone());
         running.push(inbox.spawn());
     }
-    let mut consumer = probe.expect("an instance");
+    let consumer = probe.expect("an instance");
     support::wait_until("every message settled", Duration::from_secs(60), || {
         let mut consumer = consumer.clone();
         async move {
@@ -1602,7 +1602,6 @@ async fn consume<B: Consumed>(
         }
     })
     .await;
-    let _ = consumer.info().await;
     for instance in running {
         instance.shutdown().await.unwrap();
     }

@@ -1,19 +1,20 @@
 //! The inbox's statements on each database, behind one trait: what each one guarantees.
 //!
-//! - [`InboxStore::record`] runs first in the transaction that applies a message: it records
-//!   the message for the consumer (unique on consumer, `ce-source` and `ce-id`: a second
-//!   delivery finds the row and changes nothing) and, for an event of an aggregate, moves
-//!   the consumer's position in that aggregate to the event only when it is the next one.
-//!   The position row stays locked until the transaction ends (on SQLite the whole database
-//!   does: `BEGIN IMMEDIATE`), so the instances of a consumer apply one aggregate's events
-//!   one at a time and in `ce-sequence` order.
-//! - [`InboxStore::finish`] runs last, after the handler: it fails when the handler ended the
-//!   transaction itself, so no effect is acked without its inbox row.
-//! - [`InboxStore::count_failure`] runs after a handler failure rolled back: handler
+//! - [`sealed::InboxStore::record`] runs first in the transaction that applies a message: it
+//!   records the message for the consumer (unique on consumer, `ce-source` and `ce-id`: a
+//!   second delivery finds the row and changes nothing) and, for an event of an aggregate,
+//!   moves the consumer's position in that aggregate to the event only when it is the next
+//!   one. The position row stays locked until the transaction ends (on SQLite the whole
+//!   database does: `BEGIN IMMEDIATE`), so the instances of a consumer apply one aggregate's
+//!   events one at a time and in `ce-sequence` order.
+//! - [`sealed::InboxStore::finish`] runs last, after the handler: it fails when the handler
+//!   ended the transaction itself, so no effect is acked without its inbox row.
+//! - [`sealed::InboxStore::count_failure`] runs after a handler failure rolled back: handler
 //!   failures, not deliveries, decide when a message is dead-lettered.
 //!
 //! PostgreSQL runs them as the functions of its migrations (`super::queries`); MySQL and
-//! SQLite as the statements of `super::mysql` and `super::sqlite`.
+//! SQLite as the statements of `super::mysql` and `super::sqlite` (those they share in
+//! `super::portable`).
 
 use std::future::Future;
 use std::ops::DerefMut;
@@ -137,7 +138,7 @@ pub(crate) fn unread_id(stream_sequence: u64) -> String {
 // PostgreSQL's `outbox_inbox_record` decides the same in SQL.
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 impl Recorded {
-    /// What [`InboxStore::record`] found for an event at `place`, from the consumer's
+    /// What [`sealed::InboxStore::record`] found for an event at `place`, from the consumer's
     /// position in its aggregate before the call (`last_seq` at `stream_sequence`), and
     /// whether the position moves: to the next event, or over a gap the caller accepted
     /// (never back).
