@@ -202,19 +202,12 @@ async fn data_cannot_switch_off_jetstream_dedup() {
 
 /// A nats-server whose user `relay` may publish the test's events except `Secret` ones.
 async fn server_denying_secrets(prefix: &str) -> NatsServer {
-    let dir = std::env::temp_dir().join(format!("outbox-test-auth-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("server.conf");
-    std::fs::write(
-        &config,
-        format!(
-            "authorization {{\n  users = [\n    {{ user: relay, password: relay-pw, permissions: {{\n      \
-             publish: {{ allow: [\"$JS.API.>\", \"_INBOX.>\", \"{prefix}.>\"], deny: [\"{prefix}.Secret.>\"] }}\n      \
-             subscribe: {{ allow: [\">\"] }}\n    }} }}\n  ]\n}}\n"
-        ),
-    )
-    .unwrap();
-    NatsServer::start_with(&["--config", config.to_str().unwrap()]).await
+    NatsServer::start_with_config(&format!(
+        "authorization {{\n  users = [\n    {{ user: relay, password: relay-pw, permissions: {{\n      \
+         publish: {{ allow: [\"$JS.API.>\", \"_INBOX.>\", \"{prefix}.>\"], deny: [\"{prefix}.Secret.>\"] }}\n      \
+         subscribe: {{ allow: [\">\"] }}\n    }} }}\n  ]\n}}\n"
+    ))
+    .await
 }
 
 #[tokio::test]

@@ -240,17 +240,12 @@ async fn credentials_in_a_nats_url_work_and_no_secret_reaches_a_log_an_error_or_
 /// the relay's start after `ack_timeout`, and the error says that this is what bounded it.
 #[tokio::test]
 async fn a_stream_lookup_the_server_never_answers_names_the_ack_timeout_that_bounded_it() {
-    let dir = std::env::temp_dir().join(format!("outbox-test-auth-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config_file = dir.join("server.conf");
-    std::fs::write(
-        &config_file,
+    let server = NatsServer::start_with_config(
         "authorization {\n  users = [\n    { user: relay, password: relay-pw, permissions: {\n      \
          publish: { allow: [\"_INBOX.>\", \"events.>\"] }\n      \
          subscribe: { allow: [\">\"] }\n    } }\n  ]\n}\n",
     )
-    .unwrap();
-    let server = NatsServer::start_with(&["--config", config_file.to_str().unwrap()]).await;
+    .await;
     let nats =
         outbox_runtime::nats::connect(&format!("nats://relay:relay-pw@127.0.0.1:{}", server.port))
             .await

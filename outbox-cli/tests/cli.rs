@@ -607,16 +607,11 @@ async fn the_relay_authenticates_with_each_kind_of_credential_and_fails_clearly_
     drop((env, server));
 
     // An NKey.
-    let config = std::env::temp_dir().join(format!("outbox-nkey-{}.conf", uuid::Uuid::new_v4()));
-    std::fs::write(
-        &config,
-        format!(
-            "authorization {{ users = [ {{ nkey: {} }} ] }}\n",
-            key.public_key()
-        ),
-    )
-    .unwrap();
-    let server = NatsServer::start_with(&["--config", config.to_str().unwrap()]).await;
+    let server = NatsServer::start_with_config(&format!(
+        "authorization {{ users = [ {{ nkey: {} }} ] }}\n",
+        key.public_key()
+    ))
+    .await;
     let settings = outbox_runtime::nats::NatsSettings {
         nkey_seed: Some(seed.clone()),
         ..outbox_runtime::nats::NatsSettings::new(server.url())
@@ -643,7 +638,6 @@ async fn the_relay_authenticates_with_each_kind_of_credential_and_fails_clearly_
         "{}",
         text(&none)
     );
-    let _ = std::fs::remove_file(config);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

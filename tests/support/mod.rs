@@ -112,6 +112,22 @@ impl NatsServer {
         server
     }
 
+    /// A server started with `--config` and a file holding `config` (nats-server's
+    /// configuration format), kept beside its store and removed with it.
+    pub async fn start_with_config(config: &str) -> Self {
+        let store = std::env::temp_dir().join(format!("outbox-test-nats-{}", uuid::Uuid::new_v4()));
+        let file = store.with_extension("conf");
+        std::fs::write(&file, config).expect("the server's config file");
+        let mut server = Self {
+            port: free_port(),
+            store,
+            extra: vec!["--config".to_owned(), file.display().to_string()],
+            child: None,
+        };
+        server.restart().await;
+        server
+    }
+
     /// Where the server keeps its JetStream store (a test may put a config file beside it).
     pub fn store(&self) -> &std::path::Path {
         &self.store
@@ -356,6 +372,7 @@ impl Drop for NatsServer {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.store);
         let _ = std::fs::remove_file(self.store.with_extension("log"));
+        let _ = std::fs::remove_file(self.store.with_extension("conf"));
     }
 }
 
