@@ -761,3 +761,129 @@ async fn a_consumer_created_with_limited_deliveries_is_updated_to_count_failures
         Some(&vec![1])
     );
 }
+
+/// What `outbox_inbox_record` said of one message: recorded (not a duplicate), the
+/// aggregate's previous sequence, and whether its position moved to the message.
+#[derive(QueryableByName, Debug, PartialEq)]
+struct RecordedRow {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    recorded: bool,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Int8>)]
+    previous_seq: Option<i64>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Bool>)]
+    moved: Option<bool>,
+}
+
+/// Records message `id`, event `seq` of aggregate `T/a`, for the consumer `c`.
+async fn record_event(
+    conn: &mut diesel_async::AsyncPgConnection,
+    id: &str,
+    seq: i64,
+) -> RecordedRow {
+    diesel::sql_query(
+        "SELECT recorded, previous_seq, moved \
+         FROM outbox_inbox_record('c', '', $1, 'T', 'a', $2, $2 * 10, false)",
+    )
+    .bind::<diesel::sql_types::Text, _>(id)
+    .bind::<diesel::sql_types::Int8, _>(seq)
+    .get_result(conn)
+    .await
+    .unwrap()
+}
+
+/// Records `id` / `seq` on `conn` inside a transaction of its own, in a task, and checks
+/// that it waits: another transaction holds the aggregate's position.
+async fn record_behind(
+    mut conn: diesel_async::AsyncPgConnection,
+    id: &'static str,
+    seq: i64,
+) -> tokio::task::JoinHandle<(RecordedRow, diesel_async::AsyncPgConnection)> {
+    conn.batch_execute("BEGIN").await.unwrap();
+    let waiting = tokio::spawn(async move {
+        let row = record_event(&mut conn, id, seq).await;
+        (row, conn)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "{id} waits for the transaction that holds the aggregate"
+    );
+    waiting
+}
+
+/// The inbox creates, locks and moves an aggregate's position in one upsert: an event
+/// recorded while another transaction holds the aggregate waits for it, then judges itself
+/// against what that transaction committed, not against the position its own statement
+/// started from (the next event moves on, the same event under another id is late, and a
+/// rolled-back predecessor leaves the position where it was).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recording_an_event_waits_for_the_aggregates_holder_and_judges_what_it_committed() {
+    let env = TestEnv::new().await;
+    let mut holder = env.conn().await;
+    let next = |previous| RecordedRow {
+        recorded: true,
+        previous_seq: Some(previous),
+        moved: Some(true),
+    };
+
+    // First sight of the aggregate, then its next event behind the holder's commit.
+    holder.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(record_event(&mut holder, "m1", 1).await, next(0));
+    let waiting = record_behind(env.conn().await, "m2", 2).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let (row, mut other) = waiting.await.unwrap();
+    assert_eq!(row, next(1), "moved from the committed position 1");
+    other.batch_execute("COMMIT").await.unwrap();
+
+    // The same event under another id, behind the holder that applies it: late.
+    holder.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(record_event(&mut holder, "m3", 3).await, next(2));
+    let waiting = record_behind(other, "m3-again", 3).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let (row, mut other) = waiting.await.unwrap();
+    assert_eq!(
+        row,
+        RecordedRow {
+            recorded: true,
+            previous_seq: Some(3),
+            moved: Some(false),
+        },
+        "judged against the committed position 3, not the 2 it started from"
+    );
+    other.batch_execute("ROLLBACK").await.unwrap();
+
+    // A predecessor rolled back: the event behind it is still ahead of the position.
+    holder.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(record_event(&mut holder, "m4", 4).await, next(3));
+    let waiting = record_behind(other, "m5", 5).await;
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let (row, mut other) = waiting.await.unwrap();
+    assert_eq!(
+        row,
+        RecordedRow {
+            recorded: true,
+            previous_seq: Some(3),
+            moved: Some(false),
+        },
+        "a gap after 3"
+    );
+    other.batch_execute("ROLLBACK").await.unwrap();
+    let positions: Vec<(i64, i64)> = diesel::sql_query(
+        "SELECT last_seq, stream_sequence FROM outbox_inbox_positions WHERE consumer = 'c'",
+    )
+    .load::<Position>(&mut holder)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|p| (p.last_seq, p.stream_sequence))
+    .collect();
+    assert_eq!(positions, [(3, 30)]);
+}
+
+#[derive(QueryableByName)]
+struct Position {
+    #[diesel(sql_type = diesel::sql_types::Int8)]
+    last_seq: i64,
+    #[diesel(sql_type = diesel::sql_types::Int8)]
+    stream_sequence: i64,
+}

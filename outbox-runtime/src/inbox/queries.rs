@@ -68,25 +68,26 @@ async fn record(
     if !row.recorded {
         return Ok(Recorded::Duplicate);
     }
-    let (Some(place), Some(last_seq), Some(stream_sequence), Some(moved)) = (
-        place,
-        row.previous_seq,
-        row.previous_stream_sequence,
-        row.moved,
-    ) else {
+    let (Some(place), Some(last_seq), Some(moved)) = (place, row.previous_seq, row.moved) else {
         return Ok(Recorded::Next { previous_seq: None });
     };
-    Ok(if moved {
-        Recorded::Next {
+    if moved {
+        // The function reads the previous stream sequence only when it did not move.
+        return Ok(Recorded::Next {
             previous_seq: Some(last_seq),
-        }
-    } else if last_seq >= place.seq {
-        Recorded::Late { last_seq }
-    } else {
-        Recorded::Gap {
-            last_seq,
-            stream_sequence,
-        }
+        });
+    }
+    if last_seq >= place.seq {
+        return Ok(Recorded::Late { last_seq });
+    }
+    let stream_sequence = row.previous_stream_sequence.ok_or_else(|| {
+        diesel::result::Error::DeserializationError(
+            "outbox_inbox_record found a gap and returned no stream sequence".into(),
+        )
+    })?;
+    Ok(Recorded::Gap {
+        last_seq,
+        stream_sequence,
     })
 }
 
