@@ -1272,10 +1272,11 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                             }
                         }
                         crash_point!("inbox::before_commit", |_| Err(Failure::Crash));
-                        // The outbox's flush checks the transaction too; without events, or
-                        // with failed attempts to forget, this statement does.
+                        // The outbox's flush checks the transaction too; without events, the
+                        // COMMIT does where it can, else this statement, which also forgets
+                        // a retried message's failed attempts.
                         let retried = metadata.deliveries > 1;
-                        if uow.event_count() == 0 || retried {
+                        if retried || (uow.event_count() == 0 && !uow.check_at_commit()) {
                             database::bounded(
                                 limit,
                                 target,

@@ -15,6 +15,7 @@
 use std::collections::HashSet;
 use std::future::Future;
 
+use diesel::connection::TransactionManagerStatus;
 #[cfg(feature = "postgres")]
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection};
 use diesel_async::{AsyncConnection, TransactionManager};
@@ -267,20 +268,29 @@ impl Outbox {
             let mut unit = UnitOfWork {
                 conn,
                 buffer: EventBuffer::new(self, causality),
+                checked_commit: false,
             };
             match f(&mut unit).await {
-                Ok(value) => match unit.flush().await {
-                    Ok(commit_handles) => Ok((value, commit_handles)),
-                    Err(error) => Err(Failed::Flush(error)),
-                },
+                Ok(value) => {
+                    let checked = unit.checked_commit;
+                    match unit.flush().await {
+                        Ok(commit_handles) => Ok((value, commit_handles, checked)),
+                        Err(error) => Err(Failed::Flush(error)),
+                    }
+                }
                 Err(error) => Err(Failed::Closure(error)),
             }
         };
         match outcome {
-            Ok((value, (commit_handles, wrote_events))) => {
-                C::TransactionManager::commit_transaction(conn)
-                    .await
-                    .map_err(UnitOfWorkError::from)?;
+            Ok((value, (commit_handles, wrote_events), checked)) => {
+                match C::CHECKED_COMMIT.filter(|_| checked) {
+                    Some(sql) => commit_checked(conn, sql)
+                        .await
+                        .map_err(UnitOfWorkError::from_database)?,
+                    None => C::TransactionManager::commit_transaction(conn)
+                        .await
+                        .map_err(UnitOfWorkError::from)?,
+                }
                 if wrote_events {
                     C::events_committed();
                 }
@@ -346,6 +356,34 @@ pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
     }
 }
 
+/// Commits the unit of work's transaction with `sql`, [`sealed::Backend::CHECKED_COMMIT`]:
+/// its checks, then COMMIT, in one round trip, so that the checks cost no round trip of their
+/// own. Then tells diesel's transaction manager that the transaction ended: it tracks only
+/// the COMMITs it sends itself.
+///
+/// When a check fails, the server skips the rest of the string (PostgreSQL 15 documentation,
+/// 55.2.2.1 "Multiple Statements in a Simple Query"): the COMMIT is not run, and the
+/// transaction is rolled back here.
+///
+/// # Errors
+/// The check's error (the transaction was ended inside the closure), or the COMMIT's; a
+/// failed rollback after it leaves the transaction manager broken, so that a pool drops the
+/// connection.
+async fn commit_checked<C: BackendConnection>(conn: &mut C, sql: &str) -> diesel::QueryResult<()> {
+    let result = conn.batch_execute(sql).await;
+    let ended = match &result {
+        Ok(()) => Ok(()),
+        // A failed COMMIT ends the transaction too; a ROLLBACK outside one only warns.
+        Err(_) => conn.batch_execute("ROLLBACK").await,
+    };
+    let status = C::TransactionManager::transaction_manager_status_mut(conn);
+    match ended {
+        Ok(()) => *status = TransactionManagerStatus::default(),
+        Err(_) => status.set_in_error(),
+    }
+    result
+}
+
 /// The error a crash point returns in tests: the process "dies" there.
 pub(crate) fn simulated_crash() -> diesel::result::Error {
     diesel::result::Error::DatabaseError(
@@ -381,6 +419,8 @@ pub enum DuplicateEvents {
 pub struct UnitOfWork<'c, C: BackendConnection = AsyncPgConnection> {
     conn: &'c mut C,
     buffer: EventBuffer<'c>,
+    /// Commit with [`sealed::Backend::CHECKED_COMMIT`] ([`Self::check_at_commit`]).
+    checked_commit: bool,
 }
 
 /// The events of one transaction, collected until COMMIT. Handed to the closure of
@@ -392,6 +432,8 @@ pub struct UnitOfWork<'c, C: BackendConnection = AsyncPgConnection> {
 pub struct UnitOfWork<'c, C: BackendConnection> {
     conn: &'c mut C,
     buffer: EventBuffer<'c>,
+    /// Commit with [`sealed::Backend::CHECKED_COMMIT`] ([`Self::check_at_commit`]).
+    checked_commit: bool,
 }
 
 impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
@@ -475,10 +517,19 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
         self.buffer.event_count()
     }
 
+    /// Asks for the commit to check, in the COMMIT's round trip, that the transaction is
+    /// still the unit of work's own, as the outbox's flush does before it writes events.
+    /// `false`, and nothing asked, where the database has no such commit
+    /// ([`sealed::Backend::CHECKED_COMMIT`]): the caller checks with a statement of its own.
+    pub(crate) fn check_at_commit(&mut self) -> bool {
+        self.checked_commit = C::CHECKED_COMMIT.is_some();
+        self.checked_commit
+    }
+
     /// Writes the collected events, those recorded on tracked aggregates after `track`
     /// included; returns what to drain after COMMIT.
     async fn flush(self) -> Result<(Vec<Drain>, bool), UnitOfWorkError> {
-        let Self { conn, buffer } = self;
+        let Self { conn, buffer, .. } = self;
         let duplicates = buffer.duplicates;
         let causality = buffer.causality.clone();
         let (events, drains) = buffer.take()?;
@@ -557,6 +608,12 @@ pub(crate) mod sealed {
         note = "for a pool's guard, pass `&mut *conn`: it derefs to the connection"
     )]
     pub trait Backend {
+        /// Statements that check that the transaction is still the unit of work's own (not
+        /// ended inside the closure), then COMMIT it, sent in one round trip
+        /// ([`UnitOfWork::check_at_commit`]); `None` where the check takes a round trip of
+        /// its own.
+        const CHECKED_COMMIT: Option<&'static str> = None;
+
         /// Opens the unit of work's transaction.
         fn begin_unit_of_work(
             &mut self,
@@ -584,6 +641,9 @@ pub(crate) mod sealed {
 
     #[cfg(feature = "postgres")]
     impl Backend for AsyncPgConnection {
+        const CHECKED_COMMIT: Option<&'static str> =
+            Some("SELECT outbox_assert_unit_of_work(); COMMIT");
+
         async fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
             outbox.register_if_due(self).await;
             AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await

@@ -92,7 +92,9 @@ async fn record(
 }
 
 statement! {
-    /// The inbox's last statement before COMMIT (see [`finish`]).
+    /// The inbox's last statement before COMMIT (see [`finish`]), sent for a message
+    /// delivered before (its failed attempts are forgotten); otherwise the outbox's flush or
+    /// the unit of work's checking COMMIT makes the same check.
     struct Finish<'a> {
         consumer: &'a str => Text,
         source: &'a str => Text,
