@@ -551,7 +551,8 @@ async fn the_same_id_from_two_sources_is_two_messages() {
     assert_eq!(applied.len(), 2, "both handled: {applied:?}");
 }
 
-/// Ends the inbox's transaction itself, then writes: what an inbox must not ack as handled.
+/// Ends the inbox's transaction itself, then writes in a transaction of its own (into
+/// `reopened`): what an inbox must neither ack as handled nor commit.
 #[derive(Clone, Default)]
 struct EndsItsTransaction {
     calls: Arc<AtomicUsize>,
@@ -568,7 +569,9 @@ impl Handler for EndsItsTransaction {
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        uow.conn().batch_execute("ROLLBACK").await?;
+        uow.conn()
+            .batch_execute("ROLLBACK; BEGIN; INSERT INTO reopened VALUES (1)")
+            .await?;
         Ok(())
     }
 }
@@ -579,6 +582,12 @@ async fn a_handler_that_ends_its_transaction_fails_instead_of_being_acked() {
     commit_rounds(&producer, 1, 1).await;
     relay_all(&producer).await;
     let consumer = consumer_database().await;
+    consumer
+        .conn()
+        .await
+        .batch_execute("CREATE TABLE reopened (n int)")
+        .await
+        .unwrap();
     let mut config = consumer_config(&consumer, &producer, "rollback");
     config.max_attempts = 2;
     let handler = EndsItsTransaction::default();
@@ -601,6 +610,16 @@ async fn a_handler_that_ends_its_transaction_fails_instead_of_being_acked() {
         letters[0].contains("ended inside its closure"),
         "{}",
         letters[0]
+    );
+    let reopened: i64 = diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+        "(SELECT count(*) FROM reopened)",
+    ))
+    .get_result(&mut consumer.conn().await)
+    .await
+    .unwrap();
+    assert_eq!(
+        reopened, 0,
+        "the handler's write after its ROLLBACK is rolled back"
     );
 }
 
