@@ -1718,12 +1718,13 @@ async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_
         "{letters:?}"
     );
 
-    // A second consumer whose handler rolls back by hand: each message fails, and is
-    // dead-lettered at its one attempt; nothing the handler wrote stays.
+    // A second consumer whose handler rolls back by hand, then writes in a transaction of
+    // its own: each message fails, and is dead-lettered at its one attempt; nothing the
+    // handler wrote stays.
     let mut config = inbox_config::<B>(&env, "rollbacker");
     config.max_attempts = 1;
     consume(&env, &config, 1, || Applier::<B> {
-        end: Some("ROLLBACK"),
+        end: Some("ROLLBACK; BEGIN; INSERT INTO applied (aggregate, seq) VALUES ('reopened', 0)"),
         ..Applier::new()
     })
     .await;

@@ -229,6 +229,16 @@ pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResu
 // The trait is crate-private in effect (see `unit_of_work::sealed`).
 #[allow(private_interfaces)]
 impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
+    /// The check is [`require_unit_of_work`]'s; MySQL stops a multi-statement string at its
+    /// first error (MySQL 8.0 C API, "Multiple Statement Execution Support"), so the COMMIT
+    /// runs only after the mark was released.
+    const CHECKED_COMMIT: Option<&'static str> =
+        Some("RELEASE SAVEPOINT outbox_unit_of_work; COMMIT");
+
+    fn checked_commit_error(error: diesel::result::Error) -> UnitOfWorkError {
+        mark_error(error)
+    }
+
     async fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
         AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await
     }
@@ -271,26 +281,42 @@ const RELEASE: &str = "RELEASE SAVEPOINT outbox_unit_of_work";
 /// (ER_SP_DOES_NOT_EXIST, 1305); the events must then not be written, or they would commit
 /// on their own.
 async fn require_unit_of_work<C: Exec>(conn: &mut C) -> Result<(), UnitOfWorkError> {
-    match conn.execute(diesel::sql_query(RELEASE).into_boxed()).await {
-        Ok(_) => Ok(()),
-        Err(diesel::result::Error::DatabaseError(_, info))
+    released(conn.execute(diesel::sql_query(RELEASE).into_boxed()).await)
+}
+
+/// What releasing [`BEGIN`]'s savepoint says of the unit of work's transaction (see
+/// [`mark_error`]).
+pub(crate) fn released<T>(result: diesel::QueryResult<T>) -> Result<(), UnitOfWorkError> {
+    result.map(drop).map_err(mark_error)
+}
+
+/// The error of a statement that released [`BEGIN`]'s savepoint:
+/// [`UnitOfWorkError::TransactionEnded`] when the savepoint does not exist
+/// (ER_SP_DOES_NOT_EXIST: the transaction was ended).
+pub(crate) fn mark_error(error: diesel::result::Error) -> UnitOfWorkError {
+    match error {
+        diesel::result::Error::DatabaseError(_, info)
             if info.message().contains("does not exist") =>
         {
-            Err(UnitOfWorkError::TransactionEnded)
+            UnitOfWorkError::TransactionEnded
         }
-        Err(error) => Err(UnitOfWorkError::Database(error)),
+        error => UnitOfWorkError::Database(error),
     }
 }
 
 /// Takes the events' dedup keys and writes the events that are not duplicates, with their
 /// sequences, inside the open transaction, on either connection; first checks that the
-/// transaction is still the unit of work's.
+/// transaction is still the unit of work's. Without events, sends nothing (as on
+/// PostgreSQL): there is nothing to keep out of an ended transaction.
 pub(crate) async fn write_events<C: Exec>(
     conn: &mut C,
     mut events: Vec<NewEvent>,
     causality: &Causality,
     duplicates: DuplicateEvents,
 ) -> Result<(), UnitOfWorkError> {
+    if events.is_empty() {
+        return Ok(());
+    }
     require_unit_of_work(conn).await?;
     if events.iter().any(|e| e.dedup_key.is_some()) {
         let taken = take_dedup_keys(conn, &events)

@@ -283,10 +283,12 @@ impl Outbox {
         };
         match outcome {
             Ok((value, (commit_handles, wrote_events), checked)) => {
-                match C::CHECKED_COMMIT.filter(|_| checked) {
+                // A flush that wrote events checked already (and on MySQL released the mark
+                // the checked commit would release).
+                match C::CHECKED_COMMIT.filter(|_| checked && !wrote_events) {
                     Some(sql) => commit_checked(conn, sql)
                         .await
-                        .map_err(UnitOfWorkError::from_database)?,
+                        .map_err(C::checked_commit_error)?,
                     None => C::TransactionManager::commit_transaction(conn)
                         .await
                         .map_err(UnitOfWorkError::from)?,
@@ -610,9 +612,15 @@ pub(crate) mod sealed {
     pub trait Backend {
         /// Statements that check that the transaction is still the unit of work's own (not
         /// ended inside the closure), then COMMIT it, sent in one round trip
-        /// ([`UnitOfWork::check_at_commit`]); `None` where the check takes a round trip of
-        /// its own.
+        /// ([`UnitOfWork::check_at_commit`]; used when the flush wrote no events, else the
+        /// flush checked); `None` where the check takes a round trip of its own.
         const CHECKED_COMMIT: Option<&'static str> = None;
+
+        /// The error of a failed [`Self::CHECKED_COMMIT`]:
+        /// [`UnitOfWorkError::TransactionEnded`] when its check found the transaction ended.
+        fn checked_commit_error(error: diesel::result::Error) -> UnitOfWorkError {
+            UnitOfWorkError::from_database(error)
+        }
 
         /// Opens the unit of work's transaction.
         fn begin_unit_of_work(

@@ -138,13 +138,7 @@ impl InboxStore for AsyncMysqlConnection {
     ) -> Result<(), UnitOfWorkError> {
         // A COMMIT or ROLLBACK by the handler (or a statement that commits implicitly) ended
         // the transaction and its savepoints: releasing the mark fails.
-        match self.batch_execute(RENEW_MARK).await {
-            Ok(()) => {}
-            Err(Error::DatabaseError(_, info)) if info.message().contains("does not exist") => {
-                return Err(UnitOfWorkError::TransactionEnded);
-            }
-            Err(error) => return Err(UnitOfWorkError::Database(error)),
-        }
+        crate::mysql::released(self.batch_execute(RENEW_MARK).await)?;
         if clear_attempts {
             keyed(
                 portable::query(

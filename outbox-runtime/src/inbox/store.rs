@@ -9,8 +9,8 @@
 //!   events one at a time and in `ce-sequence` order.
 //! - [`sealed::InboxStore::finish`] runs last, after the handler: it fails when the handler
 //!   ended the transaction itself, so no effect is acked without its inbox row. On
-//!   PostgreSQL a message delivered once, whose handler emitted no events, needs no other
-//!   work from it: the COMMIT makes the same check in its own round trip
+//!   PostgreSQL and MySQL a message delivered once, whose handler emitted no events, needs
+//!   no other work from it: the COMMIT makes the same check in its own round trip
 //!   (`crate::unit_of_work::UnitOfWork::check_at_commit`), and the statement is not sent.
 //! - [`sealed::InboxStore::count_failure`] runs after a handler failure rolled back: handler
 //!   failures, not deliveries, decide when a message is dead-lettered.
