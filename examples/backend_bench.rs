@@ -181,17 +181,19 @@ macro_rules! backend {
                 }))
             }
 
-            /// Queues `events` over `aggregates`, in units of work of 100 events.
+            /// Queues `events` over `aggregates` whose ids begin with `name`, in units of
+            /// work of 100 events.
             pub async fn seed(
                 url: &str,
                 outbox: &Outbox,
+                name: &str,
                 events: usize,
                 aggregates: usize,
             ) -> Result<(), BoxError> {
                 let mut conn = conn(url).await?;
                 let mut probes: Vec<Probe> = (0..aggregates)
                     .map(|i| Probe {
-                        id: format!("seed-{i}"),
+                        id: format!("{name}-{i}"),
                         pending_events: PendingEvents::new(),
                     })
                     .collect();
@@ -429,7 +431,10 @@ async fn main() -> Result<(), BoxError> {
             unit.1 / bare.1
         );
 
-        on!(&database, seed(&url, &outbox, args.events, args.aggregates))?;
+        on!(
+            &database,
+            seed(&url, &outbox, "seed", args.events, args.aggregates)
+        )?;
         let started = Instant::now();
         let relay = on!(&database, spawn_relay(config.clone(), env.nats.clone()))?;
         // Figure 1's events are queued too: (100 + transactions), drained with the seed.
@@ -507,7 +512,10 @@ async fn main() -> Result<(), BoxError> {
             ("deleting", PublishedRows::Delete),
             ("archiving", PublishedRows::Archive),
         ] {
-            on!(&database, seed(&url, &outbox, args.events, args.aggregates))?;
+            on!(
+                &database,
+                seed(&url, &outbox, "seed", args.events, args.aggregates)
+            )?;
             let before = stream.info().await?.state.messages;
             let mut config = config.clone();
             config.published = published;
@@ -536,7 +544,16 @@ async fn main() -> Result<(), BoxError> {
         let inbox_outbox = Outbox::with_topology(topology.clone());
         on!(
             &database,
-            seed(&url, &inbox_outbox, args.inbox_events, args.aggregates)
+            // Aggregates of their own: their first events are sequence 1, as a consumer
+            // that follows a stream from its start sees them (on figure 2's aggregates, each
+            // first event would be applied over a gap after a lookup in the stream).
+            seed(
+                &url,
+                &inbox_outbox,
+                "inbox",
+                args.inbox_events,
+                args.aggregates
+            )
         )?;
         let mut inbox_relay = config.clone();
         inbox_relay.topology = topology.clone();
