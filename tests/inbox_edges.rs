@@ -839,11 +839,13 @@ async fn record_behind(
 async fn recording_an_event_waits_for_the_aggregates_holder_and_judges_what_it_committed() {
     let env = TestEnv::new().await;
     let mut holder = env.conn().await;
-    let next = |previous| RecordedRow {
+    // Recorded, after `previous`; moved to the event or not.
+    let after = |previous, moved| RecordedRow {
         recorded: true,
         previous_seq: Some(previous),
-        moved: Some(true),
+        moved: Some(moved),
     };
+    let next = |previous| after(previous, true);
 
     // First sight of the aggregate, then its next event behind the holder's commit.
     holder.batch_execute("BEGIN").await.unwrap();
@@ -862,11 +864,7 @@ async fn recording_an_event_waits_for_the_aggregates_holder_and_judges_what_it_c
     let (row, mut other) = waiting.await.unwrap();
     assert_eq!(
         row,
-        RecordedRow {
-            recorded: true,
-            previous_seq: Some(3),
-            moved: Some(false),
-        },
+        after(3, false),
         "judged against the committed position 3, not the 2 it started from"
     );
     other.batch_execute("ROLLBACK").await.unwrap();
@@ -877,15 +875,7 @@ async fn recording_an_event_waits_for_the_aggregates_holder_and_judges_what_it_c
     let waiting = record_behind(other, "m5", 5).await;
     holder.batch_execute("ROLLBACK").await.unwrap();
     let (row, mut other) = waiting.await.unwrap();
-    assert_eq!(
-        row,
-        RecordedRow {
-            recorded: true,
-            previous_seq: Some(3),
-            moved: Some(false),
-        },
-        "a gap after 3"
-    );
+    assert_eq!(row, after(3, false), "a gap after 3");
     other.batch_execute("ROLLBACK").await.unwrap();
     let positions: Vec<(i64, i64)> = diesel::sql_query(
         "SELECT last_seq, stream_sequence FROM outbox_inbox_positions WHERE consumer = 'c'",

@@ -99,29 +99,32 @@ impl NatsServer {
         Self::start_with(&[]).await
     }
 
-    /// A server started with `extra` arguments too (e.g. `--config`, `--user`).
+    /// A server started with `extra` arguments too (e.g. `--user`).
     pub async fn start_with(extra: &[&str]) -> Self {
-        let store = std::env::temp_dir().join(format!("outbox-test-nats-{}", uuid::Uuid::new_v4()));
-        let mut server = Self {
-            port: free_port(),
-            store,
-            extra: extra.iter().map(|arg| (*arg).to_owned()).collect(),
-            child: None,
-        };
-        server.restart().await;
-        server
+        let extra = extra.iter().map(|arg| (*arg).to_owned()).collect();
+        Self::launch(Self::new_store(), extra).await
     }
 
     /// A server started with `--config` and a file holding `config` (nats-server's
     /// configuration format), kept beside its store and removed with it.
     pub async fn start_with_config(config: &str) -> Self {
-        let store = std::env::temp_dir().join(format!("outbox-test-nats-{}", uuid::Uuid::new_v4()));
+        let store = Self::new_store();
         let file = store.with_extension("conf");
         std::fs::write(&file, config).expect("the server's config file");
+        let extra = vec!["--config".to_owned(), file.display().to_string()];
+        Self::launch(store, extra).await
+    }
+
+    /// A store path of the test's own in the temporary directory (created at start).
+    fn new_store() -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("outbox-test-nats-{}", uuid::Uuid::new_v4()))
+    }
+
+    async fn launch(store: std::path::PathBuf, extra: Vec<String>) -> Self {
         let mut server = Self {
             port: free_port(),
             store,
-            extra: vec!["--config".to_owned(), file.display().to_string()],
+            extra,
             child: None,
         };
         server.restart().await;
