@@ -131,7 +131,8 @@ impl NatsServer {
         server
     }
 
-    /// Where the server keeps its JetStream store (a test may put a config file beside it).
+    /// Where the server keeps its JetStream store (a test may look into it; its log and a
+    /// config of `start_with_config` lie beside it).
     pub fn store(&self) -> &std::path::Path {
         &self.store
     }
