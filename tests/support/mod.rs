@@ -127,6 +127,16 @@ impl NatsServer {
             extra,
             child: None,
         };
+        // A port found free can be taken before the server binds it (by another test's
+        // server, or as the local port of a connection): then it exits, and another port is
+        // tried.
+        for _ in 0..5 {
+            match server.try_start().await {
+                Ok(()) => return server,
+                Err(Start::Exited(_)) => server.port = free_port(),
+                Err(Start::Failed(failure)) => panic!("{failure}"),
+            }
+        }
         server.restart().await;
         server
     }
@@ -148,6 +158,16 @@ impl NatsServer {
     /// Starts the server (again, with the same port and store) and waits until it accepts
     /// connections.
     pub async fn restart(&mut self) {
+        match self.try_start().await {
+            Ok(()) => {}
+            Err(Start::Exited(failure) | Start::Failed(failure)) => panic!("{failure}"),
+        }
+    }
+
+    /// Starts the server and waits until it greets a client with its `INFO` line (a bare
+    /// TCP connect could succeed without it: a connection to a free port of the ephemeral
+    /// range can connect to itself).
+    async fn try_start(&mut self) -> Result<(), Start> {
         assert!(
             self.child.is_none(),
             "the test's nats-server is already running"
@@ -156,7 +176,7 @@ impl NatsServer {
         std::fs::create_dir_all(&self.store).expect("the store directory");
         let log = self.store.with_extension("log");
         let log_file = std::fs::File::create(&log).expect("the server's log file");
-        let child = std::process::Command::new(&binary)
+        let mut child = std::process::Command::new(&binary)
             .args([
                 "-a",
                 "127.0.0.1",
@@ -176,15 +196,27 @@ impl NatsServer {
                     binary.display()
                 )
             });
-        self.child = Some(child);
         let address = format!("127.0.0.1:{}", self.port);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(&address).await.is_err() {
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(Start::Exited(format!(
+                    "the test's nats-server on port {} exited ({status}); its log:\n{}",
+                    self.port,
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )));
+            }
+            if greets(&address).await {
+                self.child = Some(child);
+                return Ok(());
+            }
             if tokio::time::Instant::now() > deadline {
-                panic!(
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Start::Failed(format!(
                     "the test's nats-server did not listen within 10 s; its log:\n{}",
                     std::fs::read_to_string(&log).unwrap_or_default()
-                );
+                )));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -209,6 +241,27 @@ impl NatsServer {
                 .expect("the server exits");
         }
     }
+}
+
+/// Why a test's nats-server did not start.
+enum Start {
+    /// It exited (its port was taken, say), with its log.
+    Exited(String),
+    /// It did not listen in time, with its log.
+    Failed(String),
+}
+
+/// Whether a NATS server at `address` sends its `INFO` line to a new connection.
+async fn greets(address: &str) -> bool {
+    use tokio::io::AsyncReadExt as _;
+    let Ok(mut stream) = tokio::net::TcpStream::connect(address).await else {
+        return false;
+    };
+    let mut greeting = [0_u8; 5];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), stream.read_exact(&mut greeting)).await,
+        Ok(Ok(_)) if &greeting == b"INFO "
+    )
 }
 
 /// Sends `signal` (`TERM`, `KILL`, ...) to the process `pid`, with the system's `kill`.
