@@ -883,3 +883,215 @@ async fn a_nested_unit_of_work_on_the_same_aggregate_leaves_the_outer_ones_late_
     assert_eq!(types, ["Placed", "Placed", "Shipped"], "{rows:?}");
     assert!(order.pending_events().is_empty());
 }
+
+/// Values an SQL text could be fooled by: quotes, backslashes, dollar quotes, a comment,
+/// statement ends, escapes, non-ASCII. Each is a valid subject token (`/*` is not).
+const SQL_LOOKALIKES: [&str; 13] = [
+    "it's",
+    r"back\slash",
+    r"\'",
+    "''",
+    "$$",
+    "$o$",
+    "E'x'",
+    "--",
+    "%s",
+    "\u{e9}\u{1f600}",
+    r"\x41",
+    r"\u0041",
+    ";COMMIT;",
+];
+
+/// An event whose payload carries what it is given.
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+struct Noted {
+    sensor: String,
+    round: u32,
+    notes: Vec<String>,
+}
+
+#[tokio::test]
+async fn values_that_look_like_sql_are_stored_as_they_are_however_many_events() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    let correlation_id = "c'\\\n$$;/*--";
+    let causation_id = r"d\'E'";
+    let note = |lookalike: &str| format!("{lookalike} \"quoted\"\t\u{7}\r\n");
+    // 13 events go with the COMMIT; 130 in a statement of their own (more than 100).
+    for (aggregate_type, rounds) in [("Few", 1), ("Many", 10)] {
+        env.outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.set_correlation(correlation_id, causation_id);
+                for round in 0..rounds {
+                    for lookalike in SQL_LOOKALIKES {
+                        let noted = Noted {
+                            sensor: lookalike.to_owned(),
+                            round,
+                            notes: vec![note(lookalike)],
+                        };
+                        uow.emit(aggregate_type, &format!("a{lookalike}"), &noted);
+                    }
+                }
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+    }
+
+    type Row = (String, String, i64, String, String, String, String, String);
+    let rows: Vec<Row> = outbox_events::table
+        .select((
+            outbox_events::aggregate_type,
+            outbox_events::aggregate_id,
+            outbox_events::aggregate_seq,
+            outbox_events::partition_key,
+            outbox_events::subject,
+            diesel::dsl::sql::<diesel::sql_types::Text>("payload::text"),
+            outbox_events::correlation_id.assume_not_null(),
+            outbox_events::causation_id.assume_not_null(),
+        ))
+        .order((
+            outbox_events::aggregate_type,
+            outbox_events::aggregate_id,
+            outbox_events::aggregate_seq,
+        ))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    let mut expected: Vec<Row> = Vec::new();
+    for (aggregate_type, rounds) in [("Few", 1), ("Many", 10)] {
+        for lookalike in SQL_LOOKALIKES {
+            let id = format!("a{lookalike}");
+            for round in 0..rounds {
+                let noted = Noted {
+                    sensor: lookalike.to_owned(),
+                    round,
+                    notes: vec![note(lookalike)],
+                };
+                expected.push((
+                    aggregate_type.to_owned(),
+                    id.clone(),
+                    i64::from(round) + 1,
+                    id.clone(),
+                    format!("{}.{aggregate_type}.{id}.Noted", env.prefix),
+                    serde_json::to_string(&noted).unwrap(),
+                    correlation_id.to_owned(),
+                    causation_id.to_owned(),
+                ));
+            }
+        }
+    }
+    expected.sort_by(|a, b| (&a.0, &a.1, a.2).cmp(&(&b.0, &b.1, b.2)));
+    assert_eq!(rows.len(), expected.len());
+    for (row, expected) in rows.iter().zip(&expected) {
+        assert_eq!(row, expected);
+    }
+}
+
+#[tokio::test]
+async fn a_nul_in_a_correlation_id_fails_the_commit_and_writes_nothing() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    let mut order = Order::place("o-1", "ada", 1);
+    let error = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            insert_order(uow.conn(), &order).await?;
+            uow.set_correlation("c\0", "d");
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("0x00"),
+        "PostgreSQL names the byte: {error}"
+    );
+    assert!(outbox_rows(&mut conn).await.is_empty());
+    assert_eq!(order_count(&mut conn).await, 0);
+    assert_eq!(order.pending_events().len(), 1, "the events stay pending");
+    env.outbox()
+        .transaction(&mut conn, async |uow| {
+            insert_order(uow.conn(), &order).await?;
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(outbox_rows(&mut conn).await.len(), 1);
+}
+
+/// The statements a connection sends, as diesel's instrumentation sees them.
+#[derive(Clone, Default)]
+struct SentStatements(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl diesel::connection::Instrumentation for SentStatements {
+    fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
+        if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
+            self.0.lock().unwrap().push(query.to_string());
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_unit_of_work_writes_its_events_in_the_commits_round_trip() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    let sent = SentStatements::default();
+    conn.set_instrumentation(sent.clone());
+    // The first unit of work of an outbox also registers its topology.
+    let outbox = env.outbox();
+    let mut first = Order::place("o-first", "ada", 1);
+    outbox
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut first);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    for (n, events) in [1, 100, 101].into_iter().enumerate() {
+        sent.0.lock().unwrap().clear();
+        let mut order = Order::place(&format!("o-{n}"), "ada", 1);
+        for _ in 1..events {
+            order.record(OrderEvent::Shipped);
+        }
+        outbox
+            .transaction(&mut conn, async |uow| {
+                insert_order(uow.conn(), &order).await?;
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+        let sent = sent.0.lock().unwrap().clone();
+        let shapes: Vec<&str> = sent
+            .iter()
+            .map(|sql| {
+                if sql.starts_with("BEGIN") {
+                    "BEGIN"
+                } else if sql.starts_with("INSERT INTO \"orders\"") {
+                    "the business insert"
+                } else if sql.starts_with("SELECT outbox_insert_events(ARRAY[")
+                    && sql.ends_with("); COMMIT")
+                {
+                    "the events with COMMIT"
+                } else if sql.starts_with("SELECT outbox_insert_events($1") {
+                    "the events"
+                } else if sql == "COMMIT" {
+                    "COMMIT"
+                } else {
+                    sql
+                }
+            })
+            .collect();
+        let expected: &[&str] = if events <= 100 {
+            &["BEGIN", "the business insert", "the events with COMMIT"]
+        } else {
+            &["BEGIN", "the business insert", "the events", "COMMIT"]
+        };
+        assert_eq!(shapes, expected, "{events} events");
+    }
+    assert_eq!(outbox_rows(&mut conn).await.len(), 1 + 1 + 100 + 101);
+}

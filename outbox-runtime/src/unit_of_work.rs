@@ -282,16 +282,27 @@ impl Outbox {
             }
         };
         match outcome {
-            Ok((value, (commit_handles, wrote_events), checked)) => {
-                // A flush that wrote events checked already (and on MySQL released the mark
-                // the checked commit would release).
-                match C::CHECKED_COMMIT.filter(|_| checked && !wrote_events) {
-                    Some(sql) => commit_checked(conn, sql)
-                        .await
-                        .map_err(C::checked_commit_error)?,
-                    None => C::TransactionManager::commit_transaction(conn)
-                        .await
-                        .map_err(UnitOfWorkError::from)?,
+            Ok((value, flushed, checked)) => {
+                let Flushed {
+                    drains,
+                    wrote_events,
+                    insert_and_commit,
+                } = flushed;
+                if let Some(sql) = insert_and_commit {
+                    if let Err(failed) = commit_checked(conn, &sql).await {
+                        return flush_failed(conn, failed.error.into(), failed.rolled_back).await;
+                    }
+                } else {
+                    // A flush that wrote events checked already (and on MySQL released the
+                    // mark the checked commit would release).
+                    match C::CHECKED_COMMIT.filter(|_| checked && !wrote_events) {
+                        Some(sql) => commit_checked(conn, sql)
+                            .await
+                            .map_err(|failed| C::checked_commit_error(failed.error))?,
+                        None => C::TransactionManager::commit_transaction(conn)
+                            .await
+                            .map_err(UnitOfWorkError::from)?,
+                    }
                 }
                 if wrote_events {
                     C::events_committed();
@@ -299,36 +310,58 @@ impl Outbox {
                 crash_point!("unit_of_work::after_commit", |_| Err(
                     UnitOfWorkError::from(simulated_crash()).into()
                 ));
-                for (handle, count) in commit_handles {
+                for (handle, count) in drains {
                     handle.mark_committed(count);
                 }
                 Ok(value)
             }
             Err(failed) => {
                 let rolled_back = C::TransactionManager::rollback_transaction(conn).await;
-                let error = match failed {
-                    Failed::Closure(error) => return rolled_back_with(rolled_back, error),
-                    Failed::Flush(error) => error,
-                };
-                // A database error from the outbox's own statement may mean that the schema
-                // is missing or behind: say so, rather than "function ... does not exist".
-                let error = match error {
-                    UnitOfWorkError::Database(error) => UnitOfWorkError::from_database(error),
-                    other => other,
-                };
-                let error = match error {
-                    UnitOfWorkError::Database(
-                        database_error @ diesel::result::Error::DatabaseError(..),
-                    ) if rolled_back.is_ok() => match conn.missing_migrations().await {
-                        Ok(Err(missing)) => UnitOfWorkError::MissingMigrations(missing),
-                        _ => UnitOfWorkError::Database(database_error),
-                    },
-                    other => other,
-                };
-                rolled_back_with(rolled_back, E::from(error))
+                match failed {
+                    Failed::Closure(error) => rolled_back_with(rolled_back, error),
+                    Failed::Flush(error) => flush_failed(conn, error, rolled_back).await,
+                }
             }
         }
     }
+}
+
+/// The error of a unit of work whose events could not be written, after its rollback
+/// (`rolled_back`).
+async fn flush_failed<C: BackendConnection, T, E: From<UnitOfWorkError>>(
+    conn: &mut C,
+    error: UnitOfWorkError,
+    rolled_back: diesel::QueryResult<()>,
+) -> Result<T, E> {
+    // A database error from the outbox's own statement may mean that the schema is missing
+    // or behind: say so, rather than "function ... does not exist".
+    let error = match error {
+        UnitOfWorkError::Database(error) => UnitOfWorkError::from_database(error),
+        other => other,
+    };
+    let error =
+        match error {
+            UnitOfWorkError::Database(
+                database_error @ diesel::result::Error::DatabaseError(..),
+            ) if rolled_back.is_ok() => match conn.missing_migrations().await {
+                Ok(Err(missing)) => UnitOfWorkError::MissingMigrations(missing),
+                _ => UnitOfWorkError::Database(database_error),
+            },
+            other => other,
+        };
+    rolled_back_with(rolled_back, E::from(error))
+}
+
+/// What a unit of work's flush leaves for its COMMIT.
+struct Flushed {
+    /// The tracked aggregates' buffers to drain after COMMIT, with how many events each gave.
+    drains: Vec<Drain>,
+    /// Whether the unit of work had events (written, or dropped as duplicates).
+    wrote_events: bool,
+    /// The statements that write the events and COMMIT, in one round trip
+    /// ([`sealed::Backend::insert_and_commit`]); `None` when the events are written already,
+    /// or there were none.
+    insert_and_commit: Option<String>,
 }
 
 /// Why a unit of work rolls back.
@@ -358,20 +391,22 @@ pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
     }
 }
 
-/// Commits the unit of work's transaction with `sql`, [`sealed::Backend::CHECKED_COMMIT`]:
-/// its checks, then COMMIT, in one round trip, so that the checks cost no round trip of their
-/// own. Then tells diesel's transaction manager that the transaction ended: it tracks only
-/// the COMMITs it sends itself.
+/// Commits the unit of work's transaction with `sql`, statements that end in `COMMIT`
+/// ([`sealed::Backend::CHECKED_COMMIT`], [`sealed::Backend::insert_and_commit`]), sent in one
+/// round trip, so that the statements before the COMMIT cost no round trip of their own.
+/// Then tells diesel's transaction manager that the transaction ended: it tracks only the
+/// COMMITs it sends itself.
 ///
-/// When a check fails, the server skips the rest of the string (PostgreSQL 15 documentation,
-/// 55.2.2.1 "Multiple Statements in a Simple Query"): the COMMIT is not run, and the
+/// When a statement fails, the server skips the rest of the string (PostgreSQL 15
+/// documentation, 55.2.2.1 "Multiple Statements in a Simple Query"; MySQL stops a
+/// multi-statement string at its first error too): the COMMIT is not run, and the
 /// transaction is rolled back here.
 ///
 /// # Errors
-/// The check's error (the transaction was ended inside the closure), or the COMMIT's; a
-/// failed rollback after it leaves the transaction manager broken, so that a pool drops the
-/// connection.
-async fn commit_checked<C: BackendConnection>(conn: &mut C, sql: &str) -> diesel::QueryResult<()> {
+/// The first failed statement's error (a check that found the transaction ended, the
+/// insert's, or the COMMIT's), with the rollback's outcome; a failed rollback leaves the
+/// transaction manager broken, so that a pool drops the connection.
+async fn commit_checked<C: BackendConnection>(conn: &mut C, sql: &str) -> Result<(), CommitFailed> {
     let result = conn.batch_execute(sql).await;
     let ended = match &result {
         Ok(()) => Ok(()),
@@ -379,11 +414,22 @@ async fn commit_checked<C: BackendConnection>(conn: &mut C, sql: &str) -> diesel
         Err(_) => conn.batch_execute("ROLLBACK").await,
     };
     let status = C::TransactionManager::transaction_manager_status_mut(conn);
-    match ended {
+    match &ended {
         Ok(()) => *status = TransactionManagerStatus::default(),
         Err(_) => status.set_in_error(),
     }
-    result
+    result.map_err(|error| CommitFailed {
+        error,
+        rolled_back: ended,
+    })
+}
+
+/// Why [`commit_checked`] did not commit.
+struct CommitFailed {
+    /// The first failed statement's error.
+    error: diesel::result::Error,
+    /// The rollback that followed.
+    rolled_back: diesel::QueryResult<()>,
 }
 
 /// The error a crash point returns in tests: the process "dies" there.
@@ -529,15 +575,28 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
     }
 
     /// Writes the collected events, those recorded on tracked aggregates after `track`
-    /// included; returns what to drain after COMMIT.
-    async fn flush(self) -> Result<(Vec<Drain>, bool), UnitOfWorkError> {
+    /// included, or returns the statements that write them with the COMMIT; returns what to
+    /// drain after COMMIT.
+    async fn flush(self) -> Result<Flushed, UnitOfWorkError> {
         let Self { conn, buffer, .. } = self;
         let duplicates = buffer.duplicates;
         let causality = buffer.causality.clone();
         let (events, drains) = buffer.take()?;
-        let any = !events.is_empty();
-        conn.write_events(events, &causality, duplicates).await?;
-        Ok((drains, any))
+        // Dedup keys are taken first, by a statement whose answer decides what is written.
+        let insert_and_commit = if events.iter().all(|e| e.dedup_key.is_none()) {
+            C::insert_and_commit(&events, &causality)
+        } else {
+            None
+        };
+        let wrote_events = !events.is_empty();
+        if insert_and_commit.is_none() {
+            conn.write_events(events, &causality, duplicates).await?;
+        }
+        Ok(Flushed {
+            drains,
+            wrote_events,
+            insert_and_commit,
+        })
     }
 }
 
@@ -637,6 +696,13 @@ pub(crate) mod sealed {
             duplicates: DuplicateEvents,
         ) -> impl Future<Output = Result<(), UnitOfWorkError>> + Send;
 
+        /// Statements that write `events` (none with a dedup key) and then COMMIT, sent in
+        /// one round trip instead of [`Self::write_events`] and a COMMIT of its own; `None`
+        /// where the database has none for these events, or there are no events.
+        fn insert_and_commit(_events: &[NewEvent], _causality: &Causality) -> Option<String> {
+            None
+        }
+
         /// Whether the outbox's migrations are applied, asked after a database error.
         fn missing_migrations(
             &mut self,
@@ -673,6 +739,14 @@ pub(crate) mod sealed {
                 queries::insert_events(self, &events, causality).await?;
             }
             Ok(())
+        }
+
+        fn insert_and_commit(events: &[NewEvent], causality: &Causality) -> Option<String> {
+            if events.is_empty() || events.len() > queries::MAX_EVENTS_AT_COMMIT {
+                return None;
+            }
+            let headers = causality.headers_json();
+            queries::insert_statement(events, causality, &headers).with_commit()
         }
 
         async fn missing_migrations(

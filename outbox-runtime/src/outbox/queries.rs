@@ -259,6 +259,60 @@ statement! {
            $12, $13, $14, $15)";
 }
 
+/// The most events a unit of work writes with its COMMIT ([`InsertEvents::with_commit`]);
+/// a larger one sends its statement with binds, in a round trip of its own, which its
+/// writing outweighs, and spares the server parsing its values.
+#[cfg(feature = "postgres")]
+pub(crate) const MAX_EVENTS_AT_COMMIT: usize = 100;
+
+#[cfg(feature = "postgres")]
+impl InsertEvents<'_> {
+    /// This statement with its values written as constants, then `COMMIT`: one simple query,
+    /// so that the unit of work's INSERT costs no round trip of its own. The server runs the
+    /// COMMIT only if the INSERT succeeded (PostgreSQL 15 documentation, 55.2.2.1 "Multiple
+    /// Statements in a Simple Query"), and the function checks the transaction first, as the
+    /// statement does. `None` when a value holds a NUL, which no constant can: the statement
+    /// with binds reports it.
+    pub(crate) fn with_commit(&self) -> Option<String> {
+        let size = self.payloads.0.iter().map(|p| p.len() + 16).sum::<usize>()
+            + self.ids.0.len() * 200
+            + 256;
+        let mut sql = super::statement::Literals::with_capacity(size);
+        sql.sql("SELECT outbox_insert_events(")
+            .array(&self.aggregate_types)
+            .sql(", ")
+            .array(&self.aggregate_ids)
+            .sql(", ")
+            .array(&self.counts)
+            .sql(", ")
+            .text(self.correlation_id)
+            .sql("::text, ")
+            .text(self.causation_id)
+            .sql("::text, ")
+            .text(self.headers)
+            .sql("::jsonb, ")
+            .array(&self.ids)
+            .sql(", ")
+            .array(&self.event_aggregate_types)
+            .sql(", ")
+            .array(&self.event_aggregate_ids)
+            .sql(", ")
+            .array(&self.ordinals)
+            .sql(", ")
+            .array(&self.event_types)
+            .sql(", ")
+            .array(&self.event_versions)
+            .sql(", ")
+            .array(&self.partition_keys)
+            .sql(", ")
+            .array(&self.subjects)
+            .sql(", ")
+            .array(&self.payloads)
+            .sql("); COMMIT");
+        sql.finish()
+    }
+}
+
 #[cfg(feature = "postgres")]
 fn column<'a>(
     events: &'a [NewEvent],

@@ -100,45 +100,159 @@ impl<'a, T: Clone> From<&'a [T]> for ArrayBind<'a, T> {
 }
 
 /// An element type of [`ArrayBind`]: its SQL type, its OID (PostgreSQL's `pg_type.dat`) and
-/// its binary format.
+/// its binary format; and, for a statement sent as text ([`Literals`]), its type's name and
+/// its constant.
 pub(crate) trait ArrayElement: Clone + std::fmt::Debug {
     /// The element's SQL type.
     type Sql: diesel::sql_types::SqlType + diesel::sql_types::SingleValue;
     /// The element type's OID.
     const OID: u32;
+    /// The element type's name in SQL.
+    const NAME: &'static str;
     /// The bytes of its binary format.
     fn bytes(&self) -> impl AsRef<[u8]>;
+    /// Writes the element as an SQL constant of its type; `false`, and nothing written, for
+    /// a value no constant can hold (a text with a NUL).
+    fn write_constant(&self, sql: &mut String) -> bool;
 }
 
 impl ArrayElement for &str {
     type Sql = diesel::sql_types::Text;
     const OID: u32 = 25;
+    const NAME: &'static str = "text";
     fn bytes(&self) -> impl AsRef<[u8]> {
         self.as_bytes()
+    }
+    fn write_constant(&self, sql: &mut String) -> bool {
+        write_string_constant(sql, self)
     }
 }
 
 impl ArrayElement for i64 {
     type Sql = diesel::sql_types::Int8;
     const OID: u32 = 20;
+    const NAME: &'static str = "int8";
     fn bytes(&self) -> impl AsRef<[u8]> {
         self.to_be_bytes()
+    }
+    fn write_constant(&self, sql: &mut String) -> bool {
+        use std::fmt::Write as _;
+        write!(sql, "{self}").is_ok()
     }
 }
 
 impl ArrayElement for i32 {
     type Sql = diesel::sql_types::Int4;
     const OID: u32 = 23;
+    const NAME: &'static str = "int4";
     fn bytes(&self) -> impl AsRef<[u8]> {
         self.to_be_bytes()
+    }
+    fn write_constant(&self, sql: &mut String) -> bool {
+        use std::fmt::Write as _;
+        write!(sql, "{self}").is_ok()
     }
 }
 
 impl ArrayElement for uuid::Uuid {
     type Sql = diesel::sql_types::Uuid;
     const OID: u32 = 2950;
+    const NAME: &'static str = "uuid";
     fn bytes(&self) -> impl AsRef<[u8]> {
         *self.as_bytes()
+    }
+    fn write_constant(&self, sql: &mut String) -> bool {
+        // Hex digits and hyphens only.
+        sql.push('\'');
+        sql.push_str(
+            self.hyphenated()
+                .encode_lower(&mut uuid::Uuid::encode_buffer()),
+        );
+        sql.push('\'');
+        true
+    }
+}
+
+/// Writes `value` as a PostgreSQL escape string constant, `E'...'`, which reads the same
+/// whatever the session's `standard_conforming_strings`: each `\` is written `\\`, each `'`
+/// is written `''`, and every other character stands for itself (PostgreSQL 15
+/// documentation, 4.1.2.2 "String Constants with C-Style Escapes"). In UTF-8, the bytes of a
+/// multi-byte character are never those of `'` or `\`. `false`, and nothing written, when
+/// `value` holds a NUL: no `text` can, and a simple query ends at the first NUL (55.7,
+/// "String").
+pub(crate) fn write_string_constant(sql: &mut String, value: &str) -> bool {
+    if value.contains('\0') {
+        return false;
+    }
+    sql.reserve(value.len() + 3);
+    sql.push_str("E'");
+    let mut rest = value;
+    while let Some(at) = rest.find(['\'', '\\']) {
+        let (before, special) = rest.split_at(at);
+        sql.push_str(before);
+        sql.push_str(if special.starts_with('\'') {
+            "''"
+        } else {
+            "\\\\"
+        });
+        rest = &special[1..];
+    }
+    sql.push_str(rest);
+    sql.push('\'');
+    true
+}
+
+/// A statement written with its values as constants, sent as a simple query (where a
+/// statement with binds takes the extended protocol): several statements then go in one
+/// round trip, in order, and the server stops at the first that fails (PostgreSQL 15
+/// documentation, 55.2.2.1 "Multiple Statements in a Simple Query"). Each array is written
+/// `ARRAY[c1, c2, ...]::type[]`, each text an escape string constant
+/// ([`write_string_constant`]).
+pub(crate) struct Literals {
+    sql: String,
+    /// Whether every value could be written.
+    whole: bool,
+}
+
+impl Literals {
+    /// An empty text of about `capacity` bytes.
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        Self {
+            sql: String::with_capacity(capacity),
+            whole: true,
+        }
+    }
+
+    /// Appends SQL as it is.
+    pub(crate) fn sql(&mut self, sql: &str) -> &mut Self {
+        self.sql.push_str(sql);
+        self
+    }
+
+    /// Appends `value` as a text constant.
+    pub(crate) fn text(&mut self, value: &str) -> &mut Self {
+        self.whole &= write_string_constant(&mut self.sql, value);
+        self
+    }
+
+    /// Appends `elements` as an array constant of their type.
+    pub(crate) fn array<T: ArrayElement>(&mut self, elements: &ArrayBind<'_, T>) -> &mut Self {
+        self.sql.push_str("ARRAY[");
+        for (k, element) in elements.0.iter().enumerate() {
+            if k > 0 {
+                self.sql.push(',');
+            }
+            self.whole &= element.write_constant(&mut self.sql);
+        }
+        self.sql.push_str("]::");
+        self.sql.push_str(T::NAME);
+        self.sql.push_str("[]");
+        self
+    }
+
+    /// The text, or `None` when a value could not be written as a constant.
+    pub(crate) fn finish(self) -> Option<String> {
+        self.whole.then_some(self.sql)
     }
 }
 
@@ -264,7 +378,7 @@ pub(crate) use statement;
 
 #[cfg(test)]
 mod tests {
-    use super::{ArrayElement, encoded, split_at_placeholder};
+    use super::{ArrayElement, encoded, split_at_placeholder, write_string_constant};
 
     /// The bytes `array_send` gives for the same arrays (PostgreSQL 15: `SELECT
     /// array_send(ARRAY['ab', 'é']::text[])` and the others below).
@@ -299,6 +413,20 @@ mod tests {
              00102030405060708090a0b0c0d0e0f10"
         );
         assert_eq!(hex::<&str>(&[]), "000000000000000000000019");
+    }
+
+    #[test]
+    fn string_constants_double_quotes_and_backslashes_and_refuse_a_nul() {
+        let constant = |value: &str| {
+            let mut sql = String::from("x");
+            write_string_constant(&mut sql, value).then_some(sql)
+        };
+        assert_eq!(constant("").as_deref(), Some("xE''"));
+        assert_eq!(constant("it's").as_deref(), Some("xE'it''s'"));
+        assert_eq!(constant(r"a\b").as_deref(), Some(r"xE'a\\b'"));
+        assert_eq!(constant(r"\'").as_deref(), Some(r"xE'\\'''"));
+        assert_eq!(constant("$$\n\u{e9}").as_deref(), Some("xE'$$\n\u{e9}'"));
+        assert_eq!(constant("a\0b"), None);
     }
 
     #[test]
