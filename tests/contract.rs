@@ -1853,6 +1853,130 @@ async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migra
     assert_eq!(SyncPg::rows(&env).await.len(), 2);
 }
 
+/// The statements a sync connection sends, as diesel's instrumentation sees them.
+#[cfg(feature = "postgres-sync")]
+#[derive(Clone, Default)]
+struct SentStatements(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+#[cfg(feature = "postgres-sync")]
+impl diesel::connection::Instrumentation for SentStatements {
+    fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
+        if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
+            self.0.lock().unwrap().push(query.to_string());
+        }
+    }
+}
+
+#[cfg(feature = "postgres-sync")]
+/// A sync unit of work of up to 100 events writes them with its COMMIT, in one round trip,
+/// and values that look like SQL are stored as they are either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
+    const LOOKALIKES: [&str; 8] = [
+        "it's",
+        r"back\slash",
+        r"\'",
+        "''",
+        "$$",
+        "E'x'",
+        "--",
+        ";COMMIT;",
+    ];
+    let env = SyncPg::setup().await;
+    let (url, outbox) = (env.database_url.clone(), env.outbox());
+    tokio::task::spawn_blocking(move || {
+        use diesel::prelude::*;
+        let mut conn = diesel::PgConnection::establish(&url).expect("a sync connection");
+        let sent = SentStatements::default();
+        conn.set_instrumentation(sent.clone());
+        // 8 events with the COMMIT; then 8 x 13 = 104, in a statement of their own.
+        for (n, events_per_order) in [(0, 1), (1, 13)] {
+            let mut orders: Vec<Order> = LOOKALIKES
+                .iter()
+                .map(|lookalike| {
+                    let mut order = Order::place(&format!("o{n}{lookalike}"), lookalike, 1);
+                    for _ in 1..events_per_order {
+                        order.record(OrderEvent::Shipped);
+                    }
+                    order
+                })
+                .collect();
+            sent.0.lock().unwrap().clear();
+            outbox
+                .sync_transaction(&mut conn, |uow| {
+                    for order in &mut orders {
+                        uow.track(order);
+                    }
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .unwrap();
+            let shapes: Vec<String> = sent
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|sql| {
+                    let shape = if sql.starts_with("SELECT role") {
+                        "the topology"
+                    } else if sql.starts_with("BEGIN") {
+                        "BEGIN"
+                    } else if sql.starts_with("SELECT outbox_insert_events(ARRAY[")
+                        && sql.ends_with("); COMMIT")
+                    {
+                        "the events with COMMIT"
+                    } else if sql.starts_with("SELECT outbox_insert_events($1") {
+                        "the events"
+                    } else if sql == "COMMIT" {
+                        "COMMIT"
+                    } else {
+                        sql
+                    };
+                    shape.to_owned()
+                })
+                .filter(|shape| shape != "the topology")
+                .collect();
+            let expected: &[&str] = if n == 0 {
+                &["BEGIN", "the events with COMMIT"]
+            } else {
+                &["BEGIN", "the events", "COMMIT"]
+            };
+            assert_eq!(
+                shapes,
+                expected,
+                "{} events",
+                orders.len() * events_per_order
+            );
+        }
+        let stored: Vec<(String, String)> = outbox_events::table
+            .filter(outbox_events::event_type.eq("Placed"))
+            .select((
+                outbox_events::aggregate_id,
+                diesel::dsl::sql::<diesel::sql_types::Text>("payload::text"),
+            ))
+            .order(outbox_events::aggregate_id)
+            .load(&mut conn)
+            .unwrap();
+        let mut expected: Vec<(String, String)> = (0..2)
+            .flat_map(|n| {
+                LOOKALIKES.iter().map(move |lookalike| {
+                    (
+                        format!("o{n}{lookalike}"),
+                        format!(
+                            r#"{{"customer":{},"total_cents":1}}"#,
+                            serde_json::to_string(lookalike).unwrap()
+                        ),
+                    )
+                })
+            })
+            .collect();
+        expected.sort();
+        assert_eq!(stored, expected);
+    })
+    .await
+    .unwrap();
+    assert_eq!(SyncPg::rows(&env).await.len(), 8 + 8 * 13);
+}
+
 /// The MySQL / MariaDB backend: a database of its own per test, migrated with
 /// `outbox_runtime::mysql::run_migrations`; the stream and prefix come from the test kit.
 #[cfg(feature = "mysql")]

@@ -132,16 +132,25 @@ impl<C: SyncBackendConnection> SyncUnitOfWork<'_, C> {
         self.buffer.event_count()
     }
 
-    /// Writes the collected events; returns what to drain after COMMIT, and whether any
-    /// event was handed over.
-    fn flush(self) -> Result<(Vec<Drain>, bool), UnitOfWorkError> {
+    /// Writes the collected events, or returns the statements that write them with the
+    /// COMMIT ([`sealed::SyncBackend::insert_and_commit`]); returns what to drain after
+    /// COMMIT, and whether any event was handed over.
+    fn flush(self) -> Result<(Vec<Drain>, bool, Option<String>), UnitOfWorkError> {
         let Self { conn, buffer } = self;
         let duplicates = buffer.duplicates;
         let causality = buffer.causality.clone();
         let (events, drains) = buffer.take()?;
         let any = !events.is_empty();
-        conn.write_events(events, &causality, duplicates)?;
-        Ok((drains, any))
+        // Dedup keys are taken first, by a statement whose answer decides what is written.
+        let insert_and_commit = if events.iter().all(|e| e.dedup_key.is_none()) {
+            C::insert_and_commit(&events, &causality)
+        } else {
+            None
+        };
+        if insert_and_commit.is_none() {
+            conn.write_events(events, &causality, duplicates)?;
+        }
+        Ok((drains, any, insert_and_commit))
     }
 }
 
@@ -197,8 +206,16 @@ impl Outbox {
             }
         };
         match outcome {
-            Ok((value, (drains, wrote_events))) => {
-                AnsiTransactionManager::commit_transaction(conn).map_err(UnitOfWorkError::from)?;
+            Ok((value, (drains, wrote_events, insert_and_commit))) => {
+                match insert_and_commit {
+                    Some(sql) => {
+                        if let Err((error, rolled_back)) = commit_with(conn, &sql) {
+                            return flush_failed(conn, error.into(), rolled_back);
+                        }
+                    }
+                    None => AnsiTransactionManager::commit_transaction(conn)
+                        .map_err(UnitOfWorkError::from)?,
+                }
                 if wrote_events {
                     P::Connection::events_committed();
                 }
@@ -209,27 +226,59 @@ impl Outbox {
             }
             Err(failed) => {
                 let rolled_back = AnsiTransactionManager::rollback_transaction(conn);
-                let error = match failed {
-                    Ok(closure_error) => return rolled_back_with(rolled_back, closure_error),
-                    Err(flush_error) => flush_error,
-                };
-                let error = match error {
-                    UnitOfWorkError::Database(error) => UnitOfWorkError::from_database(error),
-                    other => other,
-                };
-                let error = match error {
-                    UnitOfWorkError::Database(
-                        database_error @ diesel::result::Error::DatabaseError(..),
-                    ) if rolled_back.is_ok() => match conn.missing_migrations() {
-                        Ok(Some(missing)) => UnitOfWorkError::MissingMigrations(missing),
-                        _ => UnitOfWorkError::Database(database_error),
-                    },
-                    other => other,
-                };
-                rolled_back_with(rolled_back, E::from(error))
+                match failed {
+                    Ok(closure_error) => rolled_back_with(rolled_back, closure_error),
+                    Err(flush_error) => flush_failed(conn, flush_error, rolled_back),
+                }
             }
         }
     }
+}
+
+/// The error of a unit of work whose events could not be written, after its rollback
+/// (`rolled_back`): as the async unit of work's.
+fn flush_failed<C: SyncBackendConnection, T, E: From<UnitOfWorkError>>(
+    conn: &mut C,
+    error: UnitOfWorkError,
+    rolled_back: diesel::QueryResult<()>,
+) -> Result<T, E> {
+    let error = match error {
+        UnitOfWorkError::Database(error) => UnitOfWorkError::from_database(error),
+        other => other,
+    };
+    let error =
+        match error {
+            UnitOfWorkError::Database(
+                database_error @ diesel::result::Error::DatabaseError(..),
+            ) if rolled_back.is_ok() => match conn.missing_migrations() {
+                Ok(Some(missing)) => UnitOfWorkError::MissingMigrations(missing),
+                _ => UnitOfWorkError::Database(database_error),
+            },
+            other => other,
+        };
+    rolled_back_with(rolled_back, E::from(error))
+}
+
+/// Commits with `sql`, statements that end in `COMMIT`, sent in one round trip (see the
+/// async unit of work's `commit_checked`), and tells diesel's transaction manager that the
+/// transaction ended. On a failed statement the server skipped the rest (the COMMIT); the
+/// transaction is rolled back, and the error comes back with the rollback's outcome.
+fn commit_with<C: SyncBackendConnection>(
+    conn: &mut C,
+    sql: &str,
+) -> Result<(), (diesel::result::Error, diesel::QueryResult<()>)> {
+    let result = conn.batch_execute(sql);
+    let ended = match &result {
+        Ok(()) => Ok(()),
+        // A failed COMMIT ends the transaction too; a ROLLBACK outside one only warns.
+        Err(_) => conn.batch_execute("ROLLBACK"),
+    };
+    let status = AnsiTransactionManager::transaction_manager_status_mut(conn);
+    match &ended {
+        Ok(()) => *status = diesel::connection::TransactionManagerStatus::default(),
+        Err(_) => status.set_in_error(),
+    }
+    result.map_err(|error| (error, ended))
 }
 
 /// A sync diesel connection a unit of work runs on: `diesel::PgConnection` (feature
@@ -295,6 +344,13 @@ pub(crate) mod sealed {
             duplicates: DuplicateEvents,
         ) -> Result<(), UnitOfWorkError>;
 
+        /// Statements that write `events` (none with a dedup key) and then COMMIT, sent in
+        /// one round trip instead of [`Self::write_events`] and a COMMIT of its own; `None`
+        /// where the database has none for these events, or there are no events.
+        fn insert_and_commit(_events: &[NewEvent], _causality: &Causality) -> Option<String> {
+            None
+        }
+
         /// The outbox migrations the database lacks, if any, asked after a database error.
         fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>>;
 
@@ -344,6 +400,10 @@ pub(crate) mod sealed {
                 queries::insert_statement(&events, causality, &headers).execute(self)?;
             }
             Ok(())
+        }
+
+        fn insert_and_commit(events: &[NewEvent], causality: &Causality) -> Option<String> {
+            crate::outbox::queries::insert_and_commit(events, causality)
         }
 
         fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {

@@ -742,11 +742,7 @@ pub(crate) mod sealed {
         }
 
         fn insert_and_commit(events: &[NewEvent], causality: &Causality) -> Option<String> {
-            if events.is_empty() || events.len() > queries::MAX_EVENTS_AT_COMMIT {
-                return None;
-            }
-            let headers = causality.headers_json();
-            queries::insert_statement(events, causality, &headers).with_commit()
+            queries::insert_and_commit(events, causality)
         }
 
         async fn missing_migrations(

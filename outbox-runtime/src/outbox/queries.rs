@@ -71,6 +71,18 @@ pub(crate) async fn insert_events(
     Ok(())
 }
 
+/// [`insert_events`] and COMMIT in one round trip, for any connection: the statement's
+/// [`InsertEvents::with_commit`]; `None` for no events, more than [`MAX_EVENTS_AT_COMMIT`], or
+/// a value no constant can hold.
+#[cfg(feature = "postgres")]
+pub(crate) fn insert_and_commit(events: &[NewEvent], causality: &Causality) -> Option<String> {
+    if events.is_empty() || events.len() > MAX_EVENTS_AT_COMMIT {
+        return None;
+    }
+    let headers = causality.headers_json();
+    insert_statement(events, causality, &headers).with_commit()
+}
+
 /// The statement of [`insert_events`], for any connection; `headers` is
 /// `causality.headers_json()`.
 #[cfg(feature = "postgres")]

@@ -177,7 +177,11 @@ impl ArrayElement for uuid::Uuid {
 /// whatever the session's `standard_conforming_strings`: each `\` is written `\\`, each `'`
 /// is written `''`, and every other character stands for itself (PostgreSQL 15
 /// documentation, 4.1.2.2 "String Constants with C-Style Escapes"). In UTF-8, the bytes of a
-/// multi-byte character are never those of `'` or `\`. `false`, and nothing written, when
+/// multi-byte character are never those of `'` or `\`, and the connection's client encoding
+/// is UTF-8: tokio-postgres asks for it at startup, diesel-async sets it again when it
+/// connects, and both send and read every text as UTF-8 (a session switched to another
+/// client encoding, such as SJIS, whose multi-byte characters may end in the byte of `\`,
+/// would misread their binds and results too). `false`, and nothing written, when
 /// `value` holds a NUL: no `text` can, and a simple query ends at the first NUL (55.7,
 /// "String").
 pub(crate) fn write_string_constant(sql: &mut String, value: &str) -> bool {
