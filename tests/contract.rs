@@ -1853,20 +1853,6 @@ async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migra
     assert_eq!(SyncPg::rows(&env).await.len(), 2);
 }
 
-/// The statements a sync connection sends, as diesel's instrumentation sees them.
-#[cfg(feature = "postgres-sync")]
-#[derive(Clone, Default)]
-struct SentStatements(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
-
-#[cfg(feature = "postgres-sync")]
-impl diesel::connection::Instrumentation for SentStatements {
-    fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
-        if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
-            self.0.lock().unwrap().push(query.to_string());
-        }
-    }
-}
-
 #[cfg(feature = "postgres-sync")]
 /// A sync unit of work of up to 100 events writes them with its COMMIT, in one round trip,
 /// and values that look like SQL are stored as they are either way.
@@ -1887,7 +1873,7 @@ async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
     tokio::task::spawn_blocking(move || {
         use diesel::prelude::*;
         let mut conn = diesel::PgConnection::establish(&url).expect("a sync connection");
-        let sent = SentStatements::default();
+        let sent = support::SentStatements::default();
         conn.set_instrumentation(sent.clone());
         // 8 events with the COMMIT; then 8 x 13 = 104, in a statement of their own.
         for (n, events_per_order) in [(0, 1), (1, 13)] {
@@ -1901,7 +1887,6 @@ async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
                     order
                 })
                 .collect();
-            sent.0.lock().unwrap().clear();
             outbox
                 .sync_transaction(&mut conn, |uow| {
                     for order in &mut orders {
@@ -1910,31 +1895,7 @@ async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
                     Ok::<_, UnitOfWorkError>(())
                 })
                 .unwrap();
-            let shapes: Vec<String> = sent
-                .0
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|sql| {
-                    let shape = if sql.starts_with("SELECT role") {
-                        "the topology"
-                    } else if sql.starts_with("BEGIN") {
-                        "BEGIN"
-                    } else if sql.starts_with("SELECT outbox_insert_events(ARRAY[")
-                        && sql.ends_with("); COMMIT")
-                    {
-                        "the events with COMMIT"
-                    } else if sql.starts_with("SELECT outbox_insert_events($1") {
-                        "the events"
-                    } else if sql == "COMMIT" {
-                        "COMMIT"
-                    } else {
-                        sql
-                    };
-                    shape.to_owned()
-                })
-                .filter(|shape| shape != "the topology")
-                .collect();
+            let shapes = sent.take_shapes();
             let expected: &[&str] = if n == 0 {
                 &["BEGIN", "the events with COMMIT"]
             } else {

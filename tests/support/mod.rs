@@ -537,3 +537,49 @@ pub async fn taken_over(
     );
     took
 }
+
+/// The statements a connection sends, as diesel's instrumentation sees them (async or sync
+/// connections alike: `conn.set_instrumentation(sent.clone())`).
+#[derive(Clone, Default)]
+pub struct SentStatements(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl diesel::connection::Instrumentation for SentStatements {
+    fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
+        if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(query.to_string());
+        }
+    }
+}
+
+impl SentStatements {
+    /// What each statement sent since the last call was, in a unit of work's terms (`BEGIN`,
+    /// `the business insert`, `the events`, `the events with COMMIT`, `COMMIT`; any other
+    /// statement as its SQL), leaving out the outbox's registration of its topology.
+    pub fn take_shapes(&self) -> Vec<String> {
+        let sent = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        sent.into_iter()
+            .filter(|sql| !sql.starts_with("SELECT role, subject_prefix"))
+            .map(|sql| {
+                let shape = if sql.starts_with("BEGIN") {
+                    "BEGIN"
+                } else if sql.starts_with("INSERT INTO \"orders\"") {
+                    "the business insert"
+                } else if sql.starts_with("SELECT outbox_insert_events(ARRAY[")
+                    && sql.ends_with("); COMMIT")
+                {
+                    "the events with COMMIT"
+                } else if sql.starts_with("SELECT outbox_insert_events($1") {
+                    "the events"
+                } else if sql == "COMMIT" {
+                    "COMMIT"
+                } else {
+                    return sql;
+                };
+                shape.to_owned()
+            })
+            .collect()
+    }
+}
