@@ -1854,11 +1854,11 @@ async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migra
 }
 
 #[cfg(feature = "postgres-sync")]
-/// A sync unit of work of up to 100 events writes them with its COMMIT, in one round trip,
+/// A sync unit of work of up to 64 events writes them with its COMMIT, in one round trip,
 /// and values that look like SQL are stored as they are either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
-    const LOOKALIKES: [&str; 8] = [
+    const LOOKALIKES: [&str; 11] = [
         "it's",
         r"back\slash",
         r"\'",
@@ -1867,6 +1867,9 @@ async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
         "E'x'",
         "--",
         ";COMMIT;",
+        "NULL",
+        "{a,b}",
+        r#"\""#,
     ];
     let env = SyncPg::setup().await;
     let (url, outbox) = (env.database_url.clone(), env.outbox());
@@ -1875,7 +1878,7 @@ async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
         let mut conn = diesel::PgConnection::establish(&url).expect("a sync connection");
         let sent = support::SentStatements::default();
         conn.set_instrumentation(sent.clone());
-        // 8 events with the COMMIT; then 8 x 13 = 104, in a statement of their own.
+        // 11 events with the COMMIT; then 11 x 13 = 143, in a statement of their own.
         for (n, events_per_order) in [(0, 1), (1, 13)] {
             let mut orders: Vec<Order> = LOOKALIKES
                 .iter()
@@ -1935,7 +1938,7 @@ async fn a_sync_unit_of_work_writes_its_events_in_the_commits_round_trip() {
     })
     .await
     .unwrap();
-    assert_eq!(SyncPg::rows(&env).await.len(), 8 + 8 * 13);
+    assert_eq!(SyncPg::rows(&env).await.len(), 11 + 11 * 13);
 }
 
 /// The MySQL / MariaDB backend: a database of its own per test, migrated with

@@ -567,7 +567,7 @@ impl SentStatements {
                     "BEGIN"
                 } else if sql.starts_with("INSERT INTO \"orders\"") {
                     "the business insert"
-                } else if sql.starts_with("SELECT outbox_insert_events(ARRAY[")
+                } else if sql.starts_with("SELECT outbox_insert_events(E'{")
                     && sql.ends_with("); COMMIT")
                 {
                     "the events with COMMIT"
