@@ -206,7 +206,7 @@ impl Outbox {
             }
         };
         match outcome {
-            Ok((value, (drains, wrote_events, insert_and_commit))) => {
+            Ok((value, (drains, had_events, insert_and_commit))) => {
                 match insert_and_commit {
                     Some(sql) => {
                         if let Err((error, rolled_back)) = commit_with(conn, &sql) {
@@ -216,7 +216,7 @@ impl Outbox {
                     None => AnsiTransactionManager::commit_transaction(conn)
                         .map_err(UnitOfWorkError::from)?,
                 }
-                if wrote_events {
+                if had_events {
                     P::Connection::events_committed();
                 }
                 for (handle, count) in drains {

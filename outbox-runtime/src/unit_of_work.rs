@@ -285,7 +285,7 @@ impl Outbox {
             Ok((value, flushed, checked)) => {
                 let Flushed {
                     drains,
-                    wrote_events,
+                    had_events,
                     insert_and_commit,
                 } = flushed;
                 if let Some(sql) = insert_and_commit {
@@ -293,9 +293,9 @@ impl Outbox {
                         return flush_failed(conn, failed.error.into(), failed.rolled_back).await;
                     }
                 } else {
-                    // A flush that wrote events checked already (and on MySQL released the
-                    // mark the checked commit would release).
-                    match C::CHECKED_COMMIT.filter(|_| checked && !wrote_events) {
+                    // A flush that had events checked already, writing them (and on MySQL
+                    // released the mark the checked commit would release).
+                    match C::CHECKED_COMMIT.filter(|_| checked && !had_events) {
                         Some(sql) => commit_checked(conn, sql)
                             .await
                             .map_err(|failed| C::checked_commit_error(failed.error))?,
@@ -304,7 +304,7 @@ impl Outbox {
                             .map_err(UnitOfWorkError::from)?,
                     }
                 }
-                if wrote_events {
+                if had_events {
                     C::events_committed();
                 }
                 crash_point!("unit_of_work::after_commit", |_| Err(
@@ -356,8 +356,9 @@ async fn flush_failed<C: BackendConnection, T, E: From<UnitOfWorkError>>(
 struct Flushed {
     /// The tracked aggregates' buffers to drain after COMMIT, with how many events each gave.
     drains: Vec<Drain>,
-    /// Whether the unit of work had events (written, or dropped as duplicates).
-    wrote_events: bool,
+    /// Whether the unit of work had events: written by the flush, or to be written by
+    /// `insert_and_commit`, or dropped as duplicates of dedup keys taken before.
+    had_events: bool,
     /// The statements that write the events and COMMIT, in one round trip
     /// ([`sealed::Backend::insert_and_commit`]); `None` when the events are written already,
     /// or there were none.
@@ -588,13 +589,13 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
         } else {
             None
         };
-        let wrote_events = !events.is_empty();
+        let had_events = !events.is_empty();
         if insert_and_commit.is_none() {
             conn.write_events(events, &causality, duplicates).await?;
         }
         Ok(Flushed {
             drains,
-            wrote_events,
+            had_events,
             insert_and_commit,
         })
     }
