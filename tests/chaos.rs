@@ -273,8 +273,9 @@ struct Options {
     aggregates: usize,
     rate: f64,
     seed: u64,
-    /// Whether to run at all: a test filter that does not match `chaos` (`cargo test
-    /// some_test`) skips it, as libtest would, and `--list` lists it.
+    /// Whether to run at all: libtest's arguments select it as they select a test named
+    /// `chaos` (`cargo test some_test` and `--skip chaos` skip it, `--skip some_test` does
+    /// not: `support::libtest`), and `--list` lists it.
     skip: bool,
     list: bool,
 }
@@ -311,14 +312,8 @@ impl Options {
             options.seed = seed;
         }
         const VALUED: [&str; 4] = ["--duration", "--aggregates", "--rate", "--seed"];
-        let filters: Vec<&String> = args
-            .iter()
-            .enumerate()
-            .skip(1)
-            .filter(|(at, arg)| !arg.starts_with('-') && !VALUED.contains(&args[at - 1].as_str()))
-            .map(|(_, arg)| arg)
-            .collect();
-        options.skip = !filters.is_empty() && !filters.iter().any(|f| "chaos".contains(f.as_str()));
+        options.skip =
+            !support::libtest::selects("chaos", args.get(1..).unwrap_or_default(), &VALUED);
         options.list = args.iter().any(|arg| arg == "--list");
         options
     }

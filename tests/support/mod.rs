@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod consumer;
 pub mod counters;
 pub mod domain;
+pub mod libtest;
 
 use std::time::Duration;
 
