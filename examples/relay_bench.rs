@@ -812,7 +812,8 @@ struct Cost {
     bulk_ms: [[f64; 2]; 2],
 }
 
-/// The most events a unit of work sends with its COMMIT (the runtime's limit, 64): figure 6
+/// The most events a unit of work sends with its COMMIT (the runtime's limit, 64, which
+/// `unit_of_work::a_unit_of_work_writes_its_events_in_the_commits_round_trip` pins): figure 6
 /// compares it with one more.
 const AT_COMMIT: usize = 64;
 
