@@ -185,25 +185,16 @@ impl ArrayElement for uuid::Uuid {
 /// `value` holds a NUL: no `text` can, and a simple query ends at the first NUL (55.7,
 /// "String").
 pub(crate) fn write_string_constant(sql: &mut String, value: &str) -> bool {
-    if value.contains('\0') {
-        return false;
-    }
-    sql.reserve(value.len() + 3);
-    sql.push_str("E'");
-    let mut rest = value;
-    while let Some(at) = rest.find(['\'', '\\']) {
-        let (before, special) = rest.split_at(at);
-        sql.push_str(before);
-        sql.push_str(if special.starts_with('\'') {
-            "''"
-        } else {
-            "\\\\"
-        });
-        rest = &special[1..];
-    }
-    sql.push_str(rest);
-    sql.push('\'');
-    true
+    write_escaped(
+        sql,
+        value,
+        ("E'", "'"),
+        &['\'', '\\'],
+        |special| match special {
+            b'\'' => "''",
+            _ => "\\\\",
+        },
+    )
 }
 
 /// Writes `value` as a double-quoted element of an array's text, itself inside an escape
@@ -213,24 +204,42 @@ pub(crate) fn write_string_constant(sql: &mut String, value: &str) -> bool {
 /// written `''`. Quoted, an element reads as the text it holds, even `NULL` or one with
 /// braces, commas or spaces. `false`, and nothing written, when `value` holds a NUL.
 pub(crate) fn write_array_text(sql: &mut String, value: &str) -> bool {
-    if value.contains('\0') {
-        return false;
-    }
-    sql.reserve(value.len() + 2);
-    sql.push('"');
-    let mut rest = value;
-    while let Some(at) = rest.find(['\'', '\\', '"']) {
-        let (before, special) = rest.split_at(at);
-        sql.push_str(before);
-        sql.push_str(match special.as_bytes()[0] {
+    write_escaped(
+        sql,
+        value,
+        ("\"", "\""),
+        &['\'', '\\', '"'],
+        |special| match special {
             b'\'' => "''",
             b'"' => "\\\\\"",
             _ => "\\\\\\\\",
-        });
+        },
+    )
+}
+
+/// Writes `value` between `quotes`, each of the ASCII characters `specials` replaced by
+/// `escape` of its byte; `false`, and nothing written, when `value` holds a NUL.
+fn write_escaped(
+    sql: &mut String,
+    value: &str,
+    quotes: (&str, &str),
+    specials: &[char],
+    escape: fn(u8) -> &'static str,
+) -> bool {
+    if value.contains('\0') {
+        return false;
+    }
+    sql.reserve(value.len() + quotes.0.len() + quotes.1.len());
+    sql.push_str(quotes.0);
+    let mut rest = value;
+    while let Some(at) = rest.find(specials) {
+        let (before, special) = rest.split_at(at);
+        sql.push_str(before);
+        sql.push_str(escape(special.as_bytes()[0]));
         rest = &special[1..];
     }
     sql.push_str(rest);
-    sql.push('"');
+    sql.push_str(quotes.1);
     true
 }
 
