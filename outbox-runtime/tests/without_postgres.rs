@@ -57,8 +57,22 @@ impl Lamp {
     }
 }
 
-/// A fresh SQLite file, migrated, and its async connection.
-fn database() -> (String, AsyncSqliteConnection) {
+/// A SQLite file of a test's own: removed when dropped, with the write-ahead log and the
+/// shared-memory file WAL mode keeps beside it (`<path>-wal`, `<path>-shm`: SQLite's "Write-Ahead
+/// Logging", section 2.2), which removing the file alone left behind.
+struct TempDatabase(String);
+
+impl Drop for TempDatabase {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", self.0));
+        }
+    }
+}
+
+/// A fresh SQLite file, migrated, and its async connection. Bound as `let (file, conn) =
+/// database();`, the connection is dropped before the file is removed.
+fn database() -> (TempDatabase, AsyncSqliteConnection) {
     let dir = std::env::temp_dir().join("outbox-without-postgres");
     std::fs::create_dir_all(&dir).expect("a temporary directory");
     let path = dir
@@ -67,7 +81,7 @@ fn database() -> (String, AsyncSqliteConnection) {
         .into_owned();
     let mut conn = outbox_runtime::sqlite::establish(&path).expect("a SQLite file");
     outbox_runtime::sqlite::run_migrations(&mut conn).expect("the SQLite migrations");
-    (path, AsyncSqliteConnection::new(conn))
+    (TempDatabase(path), AsyncSqliteConnection::new(conn))
 }
 
 /// Logs each lamp event it applies into `lamp_log`.
@@ -94,7 +108,8 @@ impl Handler<AsyncSqliteConnection> for LampLog {
 
 #[tokio::test]
 async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() {
-    let (path, mut conn) = database();
+    let (file, mut conn) = database();
+    let path = file.0.clone();
     let unique = uuid::Uuid::now_v7().simple().to_string();
     let topology = Topology::new(
         format!("lamps{}", &unique[16..]).parse().expect("a prefix"),
@@ -188,7 +203,8 @@ async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() 
     assert!(seen.is_empty(), "nothing else published: {seen:?}");
 
     // Another service's inbox, on a SQLite file of its own, applies each event once.
-    let (consumer_path, mut consumer_conn) = database();
+    let (consumer_file, mut consumer_conn) = database();
+    let consumer_path = consumer_file.0.clone();
     consumer_conn
         .batch_execute("CREATE TABLE lamp_log (n INTEGER PRIMARY KEY, lamp TEXT, seq INTEGER)")
         .await
@@ -234,12 +250,10 @@ async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() 
         .map(|lamp| (lamp.to_owned(), vec![1, 2, 3]))
         .into();
     assert_eq!(applied, once_in_order);
-    let _ = std::fs::remove_file(&consumer_path);
 
     js.delete_stream(&topology.stream.name)
         .await
         .expect("the stream is removed");
-    let _ = std::fs::remove_file(&path);
 }
 
 #[tokio::test]
