@@ -293,8 +293,9 @@ impl Outbox {
                         return flush_failed(conn, failed.error.into(), failed.rolled_back).await;
                     }
                 } else {
-                    // A flush that had events checked already, writing them (and on MySQL
-                    // released the mark the checked commit would release).
+                    // Here the flush wrote any events itself, and writing them checked the
+                    // transaction already (and on MySQL released the mark the checked commit
+                    // would release).
                     match C::CHECKED_COMMIT.filter(|_| checked && !had_events) {
                         Some(sql) => commit_checked(conn, sql)
                             .await

@@ -58,8 +58,8 @@ impl Lamp {
 }
 
 /// A SQLite file of a test's own: removed when dropped, with the write-ahead log and the
-/// shared-memory file WAL mode keeps beside it (`<path>-wal`, `<path>-shm`: SQLite's "Write-Ahead
-/// Logging", section 2.2), which removing the file alone left behind.
+/// wal-index WAL mode keeps beside it (`<path>-wal` and `<path>-shm`: SQLite's "Database File
+/// Format", 4.0 and 4.5), which removing the file alone left behind.
 struct TempDatabase(String);
 
 impl Drop for TempDatabase {
