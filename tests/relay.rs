@@ -597,3 +597,174 @@ async fn a_message_carries_the_payload_bytes_the_producer_wrote() {
         "the payload as serde wrote it, byte for byte"
     );
 }
+
+/// What each statement a relay's connection sent was, in a batch's terms.
+fn batch_shapes(sent: &support::SentStatements) -> Vec<String> {
+    sent.take_shapes()
+        .into_iter()
+        .map(|sql| {
+            let shape = if sql.starts_with("WITH oldest AS") {
+                "the claim"
+            } else if sql.ends_with("); COMMIT") {
+                if sql.starts_with("DELETE FROM outbox_events WHERE id = ANY(E'{") {
+                    "the delete with COMMIT"
+                } else if sql.starts_with("UPDATE outbox_events SET published_at = now()") {
+                    "the mark with COMMIT"
+                } else if sql.starts_with("SELECT outbox_archive_published(E'{") {
+                    "the archive with COMMIT"
+                } else {
+                    return sql;
+                }
+            } else {
+                return sql;
+            };
+            shape.to_owned()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_relay_batch_records_its_published_rows_in_the_commits_round_trip() {
+    use outbox_runtime::PublishedRows;
+    for (n, (mode, end)) in [
+        (PublishedRows::Delete, "the delete with COMMIT"),
+        (PublishedRows::Mark, "the mark with COMMIT"),
+        (PublishedRows::Archive, "the archive with COMMIT"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let env = TestEnv::new().await;
+        let sent = support::SentStatements::default();
+        let mut config = env.relay_config();
+        config.published = mode;
+        let (url, instrumentation) = (env.database_url.clone(), sent.clone());
+        config.connector = Some(outbox_runtime::Connector::new(move || {
+            let (url, instrumentation) = (url.clone(), instrumentation.clone());
+            async move {
+                use diesel_async::AsyncConnection;
+                let mut conn = AsyncPgConnection::establish(&url).await?;
+                conn.set_instrumentation(instrumentation);
+                Ok::<_, diesel::ConnectionError>(conn)
+            }
+        }));
+        let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+        // Nothing to publish: the batch ends with a plain COMMIT.
+        assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
+        let shapes = batch_shapes(&sent);
+        assert_eq!(
+            shapes[shapes.len() - 3..],
+            ["BEGIN", "the claim", "COMMIT"],
+            "{mode:?}: {shapes:?}"
+        );
+
+        let mut order = Order::place(&format!("o-{n}"), "ada", 1);
+        order.record(OrderEvent::Shipped);
+        env.commit(&mut order).await;
+        env.commit(&mut Order::place(&format!("p-{n}"), "grace", 2))
+            .await;
+        assert_eq!(relay.relay_batch().await.unwrap().published, 3);
+        assert_eq!(
+            batch_shapes(&sent),
+            ["BEGIN", "the claim", end],
+            "{mode:?}: one round trip records the rows and commits"
+        );
+        // What the statement did holds: no row is queued, none is claimed again.
+        let mut conn = env.conn().await;
+        let stats = outbox_runtime::outbox::stats(&mut conn).await.unwrap();
+        assert_eq!(stats.queued, 0, "{mode:?}");
+        assert_eq!(relay.relay_batch().await.unwrap().claimed, 0, "{mode:?}");
+        let kept: i64 = outbox_events::table
+            .count()
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            kept,
+            if mode == PublishedRows::Mark { 3 } else { 0 },
+            "{mode:?}"
+        );
+        assert_eq!(env.stream_messages().await.len(), 3, "{mode:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_relay_batch_of_more_than_64_rows_binds_their_ids_and_commits_apart() {
+    let env = TestEnv::new().await;
+    let sent = support::SentStatements::default();
+    let mut config = env.relay_config();
+    let (url, instrumentation) = (env.database_url.clone(), sent.clone());
+    config.connector = Some(outbox_runtime::Connector::new(move || {
+        let (url, instrumentation) = (url.clone(), instrumentation.clone());
+        async move {
+            use diesel_async::AsyncConnection;
+            let mut conn = AsyncPgConnection::establish(&url).await?;
+            conn.set_instrumentation(instrumentation);
+            Ok::<_, diesel::ConnectionError>(conn)
+        }
+    }));
+    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
+    sent.take_shapes();
+    let mut order = Order::place("o-1", "ada", 1);
+    for _ in 0..64 {
+        order.record(OrderEvent::Shipped);
+    }
+    env.commit(&mut order).await;
+    assert_eq!(relay.relay_batch().await.unwrap().published, 65);
+    let shapes = batch_shapes(&sent);
+    assert_eq!(shapes.len(), 4, "{shapes:?}");
+    assert_eq!(shapes[..2], ["BEGIN", "the claim"]);
+    assert!(
+        shapes[2].starts_with("DELETE FROM outbox_events WHERE id = ANY($1)"),
+        "{shapes:?}"
+    );
+    assert_eq!(shapes[3], "COMMIT");
+    let mut conn = env.conn().await;
+    assert_eq!(
+        outbox_runtime::outbox::stats(&mut conn)
+            .await
+            .unwrap()
+            .queued,
+        0
+    );
+}
+
+#[tokio::test]
+async fn a_relay_batch_whose_delete_fails_commits_nothing_and_the_rows_are_published_again() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    conn.batch_execute(
+        "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'deletes refused'; END $$; \
+         CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox_events \
+         FOR EACH ROW EXECUTE FUNCTION refuse_delete()",
+    )
+    .await
+    .unwrap();
+    let mut order = Order::place("o-1", "ada", 1);
+    order.record(OrderEvent::Shipped);
+    env.commit(&mut order).await;
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let error = relay.relay_batch().await.unwrap_err().to_string();
+    assert!(error.contains("deletes refused"), "{error}");
+    // Published, but the COMMIT after the failed delete did not run: the rows stay queued.
+    assert_eq!(env.stream_messages().await.len(), 2);
+    let stats = outbox_runtime::outbox::stats(&mut conn).await.unwrap();
+    assert_eq!(stats.queued, 2);
+
+    conn.batch_execute("DROP TRIGGER refuse_delete ON outbox_events")
+        .await
+        .unwrap();
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!((report.published, report.duplicates), (2, 2), "{report:?}");
+    let stats = outbox_runtime::outbox::stats(&mut conn).await.unwrap();
+    assert_eq!(stats.queued, 0);
+    assert_eq!(
+        env.stream_messages().await.len(),
+        2,
+        "JetStream dropped the duplicates"
+    );
+}

@@ -393,9 +393,9 @@ pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
     }
 }
 
-/// Commits the unit of work's transaction with `sql`, statements that end in `COMMIT`
-/// ([`sealed::Backend::CHECKED_COMMIT`], [`sealed::Backend::insert_and_commit`]), sent in one
-/// round trip, so that the statements before the COMMIT cost no round trip of their own.
+/// Commits the transaction with `sql`, statements that end in `COMMIT` (a unit of work's
+/// [`sealed::Backend::CHECKED_COMMIT`] or [`sealed::Backend::insert_and_commit`], a relay
+/// batch's `queries::finish_published_and_commit`), sent in one round trip, so that the statements before the COMMIT cost no round trip of their own.
 /// Then tells diesel's transaction manager that the transaction ended: it tracks only the
 /// COMMITs it sends itself.
 ///
@@ -408,7 +408,10 @@ pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
 /// The first failed statement's error (a check that found the transaction ended, the
 /// insert's, or the COMMIT's), with the rollback's outcome; a failed rollback leaves the
 /// transaction manager broken, so that a pool drops the connection.
-async fn commit_checked<C: BackendConnection>(conn: &mut C, sql: &str) -> Result<(), CommitFailed> {
+pub(crate) async fn commit_checked<C: BackendConnection>(
+    conn: &mut C,
+    sql: &str,
+) -> Result<(), CommitFailed> {
     let result = conn.batch_execute(sql).await;
     let ended = match &result {
         Ok(()) => Ok(()),
@@ -427,11 +430,11 @@ async fn commit_checked<C: BackendConnection>(conn: &mut C, sql: &str) -> Result
 }
 
 /// Why [`commit_checked`] did not commit.
-struct CommitFailed {
+pub(crate) struct CommitFailed {
     /// The first failed statement's error.
-    error: diesel::result::Error,
+    pub(crate) error: diesel::result::Error,
     /// The rollback that followed.
-    rolled_back: diesel::QueryResult<()>,
+    pub(crate) rolled_back: diesel::QueryResult<()>,
 }
 
 /// The error a crash point returns in tests: the process "dies" there.

@@ -264,10 +264,22 @@ pub(super) async fn relay_batch<C: RelayStore>(
     // Released whether the transaction commits, rolls back or fails.
     let _holding = shared.held.holding(me);
     database::bounded(limit, target, "the BEGIN of a relay batch", conn.begin()).await?;
-    let outcome = match batch(shared, me, conn, stop).await {
+    let ended = async {
+        let (outcome, published) = batch(shared, me, conn, stop).await?;
+        database::bounded(
+            limit,
+            target,
+            "recording published rows and the COMMIT of a relay batch",
+            conn.finish_and_commit(&published, shared.config.published),
+        )
+        .await?;
+        Ok(outcome)
+    };
+    let outcome = match ended.await {
         Ok(outcome) => outcome,
         Err(error @ Bounded::TimedOut(_)) => return Err(error),
         Err(error) => {
+            // Where the failure ended the transaction already, this only warns.
             let _ = database::bounded(
                 limit,
                 target,
@@ -278,7 +290,6 @@ pub(super) async fn relay_batch<C: RelayStore>(
             return Err(error);
         }
     };
-    database::bounded(limit, target, "the COMMIT of a relay batch", conn.commit()).await?;
 
     let report = &outcome.report;
     metrics::counter!("outbox_relay_duplicates_total").increment(report.duplicates as u64);
@@ -325,13 +336,14 @@ async fn while_publishing<C: RelayStore, T>(
     }
 }
 
-/// The batch's work inside its transaction.
+/// The batch's work inside its transaction, but the end: what it did, and the ids of the
+/// rows the broker acked, for [`RelayStore::finish_and_commit`].
 async fn batch<C: RelayStore>(
     shared: &Shared,
     me: Option<usize>,
     conn: &mut C,
     stop: &CancellationToken,
-) -> Result<BatchOutcome, BatchError> {
+) -> Result<(BatchOutcome, Vec<Uuid>), BatchError> {
     let config = &shared.config;
     let (limit, target) = (config.statement_timeout, shared.target.as_str());
     let batch_size = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
@@ -489,19 +501,13 @@ async fn batch<C: RelayStore>(
     crash_point!("relay::after_publish", |_| Err(Bounded::Failed(
         crate::unit_of_work::simulated_crash()
     )));
-    if !published.is_empty() {
-        database::bounded(
-            limit,
-            target,
-            "marking published rows",
-            conn.finish(&published, config.published),
-        )
-        .await?;
-    }
-    Ok(BatchOutcome {
-        report,
-        transport_error,
-    })
+    Ok((
+        BatchOutcome {
+            report,
+            transport_error,
+        },
+        published,
+    ))
 }
 
 /// Whether the relay's stream answers now, on the connection that sent a publish when the
@@ -674,6 +680,22 @@ pub(super) trait RelayStore: Send + Sized + 'static {
         mode: PublishedRows,
     ) -> impl Future<Output = QueryResult<()>> + Send;
 
+    /// Ends a batch that went through: [`finish`](Self::finish) for the published rows
+    /// `ids` (none: nothing to record), then [`commit`](Self::commit). On an error the
+    /// transaction may still be open: the caller rolls it back.
+    fn finish_and_commit(
+        &mut self,
+        ids: &[Uuid],
+        mode: PublishedRows,
+    ) -> impl Future<Output = QueryResult<()>> + Send {
+        async move {
+            if !ids.is_empty() {
+                self.finish(ids, mode).await?;
+            }
+            self.commit().await
+        }
+    }
+
     /// Counts what waits in the outbox, for the gauges (see `outbox::stats`).
     fn stats(&mut self) -> impl Future<Output = QueryResult<OutboxStats>> + Send;
 
@@ -737,6 +759,23 @@ impl RelayStore for AsyncPgConnection {
 
     async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
         queries::finish_published(self, ids, mode).await
+    }
+
+    /// The statement and the COMMIT in one round trip
+    /// (`queries::finish_published_and_commit`) for up to `queries::MAX_EVENTS_AT_COMMIT`
+    /// rows; two for more; a plain COMMIT when no row was published.
+    async fn finish_and_commit(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
+        match queries::finish_published_and_commit(ids, mode) {
+            Some(sql) => crate::unit_of_work::commit_checked(self, &sql)
+                .await
+                .map_err(|failed| failed.error),
+            None => {
+                if !ids.is_empty() {
+                    queries::finish_published(self, ids, mode).await?;
+                }
+                self.commit().await
+            }
+        }
     }
 
     async fn stats(&mut self) -> QueryResult<OutboxStats> {
