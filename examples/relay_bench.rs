@@ -1627,6 +1627,8 @@ async fn claims_per_second(conn: &mut AsyncPgConnection, batch: i64) -> Result<f
     while started.elapsed() < window {
         let result = conn
             .transaction::<(), _, _>(async |conn| {
+                conn.batch_execute("SET LOCAL outbox.relay_batch = 'on'")
+                    .await?;
                 let claimed = outbox_runtime::__private::claim_probe(conn, batch).await?;
                 assert_eq!(claimed as i64, batch, "a full batch is claimed");
                 Err(diesel::result::Error::RollbackTransaction)

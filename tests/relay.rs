@@ -6,7 +6,7 @@ mod support;
 use std::collections::{BTreeMap, BTreeSet};
 
 use diesel::prelude::*;
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{Relay, RelayError, StreamError, UnitOfWorkError};
 use support::counters::Counters;
@@ -598,6 +598,28 @@ async fn a_message_carries_the_payload_bytes_the_producer_wrote() {
     );
 }
 
+/// A relay of `env` that treats published rows as `mode` says, with what its connections
+/// send.
+async fn instrumented_relay(
+    env: &TestEnv,
+    mode: outbox_runtime::PublishedRows,
+) -> (Relay, support::SentStatements) {
+    let sent = support::SentStatements::default();
+    let mut config = env.relay_config();
+    config.published = mode;
+    let (url, instrumentation) = (env.database_url.clone(), sent.clone());
+    config.connector = Some(outbox_runtime::Connector::new(move || {
+        let (url, instrumentation) = (url.clone(), instrumentation.clone());
+        async move {
+            let mut conn = AsyncPgConnection::establish(&url).await?;
+            conn.set_instrumentation(instrumentation);
+            Ok::<_, diesel::ConnectionError>(conn)
+        }
+    }));
+    let relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    (relay, sent)
+}
+
 /// What each statement a relay's connection sent was, in a batch's terms.
 fn batch_shapes(sent: &support::SentStatements) -> Vec<String> {
     sent.take_shapes()
@@ -635,20 +657,7 @@ async fn a_relay_batch_records_its_published_rows_in_the_commits_round_trip() {
     .enumerate()
     {
         let env = TestEnv::new().await;
-        let sent = support::SentStatements::default();
-        let mut config = env.relay_config();
-        config.published = mode;
-        let (url, instrumentation) = (env.database_url.clone(), sent.clone());
-        config.connector = Some(outbox_runtime::Connector::new(move || {
-            let (url, instrumentation) = (url.clone(), instrumentation.clone());
-            async move {
-                use diesel_async::AsyncConnection;
-                let mut conn = AsyncPgConnection::establish(&url).await?;
-                conn.set_instrumentation(instrumentation);
-                Ok::<_, diesel::ConnectionError>(conn)
-            }
-        }));
-        let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+        let (mut relay, sent) = instrumented_relay(&env, mode).await;
         // Nothing to publish: the batch ends with a plain COMMIT.
         assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
         let shapes = batch_shapes(&sent);
@@ -691,19 +700,7 @@ async fn a_relay_batch_records_its_published_rows_in_the_commits_round_trip() {
 #[tokio::test]
 async fn a_relay_batch_of_more_than_64_rows_binds_their_ids_and_commits_apart() {
     let env = TestEnv::new().await;
-    let sent = support::SentStatements::default();
-    let mut config = env.relay_config();
-    let (url, instrumentation) = (env.database_url.clone(), sent.clone());
-    config.connector = Some(outbox_runtime::Connector::new(move || {
-        let (url, instrumentation) = (url.clone(), instrumentation.clone());
-        async move {
-            use diesel_async::AsyncConnection;
-            let mut conn = AsyncPgConnection::establish(&url).await?;
-            conn.set_instrumentation(instrumentation);
-            Ok::<_, diesel::ConnectionError>(conn)
-        }
-    }));
-    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let (mut relay, sent) = instrumented_relay(&env, outbox_runtime::PublishedRows::Delete).await;
     assert_eq!(relay.relay_batch().await.unwrap().claimed, 0);
     sent.take_shapes();
     let mut order = Order::place("o-1", "ada", 1);
@@ -767,4 +764,47 @@ async fn a_relay_batch_whose_delete_fails_commits_nothing_and_the_rows_are_publi
         2,
         "JetStream dropped the duplicates"
     );
+}
+
+/// A claim of up to 10 rows on `conn`: in a transaction marked as a relay batch's
+/// (`mark`), in one that is not (`Some(false)`), or alone (`None`).
+async fn claim_in(conn: &mut AsyncPgConnection, mark: Option<bool>) -> QueryResult<usize> {
+    let Some(marked) = mark else {
+        return outbox_runtime::__private::claim_probe(conn, 10).await;
+    };
+    conn.transaction(async |conn| {
+        if marked {
+            conn.batch_execute("SET LOCAL outbox.relay_batch = 'on'")
+                .await?;
+        }
+        outbox_runtime::__private::claim_probe(conn, 10).await
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_claim_refuses_to_run_outside_a_relay_batchs_transaction() {
+    let env = TestEnv::new().await;
+    env.commit(&mut Order::place("o-1", "ada", 1)).await;
+    let mut conn = env.conn().await;
+    // Alone, its locks would end with the statement; in a transaction not marked as a relay
+    // batch's, the same: it fails and claims nothing. In a marked one it claims, and the
+    // mark ends with its transaction.
+    for (mark, claims) in [
+        (None, false),
+        (Some(false), false),
+        (Some(true), true),
+        (None, false),
+    ] {
+        match claim_in(&mut conn, mark).await {
+            Ok(claimed) => assert!(claims && claimed == 1, "{mark:?}: {claimed}"),
+            Err(error) => assert!(
+                !claims
+                    && error
+                        .to_string()
+                        .contains("outbox.claim_outside_its_relay_batch"),
+                "{mark:?}: {error}"
+            ),
+        }
+    }
 }

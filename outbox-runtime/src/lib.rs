@@ -389,8 +389,10 @@ pub mod __private {
     pub use crate::event::{DomainEvent, EventSet, EventType, PayloadError, overlap};
     pub use serde;
 
-    /// Runs the relay's claim query (in the caller's transaction) and returns how many rows
-    /// it claimed. For `examples/relay_bench`, which measures the claim alone.
+    /// Runs the relay's claim query and returns how many rows it claimed, in the caller's
+    /// transaction, which the caller marks as a relay batch's (`SET LOCAL
+    /// outbox.relay_batch = 'on'`; elsewhere the claim fails). For `examples/relay_bench`,
+    /// which measures the claim alone, and the tests of that check.
     #[cfg(feature = "postgres")]
     pub async fn claim_probe(
         conn: &mut diesel_async::AsyncPgConnection,

@@ -508,9 +508,14 @@ const MIN_CLAIM_WINDOW: i64 = 256;
 /// relay at a time and in order. A head found in this statement's snapshot that another
 /// relay publishes meanwhile is rechecked when locked and dropped. The rows behind a head are
 /// not locked: nothing else claims them while their head is held.
+///
+/// The claim runs only in a transaction marked by [`BEGIN_RELAY_BATCH`] (or by its
+/// `SET LOCAL`): elsewhere, where its locks would end with the statement, it fails with
+/// "unrecognized configuration parameter \"outbox.claim_outside_its_relay_batch\"" and
+/// returns no row.
 #[cfg(feature = "postgres")]
 pub(crate) async fn claim_batch(
-    conn: &mut AsyncPgConnection,
+    mut conn: &AsyncPgConnection,
     batch: i64,
     held: &Held<'_>,
 ) -> QueryResult<Vec<ClaimedEvent>> {
@@ -521,9 +526,15 @@ pub(crate) async fn claim_batch(
         held_types: held.types.as_slice().into(),
         held_ids: held.ids.as_slice().into(),
     }
-    .load(conn)
+    .load(&mut conn)
     .await
 }
+
+/// Opens a relay batch's transaction and marks it for [`claim_batch`]: `SET LOCAL` lasts
+/// until the transaction ends, and outside a transaction block it has no effect (PostgreSQL
+/// 15 documentation, SET). Sent as one simple query, pipelined with the claim.
+#[cfg(feature = "postgres")]
+pub(crate) const BEGIN_RELAY_BATCH: &str = "BEGIN; SET LOCAL outbox.relay_batch = 'on'";
 
 #[cfg(feature = "postgres")]
 statement! {
@@ -539,7 +550,9 @@ statement! {
         WITH oldest AS ( \
             SELECT o.aggregate_type, o.aggregate_id, o.available_at, o.id \
             FROM outbox_events o \
-            WHERE o.published_at IS NULL AND o.skipped_at IS NULL AND o.dead_lettered_at IS NULL \
+            WHERE CASE WHEN current_setting('outbox.relay_batch', true) = 'on' THEN true \
+                       ELSE current_setting('outbox.claim_outside_its_relay_batch')::bool END \
+              AND o.published_at IS NULL AND o.skipped_at IS NULL AND o.dead_lettered_at IS NULL \
               AND o.available_at <= now() \
               AND (o.aggregate_type, o.aggregate_id) NOT IN ( \
                   SELECT t, i FROM unnest($1::text[], $2::text[]) AS held(t, i)) \

@@ -263,7 +263,6 @@ pub(super) async fn relay_batch<C: RelayStore>(
     let started = Instant::now();
     // Released whether the transaction commits, rolls back or fails.
     let _holding = shared.held.holding(me);
-    database::bounded(limit, target, "the BEGIN of a relay batch", conn.begin()).await?;
     let ended = async {
         let (outcome, published) = batch(shared, me, conn, stop).await?;
         database::bounded(
@@ -359,8 +358,8 @@ async fn batch<C: RelayStore>(
         claimed = database::bounded(
             limit,
             target,
-            "the relay's claim",
-            conn.claim(batch_size, &held),
+            "the BEGIN and claim of a relay batch",
+            conn.begin_and_claim(batch_size, &held),
         )
         .await?;
         let chains = chains(&claimed, config.batch_size);
@@ -665,6 +664,19 @@ pub(super) trait RelayStore: Send + Sized + 'static {
         held: &Held<'_>,
     ) -> impl Future<Output = QueryResult<Vec<ClaimedEvent>>> + Send;
 
+    /// Opens a batch and claims it: [`begin`](Self::begin), then [`claim`](Self::claim). On
+    /// an error the transaction may be open: the caller rolls it back.
+    fn begin_and_claim(
+        &mut self,
+        batch: i64,
+        held: &Held<'_>,
+    ) -> impl Future<Output = QueryResult<Vec<ClaimedEvent>>> + Send {
+        async move {
+            self.begin().await?;
+            self.claim(batch, held).await
+        }
+    }
+
     /// Records a rejected publish (see `queries::record_rejection`).
     fn reject(
         &mut self,
@@ -746,6 +758,45 @@ impl RelayStore for AsyncPgConnection {
 
     async fn claim(&mut self, batch: i64, held: &Held<'_>) -> QueryResult<Vec<ClaimedEvent>> {
         queries::claim_batch(self, batch, held).await
+    }
+
+    /// [`queries::BEGIN_RELAY_BATCH`] and the claim pipelined, in one round trip: each
+    /// request is sent when its future is first polled (tokio-postgres's pipelining, which
+    /// diesel-async's connection offers through shared references), and `join!` polls the
+    /// BEGIN first. Should the claim ever reach the server first, it fails rather than lock
+    /// rows outside the transaction (see [`queries::claim_batch`]). diesel's transaction
+    /// manager is told of the BEGIN, as its own `begin_transaction` would, so that the
+    /// batch's COMMIT and ROLLBACK go through it.
+    async fn begin_and_claim(
+        &mut self,
+        batch: i64,
+        held: &Held<'_>,
+    ) -> QueryResult<Vec<ClaimedEvent>> {
+        use diesel::connection::TransactionDepthChange;
+        if AnsiTransactionManager::transaction_manager_status_mut(self)
+            .transaction_depth()?
+            .is_some()
+        {
+            return Err(diesel::result::Error::AlreadyInTransaction);
+        }
+        let (begun, claimed) = {
+            let conn: &AsyncPgConnection = self;
+            let mut beginning = conn;
+            futures::join!(
+                diesel_async::SimpleAsyncConnection::batch_execute(
+                    &mut beginning,
+                    queries::BEGIN_RELAY_BATCH
+                ),
+                queries::claim_batch(conn, batch, held),
+            )
+        };
+        // Whatever the BEGIN's outcome: the caller's ROLLBACK after an error then ends what
+        // it may have opened (outside a transaction, a ROLLBACK only warns).
+        AnsiTransactionManager::transaction_manager_status_mut(self)
+            .transaction_state()?
+            .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+        begun?;
+        claimed
     }
 
     async fn reject(
