@@ -395,9 +395,10 @@ pub(crate) fn rolled_back_with<T, E: From<UnitOfWorkError>>(
 
 /// Commits the transaction with `sql`, statements that end in `COMMIT` (a unit of work's
 /// [`sealed::Backend::CHECKED_COMMIT`] or [`sealed::Backend::insert_and_commit`], a relay
-/// batch's `queries::finish_published_and_commit`), sent in one round trip, so that the statements before the COMMIT cost no round trip of their own.
-/// Then tells diesel's transaction manager that the transaction ended: it tracks only the
-/// COMMITs it sends itself.
+/// batch's `queries::finish_published_and_commit`), sent in one round trip, so that the
+/// statements before the COMMIT cost no round trip of their own. Then tells diesel's
+/// transaction manager that the transaction ended: it tracks only the COMMITs it sends
+/// itself.
 ///
 /// When a statement fails, the server skips the rest of the string (PostgreSQL 15
 /// documentation, 55.2.2.1 "Multiple Statements in a Simple Query"; MySQL stops a
