@@ -767,7 +767,7 @@ async fn a_relay_batch_whose_delete_fails_commits_nothing_and_the_rows_are_publi
 }
 
 /// A claim of up to 10 rows on `conn`: in a transaction marked as a relay batch's
-/// (`mark`), in one that is not (`Some(false)`), or alone (`None`).
+/// (`Some(true)`), in one that is not (`Some(false)`), or alone (`None`).
 async fn claim_in(conn: &mut AsyncPgConnection, mark: Option<bool>) -> QueryResult<usize> {
     let Some(marked) = mark else {
         return outbox_runtime::__private::claim_probe(conn, 10).await;
