@@ -435,7 +435,7 @@ pub(crate) struct CommitFailed {
     /// The first failed statement's error.
     pub(crate) error: diesel::result::Error,
     /// The rollback that followed.
-    pub(crate) rolled_back: diesel::QueryResult<()>,
+    rolled_back: diesel::QueryResult<()>,
 }
 
 /// The error a crash point returns in tests: the process "dies" there.

@@ -700,12 +700,7 @@ pub(super) trait RelayStore: Send + Sized + 'static {
         ids: &[Uuid],
         mode: PublishedRows,
     ) -> impl Future<Output = QueryResult<()>> + Send {
-        async move {
-            if !ids.is_empty() {
-                self.finish(ids, mode).await?;
-            }
-            self.commit().await
-        }
+        finish_then_commit(self, ids, mode)
     }
 
     /// Counts what waits in the outbox, for the gauges (see `outbox::stats`).
@@ -820,18 +815,26 @@ impl RelayStore for AsyncPgConnection {
             Some(sql) => crate::unit_of_work::commit_checked(self, &sql)
                 .await
                 .map_err(|failed| failed.error),
-            None => {
-                if !ids.is_empty() {
-                    queries::finish_published(self, ids, mode).await?;
-                }
-                self.commit().await
-            }
+            None => finish_then_commit(self, ids, mode).await,
         }
     }
 
     async fn stats(&mut self) -> QueryResult<OutboxStats> {
         crate::outbox::stats(self).await
     }
+}
+
+/// [`RelayStore::finish`] for the published rows `ids` (none: nothing to record), then
+/// [`RelayStore::commit`]: the end of a batch in two round trips.
+async fn finish_then_commit<C: RelayStore>(
+    conn: &mut C,
+    ids: &[Uuid],
+    mode: PublishedRows,
+) -> QueryResult<()> {
+    if !ids.is_empty() {
+        conn.finish(ids, mode).await?;
+    }
+    conn.commit().await
 }
 
 /// Splits claimed rows (grouped by aggregate, heads first in claim order) into one chain per
