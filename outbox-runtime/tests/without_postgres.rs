@@ -57,31 +57,30 @@ impl Lamp {
     }
 }
 
-/// A SQLite file of a test's own: removed when dropped, with the write-ahead log and the
-/// wal-index WAL mode keeps beside it (`<path>-wal` and `<path>-shm`: SQLite's "Database File
-/// Format", 4.0 and 4.5), which removing the file alone left behind.
-struct TempDatabase(String);
+/// A directory of a test's own holding its SQLite file, removed with all it holds when
+/// dropped: the file, and the write-ahead log and wal-index WAL mode keeps beside it
+/// (`<path>-wal` and `<path>-shm`: SQLite's "Database File Format", 4.0 and 4.5).
+struct TempDatabase(std::path::PathBuf);
 
 impl Drop for TempDatabase {
     fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", self.0));
-        }
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
 /// A fresh SQLite file, migrated, and its async connection. Bound as `let (file, conn) =
 /// database();`, the connection is dropped before the file is removed.
 fn database() -> (TempDatabase, AsyncSqliteConnection) {
-    let dir = std::env::temp_dir().join("outbox-without-postgres");
-    std::fs::create_dir_all(&dir).expect("a temporary directory");
-    let path = dir
-        .join(format!("{}.db", uuid::Uuid::now_v7().simple()))
-        .to_string_lossy()
-        .into_owned();
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-without-postgres-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    std::fs::create_dir(&dir).expect("a temporary directory");
+    let dir = TempDatabase(dir);
+    let path = dir.0.join("outbox.db").to_string_lossy().into_owned();
     let mut conn = outbox_runtime::sqlite::establish(&path).expect("a SQLite file");
     outbox_runtime::sqlite::run_migrations(&mut conn).expect("the SQLite migrations");
-    (TempDatabase(path), AsyncSqliteConnection::new(conn))
+    (dir, AsyncSqliteConnection::new(conn))
 }
 
 /// Logs each lamp event it applies into `lamp_log`.
