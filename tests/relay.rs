@@ -808,3 +808,80 @@ async fn the_claim_refuses_to_run_outside_a_relay_batchs_transaction() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_relay_batch_commits_without_waiting_for_its_wal_flush_and_a_unit_of_work_waits() {
+    use outbox_runtime::PublishedRows;
+    for (n, mode) in [
+        PublishedRows::Delete,
+        PublishedRows::Mark,
+        PublishedRows::Archive,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let env = TestEnv::new().await;
+        let mut conn = env.conn().await;
+        // Each change to a queued row, with the durability its transaction commits with.
+        conn.batch_execute(
+            "CREATE TABLE commit_modes (op text NOT NULL, synchronous_commit text NOT NULL); \
+             CREATE FUNCTION record_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN INSERT INTO commit_modes VALUES (TG_OP, current_setting('synchronous_commit')); \
+             RETURN NULL; END $$; \
+             CREATE TRIGGER record_commit_mode AFTER INSERT OR UPDATE OR DELETE ON outbox_events \
+             FOR EACH ROW EXECUTE FUNCTION record_commit_mode()",
+        )
+        .await
+        .unwrap();
+        let mut order = Order::place(&format!("o-{n}"), "ada", 1);
+        order.record(OrderEvent::Shipped);
+        env.commit(&mut order).await;
+        let mut config = env.relay_config();
+        config.published = mode;
+        let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+        assert_eq!(relay.relay_batch().await.unwrap().published, 2, "{mode:?}");
+        // A batch of more than 64 rows records them apart from its COMMIT.
+        for _ in 0..65 {
+            order.record(OrderEvent::Shipped);
+        }
+        env.commit(&mut order).await;
+        assert_eq!(relay.relay_batch().await.unwrap().published, 65, "{mode:?}");
+
+        let seen: Vec<(String, String)> = diesel::sql_query(
+            "SELECT op, synchronous_commit FROM commit_modes GROUP BY 1, 2 ORDER BY 1, 2",
+        )
+        .load::<OpMode>(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.op, row.synchronous_commit))
+        .collect();
+        let relay_op = if mode == PublishedRows::Mark {
+            "UPDATE"
+        } else {
+            "DELETE"
+        };
+        assert_eq!(
+            seen,
+            [
+                (relay_op.to_owned(), "off".to_owned()),
+                ("INSERT".to_owned(), "on".to_owned())
+            ]
+            .into_iter()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>(),
+            "{mode:?}: the relay's batches commit asynchronously, the units of work durably"
+        );
+        let stats = outbox_runtime::outbox::stats(&mut conn).await.unwrap();
+        assert_eq!(stats.queued, 0, "{mode:?}");
+    }
+}
+
+#[derive(QueryableByName)]
+struct OpMode {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    op: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    synchronous_commit: String,
+}

@@ -533,8 +533,19 @@ pub(crate) async fn claim_batch(
 /// Opens a relay batch's transaction and marks it for [`claim_batch`]: `SET LOCAL` lasts
 /// until the transaction ends, and outside a transaction block it has no effect (PostgreSQL
 /// 15 documentation, SET). Sent as one simple query, pipelined with the claim.
+///
+/// The batch commits asynchronously (`synchronous_commit = off` for this transaction only):
+/// its COMMIT returns before its WAL is flushed, so the relay does not wait for the disk
+/// between a batch and the next, nor queue its flushes behind the writers' (PostgreSQL 15
+/// documentation, 30.4 "Asynchronous Commit"). What a crash of the server can then lose is
+/// the record of the last batches published, at most three `wal_writer_delay`s of them
+/// (600 ms by default; a writer's durable COMMIT flushes every record before its own), or on
+/// a failover those not yet replicated to the standby: their rows are queued again and
+/// published again, as after a relay killed between its publish and its COMMIT. JetStream drops the copies inside the stream's duplicate window; an inbox
+/// drops those after it. Units of work, the inbox and the dead-letter tools commit durably.
 #[cfg(feature = "postgres")]
-pub(crate) const BEGIN_RELAY_BATCH: &str = "BEGIN; SET LOCAL outbox.relay_batch = 'on'";
+pub(crate) const BEGIN_RELAY_BATCH: &str =
+    "BEGIN; SET LOCAL outbox.relay_batch = 'on'; SET LOCAL synchronous_commit = off";
 
 #[cfg(feature = "postgres")]
 statement! {
