@@ -541,8 +541,10 @@ pub(crate) async fn claim_batch(
 /// the record of the last batches published, at most three `wal_writer_delay`s of them
 /// (600 ms by default; a writer's durable COMMIT flushes every record before its own), or on
 /// a failover those not yet replicated to the standby: their rows are queued again and
-/// published again, as after a relay killed between its publish and its COMMIT. JetStream drops the copies inside the stream's duplicate window; an inbox
-/// drops those after it. Units of work, the inbox and the dead-letter tools commit durably.
+/// published again, as after a relay killed between its publish and its COMMIT. JetStream
+/// drops the copies inside the stream's duplicate window; an inbox drops those after it.
+/// Units of work, the inbox and the dead-letter tools keep the server's setting (durable by
+/// default).
 #[cfg(feature = "postgres")]
 pub(crate) const BEGIN_RELAY_BATCH: &str =
     "BEGIN; SET LOCAL outbox.relay_batch = 'on'; SET LOCAL synchronous_commit = off";
