@@ -57,14 +57,18 @@ impl Lamp {
     }
 }
 
-/// A directory of a test's own holding its SQLite file, removed with all it holds when
-/// dropped: the file, and the write-ahead log and wal-index WAL mode keeps beside it
-/// (`<path>-wal` and `<path>-shm`: SQLite's "Database File Format", 4.0 and 4.5).
-struct TempDatabase(std::path::PathBuf);
+/// A SQLite file in a directory of a test's own, removed with all it holds when dropped:
+/// the file, and the write-ahead log and wal-index WAL mode keeps beside it (`<path>-wal`
+/// and `<path>-shm`: SQLite's "Database File Format", 4.0 and 4.5).
+struct TempDatabase {
+    /// The file's path, the database URL.
+    path: String,
+    dir: std::path::PathBuf,
+}
 
 impl Drop for TempDatabase {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -76,11 +80,13 @@ fn database() -> (TempDatabase, AsyncSqliteConnection) {
         uuid::Uuid::now_v7().simple()
     ));
     std::fs::create_dir(&dir).expect("a temporary directory");
-    let dir = TempDatabase(dir);
-    let path = dir.0.join("outbox.db").to_string_lossy().into_owned();
-    let mut conn = outbox_runtime::sqlite::establish(&path).expect("a SQLite file");
+    let file = TempDatabase {
+        path: dir.join("outbox.db").to_string_lossy().into_owned(),
+        dir,
+    };
+    let mut conn = outbox_runtime::sqlite::establish(&file.path).expect("a SQLite file");
     outbox_runtime::sqlite::run_migrations(&mut conn).expect("the SQLite migrations");
-    (dir, AsyncSqliteConnection::new(conn))
+    (file, AsyncSqliteConnection::new(conn))
 }
 
 /// Logs each lamp event it applies into `lamp_log`.
@@ -108,7 +114,7 @@ impl Handler<AsyncSqliteConnection> for LampLog {
 #[tokio::test]
 async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() {
     let (file, mut conn) = database();
-    let path = file.0.clone();
+    let path = file.path.clone();
     let unique = uuid::Uuid::now_v7().simple().to_string();
     let topology = Topology::new(
         format!("lamps{}", &unique[16..]).parse().expect("a prefix"),
@@ -203,7 +209,7 @@ async fn units_of_work_on_sqlite_reach_the_stream_without_postgresql_compiled() 
 
     // Another service's inbox, on a SQLite file of its own, applies each event once.
     let (consumer_file, mut consumer_conn) = database();
-    let consumer_path = consumer_file.0.clone();
+    let consumer_path = consumer_file.path.clone();
     consumer_conn
         .batch_execute("CREATE TABLE lamp_log (n INTEGER PRIMARY KEY, lamp TEXT, seq INTEGER)")
         .await
