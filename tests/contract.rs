@@ -2472,6 +2472,175 @@ mod mysql {
             .await;
     }
 
+    /// The statements that record published rows (`... WHERE id IN (...)`) sent on the
+    /// connections opened while [`Finishes`] is diesel's default instrumentation (the
+    /// process's, so other tests' statements are here too: a test picks its own by its ids).
+    static FINISHES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+    /// Records into [`FINISHES`].
+    struct Finishes;
+
+    impl diesel::connection::Instrumentation for Finishes {
+        fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
+            if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
+                let sql = query.to_string();
+                if sql.contains("WHERE id IN") {
+                    FINISHES.lock().unwrap_or_else(|p| p.into_inner()).push(sql);
+                }
+            }
+        }
+    }
+
+    /// A batch of up to 64 published rows records them (deletes, marks, or archives and
+    /// deletes) and commits in one multi-statement string; a larger batch binds their ids in
+    /// statements of their own and commits apart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_batch_records_its_published_rows_in_the_commits_round_trip() {
+        use outbox_runtime::PublishedRows;
+        #[derive(QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = Text)]
+            id: String,
+        }
+        let env = AsyncMysql::setup().await;
+        let ids = async || -> Vec<String> {
+            diesel::sql_query("SELECT id FROM outbox_events WHERE published_at IS NULL")
+                .load::<Id>(&mut database(&env).conn().await)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|row| row.id)
+                .collect()
+        };
+        diesel::connection::set_default_instrumentation(|| Some(Box::new(Finishes))).unwrap();
+        for (n, (mode, statements)) in [
+            (PublishedRows::Delete, ["DELETE"].as_slice()),
+            (PublishedRows::Mark, &["UPDATE"]),
+            (PublishedRows::Archive, &["INSERT", "DELETE"]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut config = AsyncMysql::relay_config(&env);
+            config.published = mode;
+            let mut relay = MysqlRelay::connect(config, env.nats.clone()).await.unwrap();
+            for events in [3, 65] {
+                let orders = (0..events)
+                    .map(|k| Order::place(&format!("o-{n}-{events}-{k}"), "ada", 1))
+                    .collect();
+                let (_, committed) = AsyncMysql::commit(&env, orders, None, End::Ok).await;
+                committed.unwrap();
+                let queued = ids().await;
+                assert_eq!(queued.len(), events, "{mode:?}");
+                let report = relay.relay_batch().await.unwrap();
+                assert_eq!(report.published, events, "{mode:?}");
+                let sent: Vec<String> = FINISHES
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .filter(|sql| queued.iter().any(|id| sql.contains(id.as_str())))
+                    .cloned()
+                    .collect();
+                let shapes: Vec<String> = sent
+                    .iter()
+                    .map(|sql| {
+                        let words: Vec<&str> = sql
+                            .split("; ")
+                            .map(|statement| statement.split(' ').next().unwrap_or(""))
+                            .collect();
+                        words.join("; ")
+                    })
+                    .collect();
+                if events <= 64 {
+                    let one = format!("{}; COMMIT", statements.join("; "));
+                    assert_eq!(shapes, [one], "{mode:?}: {sent:?}");
+                    assert!(
+                        queued.iter().all(|id| sent[0].contains(&format!("'{id}'"))),
+                        "{mode:?}: every id as a literal: {sent:?}"
+                    );
+                } else {
+                    assert_eq!(shapes, statements, "{mode:?}, {events} rows: {sent:?}");
+                }
+                if mode == PublishedRows::Mark {
+                    assert!(ids().await.is_empty(), "{mode:?}: every row marked");
+                }
+            }
+            assert_eq!(AsyncMysql::stats(&env).await.queued, 0, "{mode:?}");
+        }
+        diesel::connection::set_default_instrumentation(|| None).unwrap();
+        assert_eq!(env.stream_len().await, 3 * (3 + 65));
+    }
+
+    /// A batch whose delete fails in its COMMIT's string commits nothing (MySQL stops the
+    /// string at the failed statement, and the batch is rolled back): the rows stay queued,
+    /// an archive copy made before the failed delete is gone with it, and the next batch
+    /// publishes the rows again, as duplicates JetStream drops.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_batch_whose_delete_fails_commits_nothing_and_the_rows_are_published_again() {
+        use outbox_runtime::PublishedRows;
+        #[derive(QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        let env = AsyncMysql::setup().await;
+        for (n, mode) in [PublishedRows::Delete, PublishedRows::Archive]
+            .into_iter()
+            .enumerate()
+        {
+            <AsyncMysql as Backend>::execute(
+                &env,
+                "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox_events FOR EACH ROW \
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'deletes refused'",
+            )
+            .await;
+            let orders = vec![shipped(&format!("o-{n}")), shipped(&format!("p-{n}"))];
+            let (_, committed) = AsyncMysql::commit(&env, orders, None, End::Ok).await;
+            committed.unwrap();
+            let mut config = AsyncMysql::relay_config(&env);
+            config.published = mode;
+            let mut relay = MysqlRelay::connect(config, env.nats.clone()).await.unwrap();
+            let error = relay.relay_batch().await.unwrap_err().to_string();
+            assert!(error.contains("deletes refused"), "{mode:?}: {error}");
+            assert_eq!(AsyncMysql::stats(&env).await.queued, 4, "{mode:?}");
+            let archived = diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_published")
+                .get_result::<Count>(&mut database(&env).conn().await)
+                .await
+                .unwrap()
+                .n;
+            assert_eq!(archived, 0, "{mode:?}: the archive's copies rolled back");
+            assert_eq!(
+                env.stream_len().await,
+                4 * (n as u64 + 1),
+                "{mode:?}: published"
+            );
+
+            <AsyncMysql as Backend>::execute(&env, "DROP TRIGGER refuse_delete").await;
+            let report = relay.relay_batch().await.unwrap();
+            assert_eq!(
+                (report.published, report.duplicates),
+                (4, 4),
+                "{mode:?}: {report:?}"
+            );
+            assert_eq!(AsyncMysql::stats(&env).await.queued, 0, "{mode:?}");
+            let archived = diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_published")
+                .get_result::<Count>(&mut database(&env).conn().await)
+                .await
+                .unwrap()
+                .n;
+            assert_eq!(
+                archived,
+                if mode == PublishedRows::Archive { 4 } else { 0 },
+                "{mode:?}"
+            );
+        }
+        assert_eq!(
+            env.stream_len().await,
+            8,
+            "JetStream dropped the duplicates"
+        );
+    }
+
     /// MySQL commits the open transaction before a DDL statement (MySQL 8.0 Reference Manual,
     /// 15.3.3 "Statements That Cause an Implicit Commit"): a `CREATE TABLE` inside the
     /// closure ends the unit of work's transaction as a COMMIT would, and its events are not

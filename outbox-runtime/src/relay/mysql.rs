@@ -11,7 +11,7 @@ use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, Tr
 use uuid::Uuid;
 
 use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
-use super::worker::RelayStore;
+use super::worker::{RelayStore, finish_then_commit};
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
 use crate::database;
 use crate::mysql::pending_migrations;
@@ -104,6 +104,44 @@ const QUEUED: &str = "published_at IS NULL AND skipped_at IS NULL";
 /// A claimable row: queued, not a dead letter, not parked.
 const CLAIMABLE: &str = "published_at IS NULL AND skipped_at IS NULL \
     AND dead_lettered_at IS NULL AND available_at <= UTC_TIMESTAMP(6)";
+
+/// Deletes the rows `id IN (...)` ([`PublishedRows::Delete`], and the second statement of
+/// [`PublishedRows::Archive`]).
+const DELETE: &str = "DELETE FROM outbox_events WHERE id IN";
+
+/// Marks the rows `id IN (...)` published ([`PublishedRows::Mark`]).
+const MARK: &str = "UPDATE outbox_events SET published_at = UTC_TIMESTAMP(6) WHERE id IN";
+
+/// The most published rows a batch records in its COMMIT's round trip
+/// ([`finish_and_commit_sql`]); a larger batch binds their ids and commits apart. The
+/// PostgreSQL relay's bound (`queries::MAX_EVENTS_AT_COMMIT`), not measured apart on MySQL:
+/// at this size the round trip saved is the batch's cost that matters, above it the rows'.
+const MAX_IDS_AT_COMMIT: usize = 64;
+
+/// The statements that record the published rows `ids` as `mode` says, and the COMMIT, as
+/// one multi-statement string for [`RelayStore::finish_and_commit`]; `None` for no rows or
+/// more than [`MAX_IDS_AT_COMMIT`]. Each id is a quoted literal of its hyphenated
+/// lower-case form, the form the relay binds ([`RelayStore::finish`]): hex digits and
+/// hyphens, nothing to escape.
+fn finish_and_commit_sql(ids: &[Uuid], mode: PublishedRows) -> Option<String> {
+    if ids.is_empty() || ids.len() > MAX_IDS_AT_COMMIT {
+        return None;
+    }
+    let mut list = String::with_capacity(ids.len() * (uuid::fmt::Hyphenated::LENGTH + 4));
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            list.push_str(", ");
+        }
+        list.push('\'');
+        list.push_str(id.hyphenated().encode_lower(&mut Uuid::encode_buffer()));
+        list.push('\'');
+    }
+    Some(match mode {
+        PublishedRows::Delete => format!("{DELETE} ({list}); COMMIT"),
+        PublishedRows::Mark => format!("{MARK} ({list}); COMMIT"),
+        PublishedRows::Archive => format!("{ARCHIVE} ({list}); {DELETE} ({list}); COMMIT"),
+    })
+}
 
 /// Copies the rows `id IN (...)` into the archive, whole, stamped with the time of their
 /// publication ([`PublishedRows::Archive`]; migration `2026-11-26-000003_archive`).
@@ -401,12 +439,9 @@ impl RelayStore for AsyncMysqlConnection {
     /// rows are the batch's claimed ones, which no other relay takes while this batch holds
     /// their aggregates' heads, so what is copied is what was published.
     async fn finish(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
-        const DELETE: &str = "DELETE FROM outbox_events WHERE id IN";
         let statements: &[&str] = match mode {
             PublishedRows::Delete => &[DELETE],
-            PublishedRows::Mark => {
-                &["UPDATE outbox_events SET published_at = UTC_TIMESTAMP(6) WHERE id IN"]
-            }
+            PublishedRows::Mark => &[MARK],
             PublishedRows::Archive => &[ARCHIVE, DELETE],
         };
         // Within MySQL's placeholders a statement, whatever the batch size.
@@ -423,6 +458,20 @@ impl RelayStore for AsyncMysqlConnection {
             }
         }
         Ok(())
+    }
+
+    /// [`finish_and_commit_sql`] in one round trip, through the unit of work's checked
+    /// commit: MySQL stops a multi-statement string at its first error (MySQL 8.0 C API,
+    /// "Multiple Statement Execution Support"), so a failed statement skips the COMMIT and
+    /// the batch is rolled back. Two round trips for more than [`MAX_IDS_AT_COMMIT`] rows; a
+    /// plain COMMIT when no row was published.
+    async fn finish_and_commit(&mut self, ids: &[Uuid], mode: PublishedRows) -> QueryResult<()> {
+        match finish_and_commit_sql(ids, mode) {
+            Some(sql) => crate::unit_of_work::commit_checked(self, &sql)
+                .await
+                .map_err(|failed| failed.error),
+            None => finish_then_commit(self, ids, mode).await,
+        }
     }
 
     async fn stats(&mut self) -> QueryResult<OutboxStats> {

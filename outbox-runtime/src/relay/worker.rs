@@ -826,7 +826,7 @@ impl RelayStore for AsyncPgConnection {
 
 /// [`RelayStore::finish`] for the published rows `ids` (none: nothing to record), then
 /// [`RelayStore::commit`]: the end of a batch in two round trips.
-async fn finish_then_commit<C: RelayStore>(
+pub(super) async fn finish_then_commit<C: RelayStore>(
     conn: &mut C,
     ids: &[Uuid],
     mode: PublishedRows,
