@@ -2584,6 +2584,13 @@ mod mysql {
             n: i64,
         }
         let env = AsyncMysql::setup().await;
+        let archived = async || {
+            diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_published")
+                .get_result::<Count>(&mut database(&env).conn().await)
+                .await
+                .unwrap()
+                .n
+        };
         for (n, mode) in [PublishedRows::Delete, PublishedRows::Archive]
             .into_iter()
             .enumerate()
@@ -2603,12 +2610,11 @@ mod mysql {
             let error = relay.relay_batch().await.unwrap_err().to_string();
             assert!(error.contains("deletes refused"), "{mode:?}: {error}");
             assert_eq!(AsyncMysql::stats(&env).await.queued, 4, "{mode:?}");
-            let archived = diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_published")
-                .get_result::<Count>(&mut database(&env).conn().await)
-                .await
-                .unwrap()
-                .n;
-            assert_eq!(archived, 0, "{mode:?}: the archive's copies rolled back");
+            assert_eq!(
+                archived().await,
+                0,
+                "{mode:?}: the archive's copies rolled back"
+            );
             assert_eq!(
                 env.stream_len().await,
                 4 * (n as u64 + 1),
@@ -2623,13 +2629,8 @@ mod mysql {
                 "{mode:?}: {report:?}"
             );
             assert_eq!(AsyncMysql::stats(&env).await.queued, 0, "{mode:?}");
-            let archived = diesel::sql_query("SELECT COUNT(*) AS n FROM outbox_published")
-                .get_result::<Count>(&mut database(&env).conn().await)
-                .await
-                .unwrap()
-                .n;
             assert_eq!(
-                archived,
+                archived().await,
                 if mode == PublishedRows::Archive { 4 } else { 0 },
                 "{mode:?}"
             );

@@ -114,8 +114,8 @@ const MARK: &str = "UPDATE outbox_events SET published_at = UTC_TIMESTAMP(6) WHE
 
 /// The most published rows a batch records in its COMMIT's round trip
 /// ([`finish_and_commit_sql`]); a larger batch binds their ids and commits apart. The
-/// PostgreSQL relay's bound (`queries::MAX_EVENTS_AT_COMMIT`), not measured apart on MySQL:
-/// at this size the round trip saved is the batch's cost that matters, above it the rows'.
+/// PostgreSQL relay's bound (`queries::MAX_EVENTS_AT_COMMIT`), where thousands of ids as text
+/// cost the server more than the round trip saved; not measured apart on MySQL.
 const MAX_IDS_AT_COMMIT: usize = 64;
 
 /// The statements that record the published rows `ids` as `mode` says, and the COMMIT, as
