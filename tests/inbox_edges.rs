@@ -421,6 +421,70 @@ async fn crashes_do_not_use_up_a_messages_attempts() {
     assert_eq!(handled.deliveries, 4, "handled at its fourth delivery");
 }
 
+/// Loses its database connection the first `losses` times it handles an event (it
+/// terminates its own session, as a database restart or a proxy would), then writes it.
+#[derive(Clone)]
+struct LosingItsConnection {
+    losses: usize,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Handler for LosingItsConnection {
+    type Event = OrderEvent;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        event: OrderEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) < self.losses {
+            diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())")
+                .execute(uow.conn())
+                .await?;
+        }
+        Recording::default().handle(event, message, uow).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_under_the_handler_does_not_use_up_a_messages_attempts() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, 1).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "losing");
+    // One handler failure would dead-letter the message: a lost connection must not count.
+    config.max_attempts = 1;
+    let handler = LosingItsConnection {
+        losses: 3,
+        calls: Arc::default(),
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "the message settled", Duration::from_secs(20)).await;
+
+    let mut conn = consumer.conn().await;
+    let letters: Vec<String> = outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(letters, Vec::<String>::new(), "dead-lettered");
+    assert_eq!(
+        applied(&mut conn).await.get("o-0"),
+        Some(&vec![1]),
+        "handled once, after its connection was lost three times"
+    );
+    assert_eq!(
+        AtomicUsize::load(&handler.calls, Ordering::SeqCst),
+        4,
+        "handler calls"
+    );
+}
+
 /// Publishes a message straight to the stream, as another producer would.
 async fn publish_raw(
     producer: &TestEnv,
