@@ -14,6 +14,7 @@ pub mod consumer;
 pub mod counters;
 pub mod domain;
 pub mod libtest;
+pub mod postgres;
 
 use std::time::Duration;
 

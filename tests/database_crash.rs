@@ -1,0 +1,436 @@
+//! PostgreSQL itself crashing under the unit of work, the relay and the inbox: every process
+//! of a server of the test's own SIGKILLed (nothing flushed, PostgreSQL's WAL buffers lost)
+//! and started again on the same directory, which runs PostgreSQL's crash recovery. Twice:
+//! first while the relay publishes a backlog in one batch, its acks held back so that the
+//! batch has rows in the stream and has not committed; then while writers commit, the relay
+//! publishes and an inbox consumer applies, on the same server.
+//!
+//! What must hold after the crashes: every unit of work the writers were told committed is
+//! there; the events in the stream are exactly those of the business rows that committed
+//! (none lost, no ghost of a transaction the crash rolled back), each once, each aggregate's
+//! in order without gaps; the rows of the batch the crash rolled back were published again,
+//! and JetStream dropped them as duplicates; the consumer applied each event exactly once,
+//! in its aggregate's order; nothing is left queued or dead-lettered.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel::QueryableByName;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_runtime::{
+    DomainEvent, Handler, Inbox, InboxConfig, Metadata, PendingEvents, Relay, UnitOfWork,
+    UnitOfWorkError, aggregate,
+};
+use serde::{Deserialize, Serialize};
+use support::postgres::PostgresServer;
+use support::{NatsServer, Proxy, TestEnv, sequences, wait_until};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Serialize, Deserialize, DomainEvent)]
+enum LedgerEvent {
+    Booked { token: String },
+}
+
+#[aggregate]
+struct Account {
+    id: String,
+    pending_events: PendingEvents<LedgerEvent>,
+}
+
+/// Applies each booking into `applied`, in the inbox's transaction.
+#[derive(Clone)]
+struct Applying;
+
+impl Handler for Applying {
+    type Event = LedgerEvent;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        event: LedgerEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        let LedgerEvent::Booked { token } = event;
+        diesel::sql_query("INSERT INTO applied (token, account, seq) VALUES ($1, $2, $3)")
+            .bind::<diesel::sql_types::Text, _>(token)
+            .bind::<diesel::sql_types::Text, _>(&message.aggregate_id)
+            .bind::<diesel::sql_types::Int8, _>(message.sequence)
+            .execute(uow.conn())
+            .await?;
+        Ok(())
+    }
+}
+
+/// What one writer saw: the tokens of the units of work it was told committed, and of those
+/// that failed (a crash at COMMIT leaves it unknown whether they did).
+#[derive(Default)]
+struct Written {
+    committed: Vec<String>,
+    failed: Vec<String>,
+}
+
+const WRITERS: usize = 4;
+const ACCOUNTS_PER_WRITER: usize = 10;
+/// Events committed before the relay starts, over `BACKLOG_ACCOUNTS` accounts.
+const BACKLOG: usize = 2_000;
+const BACKLOG_ACCOUNTS: usize = 2;
+
+/// Commits one booking per unit of work over its accounts, round after round, until `stop`;
+/// after a failure it reconnects (waiting while the server is down) and carries on with a
+/// new token: the failed booking's event is discarded with it, since it may have committed.
+async fn write(env: Arc<TestEnv>, writer: usize, stop: CancellationToken) -> Written {
+    let mut accounts: Vec<Account> = (0..ACCOUNTS_PER_WRITER)
+        .map(|n| Account {
+            id: format!("acct-{writer}-{n}"),
+            pending_events: PendingEvents::new(),
+        })
+        .collect();
+    let mut written = Written::default();
+    let mut conn: Option<AsyncPgConnection> = None;
+    let mut n = 0_usize;
+    while !stop.is_cancelled() {
+        let Some(live) = conn.as_mut() else {
+            match tokio::time::timeout(
+                Duration::from_secs(2),
+                AsyncPgConnection::establish(&env.database_url),
+            )
+            .await
+            {
+                Ok(Ok(fresh)) => conn = Some(fresh),
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+            continue;
+        };
+        let token = format!("{writer}-{n}");
+        let account = &mut accounts[n % ACCOUNTS_PER_WRITER];
+        n += 1;
+        account.record(LedgerEvent::Booked {
+            token: token.clone(),
+        });
+        let outcome = env
+            .outbox()
+            .transaction(live, async |uow| {
+                diesel::sql_query("INSERT INTO bookings (token, account) VALUES ($1, $2)")
+                    .bind::<diesel::sql_types::Text, _>(&token)
+                    .bind::<diesel::sql_types::Text, _>(&account.id)
+                    .execute(uow.conn())
+                    .await?;
+                uow.track(account);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await;
+        match outcome {
+            Ok(()) => written.committed.push(token),
+            Err(_) => {
+                account.discard_pending_events();
+                written.failed.push(token);
+                conn = None;
+            }
+        }
+    }
+    written
+}
+
+#[derive(QueryableByName)]
+struct Booking {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    token: String,
+}
+
+#[derive(QueryableByName)]
+struct Applied {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    token: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    account: String,
+    #[diesel(sql_type = diesel::sql_types::Int8)]
+    seq: i64,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    count: i64,
+}
+
+async fn count(conn: &mut AsyncPgConnection, query: &str) -> i64 {
+    diesel::sql_query(query)
+        .get_result::<Count>(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{query}: {e}"))
+        .count
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_applies_each_once() {
+    let counters = support::counters::Counters::installed();
+    let mut server = PostgresServer::start().await;
+    let nats = NatsServer::start().await;
+    // The test kit's environment gives the NATS client, prefix and stream; its database is
+    // the crashing server's instead of the shared one.
+    let mut env = TestEnv::with_nats(&nats.url()).await;
+    env.database_url = server.url("postgres");
+    outbox_runtime::run_migrations(&env.database_url)
+        .await
+        .unwrap();
+    env.conn()
+        .await
+        .batch_execute(
+            "CREATE TABLE bookings (token text PRIMARY KEY, account text NOT NULL); \
+             CREATE TABLE applied (n bigserial PRIMARY KEY, token text NOT NULL, \
+             account text NOT NULL, seq bigint NOT NULL)",
+        )
+        .await
+        .unwrap();
+    let env = Arc::new(env);
+
+    // A backlog the relay publishes in one batch, two aggregates' long chains, one publish
+    // after the other's ack: the first crash comes while it publishes them, so that rows
+    // are in the stream whose batch has not committed. The relay reaches NATS through a
+    // proxy that holds its acks back from just before the crash, so that the batch cannot
+    // commit in between, however late the crash comes.
+    let mut conn = env.conn().await;
+    let mut backlog: Vec<Account> = (0..BACKLOG_ACCOUNTS)
+        .map(|n| Account {
+            id: format!("backlog-{n}"),
+            pending_events: PendingEvents::new(),
+        })
+        .collect();
+    let mut backlog_tokens = Vec::new();
+    for unit in 0..BACKLOG / 100 {
+        let mut tokens = Vec::new();
+        let mut owners = Vec::new();
+        for (n, account) in backlog.iter_mut().enumerate() {
+            for event in 0..100 / BACKLOG_ACCOUNTS {
+                let token = format!("backlog-{unit}-{n}-{event}");
+                account.record(LedgerEvent::Booked {
+                    token: token.clone(),
+                });
+                tokens.push(token);
+                owners.push(account.id.clone());
+            }
+        }
+        env.outbox()
+            .transaction(&mut conn, async |uow| {
+                diesel::sql_query(
+                    "INSERT INTO bookings (token, account) \
+                     SELECT * FROM unnest($1::text[], $2::text[])",
+                )
+                .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(&tokens)
+                .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(&owners)
+                .execute(uow.conn())
+                .await?;
+                for account in backlog.iter_mut() {
+                    uow.track(account);
+                }
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+        backlog_tokens.extend(tokens);
+    }
+    drop(conn);
+
+    let proxy = Proxy::start(([127, 0, 0, 1], nats.port).into()).await;
+    let relay_nats = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
+        .await
+        .unwrap();
+    let mut relay_config = env.relay_config();
+    relay_config.batch_size = BACKLOG;
+    relay_config.max_backoff = Duration::from_millis(500);
+    relay_config.connect_timeout = Duration::from_secs(2);
+    relay_config.statement_timeout = Duration::from_secs(5);
+    let relay = Relay::connect(relay_config, relay_nats)
+        .await
+        .unwrap()
+        .spawn();
+    wait_until(
+        "the relay publishing the backlog",
+        Duration::from_secs(30),
+        || async { (env.stream_len().await >= 200).then_some(()) },
+    )
+    .await;
+    proxy.freeze(true);
+    server.crash().await;
+    let published = env.stream_len().await;
+    assert!(
+        published < BACKLOG as u64,
+        "the whole backlog was published before the crash"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.restart().await;
+    proxy.freeze(false);
+    let restarted = std::time::Instant::now();
+    wait_until(
+        "the backlog published again",
+        Duration::from_secs(30),
+        || async {
+            let mut conn = env.conn().await;
+            let queued = count(&mut conn, "SELECT count(*) AS count FROM outbox_events").await;
+            (queued == 0).then_some(())
+        },
+    )
+    .await;
+    let recovered = restarted.elapsed();
+
+    let mut inbox_config = InboxConfig::new("crash", &env.database_url);
+    inbox_config.outbox = env.outbox();
+    inbox_config.topology = env.topology();
+    inbox_config.ack_wait = Duration::from_secs(1);
+    inbox_config.retry_delay = Duration::from_millis(50);
+    inbox_config.max_retry_delay = Duration::from_millis(200);
+    inbox_config.connect_timeout = Duration::from_secs(2);
+    inbox_config.statement_timeout = Duration::from_secs(5);
+    let inbox = Inbox::connect(inbox_config, env.nats.clone(), Applying)
+        .await
+        .unwrap();
+    let settled = inbox.clone();
+    let inbox = inbox.spawn();
+
+    // The second crash comes while writers commit, the relay publishes and the consumer
+    // applies.
+    let stop = CancellationToken::new();
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|writer| tokio::spawn(write(env.clone(), writer, stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.crash().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.restart().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.cancel();
+    let mut committed: BTreeSet<String> = backlog_tokens.into_iter().collect();
+    let mut failed = 0;
+    for writer in writers {
+        let written = writer.await.unwrap();
+        failed += written.failed.len();
+        committed.extend(written.committed);
+    }
+
+    let mut conn = env.conn().await;
+    let bookings: BTreeSet<String> = diesel::sql_query("SELECT token FROM bookings")
+        .load::<Booking>(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|booking| booking.token)
+        .collect();
+    eprintln!(
+        "the first crash came with {published} of the backlog's {BACKLOG} events in the \
+         stream, the relay had published and deleted them all {recovered:.2?} after the \
+         restart; {} events committed in all, {failed} units of work failed at the second \
+         crash, {} bookings in the database after recovery",
+        committed.len(),
+        bookings.len()
+    );
+    let lost: Vec<&String> = committed.difference(&bookings).collect();
+    assert!(
+        lost.is_empty(),
+        "committed, then lost by the crash: {lost:?}"
+    );
+    assert!(
+        failed > 0,
+        "the crashes met no unit of work: the test tested nothing"
+    );
+
+    // Everything committed reaches the stream and the consumer.
+    let expected = i64::try_from(bookings.len()).unwrap();
+    wait_until(
+        "the relay and the inbox drain",
+        Duration::from_secs(60),
+        || {
+            let (env, settled) = (env.clone(), settled.clone());
+            async move {
+                let mut conn = env.conn().await;
+                let queued = count(&mut conn, "SELECT count(*) AS count FROM outbox_events").await;
+                let applied = count(&mut conn, "SELECT count(*) AS count FROM applied").await;
+                let mut consumer = settled.consumer().clone();
+                let acks_pending = consumer.info().await.ok()?.num_ack_pending;
+                (queued == 0 && applied >= expected && acks_pending == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    relay.shutdown().await.unwrap();
+    inbox.shutdown().await.unwrap();
+
+    let messages = env.stream_messages().await;
+    let mut in_stream: BTreeMap<String, usize> = BTreeMap::new();
+    for message in &messages {
+        // The payload is the variant's fields: `{"token":".."}`.
+        let payload: serde_json::Value = serde_json::from_slice(&message.payload)
+            .unwrap_or_else(|e| panic!("a payload of {}: {e}", message.subject));
+        let token = payload["token"].as_str().expect("a booking's token");
+        *in_stream.entry(token.to_owned()).or_default() += 1;
+    }
+    let missing: Vec<&String> = bookings
+        .iter()
+        .filter(|token| !in_stream.contains_key(*token))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "committed, never published: {missing:?}"
+    );
+    let ghosts: Vec<&String> = in_stream
+        .keys()
+        .filter(|token| !bookings.contains(*token))
+        .collect();
+    assert!(ghosts.is_empty(), "published, never committed: {ghosts:?}");
+    let twice: Vec<(&String, &usize)> = in_stream.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "in the stream more than once: {twice:?}");
+    for (account, seqs) in sequences(&messages) {
+        let contiguous: Vec<u64> = (1..=seqs.len() as u64).collect();
+        assert_eq!(seqs, contiguous, "{account}'s events in the stream");
+    }
+
+    let applied: Vec<Applied> =
+        diesel::sql_query("SELECT token, account, seq FROM applied ORDER BY n")
+            .load(&mut conn)
+            .await
+            .unwrap();
+    let applied_tokens: BTreeSet<&String> = applied.iter().map(|row| &row.token).collect();
+    assert_eq!(
+        applied.len(),
+        applied_tokens.len(),
+        "a booking applied twice"
+    );
+    assert_eq!(
+        applied_tokens,
+        bookings.iter().collect(),
+        "the consumer applied what committed"
+    );
+    let mut per_account: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for row in &applied {
+        per_account.entry(&row.account).or_default().push(row.seq);
+    }
+    let accounts = per_account.len();
+    for (account, seqs) in per_account {
+        let in_order: Vec<i64> = (1..=seqs.len() as i64).collect();
+        assert_eq!(
+            seqs, in_order,
+            "{account}'s events as the consumer applied them"
+        );
+    }
+    for table in ["outbox_events", "outbox_inbox_dead_letters"] {
+        let left = count(&mut conn, &format!("SELECT count(*) AS count FROM {table}")).await;
+        assert_eq!(left, 0, "rows left in {table}");
+    }
+    // The rows of the batch the first crash rolled back, in the stream already, published
+    // again and acked by JetStream as duplicates.
+    let again = counters.get("outbox_relay_duplicates_total{}");
+    assert!(
+        again >= published,
+        "{published} rows of the batch the first crash rolled back were in the stream, and \
+         only {again} were published again"
+    );
+    eprintln!(
+        "{} messages in the stream, {} applied, over {accounts} accounts; {again} rows \
+         published again after a crash, dropped by JetStream as duplicates",
+        messages.len(),
+        applied.len(),
+    );
+}

@@ -1,0 +1,262 @@
+//! A PostgreSQL server of the test's own, for tests that crash the database itself (they
+//! never touch the shared one): a data directory made by `initdb` in the temporary
+//! directory, a `postgres` process on a free port of loopback, killed the way a crash kills
+//! it and started again on the same directory, which runs PostgreSQL's crash recovery.
+//!
+//! The binaries are those of `OUTBOX_TEST_PG_BINDIR`, else of `pg_config --bindir`, else the
+//! newest `/usr/lib/postgresql/*/bin` (Debian's layout). `initdb` refuses to run as root, so
+//! as root the server runs as the user `postgres` (`runuser`), which owns its directory.
+
+use std::os::unix::fs::MetadataExt as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+
+use super::free_port;
+
+/// The test's own PostgreSQL server. Dropping it kills the server and removes its directory.
+pub struct PostgresServer {
+    pub port: u16,
+    bin: PathBuf,
+    /// The temporary directory: the data directory `data` and the server's log.
+    dir: PathBuf,
+    /// As root, the user the server runs as.
+    user: Option<&'static str>,
+    /// The command that runs the server: the postmaster, or `runuser` with the postmaster
+    /// as its child. Its process group is the server's: every process PostgreSQL forks.
+    child: Option<Child>,
+}
+
+impl PostgresServer {
+    /// Creates a data directory (trust authentication, the superuser `postgres`) and starts
+    /// the server on it.
+    ///
+    /// # Panics
+    /// When the binaries are not found, or `initdb` or the server fails, with its output.
+    pub async fn start() -> Self {
+        let bin = binaries();
+        let dir = std::env::temp_dir().join(format!("outbox-test-pg-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("the server's directory");
+        let root = std::fs::metadata("/proc/self").is_ok_and(|me| me.uid() == 0);
+        let user = root.then_some("postgres");
+        if let Some(user) = user {
+            let status = Command::new("chown")
+                .args([user, &dir.display().to_string()])
+                .status()
+                .expect("run chown");
+            assert!(status.success(), "chown {user} {}", dir.display());
+        }
+        let mut server = Self {
+            port: free_port(),
+            bin,
+            dir,
+            user,
+            child: None,
+        };
+        let initdb = server
+            .command("initdb")
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "-D",
+            ])
+            .arg(server.data())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run initdb (set OUTBOX_TEST_PG_BINDIR): {e}"));
+        assert!(
+            initdb.status.success(),
+            "initdb failed: {}{}",
+            String::from_utf8_lossy(&initdb.stdout),
+            String::from_utf8_lossy(&initdb.stderr)
+        );
+        // A port found free can be taken before the server binds it: then another is tried.
+        for _ in 0..5 {
+            match server.try_start().await {
+                Ok(()) => return server,
+                Err(failure) if failure.contains("Address already in use") => {
+                    server.port = free_port();
+                }
+                Err(failure) => panic!("{failure}"),
+            }
+        }
+        panic!("the test's PostgreSQL did not start:\n{}", server.log());
+    }
+
+    /// The URL of database `database` on this server.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Kills every process of the server at once with SIGKILL (the postmaster, its
+    /// backends, the WAL writer, the checkpointer), as a crash of its host's processes does:
+    /// nothing is flushed or shut down, and what sat in PostgreSQL's WAL buffers is lost.
+    /// Returns once every one of them has exited.
+    pub async fn crash(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let group = format!("-{}", child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = child.wait();
+        // The backends are the postmaster's children, not the test's: wait until none of
+        // the group is left (a new postmaster refuses a directory whose old processes
+        // still hold its shared memory).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while Command::new("kill")
+            .args(["-0", "--", &group])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success())
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the test's PostgreSQL processes outlived SIGKILL by 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Starts the server again on the same directory and port (PostgreSQL recovers from its
+    /// WAL first), and waits until it accepts connections.
+    ///
+    /// # Panics
+    /// When it does not within 60 s, with its log.
+    pub async fn restart(&mut self) {
+        if let Err(failure) = self.try_start().await {
+            panic!("{failure}");
+        }
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("server.log")
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// `program` of the server's binaries, as the server's user.
+    fn command(&self, program: &str) -> Command {
+        let program = self.bin.join(program);
+        match self.user {
+            Some(user) => {
+                let mut command = Command::new("runuser");
+                command.args(["-u", user, "--"]).arg(program);
+                command
+            }
+            None => Command::new(program),
+        }
+    }
+
+    async fn try_start(&mut self) -> Result<(), String> {
+        assert!(self.child.is_none(), "the test's PostgreSQL is running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("the server's log file");
+        let socket_dir = self.dir.display().to_string();
+        let mut child = self
+            .command("postgres")
+            .arg("-D")
+            .arg(self.data())
+            .args(["-p", &self.port.to_string()])
+            .args(["-c", "listen_addresses=127.0.0.1"])
+            .args(["-c", &format!("unix_socket_directories={socket_dir}")])
+            .args(["-c", "max_connections=60", "-c", "shared_buffers=32MB"])
+            // Durable commits, as in production: what a unit of work was told committed must
+            // survive the crash.
+            .args(["-c", "fsync=on", "-c", "synchronous_commit=on"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("the log file"))
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start postgres (set OUTBOX_TEST_PG_BINDIR): {e}"));
+        let url = self.url("postgres");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "the test's PostgreSQL on port {} exited ({status}); its log:\n{}",
+                    self.port,
+                    self.log()
+                ));
+            }
+            // Accepting TCP is not enough: during recovery the server refuses sessions.
+            if AsyncPgConnection::establish(&url).await.is_ok() {
+                self.child = Some(child);
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                let _ = Command::new("kill")
+                    .args(["-KILL", "--", &format!("-{}", child.id())])
+                    .status();
+                let _ = child.wait();
+                return Err(format!(
+                    "the test's PostgreSQL did not accept a session within 60 s; its log:\n{}",
+                    self.log()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The directory of PostgreSQL's server binaries (`initdb`, `postgres`).
+fn binaries() -> PathBuf {
+    if let Ok(dir) = std::env::var("OUTBOX_TEST_PG_BINDIR") {
+        return dir.into();
+    }
+    let from_pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+        .filter(|dir| dir.join("initdb").exists());
+    if let Some(dir) = from_pg_config {
+        return dir;
+    }
+    let mut installed: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse().ok()?;
+            let bin = entry.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .collect();
+    installed.sort();
+    installed.pop().map(|(_, bin)| bin).unwrap_or_else(|| {
+        panic!(
+            "no PostgreSQL server binaries (initdb, postgres) found: set OUTBOX_TEST_PG_BINDIR, \
+             or put pg_config on the PATH"
+        )
+    })
+}
