@@ -11,6 +11,10 @@
 //! in order without gaps; the rows of the batch the crash rolled back were published again,
 //! and JetStream dropped them as duplicates; the consumer applied each event exactly once,
 //! in its aggregate's order; nothing is left queued or dead-lettered.
+//!
+//! A second test crashes a server right after a relay batch committed, its commit record
+//! still in the WAL buffers (the relay's batches commit asynchronously): the batch's rows
+//! come back, and are published again without a copy in the stream.
 
 mod support;
 
@@ -157,6 +161,9 @@ struct Count {
     count: i64,
 }
 
+/// The relay's duplicates counter is the test binary's: its tests take turns.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn count(conn: &mut AsyncPgConnection, query: &str) -> i64 {
     diesel::sql_query(query)
         .get_result::<Count>(conn)
@@ -167,6 +174,7 @@ async fn count(conn: &mut AsyncPgConnection, query: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_applies_each_once() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let counters = support::counters::Counters::installed();
     let mut server = PostgresServer::start().await;
     let nats = NatsServer::start().await;
@@ -439,4 +447,83 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
         messages.len(),
         applied.len(),
     );
+}
+
+/// The relay's batch commits asynchronously: a crash soon after it loses the commit's record,
+/// and the rows the batch deleted are queued again. Made certain here: the server's WAL
+/// writer waits 10 s (`wal_writer_delay`, 200 ms by default) before it flushes a commit that
+/// did not wait, and nothing else commits, so the crash that follows the relay's batch finds
+/// the commit's record still in PostgreSQL's WAL buffers. The rows are published again, in
+/// order, and JetStream drops the copies: the stream holds each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_batch_whose_commit_a_crash_lost_is_published_again_and_dropped_by_jetstream() {
+    const EVENTS: usize = 100;
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let mut server = PostgresServer::start_with(&["wal_writer_delay=10s"]).await;
+    let mut env = TestEnv::new().await;
+    env.database_url = server.url("postgres");
+    outbox_runtime::run_migrations(&env.database_url)
+        .await
+        .unwrap();
+    let mut account = Account {
+        id: "acct-1".to_owned(),
+        pending_events: PendingEvents::new(),
+    };
+    for n in 0..EVENTS {
+        account.record(LedgerEvent::Booked {
+            token: n.to_string(),
+        });
+    }
+    env.commit(&mut account).await;
+
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let queued = async |env: &TestEnv| {
+        count(
+            &mut env.conn().await,
+            "SELECT count(*) AS count FROM outbox_events",
+        )
+        .await
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while queued(&env).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the relay published nothing in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // The batch committed (its delete is visible), and its record is not on disk yet.
+    server.crash().await;
+    relay.shutdown().await.unwrap();
+    server.restart().await;
+    assert_eq!(
+        queued(&env).await,
+        EVENTS as i64,
+        "after the crash, the rows of the batch whose commit it lost are queued again"
+    );
+
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    wait_until(
+        "the rows published again",
+        Duration::from_secs(30),
+        || async { (queued(&env).await == 0).then_some(()) },
+    )
+    .await;
+    relay.shutdown().await.unwrap();
+    let messages = env.stream_messages().await;
+    let tokens: Vec<String> = messages
+        .iter()
+        .map(|message| {
+            let payload: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+            payload["token"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let expected: Vec<String> = (0..EVENTS).map(|n| n.to_string()).collect();
+    assert_eq!(tokens, expected, "each event once, in order");
 }

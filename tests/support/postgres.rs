@@ -25,6 +25,8 @@ pub struct PostgresServer {
     dir: PathBuf,
     /// As root, the user the server runs as.
     user: Option<&'static str>,
+    /// Settings beyond the defaults below, `name=value` each.
+    settings: Vec<String>,
     /// The command that runs the server: the postmaster, or `runuser` with the postmaster
     /// as its child. Its process group is the server's: every process PostgreSQL forks.
     child: Option<Child>,
@@ -37,6 +39,15 @@ impl PostgresServer {
     /// # Panics
     /// When the binaries are not found, or `initdb` or the server fails, with its output.
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// The same, with `settings` (`name=value`, given to the server as `-c`) over the
+    /// defaults.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub async fn start_with(settings: &[&str]) -> Self {
         let bin = binaries();
         let dir = std::env::temp_dir().join(format!("outbox-test-pg-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).expect("the server's directory");
@@ -54,6 +65,7 @@ impl PostgresServer {
             bin,
             dir,
             user,
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
             child: None,
         };
         let initdb = server
@@ -179,6 +191,7 @@ impl PostgresServer {
             // Durable commits, as in production: what a unit of work was told committed must
             // survive the crash.
             .args(["-c", "fsync=on", "-c", "synchronous_commit=on"])
+            .args(self.settings.iter().flat_map(|setting| ["-c", setting]))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("the log file"))
             .stderr(log)
