@@ -44,7 +44,15 @@ pub(crate) const BEGIN: &str = "BEGIN; SET LOCAL outbox.unit_of_work = 'on'";
 /// The start of the message `outbox_assert_unit_of_work` raises.
 const TRANSACTION_ENDED: &str = "outbox: the unit of work's transaction was ended";
 
-/// A unit of work could not commit; the transaction was rolled back and nothing was written.
+/// A unit of work could not commit; the transaction was rolled back and nothing was written,
+/// but for one case: a connection lost while its COMMIT was in flight (a [`Database`] error
+/// such as diesel's `UnableToSendCommand` or `ClosedConnection`, "connection closed", from
+/// the commit), where the server may have committed before the connection went, events and
+/// business rows together or neither. Retrying such a unit of work can write its events a
+/// second time, with new ids; an event with a dedup key (`#[event(dedup_key)]`) is written
+/// once however often it is retried, until its key is purged.
+///
+/// [`Database`]: UnitOfWorkError::Database
 #[derive(Debug, thiserror::Error)]
 pub enum UnitOfWorkError {
     /// A value that becomes a subject token (or the `ce-subject` header) is not a valid NATS
