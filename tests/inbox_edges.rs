@@ -1,7 +1,8 @@
 //! The inbox at its edges, against the real PostgreSQL and NATS: per-aggregate order across a
 //! crash, a graceful restart and several instances; a restarted consumer that must not sit
-//! idle; crashes that must not use up attempts; hostile ids; CloudEvents sources; a handler
-//! that ends its transaction; and gaps in an aggregate's sequence.
+//! idle; crashes and lost database connections that must not use up attempts; hostile ids;
+//! CloudEvents sources; a handler that ends its transaction; and gaps in an aggregate's
+//! sequence.
 
 mod support;
 
