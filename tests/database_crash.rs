@@ -491,7 +491,7 @@ async fn a_relay_batch_whose_commit_a_crash_lost_is_published_again_and_dropped_
     while queued(&env).await > 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the relay published nothing in 30 s"
+            "the relay's batch did not commit in 30 s"
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
