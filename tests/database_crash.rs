@@ -30,7 +30,7 @@ use outbox_runtime::{
 };
 use serde::{Deserialize, Serialize};
 use support::postgres::PostgresServer;
-use support::{NatsServer, Proxy, TestEnv, sequences, wait_until};
+use support::{NatsServer, Proxy, Received, TestEnv, poll_until, sequences, wait_until};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Serialize, Deserialize, DomainEvent)]
@@ -172,6 +172,25 @@ async fn count(conn: &mut AsyncPgConnection, query: &str) -> i64 {
         .count
 }
 
+/// How many rows `env`'s outbox holds (queued: the relay deletes what it published).
+async fn queued(env: &TestEnv) -> i64 {
+    count(
+        &mut env.conn().await,
+        "SELECT count(*) AS count FROM outbox_events",
+    )
+    .await
+}
+
+/// A booking's token, from its message's payload (the variant's fields: `{"token":".."}`).
+fn token(message: &Received) -> String {
+    let payload: serde_json::Value = serde_json::from_slice(&message.payload)
+        .unwrap_or_else(|e| panic!("the payload of {}: {e}", message.subject));
+    payload["token"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no token in the payload of {}", message.subject))
+        .to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_applies_each_once() {
     let _turn = ONE_AT_A_TIME.lock().await;
@@ -256,14 +275,13 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
         .await
         .unwrap()
         .spawn();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while env.stream_len().await < 200 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the relay published too little of the backlog in 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    poll_until(
+        "the relay publishing 200 of the backlog",
+        Duration::from_secs(30),
+        Duration::from_millis(2),
+        || async { (env.stream_len().await >= 200).then_some(()) },
+    )
+    .await;
     proxy.freeze(true);
     server.crash().await;
     // Less than the whole backlog: its batch had acks to wait for, and could not commit. (A
@@ -278,11 +296,7 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     wait_until(
         "the backlog published again",
         Duration::from_secs(30),
-        || async {
-            let mut conn = env.conn().await;
-            let queued = count(&mut conn, "SELECT count(*) AS count FROM outbox_events").await;
-            (queued == 0).then_some(())
-        },
+        || async { (queued(&env).await == 0).then_some(()) },
     )
     .await;
     let recovered = restarted.elapsed();
@@ -355,9 +369,12 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
         || {
             let (env, settled) = (env.clone(), settled.clone());
             async move {
-                let mut conn = env.conn().await;
-                let queued = count(&mut conn, "SELECT count(*) AS count FROM outbox_events").await;
-                let applied = count(&mut conn, "SELECT count(*) AS count FROM applied").await;
+                let queued = queued(&env).await;
+                let applied = count(
+                    &mut env.conn().await,
+                    "SELECT count(*) AS count FROM applied",
+                )
+                .await;
                 let mut consumer = settled.consumer().clone();
                 let acks_pending = consumer.info().await.ok()?.num_ack_pending;
                 (queued == 0 && applied >= expected && acks_pending == 0).then_some(())
@@ -371,11 +388,7 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     let messages = env.stream_messages().await;
     let mut in_stream: BTreeMap<String, usize> = BTreeMap::new();
     for message in &messages {
-        // The payload is the variant's fields: `{"token":".."}`.
-        let payload: serde_json::Value = serde_json::from_slice(&message.payload)
-            .unwrap_or_else(|e| panic!("a payload of {}: {e}", message.subject));
-        let token = payload["token"].as_str().expect("a booking's token");
-        *in_stream.entry(token.to_owned()).or_default() += 1;
+        *in_stream.entry(token(message)).or_default() += 1;
     }
     let missing: Vec<&String> = bookings
         .iter()
@@ -480,21 +493,13 @@ async fn a_relay_batch_whose_commit_a_crash_lost_is_published_again_and_dropped_
         .await
         .unwrap()
         .spawn();
-    let queued = async |env: &TestEnv| {
-        count(
-            &mut env.conn().await,
-            "SELECT count(*) AS count FROM outbox_events",
-        )
-        .await
-    };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while queued(&env).await > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the relay's batch did not commit in 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    poll_until(
+        "the relay's batch committing",
+        Duration::from_secs(30),
+        Duration::from_millis(2),
+        || async { (queued(&env).await == 0).then_some(()) },
+    )
+    .await;
     // The batch committed (its delete is visible), and its record is not on disk yet.
     server.crash().await;
     relay.shutdown().await.unwrap();
@@ -517,13 +522,7 @@ async fn a_relay_batch_whose_commit_a_crash_lost_is_published_again_and_dropped_
     .await;
     relay.shutdown().await.unwrap();
     let messages = env.stream_messages().await;
-    let tokens: Vec<String> = messages
-        .iter()
-        .map(|message| {
-            let payload: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
-            payload["token"].as_str().unwrap().to_owned()
-        })
-        .collect();
+    let tokens: Vec<String> = messages.iter().map(token).collect();
     let expected: Vec<String> = (0..EVENTS).map(|n| n.to_string()).collect();
     assert_eq!(tokens, expected, "each event once, in order");
 }

@@ -60,7 +60,22 @@ pub async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subjec
 
 /// Waits until `check` returns `Some`, polling every 20 ms, for at most `timeout`; panics
 /// with `what` when it does not.
-pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    poll_until(what, timeout, Duration::from_millis(20), check).await
+}
+
+/// [`wait_until`], polling every `interval` (a test that must act within milliseconds of a
+/// state, a crash at a given point of a batch, polls more often).
+pub async fn poll_until<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    interval: Duration,
+    mut check: F,
+) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -73,7 +88,7 @@ where
         if tokio::time::Instant::now() > deadline {
             panic!("timed out after {timeout:?} waiting for {what}");
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(interval).await;
     }
 }
 

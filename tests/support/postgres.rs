@@ -114,9 +114,8 @@ impl PostgresServer {
         let Some(mut child) = self.child.take() else {
             return;
         };
+        kill_group(&mut child);
         let group = format!("-{}", child.id());
-        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
-        let _ = child.wait();
         // The backends are the postmaster's children, not the test's: wait until none of
         // the group is left (a new postmaster refuses a directory whose old processes
         // still hold its shared memory).
@@ -214,10 +213,7 @@ impl PostgresServer {
                 return Ok(());
             }
             if tokio::time::Instant::now() > deadline {
-                let _ = Command::new("kill")
-                    .args(["-KILL", "--", &format!("-{}", child.id())])
-                    .status();
-                let _ = child.wait();
+                kill_group(&mut child);
                 return Err(format!(
                     "the test's PostgreSQL did not accept a session within 60 s; its log:\n{}",
                     self.log()
@@ -231,13 +227,18 @@ impl PostgresServer {
 impl Drop for PostgresServer {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.wait();
+            kill_group(&mut child);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// SIGKILLs the process group `child` leads (the server's processes: see
+/// [`PostgresServer::child`]) and reaps `child`.
+fn kill_group(child: &mut Child) {
+    let group = format!("-{}", child.id());
+    let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+    let _ = child.wait();
 }
 
 /// The directory of PostgreSQL's server binaries (`initdb`, `postgres`).
