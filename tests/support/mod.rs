@@ -320,56 +320,153 @@ impl Drop for BlackHole {
 
 /// A TCP proxy on loopback to another address, which a test can freeze: while frozen, it
 /// forwards nothing in either direction (a database host that stops answering mid-query).
+/// It can also cut a connection at the client's bytes that hold a pattern ([`Proxy::cut_at`]).
 pub struct Proxy {
     pub port: u16,
     frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cut: ArmedCut,
     task: tokio::task::JoinHandle<()>,
 }
 
+/// The pattern [`Proxy::cut_at`] waits for, and where it severs the connection; `None` once
+/// used.
+type ArmedCut = std::sync::Arc<std::sync::Mutex<Option<(Vec<u8>, Severed)>>>;
+
+/// Where [`Proxy::cut_at`] severs a connection.
+#[derive(Clone, Copy, Debug)]
+pub enum Severed {
+    /// The server receives the client's bytes and answers them; the answer is not forwarded,
+    /// and the client's connection is closed (a connection lost after the server ran the
+    /// statement).
+    AfterForwarding,
+    /// The bytes are not forwarded; the server's connection is closed, and the client's once
+    /// the server closed it (a connection lost before the statement arrived).
+    BeforeForwarding,
+}
+
 impl Proxy {
+    /// How long a server must stay silent before [`Severed::AfterForwarding`] takes its answer
+    /// as whole.
+    const QUIET: Duration = Duration::from_millis(500);
+
     pub async fn start(target: std::net::SocketAddr) -> Self {
-        use std::sync::atomic::Ordering;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = frozen.clone();
+        let frozen = Arc::new(AtomicBool::new(false));
+        let cut = ArmedCut::default();
+        let (flag, armed) = (frozen.clone(), cut.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(target).await else {
                     continue;
                 };
-                let (client_read, client_write) = client.into_split();
-                let (server_read, server_write) = server.into_split();
-                for (mut from, mut to) in [(client_read, server_write), (server_read, client_write)]
-                {
-                    let flag = flag.clone();
-                    tokio::spawn(async move {
-                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                        let mut buffer = vec![0_u8; 16 * 1024];
-                        loop {
-                            let Ok(read) = from.read(&mut buffer).await else {
-                                return;
-                            };
-                            if read == 0 {
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                // Set when this connection was cut after forwarding: the server's answer
+                // goes nowhere.
+                let severed = Arc::new(AtomicBool::new(false));
+                let answered = Arc::new(tokio::sync::Notify::new());
+                let (flag_up, armed, severed_up) = (flag.clone(), armed.clone(), severed.clone());
+                let answered_up = answered.clone();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0_u8; 16 * 1024];
+                    loop {
+                        let Ok(read) = client_read.read(&mut buffer).await else {
+                            return;
+                        };
+                        if read == 0 {
+                            return;
+                        }
+                        while flag_up.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        let chunk = &buffer[..read];
+                        let cut = {
+                            let mut armed = armed.lock().unwrap();
+                            let hit = armed.as_ref().is_some_and(|(pattern, _)| {
+                                chunk
+                                    .windows(pattern.len())
+                                    .any(|w| w == pattern.as_slice())
+                            });
+                            if hit {
+                                armed.take().map(|(_, cut)| cut)
+                            } else {
+                                None
+                            }
+                        };
+                        match cut {
+                            Some(Severed::AfterForwarding) => {
+                                severed_up.store(true, Ordering::SeqCst);
+                                let _ = server_write.write_all(chunk).await;
+                                // Keeps the server's side open until it answered everything
+                                // (its writes must not fail: PostgreSQL ends a session whose
+                                // client is gone before its next statement, a COMMIT too).
+                                // Then returning closes it.
+                                answered_up.notified().await;
                                 return;
                             }
-                            while flag.load(Ordering::SeqCst) {
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                            }
-                            if to.write_all(&buffer[..read]).await.is_err() {
-                                return;
+                            // Dropping the server's write half closes it unsent.
+                            Some(Severed::BeforeForwarding) => return,
+                            None => {
+                                if server_write.write_all(chunk).await.is_err() {
+                                    return;
+                                }
                             }
                         }
-                    });
-                }
+                    }
+                });
+                let flag_down = flag.clone();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0_u8; 16 * 1024];
+                    loop {
+                        let Ok(read) = server_read.read(&mut buffer).await else {
+                            return;
+                        };
+                        if severed.load(Ordering::SeqCst) {
+                            // Reads what the server answers to the severed bytes until it is
+                            // quiet for half a second (a notice comes early, flushed at once),
+                            // and forwards none of it.
+                            while let Ok(Ok(1..)) =
+                                tokio::time::timeout(Self::QUIET, server_read.read(&mut buffer))
+                                    .await
+                            {}
+                            answered.notify_one();
+                        }
+                        // Returning drops the client's write half: the client reads the end
+                        // of its connection.
+                        if read == 0 || severed.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        while flag_down.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        if client_write.write_all(&buffer[..read]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
             }
         });
-        Self { port, frozen, task }
+        Self {
+            port,
+            frozen,
+            cut,
+            task,
+        }
     }
 
     pub fn freeze(&self, frozen: bool) {
         self.frozen
             .store(frozen, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Cuts the next connection whose client sends bytes holding `pattern` (in one read),
+    /// there, as `cut` says; once.
+    pub fn cut_at(&self, pattern: &[u8], cut: Severed) {
+        *self.cut.lock().unwrap() = Some((pattern.to_vec(), cut));
     }
 }
 
