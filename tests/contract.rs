@@ -8,7 +8,8 @@
 //! the feature `sqlite` (a database file per test in the temporary directory). All of them:
 //! `cargo test --features postgres-sync,mysql-sync,sqlite --test contract`.
 //!
-//! A rollback leaves nothing, and a transaction ended inside the closure writes no event;
+//! A rollback leaves nothing, and a transaction ended inside the closure writes no event; a
+//! connection lost during COMMIT is reported as an unknown outcome (not on SQLite);
 //! committed units of work become exactly the expected messages;
 //! sequences stay contiguous under concurrent units of work and continue after rows
 //! inserted by hand; a unit of work of thousands of events is written whole; a row written
@@ -214,6 +215,17 @@ trait Backend {
         async {}
     }
 
+    /// The address the environment's database server listens on.
+    fn server(env: &Env) -> std::net::SocketAddr {
+        server_of(&env.database_url)
+    }
+
+    /// Points the connections the environment opens from now on at port `port` on loopback
+    /// (a [`support::Proxy`] to [`server`](Self::server)).
+    fn connect_through(env: &mut Env, port: u16) {
+        env.env.database_url = through(&env.database_url, port);
+    }
+
     /// Starts a relay with `config`.
     fn spawn_relay(env: &Env, config: RelayConfig) -> impl Future<Output = RelayHandle> + Send {
         async move {
@@ -302,6 +314,39 @@ impl Backend for SyncPg {
     }
 }
 
+/// The address of the server of a database URL (`scheme://[user@]host:port/...`).
+fn server_of(url: &str) -> std::net::SocketAddr {
+    use std::net::ToSocketAddrs;
+    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = authority.split('/').next().unwrap_or_default();
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    host.to_socket_addrs()
+        .ok()
+        .and_then(|mut addresses| addresses.next())
+        .unwrap_or_else(|| panic!("no server address in {url}"))
+}
+
+/// `url` with its server replaced by port `port` on loopback, in plain text all the way, so
+/// that a proxy there reads the statements: without TLS (libpq's `sslmode=prefer` would
+/// encrypt), and over TCP (mysql_async's `prefer_socket` moves a loopback connection to the
+/// server's Unix socket after the handshake).
+fn through(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a database URL");
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let user = authority
+        .rsplit_once('@')
+        .map_or(String::new(), |(user, _)| format!("{user}@"));
+    let plain = if scheme.starts_with("postgres") {
+        "sslmode=disable"
+    } else {
+        "prefer_socket=false"
+    };
+    let separator = if path.contains('?') { '&' } else { '?' };
+    format!("{scheme}://{user}127.0.0.1:{port}/{path}{separator}{plain}")
+}
+
 /// How a test unit of work's closure ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum End {
@@ -319,6 +364,68 @@ fn shipped(id: &str) -> Order {
     order.record(OrderEvent::Shipped);
     order
 }
+
+/// A connection lost while the unit of work's COMMIT is in flight: the client cannot know
+/// whether the server committed, and the unit of work says so
+/// ([`UnitOfWorkError::CommitOutcomeUnknown`]) instead of a plain database error, which
+/// promises a rollback. Once where the server ran the COMMIT (the business row and the events
+/// are written, and will be published) and once where it never received it (nothing is
+/// written); each with the events' INSERT sent with the COMMIT (no dedup key, on PostgreSQL)
+/// and written before it (a dedup key). The aggregate keeps its events either way.
+async fn a_connection_lost_during_commit_reports_the_outcome_unknown<B: Backend>() {
+    use support::{Proxy, Severed};
+    for cut in [Severed::AfterForwarding, Severed::BeforeForwarding] {
+        for dedup_key in [None, Some("r-1".to_owned())] {
+            let case = format!("{cut:?}, dedup key {dedup_key:?}");
+            let mut env = B::setup().await;
+            let proxy = Proxy::start(B::server(&env)).await;
+            B::connect_through(&mut env, proxy.port);
+            proxy.cut_at(b"COMMIT", cut);
+            let (orders, result) =
+                B::commit(&env, vec![shipped("o-1")], dedup_key.clone(), End::Ok).await;
+            assert!(
+                matches!(result, Err(UnitOfWorkError::CommitOutcomeUnknown { .. })),
+                "{case}: {result:?}"
+            );
+            assert_eq!(orders[0].pending_events().len(), 2, "{case}");
+            let committed = matches!(cut, Severed::AfterForwarding);
+            assert_eq!(B::business_rows(&env).await, i64::from(committed), "{case}");
+            let rows = if committed {
+                vec![("o-1".to_owned(), 1), ("o-1".to_owned(), 2)]
+            } else {
+                Vec::new()
+            };
+            assert_eq!(B::rows(&env).await, rows, "{case}");
+        }
+    }
+}
+
+/// The contract's test of lost connections, on each database whose connection can be lost
+/// (not SQLite's, in the process).
+macro_rules! lost_connection {
+    ($($(#[$cfg:meta])* $module:ident => $backend:ty),* $(,)?) => {$(
+        $(#[$cfg])*
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_connection_lost_during_commit_reports_the_outcome_unknown() {
+                super::a_connection_lost_during_commit_reports_the_outcome_unknown::<$backend>()
+                    .await;
+            }
+        }
+    )*};
+}
+
+lost_connection!(
+    lost_async_pg => AsyncPg,
+    #[cfg(feature = "postgres-sync")]
+    lost_sync_pg => SyncPg,
+    #[cfg(feature = "mysql")]
+    lost_async_mysql => mysql::AsyncMysql,
+    #[cfg(feature = "mysql-sync")]
+    lost_sync_mysql => mysql::SyncMysql,
+);
 
 async fn a_rollback_leaves_nothing<B: Backend>() {
     let env = B::setup().await;
@@ -2121,6 +2228,15 @@ mod mysql {
             Self::setup_on(&support::nats_url()).await
         }
 
+        fn server(env: &Env) -> std::net::SocketAddr {
+            server_of(&database(env).url)
+        }
+
+        fn connect_through(env: &mut Env, port: u16) {
+            let database = env.mysql.as_mut().expect("a MySQL environment");
+            database.url = through(&database.url, port);
+        }
+
         async fn commit(
             env: &Env,
             mut orders: Vec<Order>,
@@ -2680,6 +2796,14 @@ mod mysql {
     impl Backend for SyncMysql {
         async fn setup() -> Env {
             AsyncMysql::setup().await
+        }
+
+        fn server(env: &Env) -> std::net::SocketAddr {
+            AsyncMysql::server(env)
+        }
+
+        fn connect_through(env: &mut Env, port: u16) {
+            AsyncMysql::connect_through(env, port);
         }
 
         async fn commit(

@@ -22,7 +22,7 @@ use support::consumer::{
     wait_until_settled,
 };
 use support::domain::OrderEvent;
-use support::{NatsServer, Proxy, TestEnv, wait_until};
+use support::{Logs, NatsServer, Proxy, Severed, TestEnv, wait_until};
 
 /// Fetches up to `count` messages for the consumer, leaving them unacked.
 async fn receive(inbox: &Inbox<impl Handler>, count: usize) -> Vec<async_nats::jetstream::Message> {
@@ -468,11 +468,7 @@ async fn a_connection_lost_under_the_handler_does_not_use_up_a_messages_attempts
     run_until_settled(inbox, "the message settled", Duration::from_secs(20)).await;
 
     let mut conn = consumer.conn().await;
-    let letters: Vec<String> = outbox_inbox_dead_letters::table
-        .select(outbox_inbox_dead_letters::error)
-        .load(&mut conn)
-        .await
-        .unwrap();
+    let letters = dead_letter_errors(&mut conn).await;
     assert_eq!(letters, Vec::<String>::new(), "dead-lettered");
     assert_eq!(
         applied(&mut conn).await.get("o-0"),
@@ -484,6 +480,49 @@ async fn a_connection_lost_under_the_handler_does_not_use_up_a_messages_attempts
         4,
         "handler calls"
     );
+}
+
+/// The inbox's connection lost while its COMMIT was in flight, after the server committed:
+/// the inbox cannot know that the message was applied, so it does not ack it, and counts
+/// the failure as the database's, not the handler's (`max_attempts` 1 dead-letters
+/// nothing); the redelivery finds the message applied and acks it. Applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_during_the_inboxs_commit_applies_the_message_once() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, 1).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "lost-commit");
+    config.max_attempts = 1;
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    config.database_url = config
+        .database_url
+        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    proxy.cut_at(b"COMMIT", Severed::AfterForwarding);
+    let (logs, _turn) = Logs::capture().await;
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "the message settled", Duration::from_secs(20)).await;
+
+    let text = logs.text();
+    assert!(
+        text.contains("COMMIT was in flight") && text.contains("will be redelivered"),
+        "the lost COMMIT is not logged as the database's failure: {text}"
+    );
+    let mut conn = consumer.conn().await;
+    let letters = dead_letter_errors(&mut conn).await;
+    assert_eq!(letters, Vec::<String>::new(), "dead-lettered");
+    assert_eq!(applied(&mut conn).await.get("o-0"), Some(&vec![1]));
+}
+
+/// The error of every message the inbox dead-lettered.
+async fn dead_letter_errors(conn: &mut diesel_async::AsyncPgConnection) -> Vec<String> {
+    outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(conn)
+        .await
+        .unwrap()
 }
 
 /// Publishes a message straight to the stream, as another producer would.
@@ -665,11 +704,7 @@ async fn a_handler_that_ends_its_transaction_fails_instead_of_being_acked() {
         2,
         "failed, retried, failed"
     );
-    let letters: Vec<String> = outbox_inbox_dead_letters::table
-        .select(outbox_inbox_dead_letters::error)
-        .load(&mut consumer.conn().await)
-        .await
-        .unwrap();
+    let letters = dead_letter_errors(&mut consumer.conn().await).await;
     assert_eq!(letters.len(), 1);
     assert!(
         letters[0].contains("ended inside its closure"),
@@ -749,11 +784,7 @@ async fn an_event_the_producer_skipped_leaves_a_recorded_gap_and_comes_late_as_a
         applied(&mut consumer_conn).await.get("o-1"),
         Some(&vec![1, 3])
     );
-    let letters: Vec<String> = outbox_inbox_dead_letters::table
-        .select(outbox_inbox_dead_letters::error)
-        .load(&mut consumer_conn)
-        .await
-        .unwrap();
+    let letters = dead_letter_errors(&mut consumer_conn).await;
     assert_eq!(letters.len(), 1);
     assert!(
         letters[0].contains("arrived after event 3 of its aggregate"),

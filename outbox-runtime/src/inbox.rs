@@ -702,7 +702,9 @@ impl Failure {
             Self::Handler(_) => true,
             Self::Outbox(error) => !matches!(
                 error,
-                UnitOfWorkError::Database(_) | UnitOfWorkError::MissingMigrations(_)
+                UnitOfWorkError::Database(_)
+                    | UnitOfWorkError::CommitOutcomeUnknown { .. }
+                    | UnitOfWorkError::MissingMigrations(_)
             ),
             _ => false,
         }

@@ -234,6 +234,7 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
     /// runs only after the mark was released.
     const CHECKED_COMMIT: Option<&'static str> =
         Some("RELEASE SAVEPOINT outbox_unit_of_work; COMMIT");
+    const COMMIT: Option<&'static str> = Some("COMMIT");
 
     fn checked_commit_error(error: diesel::result::Error) -> UnitOfWorkError {
         mark_error(error)

@@ -210,11 +210,26 @@ impl Outbox {
                 match insert_and_commit {
                     Some(sql) => {
                         if let Err((error, rolled_back)) = commit_with(conn, &sql) {
+                            if rolled_back.is_err() {
+                                return Err(outcome_unknown(error).into());
+                            }
                             return flush_failed(conn, error.into(), rolled_back);
                         }
                     }
-                    None => AnsiTransactionManager::commit_transaction(conn)
-                        .map_err(UnitOfWorkError::from)?,
+                    None => match P::Connection::COMMIT {
+                        Some(sql) => {
+                            if let Err((error, rolled_back)) = commit_with(conn, sql) {
+                                let error = if rolled_back.is_err() {
+                                    outcome_unknown(error)
+                                } else {
+                                    UnitOfWorkError::Database(error)
+                                };
+                                return Err(error.into());
+                            }
+                        }
+                        None => AnsiTransactionManager::commit_transaction(conn)
+                            .map_err(UnitOfWorkError::from)?,
+                    },
                 }
                 if had_events {
                     P::Connection::events_committed();
@@ -279,6 +294,12 @@ fn commit_with<C: SyncBackendConnection>(
         Err(_) => status.set_in_error(),
     }
     result.map_err(|error| (error, ended))
+}
+
+/// The error of a commit whose rollback failed too: the connection is gone, and with it the
+/// answer to a COMMIT that may have run (as the async unit of work's).
+fn outcome_unknown(error: diesel::result::Error) -> UnitOfWorkError {
+    UnitOfWorkError::CommitOutcomeUnknown { source: error }
 }
 
 /// A sync diesel connection a unit of work runs on: `diesel::PgConnection` (feature
@@ -351,6 +372,12 @@ pub(crate) mod sealed {
             None
         }
 
+        /// The unit of work's COMMIT, sent through [`commit_with`] so that a lost connection
+        /// is told from a refused COMMIT ([`UnitOfWorkError::CommitOutcomeUnknown`]); `None`
+        /// where diesel's transaction manager commits, on a connection that cannot be lost
+        /// (SQLite's, in the process).
+        const COMMIT: Option<&'static str> = None;
+
         /// The outbox migrations the database lacks, if any, asked after a database error.
         fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>>;
 
@@ -361,6 +388,8 @@ pub(crate) mod sealed {
 
     #[cfg(feature = "postgres-sync")]
     impl SyncBackend for PgConnection {
+        const COMMIT: Option<&'static str> = Some("COMMIT");
+
         fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
             use crate::topology::{self, Registered, Role};
             if outbox.registration_due() {
@@ -445,6 +474,8 @@ pub(crate) mod sealed {
 
     #[cfg(feature = "mysql-sync")]
     impl SyncBackend for diesel::MysqlConnection {
+        const COMMIT: Option<&'static str> = Some("COMMIT");
+
         fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
             AnsiTransactionManager::begin_transaction_sql(self, crate::mysql::BEGIN)
         }

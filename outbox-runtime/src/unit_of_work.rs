@@ -45,14 +45,10 @@ pub(crate) const BEGIN: &str = "BEGIN; SET LOCAL outbox.unit_of_work = 'on'";
 const TRANSACTION_ENDED: &str = "outbox: the unit of work's transaction was ended";
 
 /// A unit of work could not commit; the transaction was rolled back and nothing was written,
-/// but for one case: a connection lost while its COMMIT was in flight (a [`Database`] error
-/// such as diesel's `UnableToSendCommand` or `ClosedConnection`, "connection closed", from
-/// the commit), where the server may have committed before the connection went, events and
-/// business rows together or neither. Retrying such a unit of work can write its events a
-/// second time, with new ids; an event with a dedup key (`#[event(dedup_key)]`) is written
-/// once however often it is retried, until its key is purged.
+/// but for one variant: [`CommitOutcomeUnknown`], a connection lost while its COMMIT was in
+/// flight, where the server may have committed before the connection went.
 ///
-/// [`Database`]: UnitOfWorkError::Database
+/// [`CommitOutcomeUnknown`]: UnitOfWorkError::CommitOutcomeUnknown
 #[derive(Debug, thiserror::Error)]
 pub enum UnitOfWorkError {
     /// A value that becomes a subject token (or the `ce-subject` header) is not a valid NATS
@@ -164,9 +160,34 @@ pub enum UnitOfWorkError {
          a unit of work must own its transaction, so call it outside any other"
     )]
     NestedTransaction,
-    /// The database reported an error (including one from the closure's own queries).
+    /// The database reported an error (including one from the closure's own queries); the
+    /// transaction was rolled back.
     #[error(transparent)]
     Database(#[from] diesel::result::Error),
+    /// The connection was lost while the unit of work's COMMIT was in flight: the COMMIT
+    /// failed, and the ROLLBACK sent after it could not run either. The server may have
+    /// committed before the connection went (business rows and events together; the relay
+    /// then publishes the events) or not (neither is written); no client can tell which from
+    /// the lost connection (PostgreSQL 15 documentation, 9.26 "System Information
+    /// Functions", `pg_xact_status`: "disconnected while a COMMIT is in progress").
+    ///
+    /// Look for the unit of work's business rows on a new connection before retrying: a
+    /// retry of a unit of work that did commit writes its events a second time, with new
+    /// ids, which the relay publishes and JetStream and the inbox do not drop. An event with
+    /// a dedup key (`#[event(dedup_key)]`) is written once however often it is retried, so
+    /// a unit of work whose events all have one can be retried blindly.
+    ///
+    /// Only PostgreSQL and MySQL connections report it; an SQLite connection cannot be lost.
+    #[error(
+        "the connection was lost while the unit of work's COMMIT was in flight: it may have \
+         committed, events included, or not; look for its business rows before retrying \
+         ({source})"
+    )]
+    CommitOutcomeUnknown {
+        /// The error the COMMIT's round trip failed with.
+        #[source]
+        source: diesel::result::Error,
+    },
 }
 
 impl UnitOfWorkError {
@@ -225,7 +246,9 @@ impl Outbox {
     /// deadpool guard of one; it must not already be inside a transaction.
     ///
     /// # Errors
-    /// `f`'s own error, or a [`UnitOfWorkError`] converted into `E`.
+    /// `f`'s own error, or a [`UnitOfWorkError`] converted into `E`: after each of them the
+    /// transaction was rolled back, but for [`UnitOfWorkError::CommitOutcomeUnknown`] (the
+    /// connection was lost while the COMMIT was in flight, and it may have committed).
     ///
     /// # The handle stays in the closure
     /// `uow` is borrowed for the closure only, so that no event can be handed over outside
@@ -298,16 +321,25 @@ impl Outbox {
                 } = flushed;
                 if let Some(sql) = insert_and_commit {
                     if let Err(failed) = commit_checked(conn, &sql).await {
-                        return flush_failed(conn, failed.error.into(), failed.rolled_back).await;
+                        let error = failed.outcome_unknown()?;
+                        return flush_failed(conn, error.error.into(), error.rolled_back).await;
                     }
                 } else {
                     // Here the flush wrote any events itself, and writing them checked the
                     // transaction already (and on MySQL released the mark the checked commit
                     // would release).
-                    match C::CHECKED_COMMIT.filter(|_| checked && !had_events) {
-                        Some(sql) => commit_checked(conn, sql)
-                            .await
-                            .map_err(|failed| C::checked_commit_error(failed.error))?,
+                    match C::CHECKED_COMMIT
+                        .filter(|_| checked && !had_events)
+                        .or(C::COMMIT)
+                    {
+                        Some(sql) => {
+                            commit_checked(conn, sql).await.map_err(|failed| {
+                                match failed.outcome_unknown() {
+                                    Ok(refused) => C::checked_commit_error(refused.error),
+                                    Err(unknown) => unknown,
+                                }
+                            })?
+                        }
                         None => C::TransactionManager::commit_transaction(conn)
                             .await
                             .map_err(UnitOfWorkError::from)?,
@@ -444,6 +476,19 @@ pub(crate) struct CommitFailed {
     pub(crate) error: diesel::result::Error,
     /// The rollback that followed.
     rolled_back: diesel::QueryResult<()>,
+}
+
+impl CommitFailed {
+    /// [`UnitOfWorkError::CommitOutcomeUnknown`] when the rollback failed too: the
+    /// connection is gone, and with it the answer to a COMMIT that may have run (a live
+    /// connection runs a ROLLBACK, in a transaction or outside one). Else `self`: the
+    /// server refused a statement, skipped the rest, and the transaction was rolled back.
+    pub(crate) fn outcome_unknown(self) -> Result<Self, UnitOfWorkError> {
+        match self.rolled_back {
+            Ok(()) => Ok(self),
+            Err(_) => Err(UnitOfWorkError::CommitOutcomeUnknown { source: self.error }),
+        }
+    }
 }
 
 /// The error a crash point returns in tests: the process "dies" there.
@@ -689,7 +734,13 @@ pub(crate) mod sealed {
         /// flush checked); `None` where the check takes a round trip of its own.
         const CHECKED_COMMIT: Option<&'static str> = None;
 
-        /// The error of a failed [`Self::CHECKED_COMMIT`]:
+        /// The unit of work's plain COMMIT, sent through [`commit_checked`] so that a lost
+        /// connection is told from a refused COMMIT
+        /// ([`UnitOfWorkError::CommitOutcomeUnknown`]); `None` where diesel's transaction
+        /// manager commits, on a connection that cannot be lost (SQLite's, in the process).
+        const COMMIT: Option<&'static str> = None;
+
+        /// The error of a failed [`Self::CHECKED_COMMIT`] or [`Self::COMMIT`]:
         /// [`UnitOfWorkError::TransactionEnded`] when its check found the transaction ended.
         fn checked_commit_error(error: diesel::result::Error) -> UnitOfWorkError {
             UnitOfWorkError::from_database(error)
@@ -731,6 +782,7 @@ pub(crate) mod sealed {
     impl Backend for AsyncPgConnection {
         const CHECKED_COMMIT: Option<&'static str> =
             Some("SELECT outbox_assert_unit_of_work(); COMMIT");
+        const COMMIT: Option<&'static str> = Some("COMMIT");
 
         async fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
             outbox.register_if_due(self).await;
