@@ -9,7 +9,8 @@
 //! `cargo test --features postgres-sync,mysql-sync,sqlite --test contract`.
 //!
 //! A rollback leaves nothing, and a transaction ended inside the closure writes no event; a
-//! connection lost during COMMIT is reported as an unknown outcome (not on SQLite);
+//! connection lost during COMMIT is reported as an unknown outcome (not on SQLite), and a
+//! relay whose sessions are killed mid-batch publishes each event once, in order;
 //! committed units of work become exactly the expected messages;
 //! sequences stay contiguous under concurrent units of work and continue after rows
 //! inserted by hand; a unit of work of thousands of events is written whole; a row written
@@ -226,6 +227,20 @@ trait Backend {
         env.env.database_url = through(&env.database_url, port);
     }
 
+    /// Kills every session of the environment's database but its own; returns how many.
+    fn kill_other_sessions(env: &Env) -> impl Future<Output = usize> + Send {
+        async {
+            use diesel_async::RunQueryDsl;
+            diesel::dsl::sql::<diesel::sql_types::BigInt>(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .get_result::<i64>(&mut env.conn().await)
+            .await
+            .unwrap() as usize
+        }
+    }
+
     /// Starts a relay with `config`.
     fn spawn_relay(env: &Env, config: RelayConfig) -> impl Future<Output = RelayHandle> + Send {
         async move {
@@ -400,31 +415,91 @@ async fn a_connection_lost_during_commit_reports_the_outcome_unknown<B: Backend>
     }
 }
 
-/// The contract's test of lost connections, on each database whose connection can be lost
-/// (not SQLite's, in the process).
-macro_rules! lost_connection {
-    ($($(#[$cfg:meta])* $module:ident => $backend:ty),* $(,)?) => {$(
-        $(#[$cfg])*
-        mod $module {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_connection_lost_during_commit_reports_the_outcome_unknown() {
-                super::a_connection_lost_during_commit_reports_the_outcome_unknown::<$backend>()
-                    .await;
-            }
-        }
-    )*};
+/// A relay whose database sessions are killed again and again, mid-batch (between its
+/// claim, its publishes, its delete and its COMMIT): each kill rolls its batch back, the
+/// relay reconnects with backoff, and the rows are claimed and published again, the copies
+/// dropped by JetStream's duplicate window. Every event is in the stream once, each
+/// aggregate's in order, and the queue ends empty.
+async fn a_relay_whose_sessions_are_killed_publishes_each_event_once_in_order<B: Backend>() {
+    const AGGREGATES: usize = 8;
+    const ROUNDS: usize = 12;
+    let env = B::setup().await;
+    for _ in 0..ROUNDS {
+        let orders = (0..AGGREGATES)
+            .map(|n| shipped(&format!("o-{n}")))
+            .collect();
+        B::commit(&env, orders, None, End::Ok).await.1.unwrap();
+    }
+    let expected = AGGREGATES * ROUNDS * 2;
+    let mut config = B::relay_config(&env);
+    config.workers = 2;
+    config.batch_size = 5;
+    config.max_backoff = Duration::from_millis(100);
+    let relay = B::spawn_relay(&env, config).await;
+    let mut killed = 0;
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_secs(60);
+    while !(env.stream_len().await as usize == expected && B::rows(&env).await.is_empty()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {expected} events in the stream, {} rows queued after 60 s",
+            env.stream_len().await,
+            B::rows(&env).await.len()
+        );
+        killed += B::kill_other_sessions(&env).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.shutdown().await.unwrap();
+    assert!(killed >= 3, "{killed} sessions killed");
+    let messages = env.stream_messages().await;
+    assert_eq!(
+        messages.len(),
+        expected,
+        "nothing lost, nothing stored twice"
+    );
+    let in_order: Vec<u64> = (1..=(ROUNDS * 2) as u64).collect();
+    let sequences = support::sequences(&messages);
+    assert_eq!(sequences.len(), AGGREGATES);
+    for (aggregate, seqs) in sequences {
+        assert_eq!(seqs, in_order, "aggregate {aggregate} in stream order");
+    }
+    println!(
+        "{killed} sessions killed while the relay published {expected} events in {:.1?}",
+        started.elapsed()
+    );
 }
 
-lost_connection!(
-    lost_async_pg => AsyncPg,
+/// A test body, once per backend listed: `$test::$module`.
+macro_rules! on_backends {
+    ($test:ident: $($(#[$cfg:meta])* $module:ident => $backend:ty),* $(,)?) => {
+        mod $test {
+            use super::*;
+            $(
+                $(#[$cfg])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $module() {
+                    super::$test::<$backend>().await;
+                }
+            )*
+        }
+    };
+}
+
+// Where a connection can be lost: not SQLite's, in the process.
+on_backends!(a_connection_lost_during_commit_reports_the_outcome_unknown:
+    async_pg => AsyncPg,
     #[cfg(feature = "postgres-sync")]
-    lost_sync_pg => SyncPg,
+    sync_pg => SyncPg,
     #[cfg(feature = "mysql")]
-    lost_async_mysql => mysql::AsyncMysql,
+    async_mysql => mysql::AsyncMysql,
     #[cfg(feature = "mysql-sync")]
-    lost_sync_mysql => mysql::SyncMysql,
+    sync_mysql => mysql::SyncMysql,
+);
+// The relay is one for the async and the sync backends.
+on_backends!(a_relay_whose_sessions_are_killed_publishes_each_event_once_in_order:
+    async_pg => AsyncPg,
+    #[cfg(feature = "mysql")]
+    async_mysql => mysql::AsyncMysql,
 );
 
 async fn a_rollback_leaves_nothing<B: Backend>() {
@@ -2235,6 +2310,34 @@ mod mysql {
         fn connect_through(env: &mut Env, port: u16) {
             let database = env.mysql.as_mut().expect("a MySQL environment");
             database.url = through(&database.url, port);
+        }
+
+        async fn kill_other_sessions(env: &Env) -> usize {
+            #[derive(QueryableByName)]
+            struct Session {
+                #[diesel(sql_type = BigInt)]
+                id: i64,
+            }
+            let mut conn = database(env).conn().await;
+            let sessions: Vec<Session> = diesel::sql_query(
+                "SELECT CAST(ID AS SIGNED) AS id FROM information_schema.PROCESSLIST \
+                 WHERE DB = DATABASE() AND ID <> CONNECTION_ID()",
+            )
+            .load(&mut conn)
+            .await
+            .unwrap();
+            let mut killed = 0;
+            for session in sessions {
+                // A session may have ended since the listing.
+                if conn
+                    .batch_execute(&format!("KILL CONNECTION {}", session.id))
+                    .await
+                    .is_ok()
+                {
+                    killed += 1;
+                }
+            }
+            killed
         }
 
         async fn commit(
