@@ -335,9 +335,9 @@ type ArmedCut = std::sync::Arc<std::sync::Mutex<Option<(Vec<u8>, Severed)>>>;
 /// Where [`Proxy::cut_at`] severs a connection.
 #[derive(Clone, Copy, Debug)]
 pub enum Severed {
-    /// The server receives the client's bytes and answers them; the answer is not forwarded,
-    /// and the client's connection is closed (a connection lost after the server ran the
-    /// statement).
+    /// The server receives the client's bytes, and the client's connection is closed: the
+    /// server runs the statement, and its answer is not forwarded (a connection lost with the
+    /// statement in flight, which the server then completes; a test waits for its effects).
     AfterForwarding,
     /// The bytes are not forwarded; the server's connection is closed, and the client's once
     /// the server closed it (a connection lost before the statement arrived).
@@ -345,10 +345,6 @@ pub enum Severed {
 }
 
 impl Proxy {
-    /// How long a server must stay silent before [`Severed::AfterForwarding`] takes its answer
-    /// as whole.
-    const QUIET: Duration = Duration::from_millis(500);
-
     pub async fn start(target: std::net::SocketAddr) -> Self {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, Ordering};
@@ -365,21 +361,16 @@ impl Proxy {
                 };
                 let (mut client_read, mut client_write) = client.into_split();
                 let (mut server_read, mut server_write) = server.into_split();
-                // Set when this connection was cut after forwarding: the server's answer
-                // goes nowhere.
-                let severed = Arc::new(AtomicBool::new(false));
-                let answered = Arc::new(tokio::sync::Notify::new());
-                let (flag_up, armed, severed_up) = (flag.clone(), armed.clone(), severed.clone());
-                let answered_up = answered.clone();
+                // Notified when this connection is cut after forwarding: the client's side
+                // closes at once, the server's answer goes nowhere.
+                let sever = Arc::new(tokio::sync::Notify::new());
+                let (flag_up, armed, sever_up) = (flag.clone(), armed.clone(), sever.clone());
                 tokio::spawn(async move {
                     let mut buffer = vec![0_u8; 16 * 1024];
                     loop {
-                        let Ok(read) = client_read.read(&mut buffer).await else {
+                        let Ok(read @ 1..) = client_read.read(&mut buffer).await else {
                             return;
                         };
-                        if read == 0 {
-                            return;
-                        }
                         while flag_up.load(Ordering::SeqCst) {
                             tokio::time::sleep(Duration::from_millis(20)).await;
                         }
@@ -399,14 +390,12 @@ impl Proxy {
                         };
                         match cut {
                             Some(Severed::AfterForwarding) => {
-                                severed_up.store(true, Ordering::SeqCst);
                                 let _ = server_write.write_all(chunk).await;
-                                // Keeps the server's side open until it answered everything
-                                // (its writes must not fail: PostgreSQL ends a session whose
-                                // client is gone before its next statement, a COMMIT too).
-                                // Then returning closes it.
-                                answered_up.notified().await;
-                                return;
+                                sever_up.notify_one();
+                                // The server's side stays open, unclosed, until the test ends:
+                                // the server runs the statement and answers, and no end of
+                                // its connection can make it stop first.
+                                std::future::pending::<()>().await;
                             }
                             // Dropping the server's write half closes it unsent.
                             Some(Severed::BeforeForwarding) => return,
@@ -422,24 +411,23 @@ impl Proxy {
                 tokio::spawn(async move {
                     let mut buffer = vec![0_u8; 16 * 1024];
                     loop {
-                        let Ok(read) = server_read.read(&mut buffer).await else {
-                            return;
+                        let read = tokio::select! {
+                            read = server_read.read(&mut buffer) => read,
+                            () = sever.notified() => {
+                                // The client reads the end of its connection; what the server
+                                // answers is read (its writes must not fail: PostgreSQL ends
+                                // a session whose client is gone before its next statement,
+                                // a COMMIT too) and forwarded nowhere.
+                                drop(client_write);
+                                while let Ok(1..) = server_read.read(&mut buffer).await {}
+                                return;
+                            }
                         };
-                        if severed.load(Ordering::SeqCst) {
-                            // Reads what the server answers to the severed bytes until it is
-                            // quiet for half a second (a notice comes early, flushed at once),
-                            // and forwards none of it.
-                            while let Ok(Ok(1..)) =
-                                tokio::time::timeout(Self::QUIET, server_read.read(&mut buffer))
-                                    .await
-                            {}
-                            answered.notify_one();
-                        }
                         // Returning drops the client's write half: the client reads the end
                         // of its connection.
-                        if read == 0 || severed.load(Ordering::SeqCst) {
+                        let Ok(read @ 1..) = read else {
                             return;
-                        }
+                        };
                         while flag_down.load(Ordering::SeqCst) {
                             tokio::time::sleep(Duration::from_millis(20)).await;
                         }
