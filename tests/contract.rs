@@ -10,7 +10,8 @@
 //!
 //! A rollback leaves nothing, and a transaction ended inside the closure writes no event; a
 //! connection lost during COMMIT is reported as an unknown outcome (not on SQLite), and a
-//! relay whose sessions are killed mid-batch publishes each event once, in order;
+//! relay whose sessions are killed mid-batch publishes each event once, in order (and on
+//! MariaDB, a server of the test's own crashed under writers and the relay loses nothing);
 //! committed units of work become exactly the expected messages;
 //! sequences stay contiguous under concurrent units of work and continue after rows
 //! inserted by hand; a unit of work of thousands of events is written whole; a row written
@@ -2152,11 +2153,17 @@ mod mysql {
     pub struct Database {
         pub url: String,
         name: String,
+        /// The URL of the server's database to drop it from.
+        admin_url: String,
     }
 
     impl Database {
         async fn create() -> Self {
-            let admin_url = admin_url();
+            Self::create_on(admin_url()).await
+        }
+
+        /// A database on the server of `admin_url`, migrated.
+        async fn create_on(admin_url: String) -> Self {
             let name = format!(
                 "outbox_test_{}",
                 &uuid::Uuid::new_v4().simple().to_string()[..16]
@@ -2168,14 +2175,23 @@ mod mysql {
                 .batch_execute(&format!("CREATE DATABASE {name}"))
                 .await
                 .unwrap();
-            let url = match admin_url.rsplit_once('/') {
-                Some((server, _)) => format!("{server}/{name}"),
-                None => panic!("OUTBOX_TEST_MYSQL_URL has no database part: {admin_url}"),
+            let (path, query) = admin_url.split_once('?').unwrap_or((&admin_url, ""));
+            let Some((server, _)) = path.rsplit_once('/') else {
+                panic!("OUTBOX_TEST_MYSQL_URL has no database part: {admin_url}");
+            };
+            let url = if query.is_empty() {
+                format!("{server}/{name}")
+            } else {
+                format!("{server}/{name}?{query}")
             };
             outbox_runtime::mysql::run_migrations(&url)
                 .await
                 .unwrap_or_else(|e| panic!("the MySQL migrations on {name}: {e}"));
-            Self { url, name }
+            Self {
+                url,
+                name,
+                admin_url,
+            }
         }
 
         pub async fn conn(&self) -> AsyncMysqlConnection {
@@ -2187,7 +2203,7 @@ mod mysql {
 
     impl Drop for Database {
         fn drop(&mut self) {
-            let name = self.name.clone();
+            let (name, admin_url) = (self.name.clone(), self.admin_url.clone());
             // On a runtime of its own: the test's may be blocked in this drop.
             let cleanup = std::thread::spawn(move || {
                 let runtime = tokio::runtime::Builder::new_current_thread()
@@ -2195,7 +2211,7 @@ mod mysql {
                     .build()
                     .unwrap();
                 runtime.block_on(async move {
-                    if let Ok(mut admin) = AsyncMysqlConnection::establish(&admin_url()).await {
+                    if let Ok(mut admin) = AsyncMysqlConnection::establish(&admin_url).await {
                         let _ = admin
                             .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
                             .await;
@@ -2290,8 +2306,12 @@ mod mysql {
     impl AsyncMysql {
         /// A fresh environment with an `orders` table, its stream on the broker at `nats_url`.
         async fn setup_on(nats_url: &str) -> Env {
+            Self::setup_with(nats_url, Database::create().await).await
+        }
+
+        /// The same, on the MySQL database `mysql`.
+        async fn setup_with(nats_url: &str, mysql: Database) -> Env {
             let env = TestEnv::unmigrated(nats_url).await;
-            let mysql = Database::create().await;
             mysql
                 .conn()
                 .await
@@ -2502,6 +2522,168 @@ mod mysql {
                 .unwrap()
                 .spawn()
         }
+    }
+
+    /// What writers were told of their units of work.
+    #[derive(Default)]
+    struct Told {
+        committed: Vec<String>,
+        rolled_back: Vec<String>,
+        unknown: Vec<String>,
+    }
+
+    /// A MariaDB crash under writers and a relay (a server of the test's own, SIGKILLed;
+    /// InnoDB recovers from its redo log): every unit of work told "committed" keeps its row
+    /// and its events, none told "rolled back" left either, and one whose COMMIT the crash
+    /// cut off (`CommitOutcomeUnknown`) went one way with both; the relay reconnects, and the
+    /// stream ends holding exactly the events of the rows, each once, each aggregate's in
+    /// order, with the queue empty.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_mariadb_crash_loses_no_committed_event_and_publishes_each_once_in_order() {
+        use std::collections::BTreeSet;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Instant;
+        const WRITERS: usize = 3;
+        let mut server = support::mariadb::MariadbServer::start().await;
+        let mysql = Database::create_on(server.url("mysql")).await;
+        let env = Arc::new(AsyncMysql::setup_with(&support::nats_url(), mysql).await);
+        let mut config = AsyncMysql::relay_config(&env);
+        config.max_backoff = Duration::from_millis(200);
+        let relay = AsyncMysql::spawn_relay(&env, config).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|writer| {
+                let (env, stop) = (Arc::clone(&env), Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let mut told = Told::default();
+                    let mut n = 0;
+                    while !AtomicBool::load(&stop, Ordering::SeqCst) {
+                        let Ok(mut conn) =
+                            AsyncMysqlConnection::establish(&database(&env).url).await
+                        else {
+                            // The server is down.
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            continue;
+                        };
+                        let id = format!("w{writer}-{n}");
+                        n += 1;
+                        let mut order = shipped(&id);
+                        let result = env
+                            .outbox()
+                            .transaction(&mut conn, async |uow| {
+                                diesel::sql_query("INSERT INTO orders VALUES (?)")
+                                    .bind::<Text, _>(&id)
+                                    .execute(uow.conn())
+                                    .await?;
+                                uow.track(&mut order);
+                                Ok::<_, UnitOfWorkError>(())
+                            })
+                            .await;
+                        match result {
+                            Ok(()) => told.committed.push(id),
+                            Err(UnitOfWorkError::CommitOutcomeUnknown { .. }) => {
+                                told.unknown.push(id);
+                            }
+                            Err(_) => told.rolled_back.push(id),
+                        }
+                    }
+                    told
+                })
+            })
+            .collect();
+
+        support::wait_until(
+            "100 events in the stream before the crash",
+            Duration::from_secs(30),
+            || async { (env.stream_len().await >= 100).then_some(()) },
+        )
+        .await;
+        server.crash();
+        let at_crash = env.stream_len().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        server.restart().await;
+        let restarted = Instant::now();
+        support::poll_until(
+            "the relay publishing again after the restart",
+            Duration::from_secs(30),
+            Duration::from_millis(5),
+            || async { (env.stream_len().await > at_crash).then_some(()) },
+        )
+        .await;
+        let published_again = restarted.elapsed();
+        support::wait_until(
+            "100 more events in the stream after the restart",
+            Duration::from_secs(30),
+            || async { (env.stream_len().await >= at_crash + 100).then_some(()) },
+        )
+        .await;
+        stop.store(true, Ordering::SeqCst);
+        let mut told = Told::default();
+        for writer in writers {
+            let writer = writer.await.unwrap();
+            told.committed.extend(writer.committed);
+            told.rolled_back.extend(writer.rolled_back);
+            told.unknown.extend(writer.unknown);
+        }
+        support::wait_until("the queue empty", Duration::from_secs(60), || async {
+            AsyncMysql::rows(&env).await.is_empty().then_some(())
+        })
+        .await;
+        relay.shutdown().await.unwrap();
+
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Text)]
+            id: String,
+        }
+        let rows: BTreeSet<String> = diesel::sql_query("SELECT id FROM orders")
+            .load::<Row>(&mut database(&env).conn().await)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|row| row.id)
+            .collect();
+        let lost: Vec<&String> = told
+            .committed
+            .iter()
+            .filter(|id| !rows.contains(*id))
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "committed, then lost by the crash: {lost:?}"
+        );
+        let ghosts: Vec<&String> = told
+            .rolled_back
+            .iter()
+            .filter(|id| rows.contains(*id))
+            .collect();
+        assert!(
+            ghosts.is_empty(),
+            "told rolled back, yet written: {ghosts:?}"
+        );
+        let sequences = support::sequences(&env.stream_messages().await);
+        assert_eq!(
+            sequences.keys().cloned().collect::<BTreeSet<_>>(),
+            rows,
+            "the stream holds the events of exactly the committed rows"
+        );
+        for (aggregate, seqs) in &sequences {
+            assert_eq!(
+                seqs,
+                &[1, 2],
+                "aggregate {aggregate}: each event once, in order"
+            );
+        }
+        println!(
+            "MariaDB crashed with {at_crash} events in the stream; the relay published again \
+             {published_again:.2?} after the restart; units of work: {} committed, {} rolled \
+             back, {} of unknown outcome ({} of those committed)",
+            told.committed.len(),
+            told.rolled_back.len(),
+            told.unknown.len(),
+            told.unknown.iter().filter(|id| rows.contains(*id)).count()
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

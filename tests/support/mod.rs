@@ -14,6 +14,8 @@ pub mod consumer;
 pub mod counters;
 pub mod domain;
 pub mod libtest;
+#[cfg(feature = "mysql")]
+pub mod mariadb;
 pub mod postgres;
 
 use std::time::Duration;

@@ -235,7 +235,7 @@ impl Drop for PostgresServer {
 
 /// SIGKILLs the process group `child` leads (the server's processes: see
 /// [`PostgresServer::child`]) and reaps `child`.
-fn kill_group(child: &mut Child) {
+pub(super) fn kill_group(child: &mut Child) {
     let group = format!("-{}", child.id());
     let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
     let _ = child.wait();
