@@ -321,8 +321,8 @@ impl Outbox {
                 } = flushed;
                 if let Some(sql) = insert_and_commit {
                     if let Err(failed) = commit_checked(conn, &sql).await {
-                        let error = failed.outcome_unknown()?;
-                        return flush_failed(conn, error.error.into(), error.rolled_back).await;
+                        let refused = failed.outcome_unknown()?;
+                        return flush_failed(conn, refused.error.into(), refused.rolled_back).await;
                     }
                 } else {
                     // Here the flush wrote any events itself, and writing them checked the
