@@ -19,7 +19,7 @@ use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_round, consumer_config,
     consumer_database, orders, wait_until_settled,
 };
-use support::{TestEnv, sequences, wait_until};
+use support::{TestEnv, assert_each_once_in_order, wait_until};
 
 const AGGREGATES: usize = 12;
 
@@ -227,19 +227,9 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
 
     // The stream: every event once (no duplicate stored inside the window), in order.
     let messages = producer.stream_messages().await;
+    assert_each_once_in_order(&messages, AGGREGATES, rounds as u64);
     let ids: HashSet<String> = messages.iter().map(|m| m.header("Nats-Msg-Id")).collect();
-    assert_eq!(
-        messages.len(),
-        expected,
-        "nothing lost, nothing stored twice"
-    );
     assert_eq!(ids.len(), expected, "every message id once");
-    let in_order: Vec<u64> = (1..=rounds as u64).collect();
-    let stream_order = sequences(&messages);
-    assert_eq!(stream_order.len(), AGGREGATES);
-    for (aggregate, seqs) in stream_order {
-        assert_eq!(seqs, in_order, "aggregate {aggregate} in the stream");
-    }
     let unpublished: i64 = outbox_events::table
         .filter(outbox_events::published_at.is_null())
         .count()

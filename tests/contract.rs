@@ -461,18 +461,11 @@ async fn a_relay_whose_sessions_are_killed_publishes_each_event_once_in_order<B:
     }
     relay.shutdown().await.unwrap();
     assert!(killed >= 3, "{killed} sessions killed");
-    let messages = env.stream_messages().await;
-    assert_eq!(
-        messages.len(),
-        expected,
-        "nothing lost, nothing stored twice"
+    support::assert_each_once_in_order(
+        &env.stream_messages().await,
+        AGGREGATES,
+        (ROUNDS * 2) as u64,
     );
-    let in_order: Vec<u64> = (1..=(ROUNDS * 2) as u64).collect();
-    let sequences = support::sequences(&messages);
-    assert_eq!(sequences.len(), AGGREGATES);
-    for (aggregate, seqs) in sequences {
-        assert_eq!(seqs, in_order, "aggregate {aggregate} in stream order");
-    }
     println!(
         "{killed} sessions killed while the relay published {expected} events in {:.1?}",
         started.elapsed()
@@ -734,18 +727,11 @@ async fn three_relays_racing_keep_each_aggregate_in_order<B: Backend + 'static>(
     for relay in relays {
         relay.shutdown().await.unwrap();
     }
-    let messages = env.stream_messages().await;
-    assert_eq!(
-        messages.len(),
-        expected,
-        "nothing lost, nothing stored twice"
+    support::assert_each_once_in_order(
+        &env.stream_messages().await,
+        AGGREGATES,
+        (ROUNDS * 2) as u64,
     );
-    let in_order: Vec<u64> = (1..=(ROUNDS * 2) as u64).collect();
-    let sequences = support::sequences(&messages);
-    assert_eq!(sequences.len(), AGGREGATES);
-    for (aggregate, seqs) in sequences {
-        assert_eq!(seqs, in_order, "aggregate {aggregate} in stream order");
-    }
 }
 
 async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>() {

@@ -45,6 +45,22 @@ pub fn sequences(messages: &[Received]) -> std::collections::BTreeMap<String, Ve
     sequences
 }
 
+/// Asserts that `messages` hold the events `1..=events_each` of `aggregates` aggregates, each
+/// once and each aggregate's in sequence order: nothing lost, stored twice or reordered.
+pub fn assert_each_once_in_order(messages: &[Received], aggregates: usize, events_each: u64) {
+    assert_eq!(
+        messages.len(),
+        aggregates * events_each as usize,
+        "nothing lost, nothing stored twice"
+    );
+    let in_order: Vec<u64> = (1..=events_each).collect();
+    let sequences = sequences(messages);
+    assert_eq!(sequences.len(), aggregates, "aggregates in the stream");
+    for (aggregate, seqs) in sequences {
+        assert_eq!(seqs, in_order, "aggregate {aggregate} in stream order");
+    }
+}
+
 /// Inserts a row by plain SQL, as another writer would: aggregate `Raw`, sequence 1.
 pub async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subject: &str) {
     use diesel_async::RunQueryDsl;
