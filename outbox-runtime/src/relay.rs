@@ -207,8 +207,8 @@ pub struct RelayConfig {
     pub ack_timeout: Duration,
     /// Delete acked rows, mark them published and keep them, or move them to the archive's
     /// daily partitions. Default [`PublishedRows::Delete`]: the table holds only what is
-    /// queued, and relaying measured 1.35-1.5x faster than marking (the README's benchmark,
-    /// figure 3).
+    /// queued, and relaying measured 1.19-1.54x faster than marking (the README's benchmark,
+    /// figure 3, two runs of 2026-11-28; 1.35-1.5x in the five earlier runs of BENCHMARKS.md).
     pub published: PublishedRows,
     /// Rejections before a row becomes a dead letter. Default 10.
     pub max_attempts: u32,
