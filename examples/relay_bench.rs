@@ -31,7 +31,8 @@
 //!     and one relay, with every commit notifying, with no relay running, and with two relay
 //!     instances, each with its notifications per commit; the pgbench floor beside them.
 //!
-//! It works in a database and a stream of its own, removed at the end. `OUTBOX_BENCH_DATABASE_URL`
+//! It works in a database and a stream of its own, removed at the end; each figure that runs
+//! a relay starts from an empty outbox. `OUTBOX_BENCH_DATABASE_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and `NATS_URL` point it elsewhere.
 //!
 //! It allocates with mimalloc, as the `outbox` daemon does; `--features system-allocator`
@@ -453,6 +454,7 @@ impl Bench {
     /// Figure 11: write throughput under 1, 8, 32 and 64 writers, with and without the
     /// outbox, and commit-to-ack latency under 32 writers.
     async fn writer_figures(&self) -> Result<(), BoxError> {
+        self.empty_outbox().await?;
         let secs = self.args.writer_secs;
         println!(
             "11. write throughput, {secs} s per run, one business insert per transaction (and one event with the outbox), a relay draining"
@@ -860,6 +862,16 @@ struct InboxRates {
 
 impl Bench {
     /// Seeds `count` queued rows of aggregate type `kind`, round robin over the aggregates.
+    /// Empties the outbox before a figure that runs a relay: what earlier figures left queued
+    /// (figure 6's units of work, figure 7's claimed and rolled back rows, figure 8's emitted
+    /// events) would otherwise be relayed inside this figure's measurement.
+    async fn empty_outbox(&self) -> Result<(), BoxError> {
+        let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
+        conn.batch_execute("TRUNCATE outbox_events, outbox_aggregates")
+            .await?;
+        Ok(())
+    }
+
     async fn seed(
         &self,
         conn: &mut AsyncPgConnection,
@@ -937,6 +949,7 @@ impl Bench {
     /// Figure 2: the relay of the well-known articles. It reads through the outbox's claimable-rows
     /// index, so what it measures is its round trips, not a missing index.
     async fn naive_relay(&self) -> Result<f64, BoxError> {
+        self.empty_outbox().await?;
         #[derive(QueryableByName)]
         struct Row {
             #[diesel(sql_type = SqlUuid)]
@@ -1006,6 +1019,7 @@ impl Bench {
         instances: usize,
         config: RelayConfig,
     ) -> Result<f64, BoxError> {
+        self.empty_outbox().await?;
         let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         self.seed(&mut conn, kind, self.args.events).await?;
         let mut relays = Vec::new();
@@ -1067,6 +1081,7 @@ impl Bench {
         config: RelayConfig,
     ) -> Result<Latency, BoxError> {
         const PRODUCERS: u64 = 4;
+        self.empty_outbox().await?;
         let mut stream = jetstream::new(nats.clone())
             .get_stream(&self.place.stream)
             .await?;
@@ -1284,11 +1299,6 @@ impl Bench {
         let full_before_vacuum = claims_per_second(&mut conn, batch).await?;
         conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
         let full = claims_per_second(&mut conn, batch).await?;
-        // The figures after this one start from an empty outbox: the queued rows (each claim
-        // rolled back) would be relayed by the next drain, and the kept ones weigh on its
-        // indexes.
-        conn.batch_execute("TRUNCATE outbox_events, outbox_aggregates")
-            .await?;
         Ok(Claims {
             empty,
             full,
