@@ -861,7 +861,6 @@ struct InboxRates {
 }
 
 impl Bench {
-    /// Seeds `count` queued rows of aggregate type `kind`, round robin over the aggregates.
     /// Empties the outbox before a figure that runs a relay: what earlier figures left queued
     /// (figure 6's units of work, figure 7's claimed and rolled back rows, figure 8's emitted
     /// events) would otherwise be relayed inside this figure's measurement.
@@ -872,6 +871,7 @@ impl Bench {
         Ok(())
     }
 
+    /// Seeds `count` queued rows of aggregate type `kind`, round robin over the aggregates.
     async fn seed(
         &self,
         conn: &mut AsyncPgConnection,
