@@ -861,9 +861,9 @@ struct InboxRates {
 }
 
 impl Bench {
-    /// Empties the outbox before a figure that runs a relay: what earlier figures left queued
-    /// (figure 6's units of work, figure 7's claimed and rolled back rows, figure 8's emitted
-    /// events) would otherwise be relayed inside this figure's measurement.
+    /// Empties the outbox before a figure that claims or relays rows: what earlier figures left
+    /// queued (figure 6's units of work, figure 7's claimed and rolled back rows, figure 8's
+    /// emitted events) would otherwise be claimed or relayed inside this figure's measurement.
     async fn empty_outbox(&self) -> Result<(), BoxError> {
         let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         conn.batch_execute("TRUNCATE outbox_events, outbox_aggregates")
@@ -1281,10 +1281,9 @@ impl Bench {
     /// Figure 7: claims per second (claim, roll back) over the same queued rows, first alone, then
     /// with a million published rows kept.
     async fn claim_rate(&self) -> Result<Claims, BoxError> {
+        self.empty_outbox().await?;
         let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
         let batch = self.place.relay_config().batch_size as i64;
-        conn.batch_execute("TRUNCATE outbox_events, outbox_aggregates")
-            .await?;
         self.seed(&mut conn, "Claim", CLAIM_QUEUED).await?;
         conn.batch_execute("VACUUM ANALYZE outbox_events").await?;
         let empty = claims_per_second(&mut conn, batch).await?;
