@@ -57,6 +57,17 @@ struct Env {
     mysql: Option<mysql::Database>,
     #[cfg(feature = "sqlite")]
     sqlite: Option<sqlite::Database>,
+    /// Whether [`Env::outbox`]'s units of work ask for their transaction's id.
+    transaction_ids: bool,
+}
+
+impl Env {
+    /// The test kit's outbox, reporting transaction ids when `transaction_ids` says so.
+    fn outbox(&self) -> outbox_runtime::Outbox {
+        self.env
+            .outbox()
+            .report_transaction_ids(self.transaction_ids)
+    }
 }
 
 impl std::ops::Deref for Env {
@@ -70,6 +81,23 @@ impl std::ops::Deref for Env {
 /// One way to run units of work, and to read and relay what they wrote. The defaults are
 /// PostgreSQL's.
 trait Backend {
+    /// Whether a unit of work reports its transaction's id when the outbox asks
+    /// (`Outbox::report_transaction_ids`): on PostgreSQL.
+    const TRANSACTION_IDS: bool = false;
+
+    /// What became of transaction `id`, asked on a new connection the way this backend's
+    /// service would ask (`transaction_status`; sync diesel's `sync::transaction_status`).
+    fn transaction_status(
+        env: &Env,
+        id: outbox_runtime::TransactionId,
+    ) -> impl Future<Output = outbox_runtime::TransactionStatus> + Send {
+        async move {
+            outbox_runtime::transaction_status(&mut env.conn().await, id)
+                .await
+                .unwrap()
+        }
+    }
+
     /// A fresh environment with an `orders` table.
     fn setup() -> impl Future<Output = Env> + Send {
         async {
@@ -85,6 +113,7 @@ trait Backend {
                 mysql: None,
                 #[cfg(feature = "sqlite")]
                 sqlite: None,
+                transaction_ids: false,
             }
         }
     }
@@ -256,6 +285,8 @@ trait Backend {
 struct AsyncPg;
 
 impl Backend for AsyncPg {
+    const TRANSACTION_IDS: bool = true;
+
     async fn commit(
         env: &Env,
         mut orders: Vec<Order>,
@@ -294,6 +325,21 @@ struct SyncPg;
 
 #[cfg(feature = "postgres-sync")]
 impl Backend for SyncPg {
+    const TRANSACTION_IDS: bool = true;
+
+    async fn transaction_status(
+        env: &Env,
+        id: outbox_runtime::TransactionId,
+    ) -> outbox_runtime::TransactionStatus {
+        let url = env.database_url.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = diesel::PgConnection::establish(&url).expect("a sync connection");
+            outbox_runtime::sync::transaction_status(&mut conn, id).unwrap()
+        })
+        .await
+        .unwrap()
+    }
+
     async fn commit(
         env: &Env,
         mut orders: Vec<Order>,
@@ -387,40 +433,71 @@ fn shipped(id: &str) -> Order {
 /// promises a rollback. Once where the server ran the COMMIT (the business row and the events
 /// are written, and will be published) and once where it never received it (nothing is
 /// written); each with the events' INSERT sent with the COMMIT (no dedup key, on PostgreSQL)
-/// and written before it (a dedup key). The aggregate keeps its events either way.
+/// and written before it (a dedup key). The aggregate keeps its events either way. With
+/// `report_transaction_ids` the error carries the transaction's id on PostgreSQL (async and
+/// sync; MySQL has none), and `transaction_status`, asked on a new connection, answers
+/// committed or aborted as the server did.
 async fn a_connection_lost_during_commit_reports_the_outcome_unknown<B: Backend>() {
+    use outbox_runtime::TransactionStatus;
     use support::{Proxy, Severed};
     for cut in [Severed::AfterForwarding, Severed::BeforeForwarding] {
         for dedup_key in [None, Some("r-1".to_owned())] {
-            let case = format!("{cut:?}, dedup key {dedup_key:?}");
-            let mut env = B::setup().await;
-            let proxy = Proxy::start(B::server(&env)).await;
-            B::connect_through(&mut env, proxy.port);
-            proxy.cut_at(b"COMMIT", cut);
-            let (orders, result) =
-                B::commit(&env, vec![shipped("o-1")], dedup_key.clone(), End::Ok).await;
-            assert!(
-                matches!(result, Err(UnitOfWorkError::CommitOutcomeUnknown { .. })),
-                "{case}: {result:?}"
-            );
-            assert_eq!(orders[0].pending_events().len(), 2, "{case}");
-            let committed = matches!(cut, Severed::AfterForwarding);
-            if committed {
-                // The server completes the COMMIT on its own, after the client heard the end
-                // of its connection.
-                support::wait_until(&case, Duration::from_secs(10), || async {
-                    (B::business_rows(&env).await == 1).then_some(())
-                })
-                .await;
-            } else {
-                assert_eq!(B::business_rows(&env).await, 0, "{case}");
+            for transaction_ids in [false, true] {
+                let case = format!("{cut:?}, dedup key {dedup_key:?}, ids {transaction_ids}");
+                let mut env = B::setup().await;
+                env.transaction_ids = transaction_ids;
+                let proxy = Proxy::start(B::server(&env)).await;
+                B::connect_through(&mut env, proxy.port);
+                proxy.cut_at(b"COMMIT", cut);
+                let (orders, result) =
+                    B::commit(&env, vec![shipped("o-1")], dedup_key.clone(), End::Ok).await;
+                let transaction = match &result {
+                    Err(UnitOfWorkError::CommitOutcomeUnknown { transaction, .. }) => *transaction,
+                    other => panic!("{case}: {other:?}"),
+                };
+                assert_eq!(
+                    transaction.is_some(),
+                    transaction_ids && B::TRANSACTION_IDS,
+                    "{case}: {transaction:?}"
+                );
+                assert_eq!(orders[0].pending_events().len(), 2, "{case}");
+                let committed = matches!(cut, Severed::AfterForwarding);
+                if let Some(id) = transaction {
+                    let message = result.unwrap_err().to_string();
+                    assert!(
+                        message.contains(&format!("transaction_status` for transaction {id}")),
+                        "{case}: {message}"
+                    );
+                    // In progress until the server has seen its connection go.
+                    let status = support::wait_until(&case, Duration::from_secs(10), || async {
+                        let status = B::transaction_status(&env, id).await;
+                        (status != TransactionStatus::InProgress).then_some(status)
+                    })
+                    .await;
+                    let expected = if committed {
+                        TransactionStatus::Committed
+                    } else {
+                        TransactionStatus::Aborted
+                    };
+                    assert_eq!(status, expected, "{case}");
+                }
+                if committed {
+                    // The server completes the COMMIT on its own, after the client heard the end
+                    // of its connection.
+                    support::wait_until(&case, Duration::from_secs(10), || async {
+                        (B::business_rows(&env).await == 1).then_some(())
+                    })
+                    .await;
+                } else {
+                    assert_eq!(B::business_rows(&env).await, 0, "{case}");
+                }
+                let rows = if committed {
+                    vec![("o-1".to_owned(), 1), ("o-1".to_owned(), 2)]
+                } else {
+                    Vec::new()
+                };
+                assert_eq!(B::rows(&env).await, rows, "{case}");
             }
-            let rows = if committed {
-                vec![("o-1".to_owned(), 1), ("o-1".to_owned(), 2)]
-            } else {
-                Vec::new()
-            };
-            assert_eq!(B::rows(&env).await, rows, "{case}");
         }
     }
 }
@@ -2309,6 +2386,7 @@ mod mysql {
                 mysql: Some(mysql),
                 #[cfg(feature = "sqlite")]
                 sqlite: None,
+                transaction_ids: false,
             }
         }
     }
@@ -3361,6 +3439,7 @@ mod sqlite {
                 #[cfg(feature = "mysql")]
                 mysql: None,
                 sqlite: Some(sqlite),
+                transaction_ids: false,
             }
         }
 
@@ -3881,4 +3960,44 @@ mod sqlite {
         let messages = env.stream_messages().await;
         assert_eq!(messages.len(), 6);
     }
+}
+
+/// On sync diesel's `PgConnection`: a unit of work that cannot have its transaction's id
+/// fails before its closure runs, with the server's error, and ends the transaction its BEGIN
+/// opened, so that the next unit of work on the same connection commits.
+#[cfg(feature = "postgres-sync")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_unit_of_work_whose_transaction_id_fails_ends_its_transaction() {
+    let env = AsyncPg::setup().await;
+    let (url, outbox) = (env.database_url.clone(), env.outbox());
+    let (error, ran, second) = tokio::task::spawn_blocking(move || {
+        use diesel::RunQueryDsl;
+        use diesel::connection::SimpleConnection;
+        let mut conn = diesel::PgConnection::establish(&url).expect("a sync connection");
+        conn.batch_execute(support::NO_TRANSACTION_IDS).unwrap();
+        let mut ran = false;
+        let error = outbox
+            .clone()
+            .report_transaction_ids(true)
+            .sync_transaction(&mut conn, |_uow| {
+                ran = true;
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .unwrap_err()
+            .to_string();
+        let mut order = shipped("o-1");
+        let second = outbox.sync_transaction(&mut conn, |uow| {
+            diesel::sql_query("INSERT INTO orders VALUES ('o-1')").execute(uow.conn())?;
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        });
+        (error, ran, second)
+    })
+    .await
+    .unwrap();
+    assert!(error.contains("no transaction ids here"), "{error}");
+    assert!(!ran, "the closure ran without its transaction's id");
+    second.unwrap();
+    assert_eq!(AsyncPg::business_rows(&env).await, 1);
+    assert_eq!(AsyncPg::rows(&env).await.len(), 2);
 }

@@ -25,8 +25,8 @@ use std::time::Duration;
 use diesel::QueryableByName;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::{
-    DomainEvent, Handler, Inbox, InboxConfig, Metadata, PendingEvents, Relay, UnitOfWork,
-    UnitOfWorkError, aggregate,
+    DomainEvent, Handler, Inbox, InboxConfig, Metadata, PendingEvents, Relay, TransactionId,
+    TransactionStatus, UnitOfWork, UnitOfWorkError, aggregate, transaction_status,
 };
 use serde::{Deserialize, Serialize};
 use support::postgres::PostgresServer;
@@ -69,12 +69,14 @@ impl Handler for Applying {
     }
 }
 
-/// What one writer saw: the tokens of the units of work it was told committed, and how many
-/// failed (a crash at COMMIT leaves it unknown whether they did).
+/// What one writer saw: the tokens of the units of work it was told committed, how many
+/// failed, and of those the ones whose COMMIT the crash cut off, with their transaction's id
+/// (whether they committed is for `transaction_status` to tell).
 #[derive(Default)]
 struct Written {
     committed: Vec<String>,
     failed: usize,
+    unknown: Vec<(String, TransactionId)>,
 }
 
 const WRITERS: usize = 4;
@@ -117,6 +119,7 @@ async fn write(env: Arc<TestEnv>, writer: usize, stop: CancellationToken) -> Wri
         });
         let outcome = env
             .outbox()
+            .report_transaction_ids(true)
             .transaction(live, async |uow| {
                 diesel::sql_query("INSERT INTO bookings (token, account) VALUES ($1, $2)")
                     .bind::<diesel::sql_types::Text, _>(&token)
@@ -129,7 +132,11 @@ async fn write(env: Arc<TestEnv>, writer: usize, stop: CancellationToken) -> Wri
             .await;
         match outcome {
             Ok(()) => written.committed.push(token),
-            Err(_) => {
+            Err(error) => {
+                if let UnitOfWorkError::CommitOutcomeUnknown { transaction, .. } = error {
+                    let id = transaction.expect("an id, with report_transaction_ids");
+                    written.unknown.push((token, id));
+                }
                 account.discard_pending_events();
                 written.failed += 1;
                 conn = None;
@@ -329,10 +336,12 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     stop.cancel();
     let mut committed: BTreeSet<String> = backlog_tokens.into_iter().collect();
     let mut failed = 0;
+    let mut unknown = Vec::new();
     for writer in writers {
         let written = writer.await.unwrap();
         failed += written.failed;
         committed.extend(written.committed);
+        unknown.extend(written.unknown);
     }
 
     let mut conn = env.conn().await;
@@ -355,6 +364,29 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     assert!(
         lost.is_empty(),
         "committed, then lost by the crash: {lost:?}"
+    );
+    // The server's record of each unit of work the crash left unknown agrees with its rows:
+    // recovery ended every transaction, so none is still in progress.
+    let mut resolved_committed = 0;
+    for (token, id) in &unknown {
+        let status = transaction_status(&mut conn, *id).await.unwrap();
+        let written = bookings.contains(token);
+        assert_eq!(
+            status,
+            if written {
+                TransactionStatus::Committed
+            } else {
+                TransactionStatus::Aborted
+            },
+            "booking {token} (transaction {id}) is {}written",
+            if written { "" } else { "not " }
+        );
+        resolved_committed += usize::from(written);
+    }
+    eprintln!(
+        "{} units of work of unknown outcome, {resolved_committed} of them committed by the \
+         server's record (transaction_status), which their rows confirm",
+        unknown.len()
     );
     assert!(
         failed > 0,

@@ -6,7 +6,7 @@ mod support;
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
-use outbox_runtime::{DomainEvent, TokenRole, UnitOfWorkError};
+use outbox_runtime::{DomainEvent, Outbox, TokenRole, UnitOfWorkError};
 use serde::{Deserialize, Serialize};
 use support::domain::{Order, OrderEvent, PaymentCaptured};
 use support::{SentStatements, TestEnv};
@@ -45,6 +45,21 @@ async fn outbox_rows(conn: &mut AsyncPgConnection) -> Vec<(String, i64, String)>
         .unwrap()
 }
 
+/// Commits `order`'s business row and its events in one unit of work of `outbox`.
+async fn commit_order(
+    outbox: &Outbox,
+    conn: &mut AsyncPgConnection,
+    order: &mut Order,
+) -> Result<(), UnitOfWorkError> {
+    outbox
+        .transaction(conn, async |uow| {
+            insert_order(uow.conn(), order).await?;
+            uow.track(order);
+            Ok(())
+        })
+        .await
+}
+
 async fn order_count(conn: &mut AsyncPgConnection) -> i64 {
     orders::table.count().get_result(conn).await.unwrap()
 }
@@ -75,12 +90,7 @@ async fn a_rolled_back_unit_of_work_leaves_no_row_and_keeps_the_events_pending()
     assert_eq!(order.pending_events().len(), 2, "events stay pending");
 
     // The same aggregate commits on the next attempt, and only then is drained.
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            insert_order(uow.conn(), &order).await?;
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
+    commit_order(&env.outbox(), &mut conn, &mut order)
         .await
         .unwrap();
     assert_eq!(order_count(&mut conn).await, 1);
@@ -1017,12 +1027,7 @@ async fn a_nul_in_a_correlation_id_fails_the_commit_and_writes_nothing() {
     assert!(outbox_rows(&mut conn).await.is_empty());
     assert_eq!(order_count(&mut conn).await, 0);
     assert_eq!(order.pending_events().len(), 1, "the events stay pending");
-    env.outbox()
-        .transaction(&mut conn, async |uow| {
-            insert_order(uow.conn(), &order).await?;
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
+    commit_order(&env.outbox(), &mut conn, &mut order)
         .await
         .unwrap();
     assert_eq!(outbox_rows(&mut conn).await.len(), 1);
@@ -1042,14 +1047,7 @@ async fn a_unit_of_work_writes_its_events_in_the_commits_round_trip() {
         for _ in 1..events {
             order.record(OrderEvent::Shipped);
         }
-        outbox
-            .transaction(&mut conn, async |uow| {
-                insert_order(uow.conn(), &order).await?;
-                uow.track(&mut order);
-                Ok::<_, UnitOfWorkError>(())
-            })
-            .await
-            .unwrap();
+        commit_order(&outbox, &mut conn, &mut order).await.unwrap();
         let shapes = sent.take_shapes();
         let expected: &[&str] = if events <= 64 {
             &["BEGIN", "the business insert", "the events with COMMIT"]
@@ -1059,4 +1057,134 @@ async fn a_unit_of_work_writes_its_events_in_the_commits_round_trip() {
         assert_eq!(shapes, expected, "{events} events");
     }
     assert_eq!(outbox_rows(&mut conn).await.len(), 1 + 64 + 65);
+}
+
+/// With `report_transaction_ids`, a unit of work knows its transaction's id from its BEGIN
+/// on: the id PostgreSQL gives the transaction its statements run in. `transaction_status`
+/// then tells, on any connection to the server, a unit of work that committed from one that
+/// rolled back; an id the server never handed out is an error that says so. Without the
+/// setting there is no id.
+#[tokio::test]
+async fn a_unit_of_work_reports_its_transaction_id_and_the_server_tells_what_became_of_it() {
+    use outbox_runtime::{TransactionId, TransactionStatus, transaction_status};
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    let outbox = env.outbox().report_transaction_ids(true);
+    let server_id = "SELECT pg_current_xact_id()::text::int8";
+    let sent = SentStatements::default();
+    conn.set_instrumentation(sent.clone());
+
+    let mut order = Order::place("o-1", "ada", 4200);
+    let (reported, seen) = outbox
+        .transaction(&mut conn, async |uow| {
+            let seen: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(server_id)
+                .get_result(uow.conn())
+                .await?;
+            insert_order(uow.conn(), &order).await?;
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>((uow.transaction_id(), seen))
+        })
+        .await
+        .unwrap();
+    let committed = reported.expect("an id, with report_transaction_ids");
+    assert_eq!(committed, TransactionId::new(seen as u64));
+    // Pipelined: the instrumentation sees the query before the BEGIN (diesel-async records a
+    // prepared statement when it builds its future, a batch when it is first polled); the
+    // server ran it inside the transaction, or the id would be None.
+    let shapes = sent.take_shapes();
+    assert!(
+        shapes[..2].contains(&"BEGIN".to_owned())
+            && shapes[..2]
+                .iter()
+                .any(|sql| sql.contains("pg_current_xact_id()")),
+        "the id asked with the BEGIN: {shapes:?}"
+    );
+    assert_eq!(committed.to_string(), seen.to_string());
+
+    let mut rolled_back = None;
+    let mut failed = Order::place("o-2", "grace", 990);
+    let result = outbox
+        .transaction(&mut conn, async |uow| {
+            insert_order(uow.conn(), &failed).await?;
+            uow.track(&mut failed);
+            rolled_back = uow.transaction_id();
+            Err::<(), _>(UnitOfWorkError::from(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(result.is_err());
+    let rolled_back = rolled_back.expect("an id, with report_transaction_ids");
+    assert!(rolled_back > committed, "{rolled_back} after {committed}");
+
+    // Asked on another connection, as after a lost one.
+    let mut other = env.conn().await;
+    assert_eq!(
+        transaction_status(&mut other, committed).await.unwrap(),
+        TransactionStatus::Committed
+    );
+    assert_eq!(
+        transaction_status(&mut other, rolled_back).await.unwrap(),
+        TransactionStatus::Aborted
+    );
+    let unknown = TransactionId::new(rolled_back.get() + 1_000_000_000);
+    let error = transaction_status(&mut other, unknown)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("in the future"),
+        "an id never handed out: {error}"
+    );
+    let error = transaction_status(&mut other, TransactionId::new(u64::MAX))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("over the range"), "{error}");
+
+    // Without the setting, no id, and no statement for it.
+    sent.take_shapes();
+    let id = env
+        .outbox()
+        .transaction(&mut conn, async |uow| {
+            Ok::<_, UnitOfWorkError>(uow.transaction_id())
+        })
+        .await
+        .unwrap();
+    assert_eq!(id, None);
+    assert_eq!(sent.take_shapes(), ["BEGIN", "COMMIT"]);
+}
+
+/// A unit of work that cannot have its transaction's id fails before its closure runs,
+/// with the server's error, and ends the transaction its BEGIN opened: the connection is
+/// out of any transaction, and the next unit of work on it commits.
+#[tokio::test]
+async fn a_unit_of_work_whose_transaction_id_fails_ends_its_transaction_and_leaves_the_connection_usable()
+ {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    create_orders_table(&mut conn).await;
+    conn.batch_execute(support::NO_TRANSACTION_IDS)
+        .await
+        .unwrap();
+    let mut ran = false;
+    let result = env
+        .outbox()
+        .report_transaction_ids(true)
+        .transaction(&mut conn, async |_uow| {
+            ran = true;
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await;
+    let error = result.unwrap_err().to_string();
+    assert!(error.contains("no transaction ids here"), "{error}");
+    assert!(!ran, "the closure ran without its transaction's id");
+
+    let mut order = Order::place("o-1", "ada", 4200);
+    commit_order(&env.outbox(), &mut conn, &mut order)
+        .await
+        .unwrap();
+    assert_eq!(order_count(&mut env.conn().await).await, 1);
+    assert_eq!(outbox_rows(&mut env.conn().await).await.len(), 1);
 }

@@ -372,9 +372,11 @@ pub use publisher::{StreamError, StreamSettings};
 pub use relay::Relay;
 pub use relay::{BatchReport, DeadLetterPolicy, RelayConfig, RelayError, RelayHandle};
 pub use topology::{DEFAULT_SUBJECT_PREFIX, SubjectPrefix, Topology};
+#[cfg(feature = "postgres")]
+pub use unit_of_work::transaction_status;
 pub use unit_of_work::{
-    BackendConnection, CollectEvents, DuplicateEvents, OutboxConnection, TokenRole, UnitOfWork,
-    UnitOfWorkError,
+    BackendConnection, CollectEvents, DuplicateEvents, OutboxConnection, TokenRole, TransactionId,
+    TransactionStatus, UnitOfWork, UnitOfWorkError,
 };
 
 /// What the macros' generated code names, by absolute path, whatever the user imported.

@@ -240,8 +240,13 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
         mark_error(error)
     }
 
-    async fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
-        AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await
+    /// MySQL keeps no record of a transaction's outcome to ask for later: no id.
+    async fn begin_unit_of_work(
+        &mut self,
+        _outbox: &Outbox,
+    ) -> diesel::QueryResult<Option<crate::unit_of_work::TransactionId>> {
+        AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await?;
+        Ok(None)
     }
 
     async fn write_events(

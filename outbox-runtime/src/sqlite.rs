@@ -365,8 +365,13 @@ pub(crate) fn missing_migrations(
 // The trait is crate-private in effect (see `unit_of_work::sealed`).
 #[allow(private_interfaces)]
 impl crate::unit_of_work::sealed::Backend for AsyncSqliteConnection {
-    async fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
-        self.spawn_blocking(begin).await
+    /// No id: an SQLite connection, in the process, cannot be lost mid-COMMIT.
+    async fn begin_unit_of_work(
+        &mut self,
+        _outbox: &Outbox,
+    ) -> diesel::QueryResult<Option<crate::unit_of_work::TransactionId>> {
+        self.spawn_blocking(begin).await?;
+        Ok(None)
     }
 
     async fn write_events(

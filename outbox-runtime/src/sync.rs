@@ -55,7 +55,8 @@ use crate::event::DomainEvent;
 use crate::outbox::queries::NewEvent;
 use crate::outbox::{MissingMigrations, Outbox};
 use crate::unit_of_work::{
-    CollectEvents, Drain, DuplicateEvents, EventBuffer, UnitOfWorkError, rolled_back_with,
+    CollectEvents, Drain, DuplicateEvents, EventBuffer, TransactionId, UnitOfWorkError,
+    rolled_back_with,
 };
 use sealed::SyncBackend as _;
 
@@ -68,6 +69,8 @@ use sealed::SyncBackend as _;
 pub struct SyncUnitOfWork<'c, C: SyncBackendConnection = PgConnection> {
     conn: &'c mut C,
     buffer: EventBuffer<'c>,
+    /// The transaction's id, where the database reported one ([`Self::transaction_id`]).
+    transaction: Option<TransactionId>,
 }
 
 /// The events of one transaction on a sync connection, collected until COMMIT: the sync
@@ -78,6 +81,8 @@ pub struct SyncUnitOfWork<'c, C: SyncBackendConnection = PgConnection> {
 pub struct SyncUnitOfWork<'c, C: SyncBackendConnection> {
     conn: &'c mut C,
     buffer: EventBuffer<'c>,
+    /// The transaction's id, where the database reported one ([`Self::transaction_id`]).
+    transaction: Option<TransactionId>,
 }
 
 impl<C: SyncBackendConnection> SyncUnitOfWork<'_, C> {
@@ -94,6 +99,13 @@ impl<C: SyncBackendConnection> SyncUnitOfWork<'_, C> {
     /// As [`UnitOfWork::emit`](crate::UnitOfWork::emit).
     pub fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E) {
         self.buffer.emit(aggregate_type, aggregate_id, event);
+    }
+
+    /// As [`UnitOfWork::transaction_id`](crate::UnitOfWork::transaction_id): `Some` on
+    /// `PgConnection` when [`Outbox::report_transaction_ids`] asks (at the cost of a round
+    /// trip when the transaction begins), else `None`.
+    pub fn transaction_id(&self) -> Option<TransactionId> {
+        self.transaction
     }
 
     /// As [`UnitOfWork::correlation_id`](crate::UnitOfWork::correlation_id).
@@ -136,7 +148,7 @@ impl<C: SyncBackendConnection> SyncUnitOfWork<'_, C> {
     /// COMMIT ([`sealed::SyncBackend::insert_and_commit`]); returns what to drain after
     /// COMMIT, and whether any event was handed over.
     fn flush(self) -> Result<(Vec<Drain>, bool, Option<String>), UnitOfWorkError> {
-        let Self { conn, buffer } = self;
+        let Self { conn, buffer, .. } = self;
         let duplicates = buffer.duplicates;
         let causality = buffer.causality.clone();
         let (events, drains) = buffer.take()?;
@@ -192,13 +204,15 @@ impl Outbox {
         if depth.is_some() {
             return Err(UnitOfWorkError::NestedTransaction.into());
         }
-        conn.begin_unit_of_work(self)
+        let transaction = conn
+            .begin_unit_of_work(self)
             .map_err(UnitOfWorkError::from)?;
 
         let outcome = {
             let mut unit = SyncUnitOfWork {
                 conn,
                 buffer: EventBuffer::new(self, Causality::root()),
+                transaction,
             };
             match f(&mut unit) {
                 Ok(value) => unit.flush().map(|drains| (value, drains)).map_err(Err),
@@ -211,7 +225,7 @@ impl Outbox {
                     Some(sql) => {
                         if let Err((error, rolled_back)) = commit_with(conn, &sql) {
                             if rolled_back.is_err() {
-                                return Err(outcome_unknown(error).into());
+                                return Err(outcome_unknown(error, transaction).into());
                             }
                             return flush_failed(conn, error.into(), rolled_back);
                         }
@@ -220,7 +234,7 @@ impl Outbox {
                         Some(sql) => {
                             if let Err((error, rolled_back)) = commit_with(conn, sql) {
                                 let error = if rolled_back.is_err() {
-                                    outcome_unknown(error)
+                                    outcome_unknown(error, transaction)
                                 } else {
                                     UnitOfWorkError::Database(error)
                                 };
@@ -296,10 +310,34 @@ fn commit_with<C: SyncBackendConnection>(
     result.map_err(|error| (error, ended))
 }
 
+/// [`transaction_status`](crate::transaction_status) on sync diesel's `PgConnection`: what
+/// became of the transaction `id`, asked on a new connection after
+/// [`UnitOfWorkError::CommitOutcomeUnknown`] (`pg_xact_status`). One round trip.
+///
+/// # Errors
+/// As the async one's: a database error, or an id the server has not handed out.
+#[cfg(feature = "postgres-sync")]
+pub fn transaction_status(
+    conn: &mut PgConnection,
+    id: TransactionId,
+) -> diesel::QueryResult<crate::TransactionStatus> {
+    use crate::unit_of_work::{TransactionStatusQuery, TransactionStatusRow};
+    TransactionStatusQuery::of(id)?
+        .get_result::<TransactionStatusRow>(conn)?
+        .status()
+}
+
 /// The error of a commit whose rollback failed too: the connection is gone, and with it the
-/// answer to a COMMIT that may have run (as the async unit of work's).
-fn outcome_unknown(error: diesel::result::Error) -> UnitOfWorkError {
-    UnitOfWorkError::CommitOutcomeUnknown { source: error }
+/// answer to a COMMIT that may have run (as the async unit of work's), with the transaction's
+/// id where the database reported one.
+fn outcome_unknown(
+    error: diesel::result::Error,
+    transaction: Option<TransactionId>,
+) -> UnitOfWorkError {
+    UnitOfWorkError::CommitOutcomeUnknown {
+        source: error,
+        transaction,
+    }
 }
 
 /// A sync diesel connection a unit of work runs on: `diesel::PgConnection` (feature
@@ -353,8 +391,12 @@ pub(crate) mod sealed {
     /// What a sync unit of work needs from its database, beside diesel's transaction
     /// manager.
     pub trait SyncBackend: diesel::Connection<TransactionManager = AnsiTransactionManager> {
-        /// Opens the unit of work's transaction.
-        fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()>;
+        /// Opens the unit of work's transaction; returns its id where the database reports
+        /// one ([`TransactionId`]).
+        fn begin_unit_of_work(
+            &mut self,
+            outbox: &Outbox,
+        ) -> diesel::QueryResult<Option<TransactionId>>;
 
         /// Takes the events' dedup keys and writes the events that are not duplicates, with
         /// their sequences, inside the open transaction.
@@ -390,7 +432,10 @@ pub(crate) mod sealed {
     impl SyncBackend for PgConnection {
         const COMMIT: Option<&'static str> = Some("COMMIT");
 
-        fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
+        fn begin_unit_of_work(
+            &mut self,
+            outbox: &Outbox,
+        ) -> diesel::QueryResult<Option<TransactionId>> {
             use crate::topology::{self, Registered, Role};
             if outbox.registration_due() {
                 let others: Result<Vec<Registered>, _> =
@@ -405,7 +450,18 @@ pub(crate) mod sealed {
                     ),
                 }
             }
-            AnsiTransactionManager::begin_transaction_sql(self, crate::unit_of_work::BEGIN)
+            AnsiTransactionManager::begin_transaction_sql(self, crate::unit_of_work::BEGIN)?;
+            if !outbox.reports_transaction_ids() {
+                return Ok(None);
+            }
+            // A round trip of its own: a sync connection does not pipeline.
+            let identified: diesel::QueryResult<crate::unit_of_work::CurrentTransactionRow> =
+                crate::unit_of_work::CurrentTransaction {}.get_result(self);
+            identified.map(|row| row.id()).inspect_err(|_| {
+                // The unit of work never started: end its transaction here (as the async
+                // one does).
+                let _ = AnsiTransactionManager::rollback_transaction(self);
+            })
         }
 
         fn write_events(
@@ -476,8 +532,12 @@ pub(crate) mod sealed {
     impl SyncBackend for diesel::MysqlConnection {
         const COMMIT: Option<&'static str> = Some("COMMIT");
 
-        fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
-            AnsiTransactionManager::begin_transaction_sql(self, crate::mysql::BEGIN)
+        fn begin_unit_of_work(
+            &mut self,
+            _outbox: &Outbox,
+        ) -> diesel::QueryResult<Option<TransactionId>> {
+            AnsiTransactionManager::begin_transaction_sql(self, crate::mysql::BEGIN)?;
+            Ok(None)
         }
 
         fn write_events(
@@ -503,8 +563,12 @@ pub(crate) mod sealed {
 
     #[cfg(feature = "sqlite")]
     impl SyncBackend for diesel::SqliteConnection {
-        fn begin_unit_of_work(&mut self, _outbox: &Outbox) -> diesel::QueryResult<()> {
-            crate::sqlite::begin(self)
+        fn begin_unit_of_work(
+            &mut self,
+            _outbox: &Outbox,
+        ) -> diesel::QueryResult<Option<TransactionId>> {
+            crate::sqlite::begin(self)?;
+            Ok(None)
         }
 
         fn write_events(

@@ -177,16 +177,28 @@ pub enum UnitOfWorkError {
     /// a dedup key (`#[event(dedup_key)]`) is written once however often it is retried, so
     /// a unit of work whose events all have one can be retried blindly.
     ///
+    /// On PostgreSQL, with [`Outbox::report_transaction_ids`], the error carries the
+    /// transaction's id, and [`transaction_status`] asks the server, on a new connection,
+    /// what became of it: the answer PostgreSQL keeps for exactly this case (PostgreSQL 15
+    /// documentation, 9.26 "System Information Functions and Operators", `pg_xact_status`).
+    ///
     /// Only PostgreSQL and MySQL connections report it; an SQLite connection cannot be lost.
     #[error(
         "the connection was lost while the unit of work's COMMIT was in flight: it may have \
-         committed, events included, or not; look for its business rows before retrying \
-         ({source})"
+         committed, events included, or not; {} before retrying ({source})",
+        match transaction {
+            Some(id) => format!("ask `transaction_status` for transaction {id}"),
+            None => "look for its business rows".to_owned(),
+        }
     )]
     CommitOutcomeUnknown {
         /// The error the COMMIT's round trip failed with.
         #[source]
         source: diesel::result::Error,
+        /// The transaction's id, for [`transaction_status`]: on PostgreSQL when
+        /// [`Outbox::report_transaction_ids`] asks; `None` otherwise, and on MySQL, whose
+        /// servers keep no such record.
+        transaction: Option<TransactionId>,
     },
 }
 
@@ -204,6 +216,215 @@ impl UnitOfWorkError {
             _ => Self::Database(error),
         }
     }
+}
+
+/// The id of a unit of work's PostgreSQL transaction: its `xid8`, the 32-bit transaction id
+/// with the epoch that makes it unique for the life of the cluster
+/// (`pg_current_xact_id()`, PostgreSQL 13+; PostgreSQL 15 documentation, 9.26 "System
+/// Information Functions and Operators", "Transaction ID and Snapshot Information
+/// Functions"). [`UnitOfWorkError::CommitOutcomeUnknown`] carries it, and
+/// [`transaction_status`] asks a server what became of it. Displayed as the number
+/// PostgreSQL shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransactionId(u64);
+
+impl TransactionId {
+    /// The transaction whose `xid8` is `xid8` (as a service logged it, or as
+    /// `pg_current_xact_id()::text` shows it).
+    pub const fn new(xid8: u64) -> Self {
+        Self(xid8)
+    }
+
+    /// The id as PostgreSQL's `xid8` number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for TransactionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// What became of a transaction, by the server's own record (`pg_xact_status`; see
+/// [`transaction_status`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransactionStatus {
+    /// It committed: its business rows and its events are written, and the relay publishes
+    /// the events. Retrying would do it all a second time.
+    Committed,
+    /// It rolled back (a COMMIT that never reached the server, a server that crashed before
+    /// the COMMIT's record was flushed): nothing of it is written, and retrying is safe.
+    Aborted,
+    /// Still running: the server has not yet seen that its connection is gone (it ends the
+    /// transaction when it does: at once for a closed connection, after its TCP keepalive
+    /// for a host that vanished), or it is a prepared transaction. Ask again.
+    InProgress,
+    /// The server no longer keeps the transaction's commit status (vacuum discards that of
+    /// transactions older than every table's frozen horizon): it cannot tell.
+    Forgotten,
+}
+
+/// What became of the transaction `id`: the answer to
+/// [`UnitOfWorkError::CommitOutcomeUnknown`], asked on a new connection to the same
+/// PostgreSQL server (PostgreSQL 15 documentation, 9.26, `pg_xact_status`: "Applications
+/// might use this function, for example, to determine whether their transaction committed
+/// or aborted after the application and database server become disconnected while a COMMIT
+/// is in progress"). One round trip.
+///
+/// The server must be the one that ran the transaction, or a standby promoted after it had
+/// replayed the transaction's commit record. A standby promoted before it received that
+/// record (asynchronous replication) never saw the transaction, and may have given its id to
+/// another: after such a failover the answer is not the lost transaction's.
+///
+/// # Errors
+/// A database error: the connection failed, or the server has not yet handed out `id`
+/// ("transaction ID ... is in the future": another server's id, or one from before a
+/// failover that lost it).
+#[cfg(feature = "postgres")]
+pub async fn transaction_status(
+    conn: &mut AsyncPgConnection,
+    id: TransactionId,
+) -> diesel::QueryResult<TransactionStatus> {
+    use diesel_async::RunQueryDsl;
+    TransactionStatusQuery::of(id)?
+        .get_result::<TransactionStatusRow>(conn)
+        .await?
+        .status()
+}
+
+#[cfg(feature = "postgres")]
+crate::outbox::statement::statement! {
+    /// [`transaction_status`]'s question (and `sync::transaction_status`'s).
+    pub(crate) struct TransactionStatusQuery {
+        id: i64 => diesel::sql_types::Int8,
+    }
+    sql = "SELECT pg_xact_status($1::text::xid8) AS status";
+}
+
+#[cfg(feature = "postgres")]
+impl TransactionStatusQuery {
+    /// The question for `id`; an error for an id over `xid8`'s range (a signed 64-bit
+    /// number on the wire).
+    pub(crate) fn of(id: TransactionId) -> diesel::QueryResult<Self> {
+        let id = i64::try_from(id.0).map_err(|_| {
+            diesel::result::Error::SerializationError(
+                format!("transaction id {id} is over the range of an xid8").into(),
+            )
+        })?;
+        Ok(Self { id })
+    }
+}
+
+/// [`TransactionStatusQuery`]'s answer.
+#[cfg(feature = "postgres")]
+#[derive(diesel::QueryableByName)]
+pub(crate) struct TransactionStatusRow {
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    status: Option<String>,
+}
+
+#[cfg(feature = "postgres")]
+impl TransactionStatusRow {
+    /// The status `pg_xact_status` named; an error for a name it does not give.
+    pub(crate) fn status(&self) -> diesel::QueryResult<TransactionStatus> {
+        Ok(match self.status.as_deref() {
+            Some("committed") => TransactionStatus::Committed,
+            Some("aborted") => TransactionStatus::Aborted,
+            Some("in progress") => TransactionStatus::InProgress,
+            None => TransactionStatus::Forgotten,
+            Some(other) => {
+                return Err(diesel::result::Error::DeserializationError(
+                    format!("pg_xact_status answered {other:?}").into(),
+                ));
+            }
+        })
+    }
+}
+
+#[cfg(feature = "postgres")]
+crate::outbox::statement::statement! {
+    /// The unit of work's transaction id, pipelined with its [`BEGIN`]: `NULL` unless the
+    /// transaction that BEGIN opened and marked runs it, so that should it ever reach the
+    /// server before the BEGIN, it names no transaction rather than its own autocommitted
+    /// one.
+    pub(crate) struct CurrentTransaction {}
+    sql = "SELECT CASE WHEN current_setting('outbox.unit_of_work', true) = 'on' \
+           THEN pg_current_xact_id()::text::int8 END AS id";
+}
+
+#[cfg(feature = "postgres")]
+#[derive(diesel::QueryableByName)]
+pub(crate) struct CurrentTransactionRow {
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Int8>)]
+    id: Option<i64>,
+}
+
+#[cfg(feature = "postgres")]
+impl CurrentTransactionRow {
+    /// The id, where the statement ran in the unit of work's transaction.
+    pub(crate) fn id(&self) -> Option<TransactionId> {
+        self.id
+            .and_then(|id| u64::try_from(id).ok())
+            .map(TransactionId)
+    }
+}
+
+/// Opens a unit of work's transaction with [`BEGIN`] and asks for its id in the same round
+/// trip (tokio-postgres's pipelining: each request is sent when its future is first polled,
+/// and `join!` polls the BEGIN first). diesel's transaction manager is told of the BEGIN, as
+/// its own `begin_transaction` would, so that COMMIT and ROLLBACK go through it.
+///
+/// Asking for the id gives the transaction one at its start rather than at its first
+/// write: a unit of work writes anyway. Only when [`Outbox::report_transaction_ids`] asks.
+#[cfg(feature = "postgres")]
+async fn begin_and_identify(
+    conn: &mut AsyncPgConnection,
+) -> diesel::QueryResult<Option<TransactionId>> {
+    use diesel_async::RunQueryDsl;
+    outside_transaction(conn)?;
+    let (begun, identified) = {
+        let shared: &AsyncPgConnection = conn;
+        let (mut beginning, mut identifying) = (shared, shared);
+        futures::join!(
+            diesel_async::SimpleAsyncConnection::batch_execute(&mut beginning, BEGIN),
+            CurrentTransaction {}.get_result::<CurrentTransactionRow>(&mut identifying),
+        )
+    };
+    // Whatever the BEGIN's outcome, so that the ROLLBACK below ends what it may have opened
+    // (outside a transaction, a ROLLBACK only warns).
+    record_begin(conn)?;
+    let error = match (begun, identified) {
+        (Ok(()), Ok(row)) => return Ok(row.id()),
+        (Err(error), _) | (Ok(()), Err(error)) => error,
+    };
+    // The unit of work never started, and nothing above it rolls back: end the transaction
+    // here, or the connection would be left in it. A rollback that fails leaves the
+    // transaction manager broken, so that a pool drops the connection.
+    let _ = AnsiTransactionManager::rollback_transaction(conn).await;
+    Err(error)
+}
+
+/// Fails as diesel's own `begin_transaction` would when `conn` is already in a transaction:
+/// the check before a BEGIN sent past diesel's transaction manager, pipelined with another
+/// request (a unit of work's with its id, a relay batch's with its claim).
+#[cfg(feature = "postgres")]
+pub(crate) fn outside_transaction(conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+    match AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()? {
+        Some(_) => Err(diesel::result::Error::AlreadyInTransaction),
+        None => Ok(()),
+    }
+}
+
+/// Tells diesel's transaction manager of a BEGIN sent past it (see [`outside_transaction`]),
+/// as its own `begin_transaction` would record it, so that the COMMIT and ROLLBACK that end
+/// the transaction go through it.
+#[cfg(feature = "postgres")]
+pub(crate) fn record_begin(conn: &mut AsyncPgConnection) -> diesel::QueryResult<()> {
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(diesel::connection::TransactionDepthChange::IncreaseDepth)
 }
 
 /// The role of a value in an event's subject, for [`UnitOfWorkError::InvalidSubjectToken`].
@@ -291,7 +512,8 @@ impl Outbox {
         if depth.is_some() {
             return Err(UnitOfWorkError::NestedTransaction.into());
         }
-        conn.begin_unit_of_work(self)
+        let transaction = conn
+            .begin_unit_of_work(self)
             .await
             .map_err(UnitOfWorkError::from)?;
 
@@ -300,6 +522,7 @@ impl Outbox {
                 conn,
                 buffer: EventBuffer::new(self, causality),
                 checked_commit: false,
+                transaction,
             };
             match f(&mut unit).await {
                 Ok(value) => {
@@ -321,7 +544,7 @@ impl Outbox {
                 } = flushed;
                 if let Some(sql) = insert_and_commit {
                     if let Err(failed) = commit_checked(conn, &sql).await {
-                        let refused = failed.outcome_unknown()?;
+                        let refused = failed.outcome_unknown(transaction)?;
                         return flush_failed(conn, refused.error.into(), refused.rolled_back).await;
                     }
                 } else {
@@ -334,7 +557,7 @@ impl Outbox {
                     {
                         Some(sql) => {
                             commit_checked(conn, sql).await.map_err(|failed| {
-                                match failed.outcome_unknown() {
+                                match failed.outcome_unknown(transaction) {
                                     Ok(refused) => C::checked_commit_error(refused.error),
                                     Err(unknown) => unknown,
                                 }
@@ -483,10 +706,17 @@ impl CommitFailed {
     /// connection is gone, and with it the answer to a COMMIT that may have run (a live
     /// connection runs a ROLLBACK, in a transaction or outside one). Else `self`: the
     /// server refused a statement, skipped the rest, and the transaction was rolled back.
-    pub(crate) fn outcome_unknown(self) -> Result<Self, UnitOfWorkError> {
+    /// `transaction` is the transaction's id, where the database reported one.
+    pub(crate) fn outcome_unknown(
+        self,
+        transaction: Option<TransactionId>,
+    ) -> Result<Self, UnitOfWorkError> {
         match self.rolled_back {
             Ok(()) => Ok(self),
-            Err(_) => Err(UnitOfWorkError::CommitOutcomeUnknown { source: self.error }),
+            Err(_) => Err(UnitOfWorkError::CommitOutcomeUnknown {
+                source: self.error,
+                transaction,
+            }),
         }
     }
 }
@@ -528,6 +758,8 @@ pub struct UnitOfWork<'c, C: BackendConnection = AsyncPgConnection> {
     buffer: EventBuffer<'c>,
     /// Commit with [`sealed::Backend::CHECKED_COMMIT`] ([`Self::check_at_commit`]).
     checked_commit: bool,
+    /// The transaction's id, where the database reported one ([`Self::transaction_id`]).
+    transaction: Option<TransactionId>,
 }
 
 /// The events of one transaction, collected until COMMIT. Handed to the closure of
@@ -541,6 +773,8 @@ pub struct UnitOfWork<'c, C: BackendConnection> {
     buffer: EventBuffer<'c>,
     /// Commit with [`sealed::Backend::CHECKED_COMMIT`] ([`Self::check_at_commit`]).
     checked_commit: bool,
+    /// The transaction's id, where the database reported one ([`Self::transaction_id`]).
+    transaction: Option<TransactionId>,
 }
 
 impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
@@ -568,6 +802,14 @@ impl<'c, C: BackendConnection> UnitOfWork<'c, C> {
     /// as an aggregate). Both must be valid NATS subject tokens; the commit fails otherwise.
     pub fn emit<E: DomainEvent>(&mut self, aggregate_type: &str, aggregate_id: &str, event: &E) {
         self.buffer.emit(aggregate_type, aggregate_id, event);
+    }
+
+    /// The id of this unit of work's transaction, as [`UnitOfWorkError::CommitOutcomeUnknown`]
+    /// would carry it: `Some` on PostgreSQL when [`Outbox::report_transaction_ids`] asks (the
+    /// transaction's `xid8`), else `None`. A service that logs it can later ask
+    /// [`transaction_status`] about it.
+    pub fn transaction_id(&self) -> Option<TransactionId> {
+        self.transaction
     }
 
     /// The correlation id every event of this unit of work carries (`ce-correlationid`): a
@@ -746,11 +988,12 @@ pub(crate) mod sealed {
             UnitOfWorkError::from_database(error)
         }
 
-        /// Opens the unit of work's transaction.
+        /// Opens the unit of work's transaction; returns its id where the database reports
+        /// one in the same round trip ([`TransactionId`]).
         fn begin_unit_of_work(
             &mut self,
             outbox: &Outbox,
-        ) -> impl Future<Output = diesel::QueryResult<()>> + Send;
+        ) -> impl Future<Output = diesel::QueryResult<Option<TransactionId>>> + Send;
 
         /// Takes the events' dedup keys and writes the events that are not duplicates, with
         /// their sequences, inside the open transaction.
@@ -784,9 +1027,17 @@ pub(crate) mod sealed {
             Some("SELECT outbox_assert_unit_of_work(); COMMIT");
         const COMMIT: Option<&'static str> = Some("COMMIT");
 
-        async fn begin_unit_of_work(&mut self, outbox: &Outbox) -> diesel::QueryResult<()> {
+        async fn begin_unit_of_work(
+            &mut self,
+            outbox: &Outbox,
+        ) -> diesel::QueryResult<Option<TransactionId>> {
             outbox.register_if_due(self).await;
-            AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await
+            if outbox.reports_transaction_ids() {
+                begin_and_identify(self).await
+            } else {
+                AnsiTransactionManager::begin_transaction_sql(self, BEGIN).await?;
+                Ok(None)
+            }
         }
 
         async fn write_events(

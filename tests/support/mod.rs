@@ -658,6 +658,15 @@ pub async fn taken_over(
     took
 }
 
+/// SQL that makes asking for a transaction's id fail on the connection that runs it, as on a
+/// server without `pg_current_xact_id` (PostgreSQL 12): a function of that name in a schema
+/// searched before `pg_catalog`.
+pub const NO_TRANSACTION_IDS: &str = "\
+    CREATE SCHEMA IF NOT EXISTS outbox_test_shadow; \
+    CREATE OR REPLACE FUNCTION outbox_test_shadow.pg_current_xact_id() RETURNS xid8 \
+        LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no transaction ids here'; END $$; \
+    SET search_path = outbox_test_shadow, public, pg_catalog";
+
 /// The statements a connection sends, as diesel's instrumentation sees them (async or sync
 /// connections alike: `conn.set_instrumentation(sent.clone())`).
 #[derive(Clone, Default)]

@@ -397,6 +397,8 @@ macro_rules! statement {
         impl<$($lt,)? Conn> diesel::RunQueryDsl<Conn> for $self_ty {}
 
         impl<$($lt)?> diesel::query_builder::QueryFragment<diesel::pg::Pg> for $self_ty {
+            // A statement without binds leaves the bind closure's counter and pass unused.
+            #[allow(unused_mut, unused_variables)]
             fn walk_ast<'b>(
                 &'b self,
                 out: diesel::query_builder::AstPass<'_, 'b, diesel::pg::Pg>,

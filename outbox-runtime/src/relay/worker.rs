@@ -767,13 +767,7 @@ impl RelayStore for AsyncPgConnection {
         batch: i64,
         held: &Held<'_>,
     ) -> QueryResult<Vec<ClaimedEvent>> {
-        use diesel::connection::TransactionDepthChange;
-        if AnsiTransactionManager::transaction_manager_status_mut(self)
-            .transaction_depth()?
-            .is_some()
-        {
-            return Err(diesel::result::Error::AlreadyInTransaction);
-        }
+        crate::unit_of_work::outside_transaction(self)?;
         let (begun, claimed) = {
             let conn: &AsyncPgConnection = self;
             let mut beginning = conn;
@@ -787,9 +781,7 @@ impl RelayStore for AsyncPgConnection {
         };
         // Whatever the BEGIN's outcome: the caller's ROLLBACK after an error then ends what
         // it may have opened (outside a transaction, a ROLLBACK only warns).
-        AnsiTransactionManager::transaction_manager_status_mut(self)
-            .transaction_state()?
-            .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+        crate::unit_of_work::record_begin(self)?;
         begun?;
         claimed
     }
