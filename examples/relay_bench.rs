@@ -13,7 +13,8 @@
 //! 4. the ratios 3/1 and 3/2;
 //! 5. commit-to-ack latency at a fixed offered load, with notifications and polling only (the
 //!    ack time is the stream's store timestamp of each message);
-//! 6. the unit of work's cost: a business transaction with 1 and 10 events against none, 64
+//! 6. the unit of work's cost: a business transaction with 1 and 10 events against the same
+//!    transaction on diesel-async without the outbox (and the unit of work with none), 64
 //!    events (the most that ride on the COMMIT's query) against 65 (sent with binds) per
 //!    event, and one unit of work of 10,000 events over as many aggregates, new and again;
 //! 7. the claim rate with a million published rows kept against an empty table;
@@ -315,19 +316,31 @@ impl Bench {
         if phase(6) {
             let cost = self.unit_of_work_cost().await?;
             println!(
-                "6. unit of work, mean per transaction: none {:.3} ms, 1 event {:.3} ms, 10 events {:.3} ms, 1 event with a dedup key {:.3} ms (medians {:.3} / {:.3} / {:.3} / {:.3} ms)",
+                "6. mean per transaction: bare (diesel-async, no outbox) {:.3} ms; unit of work with no event {:.3} ms, 1 event {:.3} ms, 10 events {:.3} ms, 1 event with a dedup key {:.3} ms (medians {:.3}; {:.3} / {:.3} / {:.3} / {:.3} ms)",
+                cost.mean[BARE],
                 cost.mean[0],
                 cost.mean[1],
                 cost.mean[2],
                 cost.mean[3],
+                cost.median[BARE],
                 cost.median[0],
                 cost.median[1],
                 cost.median[2],
                 cost.median[3]
             );
-            let one = cost.mean[1] / cost.mean[0];
-            ratio("6. 1 event / none", one, "<= 1.15", one <= 1.15);
-            untargeted_ratio("6. 10 events / none", cost.mean[2] / cost.mean[0]);
+            let one = cost.mean[1] / cost.mean[BARE];
+            ratio("6. 1 event / bare", one, "<= 1.15", one <= 1.15);
+            untargeted_ratio("6. no event / bare", cost.mean[0] / cost.mean[BARE]);
+            untargeted_ratio("6. 1 event / no event", cost.mean[1] / cost.mean[0]);
+            untargeted_ratio("6. 10 events / bare", cost.mean[2] / cost.mean[BARE]);
+            println!(
+                "6. 1 event with the transaction's id asked for (report_transaction_ids): mean {:.3} ms, median {:.3} ms",
+                cost.mean[IDENTIFIED], cost.median[IDENTIFIED]
+            );
+            untargeted_ratio(
+                "6. 1 event with the id / bare",
+                cost.mean[IDENTIFIED] / cost.mean[BARE],
+            );
             untargeted_ratio("6. 1 keyed event / 1 event", cost.mean[3] / cost.mean[1]);
             // The largest unit of work whose events ride on the COMMIT's query against the
             // smallest that sends them with binds in a round trip of their own, per event: 1
@@ -823,13 +836,23 @@ struct Latency {
 
 struct Cost {
     /// Per variant: no event, 1 event, 10 events, 1 event with a dedup key, [`AT_COMMIT`]
-    /// events and one more (over as many aggregates).
-    mean: [f64; 6],
-    median: [f64; 6],
+    /// events and one more (over as many aggregates), at [`BARE`] the same business
+    /// transaction without the outbox, and at [`IDENTIFIED`] 1 event with the transaction's id
+    /// asked for.
+    mean: [f64; 8],
+    median: [f64; 8],
     /// Per size of [`BULK`], milliseconds for one unit of work of that many events over as
     /// many new aggregates, then over the same aggregates again.
     bulk_ms: [[f64; 2]; 2],
 }
+
+/// Figure 6's variant that runs the business transaction on diesel-async alone: the bare
+/// transaction the unit of work's cost is measured against.
+const BARE: usize = 6;
+
+/// Figure 6's variant of 1 event by an outbox that reports transaction ids
+/// (`Outbox::report_transaction_ids`): what asking for the id with the BEGIN costs.
+const IDENTIFIED: usize = 7;
 
 /// The most events a unit of work sends with its COMMIT (the runtime's limit, 64, which
 /// `unit_of_work::a_unit_of_work_writes_its_events_in_the_commits_round_trip` pins): figure 6
@@ -1179,21 +1202,42 @@ impl Bench {
         .await?;
         let outbox = Outbox::with_topology(self.place.topology());
         let pad = "x".repeat(self.args.payload.saturating_sub(30));
-        let mut times: [Vec<f64>; 6] = Default::default();
+        let identified = outbox.clone().report_transaction_ids(true);
+        let mut times: [Vec<f64>; 8] = Default::default();
         let mut order_id = 0_i64;
         for round in 0..self.args.transactions + 100 {
-            for (variant, events) in [0_usize, 1, 10, 1, AT_COMMIT, AT_COMMIT + 1]
+            for (variant, events) in [0_usize, 1, 10, 1, AT_COMMIT, AT_COMMIT + 1, 0, 1]
                 .into_iter()
                 .enumerate()
             {
                 let keyed = variant == 3;
                 // The largest, every tenth round: they would grow the table ten times over.
-                if variant >= 4 && round % 10 != 0 {
+                if (4..=5).contains(&variant) && round % 10 != 0 {
+                    continue;
+                }
+                if variant == BARE {
+                    // The same business transaction on diesel-async, without the outbox.
+                    order_id += 1;
+                    let started = Instant::now();
+                    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+                        diesel::sql_query("INSERT INTO bench_orders VALUES ($1, 4200)")
+                            .bind::<Int8, _>(order_id)
+                            .execute(conn)
+                            .await
+                    })
+                    .await?;
+                    if round >= 100 {
+                        times[variant].push(started.elapsed().as_secs_f64() * 1e3);
+                    }
                     continue;
                 }
                 order_id += 1;
                 // One aggregate, or one per event for the largest.
-                let aggregates = if variant >= 4 { events } else { 1 };
+                let aggregates = if (4..=5).contains(&variant) {
+                    events
+                } else {
+                    1
+                };
                 let mut probes: Vec<Probe> = (0..aggregates)
                     .map(|k| Probe {
                         id: format!("cost-{}-{k}", order_id % 1000),
@@ -1213,6 +1257,11 @@ impl Bench {
                     pad: pad.clone(),
                 });
                 let probe_id = probes[0].id.clone();
+                let outbox = if variant == IDENTIFIED {
+                    &identified
+                } else {
+                    &outbox
+                };
                 let started = Instant::now();
                 outbox
                     .transaction(&mut conn, async |uow| {
@@ -1235,8 +1284,8 @@ impl Bench {
                 }
             }
         }
-        let mut mean = [0.0; 6];
-        let mut median = [0.0; 6];
+        let mut mean = [0.0; 8];
+        let mut median = [0.0; 8];
         for (variant, samples) in times.iter_mut().enumerate() {
             mean[variant] = samples.iter().sum::<f64>() / samples.len() as f64;
             samples.sort_by(f64::total_cmp);
