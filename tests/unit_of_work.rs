@@ -1062,11 +1062,11 @@ async fn a_unit_of_work_writes_its_events_in_the_commits_round_trip() {
 /// With `report_transaction_ids`, a unit of work knows its transaction's id from its BEGIN
 /// on: the id PostgreSQL gives the transaction its statements run in. `transaction_status`
 /// then tells, on any connection to the server, a unit of work that committed from one that
-/// rolled back; an id the server never handed out is an error that says so. Without the
-/// setting there is no id.
+/// rolled back (after a crash it no longer calls an id committed: see
+/// `database_crash`). Without the setting there is no id.
 #[tokio::test]
 async fn a_unit_of_work_reports_its_transaction_id_and_the_server_tells_what_became_of_it() {
-    use outbox_runtime::{TransactionId, TransactionStatus, transaction_status};
+    use outbox_runtime::{TransactionStatus, transaction_status};
     let env = TestEnv::new().await;
     let mut conn = env.conn().await;
     create_orders_table(&mut conn).await;
@@ -1088,7 +1088,7 @@ async fn a_unit_of_work_reports_its_transaction_id_and_the_server_tells_what_bec
         .await
         .unwrap();
     let committed = reported.expect("an id, with report_transaction_ids");
-    assert_eq!(committed, TransactionId::new(seen as u64));
+    assert_eq!(committed.get(), seen as u64);
     // Pipelined: the instrumentation sees the query before the BEGIN (diesel-async records a
     // prepared statement when it builds its future, a batch when it is first polled); the
     // server ran it inside the transaction, or the id would be None.
@@ -1116,7 +1116,10 @@ async fn a_unit_of_work_reports_its_transaction_id_and_the_server_tells_what_bec
         .await;
     assert!(result.is_err());
     let rolled_back = rolled_back.expect("an id, with report_transaction_ids");
-    assert!(rolled_back > committed, "{rolled_back} after {committed}");
+    assert!(
+        rolled_back.get() > committed.get(),
+        "{rolled_back} after {committed}"
+    );
 
     // Asked on another connection, as after a lost one.
     let mut other = env.conn().await;
@@ -1128,20 +1131,6 @@ async fn a_unit_of_work_reports_its_transaction_id_and_the_server_tells_what_bec
         transaction_status(&mut other, rolled_back).await.unwrap(),
         TransactionStatus::Aborted
     );
-    let unknown = TransactionId::new(rolled_back.get() + 1_000_000_000);
-    let error = transaction_status(&mut other, unknown)
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(
-        error.contains("in the future"),
-        "an id never handed out: {error}"
-    );
-    let error = transaction_status(&mut other, TransactionId::new(u64::MAX))
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(error.contains("over the range"), "{error}");
 
     // Without the setting, no id, and no statement for it.
     sent.take_shapes();

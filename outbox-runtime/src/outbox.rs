@@ -96,8 +96,8 @@ impl Outbox {
     /// it inside the closure. Off by default.
     ///
     /// The cost: on async connections the question rides in the BEGIN's round trip, and a
-    /// unit of work of one event took 1.40-1.44x a bare transaction against 1.34-1.37x
-    /// without it, 0.034-0.045 ms more (`relay_bench --phases 6`, three runs, 2026-11-28, the
+    /// unit of work of one event took 1.46-1.52x a bare transaction against 1.37-1.43x
+    /// without it, 0.060-0.077 ms more (`relay_bench --phases 6`, three runs, 2026-11-28, the
     /// two interleaved in each); on sync diesel's `PgConnection` it takes a round trip of its
     /// own. MySQL keeps no such record, and SQLite's connection cannot be lost: there the
     /// setting changes nothing.

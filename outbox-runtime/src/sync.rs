@@ -322,9 +322,9 @@ pub fn transaction_status(
     id: TransactionId,
 ) -> diesel::QueryResult<crate::TransactionStatus> {
     use crate::unit_of_work::{TransactionStatusQuery, TransactionStatusRow};
-    TransactionStatusQuery::of(id)?
+    TransactionStatusQuery::of(id)
         .get_result::<TransactionStatusRow>(conn)?
-        .status()
+        .status(id)
 }
 
 /// The error of a commit whose rollback failed too: the connection is gone, and with it the

@@ -180,7 +180,8 @@ pub enum UnitOfWorkError {
     /// On PostgreSQL, with [`Outbox::report_transaction_ids`], the error carries the
     /// transaction's id, and [`transaction_status`] asks the server, on a new connection,
     /// what became of it: the answer PostgreSQL keeps for exactly this case (PostgreSQL 15
-    /// documentation, 9.26 "System Information Functions and Operators", `pg_xact_status`).
+    /// documentation, 9.26 "System Information Functions and Operators", `pg_xact_status`),
+    /// but for a server that crashed since, which cannot always tell.
     ///
     /// Only PostgreSQL and MySQL connections report it; an SQLite connection cannot be lost.
     #[error(
@@ -222,28 +223,38 @@ impl UnitOfWorkError {
 /// with the epoch that makes it unique for the life of the cluster
 /// (`pg_current_xact_id()`, PostgreSQL 13+; PostgreSQL 15 documentation, 9.26 "System
 /// Information Functions and Operators", "Transaction ID and Snapshot Information
-/// Functions"). [`UnitOfWorkError::CommitOutcomeUnknown`] carries it, and
-/// [`transaction_status`] asks a server what became of it. Displayed as the number
-/// PostgreSQL shows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TransactionId(u64);
+/// Functions"), with a mark of the server's life it was handed out in.
+/// [`UnitOfWorkError::CommitOutcomeUnknown`] carries it, and [`transaction_status`] asks a
+/// server what became of it. Displayed as the `xid8` number PostgreSQL shows.
+///
+/// The mark is there because an id is unique only among transactions whose work reached the
+/// disk: a server that crashes loses its unflushed WAL, and after recovery hands out again
+/// the ids of the transactions whose COMMIT it lost (seen in
+/// `database_crash::a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_applies_each_once`:
+/// a unit of work the crash cut off, its row not written, whose id the server then called
+/// committed). The mark is the time the server last reset its shared statistics
+/// (`pg_stat_get_bgwriter_stat_reset_time()`), which PostgreSQL does at the end of every
+/// crash recovery (and on `pg_stat_reset_shared('bgwriter')`); another server, a promoted
+/// standby, has its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TransactionId {
+    /// Read from the server as an `int8`: never negative.
+    xid8: i64,
+    /// The server's statistics reset time, in microseconds since the Unix epoch; `None`
+    /// where the server reported none.
+    server_mark: Option<i64>,
+}
 
 impl TransactionId {
-    /// The transaction whose `xid8` is `xid8` (as a service logged it, or as
-    /// `pg_current_xact_id()::text` shows it).
-    pub const fn new(xid8: u64) -> Self {
-        Self(xid8)
-    }
-
     /// The id as PostgreSQL's `xid8` number.
     pub fn get(self) -> u64 {
-        self.0
+        self.xid8.unsigned_abs()
     }
 }
 
 impl std::fmt::Display for TransactionId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
+        self.xid8.fmt(f)
     }
 }
 
@@ -261,9 +272,13 @@ pub enum TransactionStatus {
     /// transaction when it does: at once for a closed connection, after its TCP keepalive
     /// for a host that vanished), or it is a prepared transaction. Ask again.
     InProgress,
-    /// The server no longer keeps the transaction's commit status (vacuum discards that of
-    /// transactions older than every table's frozen horizon): it cannot tell.
-    Forgotten,
+    /// The server cannot tell. Either it crashed (or reset its shared statistics, or is
+    /// another server: a promoted standby) since the transaction began, and its record of
+    /// the id may be that of a later transaction that was given the same id after the crash
+    /// lost this one's COMMIT; or it no longer keeps the transaction's commit status (vacuum
+    /// discards that of transactions older than every table's frozen horizon). Look for the
+    /// business rows.
+    Undecidable,
 }
 
 /// What became of the transaction `id`: the answer to
@@ -273,25 +288,29 @@ pub enum TransactionStatus {
 /// or aborted after the application and database server become disconnected while a COMMIT
 /// is in progress"). One round trip.
 ///
-/// The server must be the one that ran the transaction, or a standby promoted after it had
-/// replayed the transaction's commit record. A standby promoted before it received that
-/// record (asynchronous replication) never saw the transaction, and may have given its id to
-/// another: after such a failover the answer is not the lost transaction's.
+/// A server that crashed since the transaction began may have given its id to a later
+/// transaction (see [`TransactionId`]), and so may a standby promoted since (one that had not
+/// received the transaction's commit record never saw it). Across a crash, or on another
+/// server, the answer is [`TransactionStatus::Aborted`] when the server's record says
+/// aborted (a transaction whose COMMIT survived keeps its id, so an aborted record is this
+/// one's, or that of an id whose first holder's COMMIT was lost), and
+/// [`TransactionStatus::Undecidable`] otherwise: never a `Committed` that may be another
+/// transaction's.
 ///
 /// # Errors
 /// A database error: the connection failed, or the server has not yet handed out `id`
-/// ("transaction ID ... is in the future": another server's id, or one from before a
-/// failover that lost it).
+/// ("transaction ID ... is in the future": another server's id, or one whose COMMIT a
+/// crash lost before the server handed the id out again).
 #[cfg(feature = "postgres")]
 pub async fn transaction_status(
     conn: &mut AsyncPgConnection,
     id: TransactionId,
 ) -> diesel::QueryResult<TransactionStatus> {
     use diesel_async::RunQueryDsl;
-    TransactionStatusQuery::of(id)?
+    TransactionStatusQuery::of(id)
         .get_result::<TransactionStatusRow>(conn)
         .await?
-        .status()
+        .status(id)
 }
 
 #[cfg(feature = "postgres")]
@@ -300,20 +319,16 @@ crate::outbox::statement::statement! {
     pub(crate) struct TransactionStatusQuery {
         id: i64 => diesel::sql_types::Int8,
     }
-    sql = "SELECT pg_xact_status($1::text::xid8) AS status";
+    sql = "SELECT pg_xact_status($1::text::xid8) AS status, \
+           (extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time()) * 1e6)::int8 \
+               AS server_mark";
 }
 
 #[cfg(feature = "postgres")]
 impl TransactionStatusQuery {
-    /// The question for `id`; an error for an id over `xid8`'s range (a signed 64-bit
-    /// number on the wire).
-    pub(crate) fn of(id: TransactionId) -> diesel::QueryResult<Self> {
-        let id = i64::try_from(id.0).map_err(|_| {
-            diesel::result::Error::SerializationError(
-                format!("transaction id {id} is over the range of an xid8").into(),
-            )
-        })?;
-        Ok(Self { id })
+    /// The question for `id`.
+    pub(crate) fn of(id: TransactionId) -> Self {
+        Self { id: id.xid8 }
     }
 }
 
@@ -323,22 +338,33 @@ impl TransactionStatusQuery {
 pub(crate) struct TransactionStatusRow {
     #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
     status: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Int8>)]
+    server_mark: Option<i64>,
 }
 
 #[cfg(feature = "postgres")]
 impl TransactionStatusRow {
-    /// The status `pg_xact_status` named; an error for a name it does not give.
-    pub(crate) fn status(&self) -> diesel::QueryResult<TransactionStatus> {
-        Ok(match self.status.as_deref() {
+    /// What became of `id`: the status `pg_xact_status` named, unless the server's mark
+    /// differs from the one `id` was handed out under (see [`transaction_status`]); an error
+    /// for a name it does not give.
+    pub(crate) fn status(&self, id: TransactionId) -> diesel::QueryResult<TransactionStatus> {
+        let status = match self.status.as_deref() {
             Some("committed") => TransactionStatus::Committed,
             Some("aborted") => TransactionStatus::Aborted,
             Some("in progress") => TransactionStatus::InProgress,
-            None => TransactionStatus::Forgotten,
+            None => TransactionStatus::Undecidable,
             Some(other) => {
                 return Err(diesel::result::Error::DeserializationError(
                     format!("pg_xact_status answered {other:?}").into(),
                 ));
             }
+        };
+        let same_server = id.server_mark.is_some() && id.server_mark == self.server_mark;
+        Ok(match status {
+            TransactionStatus::Committed | TransactionStatus::InProgress if !same_server => {
+                TransactionStatus::Undecidable
+            }
+            status => status,
         })
     }
 }
@@ -351,7 +377,9 @@ crate::outbox::statement::statement! {
     /// one.
     pub(crate) struct CurrentTransaction {}
     sql = "SELECT CASE WHEN current_setting('outbox.unit_of_work', true) = 'on' \
-           THEN pg_current_xact_id()::text::int8 END AS id";
+           THEN pg_current_xact_id()::text::int8 END AS id, \
+           (extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time()) * 1e6)::int8 \
+               AS server_mark";
 }
 
 #[cfg(feature = "postgres")]
@@ -359,15 +387,19 @@ crate::outbox::statement::statement! {
 pub(crate) struct CurrentTransactionRow {
     #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Int8>)]
     id: Option<i64>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Int8>)]
+    server_mark: Option<i64>,
 }
 
 #[cfg(feature = "postgres")]
 impl CurrentTransactionRow {
     /// The id, where the statement ran in the unit of work's transaction.
     pub(crate) fn id(&self) -> Option<TransactionId> {
-        self.id
-            .and_then(|id| u64::try_from(id).ok())
-            .map(TransactionId)
+        let xid8 = self.id.filter(|id| *id >= 0)?;
+        Some(TransactionId {
+            xid8,
+            server_mark: self.server_mark,
+        })
     }
 }
 
