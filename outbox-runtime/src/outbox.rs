@@ -92,8 +92,9 @@ impl Outbox {
     /// that a unit of work whose connection was lost while its COMMIT was in flight reports
     /// the id ([`UnitOfWorkError::CommitOutcomeUnknown`](crate::UnitOfWorkError)), and
     /// [`transaction_status`](crate::transaction_status) tells, on a new connection, whether
-    /// it committed. [`UnitOfWork::transaction_id`](crate::UnitOfWork::transaction_id) gives
-    /// it inside the closure. Off by default.
+    /// it committed (or that it cannot tell, where the server crashed since).
+    /// [`UnitOfWork::transaction_id`](crate::UnitOfWork::transaction_id) gives it inside the
+    /// closure. Off by default.
     ///
     /// The cost: on async connections the question rides in the BEGIN's round trip, and a
     /// unit of work of one event took 1.46-1.52x a bare transaction against 1.37-1.43x

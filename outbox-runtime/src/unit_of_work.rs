@@ -220,7 +220,7 @@ impl UnitOfWorkError {
 }
 
 /// The id of a unit of work's PostgreSQL transaction: its `xid8`, the 32-bit transaction id
-/// with the epoch that makes it unique for the life of the cluster
+/// with the epoch that keeps it from wrapping around
 /// (`pg_current_xact_id()`, PostgreSQL 13+; PostgreSQL 15 documentation, 9.26 "System
 /// Information Functions and Operators", "Transaction ID and Snapshot Information
 /// Functions"), with a mark of the server's life it was handed out in.
@@ -229,10 +229,12 @@ impl UnitOfWorkError {
 ///
 /// The mark is there because an id is unique only among transactions whose work reached the
 /// disk: a server that crashes loses its unflushed WAL, and after recovery hands out again
-/// the ids of the transactions whose COMMIT it lost (seen in
+/// the ids of the transactions whose COMMIT it lost (first seen in a run of
 /// `database_crash::a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_applies_each_once`:
 /// a unit of work the crash cut off, its row not written, whose id the server then called
-/// committed). The mark is the time the server last reset its shared statistics
+/// committed; made certain by
+/// `database_crash::a_crash_hands_a_lost_transactions_id_out_again_and_transaction_status_does_not_call_it_committed`).
+/// The mark is the time the server last reset its shared statistics
 /// (`pg_stat_get_bgwriter_stat_reset_time()`), which PostgreSQL does at the end of every
 /// crash recovery (and on `pg_stat_reset_shared('bgwriter')`); another server, a promoted
 /// standby, has its own.
