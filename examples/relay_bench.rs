@@ -835,23 +835,69 @@ struct Latency {
 }
 
 struct Cost {
-    /// Per variant: no event, 1 event, 10 events, 1 event with a dedup key, [`AT_COMMIT`]
-    /// events and one more (over as many aggregates), at [`BARE`] the same business
-    /// transaction without the outbox, and at [`IDENTIFIED`] 1 event with the transaction's id
-    /// asked for.
-    mean: [f64; 8],
-    median: [f64; 8],
+    /// Per variant of [`COST_VARIANTS`], in its order.
+    mean: [f64; COST_VARIANT_COUNT],
+    median: [f64; COST_VARIANT_COUNT],
     /// Per size of [`BULK`], milliseconds for one unit of work of that many events over as
     /// many new aggregates, then over the same aggregates again.
     bulk_ms: [[f64; 2]; 2],
 }
 
-/// Figure 6's variant that runs the business transaction on diesel-async alone: the bare
-/// transaction the unit of work's cost is measured against.
+/// One of figure 6's transactions: the same business insert, with `events` events (one
+/// with a dedup key when `keyed`), over as many aggregates when `spread` (every tenth round
+/// only), by way of `outbox`.
+struct CostVariant {
+    events: usize,
+    keyed: bool,
+    spread: bool,
+    outbox: Via,
+}
+
+/// How a figure 6 transaction runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// diesel-async's own transaction, without the outbox: the bare transaction the unit of
+    /// work's cost is measured against.
+    Bare,
+    /// A unit of work.
+    Outbox,
+    /// A unit of work of an outbox that reports transaction ids
+    /// (`Outbox::report_transaction_ids`): what asking for the id with the BEGIN costs.
+    Identified,
+}
+
+/// How many transactions figure 6 interleaves (a literal: the length of a constant built by
+/// a `const fn` cannot size the arrays of an async function that reads it, rustc's query
+/// cycle E0391).
+const COST_VARIANT_COUNT: usize = 8;
+
+/// Figure 6's transactions, interleaved in this order; `Cost` holds their times in it.
+const COST_VARIANTS: [CostVariant; COST_VARIANT_COUNT] = [
+    CostVariant::by(Via::Outbox, 0, false, false),
+    CostVariant::by(Via::Outbox, 1, false, false),
+    CostVariant::by(Via::Outbox, 10, false, false),
+    CostVariant::by(Via::Outbox, 1, true, false),
+    CostVariant::by(Via::Outbox, AT_COMMIT, false, true),
+    CostVariant::by(Via::Outbox, AT_COMMIT + 1, false, true),
+    CostVariant::by(Via::Bare, 0, false, false),
+    CostVariant::by(Via::Identified, 1, false, false),
+];
+
+impl CostVariant {
+    const fn by(outbox: Via, events: usize, keyed: bool, spread: bool) -> Self {
+        Self {
+            events,
+            keyed,
+            spread,
+            outbox,
+        }
+    }
+}
+
+/// Figure 6's bare transaction, in [`COST_VARIANTS`].
 const BARE: usize = 6;
 
-/// Figure 6's variant of 1 event by an outbox that reports transaction ids
-/// (`Outbox::report_transaction_ids`): what asking for the id with the BEGIN costs.
+/// Figure 6's unit of work of 1 event with the transaction's id, in [`COST_VARIANTS`].
 const IDENTIFIED: usize = 7;
 
 /// The most events a unit of work sends with its COMMIT (the runtime's limit, 64, which
@@ -1203,89 +1249,76 @@ impl Bench {
         let outbox = Outbox::with_topology(self.place.topology());
         let pad = "x".repeat(self.args.payload.saturating_sub(30));
         let identified = outbox.clone().report_transaction_ids(true);
-        let mut times: [Vec<f64>; 8] = Default::default();
+        let mut times: [Vec<f64>; COST_VARIANT_COUNT] = Default::default();
         let mut order_id = 0_i64;
         for round in 0..self.args.transactions + 100 {
-            for (variant, events) in [0_usize, 1, 10, 1, AT_COMMIT, AT_COMMIT + 1, 0, 1]
-                .into_iter()
-                .enumerate()
-            {
-                let keyed = variant == 3;
+            for (variant, v) in COST_VARIANTS.iter().enumerate() {
                 // The largest, every tenth round: they would grow the table ten times over.
-                if (4..=5).contains(&variant) && round % 10 != 0 {
-                    continue;
-                }
-                if variant == BARE {
-                    // The same business transaction on diesel-async, without the outbox.
-                    order_id += 1;
-                    let started = Instant::now();
-                    conn.transaction::<_, diesel::result::Error, _>(async |conn| {
-                        diesel::sql_query("INSERT INTO bench_orders VALUES ($1, 4200)")
-                            .bind::<Int8, _>(order_id)
-                            .execute(conn)
-                            .await
-                    })
-                    .await?;
-                    if round >= 100 {
-                        times[variant].push(started.elapsed().as_secs_f64() * 1e3);
-                    }
+                if v.spread && round % 10 != 0 {
                     continue;
                 }
                 order_id += 1;
-                // One aggregate, or one per event for the largest.
-                let aggregates = if (4..=5).contains(&variant) {
-                    events
-                } else {
-                    1
-                };
-                let mut probes: Vec<Probe> = (0..aggregates)
-                    .map(|k| Probe {
-                        id: format!("cost-{}-{k}", order_id % 1000),
-                        pending_events: PendingEvents::new(),
-                    })
-                    .collect();
-                for n in 0..events {
-                    if !keyed {
-                        probes[n % aggregates].record(Ticked {
-                            n: n as u64,
+                let insert = diesel::sql_query("INSERT INTO bench_orders VALUES ($1, 4200)")
+                    .bind::<Int8, _>(order_id);
+                let started;
+                match v.outbox {
+                    Via::Bare => {
+                        started = Instant::now();
+                        conn.transaction::<_, diesel::result::Error, _>(async |conn| {
+                            insert.execute(conn).await
+                        })
+                        .await?;
+                    }
+                    Via::Outbox | Via::Identified => {
+                        // One aggregate, or one per event for the largest.
+                        let aggregates = if v.spread { v.events } else { 1 };
+                        let mut probes: Vec<Probe> = (0..aggregates)
+                            .map(|k| Probe {
+                                id: format!("cost-{}-{k}", order_id % 1000),
+                                pending_events: PendingEvents::new(),
+                            })
+                            .collect();
+                        if !v.keyed {
+                            for n in 0..v.events {
+                                probes[n % aggregates].record(Ticked {
+                                    n: n as u64,
+                                    pad: pad.clone(),
+                                });
+                            }
+                        }
+                        let key = v.keyed.then(|| KeyedTick {
+                            key: format!("{}-{order_id}", self.place.prefix),
                             pad: pad.clone(),
                         });
+                        let probe_id = probes[0].id.clone();
+                        let outbox = if v.outbox == Via::Identified {
+                            &identified
+                        } else {
+                            &outbox
+                        };
+                        started = Instant::now();
+                        outbox
+                            .transaction(&mut conn, async |uow| {
+                                insert.execute(uow.conn()).await?;
+                                for probe in &mut probes {
+                                    uow.track(probe);
+                                }
+                                if let Some(keyed) = &key {
+                                    uow.emit("Probe", &probe_id, keyed);
+                                }
+                                Ok::<_, UnitOfWorkError>(())
+                            })
+                            .await?;
                     }
                 }
-                let key = keyed.then(|| KeyedTick {
-                    key: format!("{}-{order_id}", self.place.prefix),
-                    pad: pad.clone(),
-                });
-                let probe_id = probes[0].id.clone();
-                let outbox = if variant == IDENTIFIED {
-                    &identified
-                } else {
-                    &outbox
-                };
-                let started = Instant::now();
-                outbox
-                    .transaction(&mut conn, async |uow| {
-                        diesel::sql_query("INSERT INTO bench_orders VALUES ($1, 4200)")
-                            .bind::<Int8, _>(order_id)
-                            .execute(uow.conn())
-                            .await?;
-                        for probe in &mut probes {
-                            uow.track(probe);
-                        }
-                        if let Some(keyed) = &key {
-                            uow.emit("Probe", &probe_id, keyed);
-                        }
-                        Ok::<_, UnitOfWorkError>(())
-                    })
-                    .await?;
                 // The first 100 rounds warm up caches and prepared statements.
                 if round >= 100 {
                     times[variant].push(started.elapsed().as_secs_f64() * 1e3);
                 }
             }
         }
-        let mut mean = [0.0; 8];
-        let mut median = [0.0; 8];
+        let mut mean = [0.0; COST_VARIANT_COUNT];
+        let mut median = [0.0; COST_VARIANT_COUNT];
         for (variant, samples) in times.iter_mut().enumerate() {
             mean[variant] = samples.iter().sum::<f64>() / samples.len() as f64;
             samples.sort_by(f64::total_cmp);
