@@ -588,7 +588,9 @@ pub(crate) struct PurgeArgs {
     #[arg(long, default_value_t = 10_000, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i64).range(1..))]
     batch: i64,
-    /// Leave the inbox's rows alone.
+    /// Leave the inbox's rows alone. Without it, --older-than must be at least 66s, the
+    /// longest a message may be redelivered with the default consumer and relay settings
+    /// (an id purged sooner lets a duplicate be handled again).
     #[arg(long)]
     no_inbox: bool,
     /// Also delete the producers' dedup keys (#[event(dedup_key)]) taken longer ago than
@@ -600,6 +602,9 @@ pub(crate) struct PurgeArgs {
 /// Deletes what `args` asks on the database `database_url` names: published rows, the
 /// archive's old rows (PostgreSQL: its old days), dedup keys and the inbox's rows.
 pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, String> {
+    if !args.no_inbox {
+        refuse_an_inbox_purge_inside_redeliveries(args.older_than)?;
+    }
     let mut operator = Operator::connect(database_url).await?;
     on_operator!(&mut operator, conn => purge_outbox(conn, &args).await)?;
     let mut progress = Progress::new();
@@ -626,6 +631,47 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
         on_operator!(&mut operator, conn => purge_inbox(conn, &args).await)?;
     }
     Ok(Ended::Done)
+}
+
+/// Refuses, before anything is deleted, an inbox purge of rows handled less than
+/// [`inbox_purge_floor`] ago: a duplicate of such a message may still arrive (redelivered by
+/// JetStream, or republished by a relay past the stream's duplicate window), and an id purged
+/// before it arrives lets it be handled twice.
+fn refuse_an_inbox_purge_inside_redeliveries(older_than: Duration) -> Result<(), String> {
+    let floor = inbox_purge_floor();
+    if older_than >= floor {
+        return Ok(());
+    }
+    Err(format!(
+        "--older-than {} would purge inbox rows whose messages may still be redelivered: a \
+         consumer with the default settings may redeliver for {} (InboxConfig's \
+         own_redelivery_time) and a relay with the default settings republish for {} (its \
+         redelivery_horizon), and a duplicate arriving after its id is gone is handled \
+         again; purge the inbox with --older-than {} or more (longer where consumers or \
+         relays are configured for longer redeliveries), or pass --no-inbox to leave the \
+         inbox alone; nothing was deleted",
+        humantime::format_duration(older_than),
+        humantime::format_duration(own_redeliveries()),
+        humantime::format_duration(relay_horizon()),
+        humantime::format_duration(floor),
+    ))
+}
+
+/// The shortest age of the inbox rows `outbox purge` deletes: the longer of a consumer's own
+/// redeliveries and a relay's redelivery horizon, each with the default settings
+/// (`InboxConfig::new`, `RelayConfig::new`), rounded up to the second. A running inbox purges
+/// its own rows with its `retention`, which it checks against its own settings.
+fn inbox_purge_floor() -> Duration {
+    let longest = own_redeliveries().max(relay_horizon());
+    Duration::from_secs(longest.as_secs() + u64::from(longest.subsec_nanos() > 0))
+}
+
+fn own_redeliveries() -> Duration {
+    outbox_runtime::InboxConfig::new("consumer", "").own_redelivery_time()
+}
+
+fn relay_horizon() -> Duration {
+    outbox_runtime::RelayConfig::new("").redelivery_horizon()
 }
 
 /// Deletes each consumer's inbox rows handled longer ago than `args` says, in batches.
@@ -770,4 +816,28 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
         seen += 1;
     }
     Ok(Ended::Done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The floor `--no-inbox`'s help names (66s): the default relay's redelivery horizon
+    /// (5 s ack, 30 s statement, 30 s backoff, 0.5 s poll), longer than the default
+    /// consumer's own redeliveries (40 s), rounded up.
+    #[test]
+    fn the_inbox_purge_floor_is_the_default_relays_horizon_rounded_up() {
+        assert_eq!(own_redeliveries(), Duration::from_secs(40));
+        assert_eq!(relay_horizon(), Duration::from_millis(65_500));
+        assert_eq!(inbox_purge_floor(), Duration::from_secs(66));
+        assert!(refuse_an_inbox_purge_inside_redeliveries(Duration::from_secs(66)).is_ok());
+        let refused =
+            refuse_an_inbox_purge_inside_redeliveries(Duration::from_millis(65_999)).unwrap_err();
+        assert!(
+            refused.contains("--older-than 1m 5s 999ms would purge inbox rows"),
+            "{refused}"
+        );
+        assert!(refused.contains("--older-than 1m 6s or more"), "{refused}");
+        assert!(refused.contains("--no-inbox"), "{refused}");
+    }
 }

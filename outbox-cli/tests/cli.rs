@@ -381,6 +381,70 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
     assert_eq!(left, ["a:new", "archived 2", "o-1#2", "o-2#1", "o-3#1"]);
 }
 
+/// A purge younger than a message's redeliveries would take the inbox's ids that a
+/// duplicate may still meet: it is refused before anything is deleted, naming the flag, the
+/// floor and `--no-inbox`; with `--no-inbox` the same age purges the outbox alone.
+#[tokio::test]
+async fn purge_refuses_to_take_inbox_ids_a_redelivery_may_still_need() {
+    let env = TestEnv::new().await;
+    insert(
+        &env,
+        "o-1",
+        1,
+        "Placed",
+        "now() - interval '50 seconds', NULL, NULL, now() - interval '50 seconds', NULL",
+    )
+    .await;
+    env.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) VALUES \
+             ('a', '/s', 'recent', now() - interval '50 seconds')",
+        )
+        .await
+        .unwrap();
+    for age in ["0s", "30s", "65s"] {
+        let refused = refused(&env, &support::nats_url(), &["purge", "--older-than", age]);
+        assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+        let said = text(&refused);
+        assert!(said.contains("would purge inbox rows"), "{said}");
+        assert!(said.contains("--older-than 1m 6s or more"), "{said}");
+        assert!(said.contains("--no-inbox"), "{said}");
+        assert!(said.contains("nothing was deleted"), "{said}");
+        assert_eq!(
+            left(&env).await,
+            ["a:recent", "o-1#1"],
+            "after --older-than {age}"
+        );
+    }
+    let purged = outbox(
+        &env,
+        &support::nats_url(),
+        &["purge", "--older-than", "30s", "--no-inbox"],
+    );
+    assert!(purged.status.success(), "{}", text(&purged));
+    assert_eq!(left(&env).await, ["a:recent"]);
+}
+
+/// The outbox's rows (`aggregate_id#aggregate_seq`) and the inbox's (`consumer:message_id`)
+/// in `env`'s database, sorted.
+async fn left(env: &TestEnv) -> Vec<String> {
+    #[derive(diesel::QueryableByName)]
+    struct Left {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        what: String,
+    }
+    use diesel_async::RunQueryDsl;
+    let left: Vec<Left> = diesel::sql_query(
+        "SELECT aggregate_id || '#' || aggregate_seq AS what FROM outbox_events \
+         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox ORDER BY 1",
+    )
+    .load(&mut env.conn().await)
+    .await
+    .unwrap();
+    left.into_iter().map(|l| l.what).collect()
+}
+
 /// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
 /// connections), more workers than a relay runs (each a connection of the database's), and a
 /// first retry delay over its cap, are refused before the relay starts, naming the setting.

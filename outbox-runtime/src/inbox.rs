@@ -458,8 +458,11 @@ impl InboxConfig {
 
     /// How long the consumer itself may go on delivering one message: `max_attempts` times
     /// `ack_wait` (each delivery may be redelivered after it) plus the nak delays between
-    /// attempts; the shortest `retention` (see the module documentation's "Retention").
-    fn own_redelivery_time(&self) -> Duration {
+    /// attempts (40 s with [`InboxConfig::new`]'s defaults; `Duration::MAX` where the sum
+    /// overflows). The shortest `retention` [`Inbox::connect`] accepts: an id purged sooner
+    /// could be handled again by a redelivery (see the module documentation's "Retention",
+    /// which also names the producer relay's horizon and replays).
+    pub fn own_redelivery_time(&self) -> Duration {
         let failures = u64::from(self.max_attempts.saturating_sub(1));
         // The delays double up to failure `NAK_DOUBLINGS + 1`; the rest repeat the last.
         let doubling = failures.min(NAK_DOUBLINGS + 1);
@@ -1586,7 +1589,11 @@ impl InboxHandle {
 /// Deletes up to `limit` of `consumer`'s inbox rows handled more than `older_than` ago,
 /// oldest first, and failed attempts as old; returns how many inbox rows. A running
 /// [`Inbox`] does this every `purge_interval` with its `retention`. An `older_than` over a
-/// thousand years (`Duration::MAX`, say) deletes nothing.
+/// thousand years (`Duration::MAX`, say) deletes nothing. An `older_than` shorter than the
+/// consumer's [`InboxConfig::own_redelivery_time`] (or the producer relay's
+/// [`RelayConfig::redelivery_horizon`](crate::RelayConfig::redelivery_horizon)) deletes ids a
+/// duplicate may still meet, which is then handled again; `outbox purge` refuses one under
+/// the defaults' (66 s).
 ///
 /// # Errors
 /// The database's error.
