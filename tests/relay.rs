@@ -214,7 +214,8 @@ async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
          VALUES ('Invoice', 'inv-7', 5, 'Issued', 'inv-7', '{subject}', \
                  '{{\"amount_cents\": 990}}', \
                  '{{\"traceparent\": \"00-4bf92f3577b34da6-00f067aa0ba902b7-01\", \"x-tenant\": [\"eu\", \"b2b\"], \
-                    \"ce-source\": \"/forged\", \"content-type\": \"text/plain\"}}')"
+                    \"ce-source\": \"/forged\", \"content-type\": \"text/plain\", \
+                    \"CE-Sequence\": \"0000000000000000999\", \"Ce-Id\": \"forged\"}}')"
     ))
     .await
     .unwrap();
@@ -235,7 +236,17 @@ async fn a_row_inserted_by_plain_sql_is_relayed_with_its_headers() {
         "its own conversation"
     );
     assert_eq!(message.header("ce-causationid"), id);
-    // The relay's own headers win over a row's headers of the same name.
+    // The relay's own headers win over a row's headers of the same name, whatever its case:
+    // a reader comparing names without case sees one value of each, the relay's.
+    for contract in CONTRACT_HEADERS {
+        let values: Vec<&str> = message
+            .headers
+            .iter()
+            .filter(|(name, _)| name.to_string().eq_ignore_ascii_case(contract))
+            .flat_map(|(_, values)| values.iter().map(|v| v.as_str()))
+            .collect();
+        assert_eq!(values.len(), 1, "{contract}: {values:?}");
+    }
     assert_eq!(message.header("ce-source"), "/tests");
     assert_eq!(message.header("content-type"), "application/json");
     assert_eq!(message.header("ce-specversion"), "1.0");

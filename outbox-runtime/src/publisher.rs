@@ -25,7 +25,8 @@
 //!
 //! The row's `headers` column is added too: each key becomes a header with the string value,
 //! or one value per element of an array of strings. Where a name matches one of the headers
-//! above, the contract's value wins.
+//! above, in any case (`CE-Sequence` matches `ce-sequence`), the contract's value wins and
+//! the row's is left out; a `Nats-` name makes the row a dead letter.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -215,6 +216,28 @@ const CE_CORRELATIONID: HeaderName = HeaderName::from_static("ce-correlationid")
 const CE_CAUSATIONID: HeaderName = HeaderName::from_static("ce-causationid");
 const CE_DATACONTENTTYPE: HeaderName = HeaderName::from_static("ce-datacontenttype");
 const CONTENT_TYPE: HeaderName = HeaderName::from_static("content-type");
+
+/// The headers the relay sets on every message, its own values winning over a row's: each
+/// row's (in the order `template` lists them) and the constant ones. `Nats-` names are
+/// refused in a row's headers altogether; these are dropped from them whatever their case
+/// (see [`row_headers`]).
+const CONTRACT_HEADERS: [HeaderName; 15] = [
+    NATS_MESSAGE_ID,
+    CE_ID,
+    CE_TYPE,
+    CE_TIME,
+    CE_SUBJECT,
+    CE_AGGREGATETYPE,
+    CE_SEQUENCE,
+    CE_PARTITIONKEY,
+    CE_EVENTVERSION,
+    CE_CORRELATIONID,
+    CE_CAUSATIONID,
+    CE_SPECVERSION,
+    CE_SOURCE,
+    CE_DATACONTENTTYPE,
+    CONTENT_TYPE,
+];
 
 /// Builds messages from claimed rows and publishes them with their acks awaited.
 pub(crate) struct Publisher {
@@ -505,21 +528,11 @@ fn percent_encoded(value: &str) -> Result<HeaderValue, async_nats::header::Parse
 /// `HeaderMap` has no way to hold a name without a value but its `Deserialize`, which takes
 /// the map of names to lists of values that its `Serialize` gives (async-nats, `header.rs`).
 fn template(constant: [(HeaderName, HeaderValue); 4]) -> HeaderMap {
-    let per_row = [
-        NATS_MESSAGE_ID,
-        CE_ID,
-        CE_TYPE,
-        CE_TIME,
-        CE_SUBJECT,
-        CE_AGGREGATETYPE,
-        CE_SEQUENCE,
-        CE_PARTITIONKEY,
-        CE_EVENTVERSION,
-        CE_CORRELATIONID,
-        CE_CAUSATIONID,
-    ];
-    let lists: std::collections::HashMap<HeaderName, Vec<HeaderValue>> = per_row
+    let constant_names = constant.clone().map(|(name, _)| name);
+    let per_row = CONTRACT_HEADERS
         .into_iter()
+        .filter(|name| !constant_names.contains(name));
+    let lists: std::collections::HashMap<HeaderName, Vec<HeaderValue>> = per_row
         .map(|name| (name, Vec::new()))
         .chain(
             constant
@@ -532,7 +545,11 @@ fn template(constant: [(HeaderName, HeaderValue); 4]) -> HeaderMap {
 }
 
 /// The `headers` column (its JSON text) as NATS headers: each key a header, each value a
-/// string or an array of strings. Anything else is an error naming the key.
+/// string or an array of strings. Anything else is an error naming the key. A key that names
+/// one of the [`CONTRACT_HEADERS`] in any case is left out: the relay sets that header, and a
+/// reader that compares names without case (as HTTP's, which the CloudEvents bindings follow,
+/// does) would otherwise see two values, one of them the row's (`CE-Sequence: 999` beside
+/// the relay's `ce-sequence`).
 fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
     let mut headers = HeaderMap::new();
     let column: serde_json::Value =
@@ -551,6 +568,12 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
                 "headers column: key {name:?}: Nats- headers are the server's (dedup, expected \
                  sequences, rollups); a row may not set one"
             ));
+        }
+        if CONTRACT_HEADERS
+            .iter()
+            .any(|contract| AsRef::<str>::as_ref(contract).eq_ignore_ascii_case(name))
+        {
+            continue;
         }
         let header =
             HeaderName::from_str(name).map_err(|e| format!("headers column: key {name:?}: {e}"))?;
@@ -1128,6 +1151,11 @@ mod tests {
         assert_eq!(headers.get("traceparent").unwrap().as_str(), "00-ab");
         let tags: Vec<_> = headers.get_all("x-tag").map(|v| v.as_str()).collect();
         assert_eq!(tags, ["a", "b"]);
+
+        // The relay's own names are left out in any case; it sets them.
+        let headers = row_headers(br#"{"CE-Sequence": "9", "ce-id": "x", "x-tag": "y"}"#).unwrap();
+        let names: Vec<String> = headers.iter().map(|(name, _)| name.to_string()).collect();
+        assert_eq!(names, ["x-tag"]);
 
         let err = row_headers(br#"{"x-n": 1}"#).unwrap_err();
         assert_eq!(
