@@ -215,6 +215,56 @@ fn aggregates_may_be_generic_and_are_usable_through_the_trait() {
     assert_eq!(generic::pending(&ledger), 1);
 }
 
+/// A generic event: an event for every type argument that makes it serde-able, `Send` and
+/// `'static`; its type name is the item's, without the arguments.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+enum Renamed<Name> {
+    Renamed { from: Name, to: Name },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+struct Tagged<T> {
+    tag: T,
+}
+
+#[aggregate]
+struct Directory {
+    id: String,
+    pending_events: PendingEvents<Renamed<String>>,
+}
+
+#[test]
+fn events_may_be_generic_over_their_field_types() {
+    fn event_types<E: DomainEvent>() -> &'static [EventType] {
+        E::EVENT_TYPES
+    }
+    let renamed = Renamed::Renamed {
+        from: "a".to_owned(),
+        to: "b".to_owned(),
+    };
+    let mut directory = Directory {
+        id: "d-1".into(),
+        pending_events: PendingEvents::new(),
+    };
+    directory.record(renamed.clone());
+    assert_eq!(directory.pending_events(), std::slice::from_ref(&renamed));
+    let payload = renamed.to_payload().unwrap();
+    assert_eq!(payload, r#"{"from":"a","to":"b"}"#);
+    assert_eq!(
+        Renamed::<String>::from_payload("Renamed", 1, payload.as_bytes()).unwrap(),
+        renamed
+    );
+
+    let tagged = Tagged { tag: 7_u8 };
+    assert_eq!(tagged.event_type(), "Tagged");
+    assert_eq!(tagged.to_payload().unwrap(), r#"{"tag":7}"#);
+    assert_eq!(
+        Tagged::<u8>::from_payload("Tagged", 1, br#"{"tag":7}"#).unwrap(),
+        tagged
+    );
+    assert_eq!(event_types::<Tagged<u8>>(), event_types::<Tagged<String>>());
+}
+
 /// serde's names name the event types: a variant's `rename`, else the enum's `rename_all`;
 /// `#[event(name)]` still comes first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]

@@ -186,6 +186,14 @@ fn expand_event(event: &Event<'_>) -> TokenStream {
             .predicates
             .push(syn::parse_quote_spanned!(ident.span()=> Self: #private::SerdeEvent));
     }
+    // A generic event is an event for the type arguments that make it one: `DomainEvent`'s
+    // `Send + 'static`, stated on the impl as serde states its bounds, rather than an error
+    // that `T` is not `Send`.
+    if event.input.generics.type_params().next().is_some() {
+        where_clause
+            .predicates
+            .push(syn::parse_quote_spanned!(ident.span()=> Self: #private::Send + 'static));
+    }
 
     // Every type and version the decode reads: each current one, then the older versions its
     // upcasters read, oldest first.

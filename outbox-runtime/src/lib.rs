@@ -224,6 +224,11 @@ pub use outbox::{MigrationError, MissingMigrations, Outbox, OutboxStats, Publish
 /// the wrong place, a serde attribute that would change the payload's shape, a broken upcast
 /// chain) is a compile error on the token that is wrong.
 ///
+/// An event may be generic over its fields' types (`enum Renamed<Name> { Renamed { from:
+/// Name, to: Name } }`): it is an event for each type argument that makes it serde-able,
+/// `Send` and `'static`, and its type name is the item's, the same for every argument. It
+/// may not borrow: a lifetime parameter is a compile error.
+///
 /// # Example
 ///
 /// ```
@@ -404,6 +409,7 @@ pub mod __private {
             .await
             .map(|rows| rows.len())
     }
+    pub use std::marker::Send;
     pub use std::option::Option;
     pub use std::result::Result;
     pub use std::string::{String, ToString};
