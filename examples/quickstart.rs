@@ -7,7 +7,8 @@
 //!
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and `NATS_URL`
 //! (default `nats://127.0.0.1:4222`) point it elsewhere. It exits 0 once every event it
-//! committed has arrived, and 1 if they have not within 30 seconds.
+//! committed has arrived, and 1 if they have not within 30 seconds or on an error, which it
+//! prints (with how to start the services when it could not reach one).
 //!
 //! The database is chosen by the URL: `postgres://` (the default build), `mysql://` (MySQL 8
 //! or MariaDB 10.6+, built with `--features mysql`), or a SQLite file's path (built with
@@ -19,13 +20,17 @@
 //! ```
 
 use std::collections::HashSet;
+use std::error::Error;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
+use outbox_runtime::ConnectError;
 use outbox_runtime::database::Kind;
+use outbox_runtime::nats::NatsConnectError;
 use outbox_runtime::{
     BackendConnection, DomainEvent, Outbox, PendingEvents, Relay, RelayConfig, RelayHandle,
     UnitOfWork, UnitOfWorkError, aggregate,
@@ -270,19 +275,52 @@ impl Database for Sqlite {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> ExitCode {
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
-    match Kind::of(&database_url) {
-        Kind::Postgres => run::<Postgres>(&database_url, &nats_url).await,
+    let Err(error) = quickstart(&database_url, &nats_url).await else {
+        return ExitCode::SUCCESS;
+    };
+    // The error and what caused it, as sentences (each already names the server, without
+    // its password), and what to do when a server is not there.
+    eprintln!("quickstart: {error}");
+    let mut unreachable = false;
+    let mut said = error.to_string();
+    let mut cause: Option<&dyn Error> = Some(&*error);
+    while let Some(error) = cause {
+        unreachable |= error.is::<ConnectError>() || error.is::<NatsConnectError>();
+        cause = error.source();
+        // A cause that its error's message already quotes is not said twice.
+        if let Some(cause) = cause.map(ToString::to_string)
+            && !said.contains(&cause)
+        {
+            eprintln!("  caused by: {cause}");
+            said = cause;
+        }
+    }
+    if unreachable {
+        eprintln!(
+            "the quickstart needs the database of DATABASE_URL and a NATS server with JetStream \
+             at NATS_URL (by default PostgreSQL 15 on 127.0.0.1:5432, database `test`, and \
+             nats-server -js on 127.0.0.1:4222); `docker compose up -d` in this repository \
+             starts both (compose.yaml)"
+        );
+    }
+    ExitCode::FAILURE
+}
+
+/// Runs the quickstart on the database `database_url` names.
+async fn quickstart(database_url: &str, nats_url: &str) -> Result<(), Box<dyn Error>> {
+    match Kind::of(database_url) {
+        Kind::Postgres => run::<Postgres>(database_url, nats_url).await,
         #[cfg(feature = "mysql")]
-        Kind::Mysql => run::<Mysql>(&database_url, &nats_url).await,
+        Kind::Mysql => run::<Mysql>(database_url, nats_url).await,
         #[cfg(not(feature = "mysql"))]
         Kind::Mysql => Err(built_without("mysql")),
         // A SQLite file: a path, `sqlite://path` or a `file:` URI.
         #[cfg(feature = "sqlite")]
-        Kind::Sqlite => run::<Sqlite>(&database_url, &nats_url).await,
+        Kind::Sqlite => run::<Sqlite>(database_url, nats_url).await,
         #[cfg(not(feature = "sqlite"))]
         Kind::Sqlite => Err(built_without("sqlite")),
     }
@@ -386,10 +424,7 @@ async fn run<D: Database>(
     relay.shutdown().await?;
     match arrived {
         Ok(result) => result?,
-        Err(_) => {
-            eprintln!("not every event arrived within 30 s");
-            std::process::exit(1);
-        }
+        Err(_) => return Err("not every event arrived within 30 s".into()),
     }
     println!("all {expected} events arrived");
     Ok(())
