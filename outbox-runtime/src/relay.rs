@@ -931,6 +931,10 @@ fn describe_metrics() {
         "outbox_relay_notifications_total",
         "LISTEN/NOTIFY wake-ups: notifications received while this relay held the doorbell"
     );
+    describe_counter!(
+        "outbox_relay_doorbell_armed_total",
+        "Times this relay armed the doorbell (took its advisory lock), so that units of work notify while it waits"
+    );
     describe_histogram!(
         "outbox_relay_batch_seconds",
         Unit::Seconds,
