@@ -362,23 +362,10 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
         shown.contains("dropped archive partition outbox_published_p20200101"),
         "{shown}"
     );
-
-    #[derive(diesel::QueryableByName)]
-    struct Left {
-        #[diesel(sql_type = diesel::sql_types::Text)]
-        what: String,
-    }
-    use diesel_async::RunQueryDsl;
-    let left: Vec<Left> = diesel::sql_query(
-        "SELECT aggregate_id || '#' || aggregate_seq AS what FROM outbox_events \
-         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox \
-         UNION ALL SELECT 'archived ' || aggregate_seq FROM outbox_published ORDER BY 1",
-    )
-    .load(&mut env.conn().await)
-    .await
-    .unwrap();
-    let left: Vec<String> = left.into_iter().map(|l| l.what).collect();
-    assert_eq!(left, ["a:new", "archived 2", "o-1#2", "o-2#1", "o-3#1"]);
+    assert_eq!(
+        left(&env).await,
+        ["a:new", "archived 2", "o-1#2", "o-2#1", "o-3#1"]
+    );
 }
 
 /// A purge younger than a message's redeliveries would take the inbox's ids that a
@@ -426,8 +413,8 @@ async fn purge_refuses_to_take_inbox_ids_a_redelivery_may_still_need() {
     assert_eq!(left(&env).await, ["a:recent"]);
 }
 
-/// The outbox's rows (`aggregate_id#aggregate_seq`) and the inbox's (`consumer:message_id`)
-/// in `env`'s database, sorted.
+/// The outbox's rows (`aggregate_id#aggregate_seq`), the inbox's (`consumer:message_id`)
+/// and the archive's (`archived aggregate_seq`) in `env`'s database, sorted.
 async fn left(env: &TestEnv) -> Vec<String> {
     #[derive(diesel::QueryableByName)]
     struct Left {
@@ -437,7 +424,8 @@ async fn left(env: &TestEnv) -> Vec<String> {
     use diesel_async::RunQueryDsl;
     let left: Vec<Left> = diesel::sql_query(
         "SELECT aggregate_id || '#' || aggregate_seq AS what FROM outbox_events \
-         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox ORDER BY 1",
+         UNION ALL SELECT consumer || ':' || message_id FROM outbox_inbox \
+         UNION ALL SELECT 'archived ' || aggregate_seq FROM outbox_published ORDER BY 1",
     )
     .load(&mut env.conn().await)
     .await
