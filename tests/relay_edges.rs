@@ -447,6 +447,99 @@ async fn a_stream_that_stops_answering_counts_no_attempt() {
     assert_eq!(env.stream_len().await, 5);
 }
 
+/// A stream deleted under a running relay (an operator's slip, or a server back without its
+/// store) is created again, as at start-up, and the events that waited for it are published
+/// there, none lost and no attempt counted; with `create` off the relay says the stream is
+/// missing, creates nothing, and the events wait until an operator creates it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_deleted_under_a_running_relay_is_created_again_or_reported_missing() {
+    let (logs, _guard) = Logs::capture().await;
+    for create in [true, false] {
+        let env = TestEnv::new().await;
+        let mut config = env.relay_config();
+        config.published = PublishedRows::Mark;
+        config.max_backoff = Duration::from_millis(300);
+        config.topology.stream.create = create;
+        if !create {
+            Relay::connect(env.relay_config(), env.nats.clone())
+                .await
+                .unwrap();
+        }
+        let relay = Relay::connect(config, env.nats.clone())
+            .await
+            .unwrap()
+            .spawn();
+        let mut first = Order::place("o-1", "ada", 1);
+        env.commit(&mut first).await;
+        env.until_stream_holds(1, Duration::from_secs(10)).await;
+        let info = env
+            .jetstream()
+            .get_stream(&env.stream)
+            .await
+            .unwrap()
+            .cached_info()
+            .config
+            .clone();
+        env.jetstream().delete_stream(&env.stream).await.unwrap();
+        let mut orders: Vec<Order> = (2..5)
+            .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
+            .collect();
+        for order in &mut orders {
+            env.commit(order).await;
+        }
+        if create {
+            env.until_stream_holds(3, Duration::from_secs(20)).await;
+        } else {
+            // A few backoffs' worth: nothing is created, nothing published or attempted.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let missing = env.jetstream().get_stream(&env.stream).await;
+            assert!(
+                missing.is_err(),
+                "the relay created the stream with create off"
+            );
+            env.jetstream().create_stream(info).await.unwrap();
+            env.until_stream_holds(3, Duration::from_secs(20)).await;
+        }
+        relay.shutdown().await.unwrap();
+
+        // Three aggregates: no order between them.
+        let mut subjects: Vec<String> = env
+            .stream_messages()
+            .await
+            .into_iter()
+            .map(|message| message.subject.to_string())
+            .collect();
+        subjects.sort();
+        let wanted: Vec<String> = (2..5)
+            .map(|n| format!("{}.Order.o-{n}.Placed", env.prefix))
+            .collect();
+        assert_eq!(subjects, wanted, "create {create}");
+        let mut conn = env.conn().await;
+        let rows: Vec<(i32, bool)> = outbox_events::table
+            .select((
+                outbox_events::attempts,
+                outbox_events::published_at.is_not_null(),
+            ))
+            .load(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            rows,
+            vec![(0, true); 4],
+            "create {create}: no attempt, all published"
+        );
+    }
+    let text = logs.text();
+    assert!(
+        text.contains("the relay created it again"),
+        "the stream's return is logged"
+    );
+    assert!(
+        text.contains("StreamSettings::create is off"),
+        "and, with create off, that it is missing"
+    );
+}
+
 /// With the `opentelemetry` feature on (as in every test here) and no OpenTelemetry layer,
 /// no trace context is invented: rows and messages carry a `traceparent` only when the caller
 /// set one.

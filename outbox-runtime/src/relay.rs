@@ -462,6 +462,9 @@ struct Shared {
     /// for all its connections, new for each relay.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     instance: uuid::Uuid,
+    /// Held by the worker that looks whether the stream is gone (after publishes found no
+    /// responder), so that the relay looks, and creates it again, once at a time.
+    stream_check: tokio::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -509,6 +512,7 @@ impl Shared {
             nats,
             health: Health::new(),
             instance: uuid::Uuid::now_v7(),
+            stream_check: tokio::sync::Mutex::new(()),
         });
         Ok((shared, stream.duplicate_window))
     }

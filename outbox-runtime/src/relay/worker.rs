@@ -30,7 +30,7 @@ use crate::outbox::OutboxStats;
 #[cfg(feature = "postgres")]
 use crate::outbox::queries;
 use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
-use crate::publisher::{PublishFailure, Publisher};
+use crate::publisher::{PublishFailure, Publisher, ensure_stream, stream_not_found};
 
 /// What one batch did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -218,10 +218,17 @@ async fn step<C: RelayStore>(
             match outcome.transport_error {
                 Some(error) => {
                     shared.health.transport_failed(&error);
+                    if outcome.no_responders {
+                        restore_missing_stream(shared).await;
+                    }
                     Step::Failed { connects }
                 }
                 None => {
-                    shared.health.transport_ok();
+                    // A batch that claimed nothing (or whose rows were all refused) says
+                    // nothing of publishes.
+                    if outcome.report.published > 0 {
+                        shared.health.transport_ok();
+                    }
                     if outcome.report.claimed > 0 {
                         Step::Busy
                     } else {
@@ -244,6 +251,47 @@ async fn step<C: RelayStore>(
 pub(super) struct BatchOutcome {
     pub report: BatchReport,
     pub transport_error: Option<String>,
+    /// Whether a publish found no responder: JetStream is down, or the stream is gone.
+    pub no_responders: bool,
+}
+
+/// After a publish found no responder: where JetStream answers that the relay's stream does
+/// not exist (an operator deleted it, or the server lost its store), creates it again as the
+/// relay did at start-up ([`ensure_stream`]) when `StreamSettings::create` allows, and says
+/// so; otherwise says that it is missing, once per look. The rows wait in the outbox either
+/// way, their attempts not counted. Where JetStream does not answer, nothing: the worker
+/// backs off and publishes again, as for any transport failure.
+async fn restore_missing_stream(shared: &Shared) {
+    let _one_at_a_time = shared.stream_check.lock().await;
+    let config = &shared.config;
+    let settings = &config.topology.stream;
+    let jetstream = shared.publisher.jetstream();
+    let lookup = tokio::time::timeout(config.ack_timeout, jetstream.get_stream(&settings.name));
+    let missing = matches!(lookup.await, Ok(Err(error)) if stream_not_found(&error));
+    if !missing {
+        return;
+    }
+    if !settings.create {
+        tracing::error!(
+            stream = %settings.name,
+            "the JetStream stream does not exist, and StreamSettings::create is off: the relay \
+             publishes nothing until it does (create it); the events wait in the outbox"
+        );
+        return;
+    }
+    let prefix = config.topology.subject_prefix.as_str();
+    match ensure_stream(jetstream, settings, prefix, config.ack_timeout).await {
+        Ok(_) => tracing::warn!(
+            stream = %settings.name,
+            "the JetStream stream was gone (deleted, or its server lost its store); the relay \
+             created it again, as at start-up: the old stream's messages, consumers and \
+             duplicate window are not in it"
+        ),
+        Err(error) => tracing::error!(
+            stream = %settings.name, %error,
+            "the JetStream stream is gone and could not be created again; the relay retries"
+        ),
+    }
 }
 
 /// Why a batch failed: a query failed or did not answer in time.
@@ -407,6 +455,7 @@ async fn batch<C: RelayStore>(
     // it answers. If it does, the server dropped that message on purpose.
     let mut stream_answers = None;
     let mut transport_error = None;
+    let mut no_responders = false;
     let mut published: Vec<Uuid> = Vec::with_capacity(report.claimed);
     let mut by_type: HashMap<&str, u64> = HashMap::new();
     // The outcomes come in completion order: each carries its chain.
@@ -453,6 +502,7 @@ async fn batch<C: RelayStore>(
         let (error, policy, kind) = match failure {
             PublishFailure::Transport { kind, error } => {
                 report.transport_failures += 1;
+                no_responders |= kind == "no_responders";
                 metrics::counter!("outbox_relay_transport_failures_total", "kind" => kind)
                     .increment(1);
                 tracing::debug!(id = %row.id, %error, "publish failed in transport");
@@ -504,6 +554,7 @@ async fn batch<C: RelayStore>(
         BatchOutcome {
             report,
             transport_error,
+            no_responders,
         },
         published,
     ))
