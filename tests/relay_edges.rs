@@ -1,7 +1,8 @@
 //! The relay at its edges, against the real PostgreSQL and NATS: hostile rows (subjects
 //! outside the prefix, subjects the server cannot read, data that would switch JetStream's
 //! dedup off), a publish the server's permissions deny, a broker that stops gracefully or
-//! stays away, and the warnings an operator sees meanwhile.
+//! stays away, a stream deleted under a running relay, and the warnings an operator sees
+//! meanwhile.
 
 mod support;
 
@@ -461,6 +462,8 @@ async fn a_stream_deleted_under_a_running_relay_is_created_again_or_reported_mis
         config.max_backoff = Duration::from_millis(300);
         config.topology.stream.create = create;
         if !create {
+            // A relay that may create the stream makes it: one with `create` off refuses to
+            // start without it.
             Relay::connect(env.relay_config(), env.nats.clone())
                 .await
                 .unwrap();
