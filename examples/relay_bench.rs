@@ -900,6 +900,13 @@ const BARE: usize = 6;
 /// Figure 6's unit of work of 1 event with the transaction's id, in [`COST_VARIANTS`].
 const IDENTIFIED: usize = 7;
 
+// The positions above name the transactions they say they do.
+const _: () = assert!(
+    matches!(COST_VARIANTS[BARE].outbox, Via::Bare)
+        && matches!(COST_VARIANTS[IDENTIFIED].outbox, Via::Identified)
+        && COST_VARIANTS[IDENTIFIED].events == 1
+);
+
 /// The most events a unit of work sends with its COMMIT (the runtime's limit, 64, which
 /// `unit_of_work::a_unit_of_work_writes_its_events_in_the_commits_round_trip` pins): figure 6
 /// compares it with one more.

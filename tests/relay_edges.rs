@@ -398,6 +398,28 @@ async fn a_graceful_broker_shutdown_counts_no_attempt_and_dead_letters_nothing()
     }
 }
 
+/// Deletes `env`'s stream, then commits one order placed for each of `orders` (`o-N`);
+/// returns the deleted stream's configuration, to create it again.
+async fn delete_stream_and_commit(
+    env: &TestEnv,
+    orders: std::ops::Range<usize>,
+) -> async_nats::jetstream::stream::Config {
+    let info = env
+        .jetstream()
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    env.jetstream().delete_stream(&env.stream).await.unwrap();
+    for n in orders {
+        env.commit(&mut Order::place(&format!("o-{n}"), "ada", 1))
+            .await;
+    }
+    info
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_stops_answering_counts_no_attempt() {
     let env = TestEnv::new().await;
@@ -408,23 +430,9 @@ async fn a_stream_that_stops_answering_counts_no_attempt() {
     let mut relay = Relay::connect(config.clone(), env.nats.clone())
         .await
         .unwrap();
-    let info = env
-        .jetstream()
-        .get_stream(&env.stream)
-        .await
-        .unwrap()
-        .cached_info()
-        .config
-        .clone();
     // JetStream stops serving the stream (what a graceful server shutdown does first, for
     // the moment before it closes the connections): "no responders" to every publish.
-    env.jetstream().delete_stream(&env.stream).await.unwrap();
-    let mut orders: Vec<Order> = (0..5)
-        .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
-        .collect();
-    for order in &mut orders {
-        env.commit(order).await;
-    }
+    let info = delete_stream_and_commit(&env, 0..5).await;
     let report = relay.relay_batch().await.unwrap();
     assert_eq!(
         (report.published, report.rejected, report.transport_failures),
@@ -475,21 +483,7 @@ async fn a_stream_deleted_under_a_running_relay_is_created_again_or_reported_mis
         let mut first = Order::place("o-1", "ada", 1);
         env.commit(&mut first).await;
         env.until_stream_holds(1, Duration::from_secs(10)).await;
-        let info = env
-            .jetstream()
-            .get_stream(&env.stream)
-            .await
-            .unwrap()
-            .cached_info()
-            .config
-            .clone();
-        env.jetstream().delete_stream(&env.stream).await.unwrap();
-        let mut orders: Vec<Order> = (2..5)
-            .map(|n| Order::place(&format!("o-{n}"), "ada", 1))
-            .collect();
-        for order in &mut orders {
-            env.commit(order).await;
-        }
+        let info = delete_stream_and_commit(&env, 2..5).await;
         if create {
             env.until_stream_holds(3, Duration::from_secs(20)).await;
         } else {

@@ -315,15 +315,23 @@ pub async fn transaction_status(
         .status(id)
 }
 
+/// The SQL of the server's mark ([`TransactionId`]): the time it last reset its shared
+/// statistics, in microseconds since the Unix epoch, as `server_mark`. One text for the
+/// statement that reads an id and the one that judges it, so that the two marks compare.
+#[cfg(feature = "postgres")]
+macro_rules! server_mark_sql {
+    () => {
+        "(extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time()) * 1e6)::int8 AS server_mark"
+    };
+}
+
 #[cfg(feature = "postgres")]
 crate::outbox::statement::statement! {
     /// [`transaction_status`]'s question (and `sync::transaction_status`'s).
     pub(crate) struct TransactionStatusQuery {
         id: i64 => diesel::sql_types::Int8,
     }
-    sql = "SELECT pg_xact_status($1::text::xid8) AS status, \
-           (extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time()) * 1e6)::int8 \
-               AS server_mark";
+    sql = concat!("SELECT pg_xact_status($1::text::xid8) AS status, ", server_mark_sql!());
 }
 
 #[cfg(feature = "postgres")]
@@ -378,10 +386,11 @@ crate::outbox::statement::statement! {
     /// server before the BEGIN, it names no transaction rather than its own autocommitted
     /// one.
     pub(crate) struct CurrentTransaction {}
-    sql = "SELECT CASE WHEN current_setting('outbox.unit_of_work', true) = 'on' \
-           THEN pg_current_xact_id()::text::int8 END AS id, \
-           (extract(epoch FROM pg_stat_get_bgwriter_stat_reset_time()) * 1e6)::int8 \
-               AS server_mark";
+    sql = concat!(
+        "SELECT CASE WHEN current_setting('outbox.unit_of_work', true) = 'on' \
+         THEN pg_current_xact_id()::text::int8 END AS id, ",
+        server_mark_sql!()
+    );
 }
 
 #[cfg(feature = "postgres")]
@@ -1459,4 +1468,46 @@ fn prepare<E: DomainEvent>(
         payload,
         dedup_key,
     })
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use super::*;
+
+    fn row(status: Option<&str>, server_mark: Option<i64>) -> TransactionStatusRow {
+        TransactionStatusRow {
+            status: status.map(str::to_owned),
+            server_mark,
+        }
+    }
+
+    /// The server's record is taken as it is only under the mark the id was handed out
+    /// under; across another mark (a crash, another server) or without one, only "aborted"
+    /// stands, and the rest cannot be told.
+    #[test]
+    fn a_status_is_believed_only_under_the_mark_its_id_was_handed_out_under() {
+        use TransactionStatus::{Aborted, Committed, InProgress, Undecidable};
+        let id = |server_mark| TransactionId {
+            xid8: 7,
+            server_mark,
+        };
+        for (record, same, other) in [
+            (Some("committed"), Committed, Undecidable),
+            (Some("in progress"), InProgress, Undecidable),
+            (Some("aborted"), Aborted, Aborted),
+            (None, Undecidable, Undecidable),
+        ] {
+            let status = |id_mark, server| row(record, server).status(id(id_mark)).unwrap();
+            assert_eq!(status(Some(1), Some(1)), same, "{record:?}, same mark");
+            assert_eq!(status(Some(1), Some(2)), other, "{record:?}, another mark");
+            assert_eq!(status(None, None), other, "{record:?}, no mark");
+            assert_eq!(
+                status(Some(1), None),
+                other,
+                "{record:?}, a server without one"
+            );
+        }
+        let error = row(Some("gone"), Some(1)).status(id(Some(1))).unwrap_err();
+        assert!(error.to_string().contains("\"gone\""), "{error}");
+    }
 }
