@@ -18,7 +18,7 @@ use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gap
 use outbox_runtime::{Handler, Inbox, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_round, commit_rounds,
-    consumer_config, consumer_database, relay_all, run_until_settled, spawn_instances,
+    consumer_config, consumer_database, orders, relay_all, run_until_settled, spawn_instances,
     wait_until_settled,
 };
 use support::domain::OrderEvent;
@@ -991,4 +991,143 @@ struct Position {
     last_seq: i64,
     #[diesel(sql_type = diesel::sql_types::Int8)]
     stream_sequence: i64,
+}
+
+/// How many gaps and dead letters the consumer recorded.
+async fn gaps_and_dead_letters(conn: &mut diesel_async::AsyncPgConnection) -> (i64, i64) {
+    let gaps = outbox_inbox_gaps::table
+        .count()
+        .get_result(&mut *conn)
+        .await
+        .unwrap();
+    let letters = outbox_inbox_dead_letters::table
+        .count()
+        .get_result(conn)
+        .await
+        .unwrap();
+    (gaps, letters)
+}
+
+/// An operator deletes a running inbox's durable consumer: the inbox creates it again and
+/// goes on, delivering from above the ack floor it last read rather than the whole stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_consumer_is_created_again_from_above_its_ack_floor() {
+    const AGGREGATES: usize = 10;
+    let producer = TestEnv::new().await;
+    let mut conn = producer.conn().await;
+    let mut orders = orders(AGGREGATES);
+    for round in 0..3 {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "deleted");
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "the first 30 settled", Duration::from_secs(20)).await;
+    // The instance reads the ack floor on its heartbeat (a third of `ack_wait`, 1 s here).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let stream = producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap();
+    assert!(stream.delete_consumer("deleted").await.unwrap().success);
+    for round in 3..6 {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    relay_all(&producer).await;
+    let mut consumer_conn = consumer.conn().await;
+    wait_until("the next 30 applied", Duration::from_secs(30), || async {
+        (applied_count(&mut consumer.conn().await).await == AGGREGATES * 6).then_some(())
+    })
+    .await;
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    running.shutdown().await.unwrap();
+    assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 6);
+    assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
+    let created = stream.consumer_info("deleted").await.unwrap();
+    assert_eq!(
+        created.config.deliver_policy,
+        async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: 31 },
+        "the 30 messages settled before the deletion are not delivered again"
+    );
+}
+
+/// The stream is deleted under a running inbox and a relay creates it again: the inbox
+/// creates its consumer again in the new stream, delivering from its first message. Then,
+/// after a restart, each aggregate's later events are applied in order although the stream
+/// sequences the consumer's positions recorded (of the old stream) are above the new
+/// stream's messages: each aggregate's first event in the new stream is held unacked by a
+/// killed instance, so that its successors arrive first and their predecessors must be found
+/// in the new stream, below those recorded sequences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_created_again_is_consumed_in_each_aggregates_order() {
+    const AGGREGATES: usize = 4;
+    let producer = TestEnv::new().await;
+    let mut conn = producer.conn().await;
+    let mut orders = orders(AGGREGATES);
+    for round in 0..5 {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "recreated");
+    let inbox = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "the first 20 settled", Duration::from_secs(20)).await;
+
+    producer
+        .jetstream()
+        .delete_stream(&producer.stream)
+        .await
+        .unwrap();
+    // The relay creates the stream again at its start; the running inbox, its consumer.
+    relay_all(&producer).await;
+    let stream = producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap();
+    let created = wait_until(
+        "the consumer created again",
+        Duration::from_secs(20),
+        || {
+            let stream = stream.clone();
+            async move { stream.consumer_info("recreated").await.ok() }
+        },
+    )
+    .await;
+    assert_eq!(
+        created.config.deliver_policy,
+        async_nats::jetstream::consumer::DeliverPolicy::All
+    );
+    running.shutdown().await.unwrap();
+
+    for round in 5..15 {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    relay_all(&producer).await;
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    assert_eq!(receive_and_die(&inbox, AGGREGATES).await, AGGREGATES);
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    let mut consumer_conn = consumer.conn().await;
+    wait_until("the next 40 applied", Duration::from_secs(30), || async {
+        (applied_count(&mut consumer.conn().await).await == AGGREGATES * 15).then_some(())
+    })
+    .await;
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    running.shutdown().await.unwrap();
+    assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 15);
+    assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
 }

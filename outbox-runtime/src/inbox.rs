@@ -64,6 +64,14 @@
 //! `ack_wait`; the rest flow at once. On a graceful stop ([`InboxHandle::shutdown`]) the
 //! instance naks what it has not started, for immediate redelivery, and finishes what it has.
 //!
+//! A durable consumer deleted under running instances (by an operator, or with its stream,
+//! which a relay creates again) is created again by them with the settings `connect` left
+//! it with: in the same stream delivering from above the ack floor last read (every third of
+//! `ack_wait`), in a stream created since from its first message. The consumer's positions
+//! hold stream sequences of the stream each event was applied from; before an event is
+//! applied over a gap, the stream must still hold the last applied event at the recorded
+//! sequence, else the predecessor is looked for from the ack floor.
+//!
 //! # Retention
 //! Inbox rows older than `retention` are deleted in batches. An id must stay recorded as
 //! long as a duplicate of its message can still arrive, or that duplicate is handled again:
@@ -724,9 +732,22 @@ struct Shared<H, C: InboxConnection> {
     pool: C::Pool,
     stream: jetstream::stream::Stream,
     consumer: jetstream::consumer::PullConsumer,
-    /// The consumer's ack floor (stream sequence) when last read, and when: every message
-    /// at or below it is settled, so a predecessor lookup starts above it.
-    ack_floor: Mutex<(u64, Option<Instant>)>,
+    /// The consumer's settings as `connect` left them: what it is created again with.
+    consumer_config: pull::Config,
+    /// What the instance knows of the consumer's progress, and in which stream.
+    ack_floor: Mutex<AckFloor>,
+}
+
+/// The consumer's ack floor when last read: every message at or below it is settled, so a
+/// predecessor lookup starts above it, and a consumer created again delivers from above it.
+struct AckFloor {
+    /// A stream sequence.
+    sequence: u64,
+    /// When it was read; `None`: read it again before it is used.
+    read_at: Option<Instant>,
+    /// When the stream it counts in was created (nanoseconds since the Unix epoch, as
+    /// JetStream reports it): a stream deleted and created again starts its sequences over.
+    stream_created: i128,
 }
 
 /// An idempotent consumer: a handler behind the inbox, on the connection `C` (PostgreSQL's
@@ -847,7 +868,12 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 .await
                 .map_err(|e| consumer_error(format!("updating its settings: {e}")))?;
         }
-        let ack_floor = consumer.cached_info().ack_floor.stream_sequence;
+        let ack_floor = AckFloor {
+            sequence: consumer.cached_info().ack_floor.stream_sequence,
+            read_at: Some(Instant::now()),
+            stream_created: stream.cached_info().created.unix_timestamp_nanos(),
+        };
+        let consumer_config = updated_pull_config(&consumer.cached_info().config);
 
         let target = database::redacted(&config.database_url);
         let pool = C::pool(
@@ -881,7 +907,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 pool,
                 stream,
                 consumer,
-                ack_floor: Mutex::new((ack_floor, Some(Instant::now()))),
+                consumer_config,
+                ack_floor: Mutex::new(ack_floor),
             }),
         })
     }
@@ -1335,8 +1362,19 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     ) -> Result<Gap, String> {
         let shared = &*self.shared;
         let config = &shared.config;
-        let ack_floor = self.ack_floor().await;
+        // A delivered message lies above its consumer's ack floor: a floor that does not is
+        // of a stream created again since it was read, and is read again.
+        let mut ack_floor = self.ack_floor().await;
+        if ack_floor >= metadata.stream_sequence {
+            self.lock_ack_floor().read_at = None;
+            ack_floor = self.ack_floor().await;
+            if ack_floor >= metadata.stream_sequence {
+                ack_floor = 0;
+            }
+        }
         let mut from = u64::try_from(stream_sequence).unwrap_or(0);
+        // Whether `from` is the position's record of where the last applied event was.
+        let mut from_position = true;
         loop {
             let found = order::predecessor(
                 &shared.stream,
@@ -1349,6 +1387,22 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .await;
             match found {
                 Predecessor::Missing { filtered } => {
+                    // The position's stream sequence is of the stream the event was applied
+                    // from: one created again since numbers its messages from 1, and a search
+                    // from there would miss a predecessor below it. Before applying over a
+                    // gap, the stream must hold the last applied event there; if it does not,
+                    // the search starts again from the ack floor.
+                    if from_position && from > ack_floor {
+                        from_position = false;
+                        match order::holds(&shared.stream, metadata, last_seq, from).await {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                from = 0;
+                                continue;
+                            }
+                            Err(error) => return Err(format!("the stream cannot tell: {error}")),
+                        }
+                    }
                     return Ok(Gap {
                         reason: format!(
                             "events {} to {} of the aggregate are not in the stream",
@@ -1387,35 +1441,124 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                         ));
                     }
                     from = stream_sequence;
+                    from_position = false;
                 }
             }
         }
     }
 
-    /// The consumer's ack floor, read again when the last reading is over a second old.
+    /// The consumer's ack floor, read again when the last reading is over a second old (or
+    /// was forgotten).
     async fn ack_floor(&self) -> u64 {
-        let (floor, read_at) = *self
-            .shared
-            .ack_floor
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (floor, read_at) = {
+            let known = self.lock_ack_floor();
+            (known.sequence, known.read_at)
+        };
         if read_at.is_some_and(|at| at.elapsed() < Duration::from_secs(1)) {
             return floor;
         }
+        self.read_ack_floor().await.unwrap_or(floor)
+    }
+
+    /// Reads the consumer's ack floor from JetStream (waiting at most
+    /// [`order::LOOKUP_TIMEOUT`]) and keeps it; `None` when JetStream did not tell.
+    pub(crate) async fn read_ack_floor(&self) -> Option<u64> {
         let mut consumer = self.shared.consumer.clone();
         let read = tokio::time::timeout(order::LOOKUP_TIMEOUT, consumer.info()).await;
-        match read {
-            Ok(Ok(info)) => {
-                let floor = info.ack_floor.stream_sequence;
-                *self
-                    .shared
-                    .ack_floor
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                    (floor, Some(Instant::now()));
-                floor
+        let floor = read.ok()?.ok()?.ack_floor.stream_sequence;
+        let mut known = self.lock_ack_floor();
+        known.sequence = floor;
+        known.read_at = Some(Instant::now());
+        Some(floor)
+    }
+
+    fn lock_ack_floor(&self) -> std::sync::MutexGuard<'_, AckFloor> {
+        self.shared
+            .ack_floor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Called when a pull request failed or went unanswered (as one for a consumer that does
+    /// not exist does), in a task of its own. The ack floor is read again before its next use
+    /// (the consumer may have been created again meanwhile, by another instance). If JetStream
+    /// says the durable consumer is gone (an operator deleted it, or its stream went with it
+    /// and a relay created the stream again), creates it with the settings `connect` left it
+    /// with, delivering, in the same stream, from above the ack floor last read (every
+    /// message at or below it was settled: nothing settled is delivered again beyond the
+    /// last seconds' worth, which the inbox's records dedup), and in a stream created since,
+    /// from its first message. A consumer that exists, a stream that is missing (a relay
+    /// creates it again; this logs a warning), a JetStream that does not answer within
+    /// [`order::LOOKUP_TIMEOUT`], or a creation that fails (another instance's came first):
+    /// nothing more is done, and the next pull request tells again.
+    pub(crate) async fn restore_consumer(&self) {
+        use jetstream::context::ConsumerInfoErrorKind;
+        let shared = &*self.shared;
+        let (consumer, stream_name) =
+            (&shared.config.consumer, &shared.config.topology.stream.name);
+        self.lock_ack_floor().read_at = None;
+        let looked =
+            tokio::time::timeout(order::LOOKUP_TIMEOUT, shared.stream.consumer_info(consumer))
+                .await;
+        match looked
+            .as_ref()
+            .map(|found| found.as_ref().map_err(|e| e.kind()))
+        {
+            Ok(Err(ConsumerInfoErrorKind::NotFound)) => {}
+            Ok(Err(ConsumerInfoErrorKind::StreamNotFound)) => {
+                tracing::warn!(
+                    stream = %stream_name,
+                    "the inbox's stream is missing (deleted, or its server lost its store); \
+                     waiting for a relay to create it again"
+                );
+                return;
             }
-            _ => floor,
+            _ => return,
+        }
+        let mut stream = shared.stream.clone();
+        let Ok(Ok(info)) = tokio::time::timeout(order::LOOKUP_TIMEOUT, stream.info()).await else {
+            return;
+        };
+        let created = info.created.unix_timestamp_nanos();
+        let (same_stream, floor) = {
+            let known = self.lock_ack_floor();
+            (known.stream_created == created, known.sequence)
+        };
+        let mut config = shared.consumer_config.clone();
+        config.deliver_policy = if same_stream && floor > 0 {
+            jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: floor + 1,
+            }
+        } else {
+            jetstream::consumer::DeliverPolicy::All
+        };
+        let created_again =
+            tokio::time::timeout(order::LOOKUP_TIMEOUT, stream.create_consumer(config)).await;
+        match created_again {
+            Ok(Ok(_)) if same_stream => {
+                tracing::warn!(
+                    %consumer, stream = %stream_name, from_stream_sequence = floor + 1,
+                    "the inbox's durable consumer was gone; created it again, delivering \
+                     from above its ack floor"
+                );
+            }
+            Ok(Ok(_)) => {
+                *self.lock_ack_floor() = AckFloor {
+                    sequence: 0,
+                    read_at: Some(Instant::now()),
+                    stream_created: created,
+                };
+                tracing::warn!(
+                    %consumer, stream = %stream_name,
+                    "the inbox's stream was created again, and its durable consumer with it; \
+                     delivering from the new stream's first message (what the old stream \
+                     held and this consumer had not settled is gone with it)"
+                );
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "creating the inbox's consumer again failed");
+            }
+            Err(_) => tracing::debug!("creating the inbox's consumer again went unanswered"),
         }
     }
 

@@ -87,11 +87,22 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     tokio::pin!(shutdown);
 
-    // After a pull request that failed, the next waits `reconnect` (doubling to 10 s), so a
-    // consumer JetStream keeps refusing (deleted, over its limits) is not asked in a loop.
+    // After a pull request that failed or went unanswered (as one for a consumer that does
+    // not exist does), a task asks JetStream whether the consumer is gone and creates it
+    // again if so (while the loop goes on: the messages in progress are not held up by
+    // JetStream's answer); after one that failed, the next request waits `reconnect`
+    // (doubling to 10 s), so a consumer JetStream keeps refusing (over its limits, its
+    // stream missing) is not asked in a loop.
     let mut failed = false;
+    let mut unanswered = false;
+    let mut restoring: Option<tokio::task::JoinHandle<()>> = None;
 
     loop {
+        if (failed || unanswered) && restoring.as_ref().is_none_or(|task| task.is_finished()) {
+            let inbox = inbox.clone();
+            restoring = Some(tokio::spawn(async move { inbox.restore_consumer().await }));
+        }
+        unanswered = false;
         if failed {
             tokio::select! {
                 biased;
@@ -144,13 +155,21 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
             },
             () = tokio::time::sleep_until(pull_ends), if pull.is_some() => {
                 tracing::debug!(
-                    "a pull request went unanswered (the server died with it, or the consumer \
-                     is electing a leader); asking again"
+                    "a pull request went unanswered (the server died with it, the consumer \
+                     is electing a leader, or it is gone); asking again"
                 );
                 pull = None;
+                unanswered = true;
                 Vec::new()
             }
-            _ = heartbeat.tick() => queues.heartbeat().await,
+            _ = heartbeat.tick() => {
+                // The ack floor is kept fresh for a consumer created again (see
+                // `Inbox::restore_consumer`); read in a task of its own, since JetStream may
+                // take its time to answer.
+                let reader = inbox.clone();
+                tokio::spawn(async move { reader.read_ack_floor().await });
+                queues.heartbeat().await
+            }
             _ = park_check.tick(), if checking.is_none() && queues.has_parked() => {
                 checking = Some(tokio::spawn(check_positions(
                     inbox.clone(),
@@ -193,6 +212,9 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     nak_all(handed_back).await;
     if let Some(checking) = checking {
         checking.abort();
+    }
+    if let Some(restoring) = restoring {
+        restoring.abort();
     }
     while jobs.next().await.is_some() {}
     stop.cancel();

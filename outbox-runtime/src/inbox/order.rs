@@ -16,7 +16,11 @@
 //!   delivers again after `ack_wait`.
 //! - not found: nothing before it will come. The event is applied, and, when the consumer's
 //!   filter takes every event type of the aggregate (so the missing events were the
-//!   producer's to skip), the gap is recorded in `outbox_inbox_gaps` with a warning.
+//!   producer's to skip), the gap is recorded in `outbox_inbox_gaps` with a warning. First,
+//!   the caller checks with [`holds`] that the last applied event's message is where the
+//!   position recorded it: a stream deleted and created again numbers its messages from 1,
+//!   below the sequences the positions recorded, and the search then starts from the
+//!   consumer's ack floor instead.
 //!
 //! An event older than the position (a skipped dead letter that the producer retried later)
 //! cannot be applied in order any more: it is dead-lettered by the consumer, for an operator.
@@ -30,6 +34,7 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
 use percent_encoding::percent_decode_str;
 
@@ -122,25 +127,14 @@ pub(super) async fn predecessor(
                 if found.sequence >= metadata.stream_sequence {
                     break;
                 }
-                let header = |name: &str| {
-                    found
-                        .headers
-                        .get(name)
-                        .and_then(|value| percent_decode_str(value.as_str()).decode_utf8().ok())
-                        .map(|value| value.into_owned())
-                };
-                let same_aggregate = header("ce-source") == metadata.source
-                    && header("ce-aggregatetype").as_deref() == Some(aggregate_type)
-                    && header("ce-subject").as_deref() == Some(aggregate_id);
-                let found_seq = header("ce-sequence").and_then(|text| text.parse::<i64>().ok());
-                if let (true, Some(found_seq)) = (same_aggregate, found_seq)
+                if let Some(found_seq) = sequence_in_aggregate(&found, metadata)
                     && found_seq > last_seq
                     && found_seq < seq
                 {
                     return Predecessor::Pending {
                         seq: found_seq,
                         stream_sequence: found.sequence,
-                        id: header("ce-id").or_else(|| header("Nats-Msg-Id")),
+                        id: header(&found, "ce-id").or_else(|| header(&found, "Nats-Msg-Id")),
                     };
                 }
                 next = found.sequence + 1;
@@ -148,6 +142,49 @@ pub(super) async fn predecessor(
         }
     }
     Predecessor::Missing { filtered }
+}
+
+/// Whether `stream` holds at `stream_sequence` the event `last_seq` of the aggregate of
+/// `metadata`'s event: where the consumer's position says it applied it. It does not when
+/// the stream was created again since (its sequences started over) or its limits removed
+/// the message. `Err` when the stream did not answer within [`LOOKUP_TIMEOUT`].
+pub(super) async fn holds(
+    stream: &Stream,
+    metadata: &Metadata,
+    last_seq: i64,
+    stream_sequence: u64,
+) -> Result<bool, String> {
+    let request = stream
+        .raw_message_builder()
+        .sequence(stream_sequence)
+        .send();
+    match tokio::time::timeout(LOOKUP_TIMEOUT, request).await {
+        Err(_) => Err("the stream did not answer".to_owned()),
+        Ok(Err(error)) if error.kind() == RawMessageErrorKind::NoMessageFound => Ok(false),
+        Ok(Err(error)) => Err(error.to_string()),
+        Ok(Ok(found)) => Ok(sequence_in_aggregate(&found, metadata) == Some(last_seq)),
+    }
+}
+
+/// The `ce-sequence` of the event `found` carries when it is of the same aggregate as
+/// `metadata`'s event (same `ce-source`, `ce-aggregatetype` and `ce-subject`).
+fn sequence_in_aggregate(found: &StreamMessage, metadata: &Metadata) -> Option<i64> {
+    let (aggregate_type, aggregate_id, _) = metadata.place()?;
+    let same_aggregate = header(found, "ce-source") == metadata.source
+        && header(found, "ce-aggregatetype").as_deref() == Some(aggregate_type)
+        && header(found, "ce-subject").as_deref() == Some(aggregate_id);
+    same_aggregate
+        .then(|| header(found, "ce-sequence")?.parse().ok())
+        .flatten()
+}
+
+/// A header of a stream message, percent-decoded as the relay encodes it.
+fn header(found: &StreamMessage, name: &str) -> Option<String> {
+    found
+        .headers
+        .get(name)
+        .and_then(|value| percent_decode_str(value.as_str()).decode_utf8().ok())
+        .map(|value| value.into_owned())
 }
 
 /// The subject patterns an aggregate's events may be published on, from one event's
