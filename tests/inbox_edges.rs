@@ -1131,3 +1131,64 @@ async fn a_stream_created_again_is_consumed_in_each_aggregates_order() {
     assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 15);
     assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
 }
+
+/// [`Recording`], except that it never returns for one event: a call to a service that
+/// never answers.
+#[derive(Clone)]
+struct NeverReturnsOn {
+    aggregate: &'static str,
+    seq: i64,
+}
+
+impl Handler for NeverReturnsOn {
+    type Event = OrderEvent;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        event: OrderEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        if message.aggregate_id == self.aggregate && message.sequence == self.seq {
+            std::future::pending::<()>().await;
+        }
+        Recording::default().handle(event, message, uow).await
+    }
+}
+
+/// A handler that never returns fails at `handler_timeout`, each time, as a handler error
+/// does: the event is dead-lettered at `max_attempts` with the reason, nothing it wrote
+/// stays, and its aggregate moves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_never_returns_fails_at_handler_timeout() {
+    const AGGREGATES: usize = 3;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, 3).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "hanging");
+    config.handler_timeout = Duration::from_millis(200);
+    config.max_attempts = 2;
+    let handler = NeverReturnsOn {
+        aggregate: "o-1",
+        seq: 2,
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
+        .await
+        .unwrap();
+    run_until_settled(inbox, "every message settled", Duration::from_secs(20)).await;
+    let mut consumer_conn = consumer.conn().await;
+    let applied = applied(&mut consumer_conn).await;
+    assert_eq!(applied.get("o-0"), Some(&vec![1, 2, 3]));
+    assert_eq!(applied.get("o-1"), Some(&vec![1, 3]));
+    assert_eq!(applied.get("o-2"), Some(&vec![1, 2, 3]));
+    let letters = dead_letter_errors(&mut consumer_conn).await;
+    assert_eq!(
+        letters,
+        [
+            "handler failed: the handler did not return within handler_timeout (200ms) (failed 2 \
+          times; max_attempts 2)"
+        ]
+    );
+}

@@ -38,8 +38,9 @@
 //! ordered by its partition key within an instance only.
 //!
 //! # Failures
-//! A handler error (or panic) rolls the transaction back (no inbox row, no write, no event),
-//! is counted in `outbox_inbox_attempts`, and naks the message with a delay (`retry_delay`,
+//! A handler error (or panic, or a call still running at `handler_timeout`) rolls the
+//! transaction back (no inbox row, no write, no event), is counted in
+//! `outbox_inbox_attempts`, and naks the message with a delay (`retry_delay`,
 //! doubling, capped at `max_retry_delay`); at `max_attempts` failures the message is
 //! dead-lettered in `outbox_inbox_dead_letters` with its error, headers and payload, and its
 //! aggregate moves on. Only handler failures count: JetStream's own delivery count is
@@ -223,7 +224,7 @@ pub enum Unreadable {
 /// [`InboxConfig::new`]. Its `Debug` shows the database URL without its password.
 /// `ack_wait`, `retry_delay`, `max_retry_delay`, `connect_timeout` and `statement_timeout`
 /// are at most [`MAX_DURATION`](crate::relay::MAX_DURATION); the other durations take any
-/// length.
+/// length (`Duration::MAX`: never).
 #[derive(Clone)]
 pub struct InboxConfig {
     /// The consumer's name: the durable JetStream consumer, and its key in the inbox tables.
@@ -250,6 +251,15 @@ pub struct InboxConfig {
     /// Handler failures (errors or panics) before a message is dead-lettered. Deliveries do
     /// not count: a crash or a restart never dead-letters a message. Default 5.
     pub max_attempts: u32,
+    /// How long one call of the handler may take. A call that has not returned by then is
+    /// dropped and fails as a handler error does: its transaction rolls back (a query of it
+    /// still running on the server ends at `statement_timeout`), the attempt counts, the
+    /// message is nak'd with its delay and dead-lettered at `max_attempts`, and its
+    /// aggregate moves on. Without it, a handler that never returns (a call to a service
+    /// that never answers) would hold its aggregate, a handler slot and a connection with
+    /// an open transaction for ever, kept from redelivery by the inbox's progress acks.
+    /// Default 5 min; `Duration::MAX` means never.
+    pub handler_timeout: Duration,
     /// How long JetStream waits for an ack (or a progress ack) before it gives a message to
     /// another instance: the longest wait, after a crash, for the messages the dead
     /// instance held. The inbox sends progress acks every third of it for the messages it
@@ -312,6 +322,7 @@ impl fmt::Debug for InboxConfig {
             .field("topology", &self.topology)
             .field("filter_subjects", &self.filter_subjects)
             .field("max_attempts", &self.max_attempts)
+            .field("handler_timeout", &self.handler_timeout)
             .field("ack_wait", &self.ack_wait)
             .field("retry_delay", &self.retry_delay)
             .field("max_retry_delay", &self.max_retry_delay)
@@ -345,6 +356,7 @@ impl InboxConfig {
             topology: Topology::default(),
             filter_subjects: Vec::new(),
             max_attempts: 5,
+            handler_timeout: Duration::from_secs(300),
             ack_wait: Duration::from_secs(5),
             retry_delay: Duration::from_secs(1),
             max_retry_delay: Duration::from_secs(60),
@@ -428,6 +440,11 @@ impl InboxConfig {
                 self.statement_timeout,
                 Duration::from_millis(1),
             ),
+            (
+                "handler_timeout",
+                self.handler_timeout,
+                Duration::from_millis(1),
+            ),
         ] {
             if value < least {
                 return Err(InboxError::Config(format!(
@@ -437,8 +454,8 @@ impl InboxConfig {
         }
         too_short([("purge_interval", self.purge_interval)]).map_err(InboxError::Config)?;
         // What the inbox adds up into deadlines, and sends to PostgreSQL as an `int` of
-        // milliseconds: at most the relay's bound. (`gap_timeout`, `retention` and
-        // `purge_interval` have no upper bound: `Duration::MAX` means never.)
+        // milliseconds: at most the relay's bound. (`gap_timeout`, `handler_timeout`,
+        // `retention` and `purge_interval` have no upper bound: `Duration::MAX` means never.)
         too_long(
             "an inbox",
             [
@@ -1290,13 +1307,25 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 }
                 match body {
                     Body::Handle(event) => {
-                        let handled = AssertUnwindSafe(shared.handler.handle(event, metadata, uow))
-                            .catch_unwind()
-                            .await;
+                        let handler_timeout = shared.config.handler_timeout;
+                        let handled = tokio::time::timeout(
+                            handler_timeout,
+                            AssertUnwindSafe(shared.handler.handle(event, metadata, uow))
+                                .catch_unwind(),
+                        )
+                        .await;
                         match handled {
-                            Ok(Ok(())) => {}
-                            Ok(Err(error)) => return Err(Failure::Handler(error.to_string())),
-                            Err(panic) => {
+                            Ok(Ok(Ok(()))) => {}
+                            Ok(Ok(Err(error))) => {
+                                return Err(Failure::Handler(error.to_string()));
+                            }
+                            Err(_) => {
+                                return Err(Failure::Handler(format!(
+                                    "the handler did not return within handler_timeout \
+                                     ({handler_timeout:?})"
+                                )));
+                            }
+                            Ok(Err(panic)) => {
                                 return Err(Failure::Handler(format!(
                                     "the handler panicked: {}",
                                     panic_message(&panic)
@@ -1880,11 +1909,21 @@ mod tests {
                 other => panic!("purge_interval = {value:?}: {other:?}"),
             }
         }
-        // Never: a gap waited for, ids purged, a purge run.
+        // A handler given no time at all is refused, naming the field.
+        let mut config = InboxConfig::new("c", "postgres://");
+        config.handler_timeout = Duration::ZERO;
+        match config.validate() {
+            Err(InboxError::Config(message)) => {
+                assert_eq!(message, "handler_timeout must be at least 1ms, not 0ns")
+            }
+            other => panic!("handler_timeout = 0: {other:?}"),
+        }
+        // Never: a gap waited for, ids purged, a purge run, a handler cut off.
         let mut config = InboxConfig::new("c", "postgres://");
         config.gap_timeout = Duration::MAX;
         config.retention = Duration::MAX;
         config.purge_interval = Duration::MAX;
+        config.handler_timeout = Duration::MAX;
         assert!(config.validate().is_ok());
     }
 
