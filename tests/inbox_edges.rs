@@ -1138,6 +1138,8 @@ async fn a_stream_created_again_is_consumed_in_each_aggregates_order() {
 struct NeverReturnsOn {
     aggregate: &'static str,
     seq: i64,
+    /// Whether it waits in a query of its transaction (`pg_sleep`) rather than in itself.
+    in_a_query: bool,
 }
 
 impl Handler for NeverReturnsOn {
@@ -1151,6 +1153,11 @@ impl Handler for NeverReturnsOn {
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
         if message.aggregate_id == self.aggregate && message.sequence == self.seq {
+            if self.in_a_query {
+                diesel::sql_query("SELECT pg_sleep(3600)")
+                    .execute(uow.conn())
+                    .await?;
+            }
             std::future::pending::<()>().await;
         }
         Recording::default().handle(event, message, uow).await
@@ -1159,9 +1166,16 @@ impl Handler for NeverReturnsOn {
 
 /// A handler that never returns fails at `handler_timeout`, each time, as a handler error
 /// does: the event is dead-lettered at `max_attempts` with the reason, nothing it wrote
-/// stays, and its aggregate moves on.
+/// stays, and its aggregate moves on; also when it waits in a query of its transaction
+/// (which the server ends at `statement_timeout`, before the rollback).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_never_returns_fails_at_handler_timeout() {
+    for in_a_query in [false, true] {
+        never_returns(in_a_query).await;
+    }
+}
+
+async fn never_returns(in_a_query: bool) {
     const AGGREGATES: usize = 3;
     let producer = TestEnv::new().await;
     commit_rounds(&producer, AGGREGATES, 3).await;
@@ -1169,10 +1183,12 @@ async fn a_handler_that_never_returns_fails_at_handler_timeout() {
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "hanging");
     config.handler_timeout = Duration::from_millis(200);
+    config.statement_timeout = Duration::from_secs(1);
     config.max_attempts = 2;
     let handler = NeverReturnsOn {
         aggregate: "o-1",
         seq: 2,
+        in_a_query,
     };
     let inbox = Inbox::connect(config, producer.nats.clone(), handler)
         .await
