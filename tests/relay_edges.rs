@@ -420,6 +420,62 @@ async fn delete_stream_and_commit(
     info
 }
 
+/// An operator edits the stream's subjects under a running relay so that they no longer
+/// capture its prefix: publishes find no stream. The relay says so, naming the subjects,
+/// counts no attempt and changes nothing; the events flow once the subjects are put back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_edited_to_miss_the_relays_subjects_is_reported_naming_them() {
+    let (logs, _guard) = Logs::capture().await;
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.published = PublishedRows::Mark;
+    config.max_backoff = Duration::from_millis(300);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    env.commit(&mut Order::place("o-1", "ada", 1)).await;
+    env.until_stream_holds(1, Duration::from_secs(10)).await;
+
+    let mut stream = env.jetstream().get_stream(&env.stream).await.unwrap();
+    let original = stream.info().await.unwrap().config.clone();
+    let elsewhere = format!("{}-elsewhere.>", env.prefix);
+    let mut edited = original.clone();
+    edited.subjects = vec![elsewhere.clone()];
+    env.jetstream().update_stream(edited).await.unwrap();
+    env.commit(&mut Order::place("o-2", "ada", 1)).await;
+    let wanted = format!("no longer capture all of \"{}.>\"", env.prefix);
+    wait_until(
+        "the relay reports the stream's subjects",
+        Duration::from_secs(10),
+        || {
+            let text = logs.text();
+            std::future::ready((text.contains(&wanted) && text.contains(&elsewhere)).then_some(()))
+        },
+    )
+    .await;
+    let mut conn = env.conn().await;
+    let waiting: (i32, bool) = outbox_events::table
+        .filter(outbox_events::aggregate_id.eq("o-2"))
+        .select((
+            outbox_events::attempts,
+            outbox_events::published_at.is_not_null(),
+        ))
+        .first(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(waiting, (0, false), "no attempt counted, not published");
+    assert_eq!(
+        stream.info().await.unwrap().config.subjects,
+        [elsewhere],
+        "the relay changed the operator's stream"
+    );
+
+    env.jetstream().update_stream(original).await.unwrap();
+    env.until_stream_holds(2, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_stops_answering_counts_no_attempt() {
     let env = TestEnv::new().await;

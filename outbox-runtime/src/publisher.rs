@@ -883,12 +883,7 @@ pub(crate) async fn ensure_stream(
                 .clone()
         }
     };
-    let captured = info
-        .config
-        .subjects
-        .iter()
-        .any(|filter| filter_covers_prefix(filter, prefix));
-    if !captured {
+    if !captures(&info.config.subjects, prefix) {
         return Err(StreamError::DoesNotCapture {
             stream: settings.name.clone(),
             subjects: info.config.subjects.clone(),
@@ -926,6 +921,14 @@ fn request_timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
         cause = error.source();
     }
     false
+}
+
+/// Whether a stream with the subject filters `subjects` captures every subject under
+/// `prefix`, i.e. `{prefix}.>` (one of its filters does).
+pub(crate) fn captures(subjects: &[String], prefix: &str) -> bool {
+    subjects
+        .iter()
+        .any(|filter| filter_covers_prefix(filter, prefix))
 }
 
 /// Whether the subject filter `filter` matches every subject under `prefix`, i.e. `{prefix}.>`.

@@ -30,7 +30,7 @@ use crate::outbox::OutboxStats;
 #[cfg(feature = "postgres")]
 use crate::outbox::queries;
 use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
-use crate::publisher::{PublishFailure, Publisher, ensure_stream, stream_not_found};
+use crate::publisher::{PublishFailure, Publisher, captures, ensure_stream, stream_not_found};
 
 /// What one batch did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -258,18 +258,34 @@ pub(super) struct BatchOutcome {
 /// After a publish found no responder: where JetStream answers that the relay's stream does
 /// not exist (an operator deleted it, or the server lost its store), creates it again as the
 /// relay did at start-up ([`ensure_stream`]) when `StreamSettings::create` allows, and says
-/// so; otherwise says that it is missing, once per look. The rows wait in the outbox either
+/// so; otherwise says that it is missing, once per look. Where the stream exists and its
+/// subjects no longer capture `{prefix}.>` (edited since start-up), says so, naming them,
+/// and changes nothing: the stream is the operator's. The rows wait in the outbox either
 /// way, their attempts not counted. Where JetStream does not answer, nothing: the worker
 /// backs off and publishes again, as for any transport failure.
 async fn restore_missing_stream(shared: &Shared) {
     let _one_at_a_time = shared.stream_check.lock().await;
     let config = &shared.config;
     let settings = &config.topology.stream;
+    let prefix = config.topology.subject_prefix.as_str();
     let jetstream = shared.publisher.jetstream();
     let lookup = tokio::time::timeout(config.ack_timeout, jetstream.get_stream(&settings.name));
-    let missing = matches!(lookup.await, Ok(Err(error)) if stream_not_found(&error));
-    if !missing {
-        return;
+    match lookup.await {
+        Ok(Err(error)) if stream_not_found(&error) => {}
+        Ok(Ok(stream)) => {
+            let subjects = &stream.cached_info().config.subjects;
+            if !captures(subjects, prefix) {
+                tracing::error!(
+                    stream = %settings.name, ?subjects,
+                    "the JetStream stream's subjects no longer capture all of \"{prefix}.>\" \
+                     (changed since the relay started): publishes outside them find no stream; \
+                     the events wait in the outbox until the stream captures them again \
+                     (nats stream edit --subjects)"
+                );
+            }
+            return;
+        }
+        _ => return,
     }
     if !settings.create {
         tracing::error!(
@@ -279,7 +295,6 @@ async fn restore_missing_stream(shared: &Shared) {
         );
         return;
     }
-    let prefix = config.topology.subject_prefix.as_str();
     match ensure_stream(jetstream, settings, prefix, config.ack_timeout).await {
         Ok(_) => tracing::warn!(
             stream = %settings.name,
