@@ -258,6 +258,8 @@ pub struct InboxConfig {
     /// aggregate moves on. Without it, a handler that never returns (a call to a service
     /// that never answers) would hold its aggregate, a handler slot and a connection with
     /// an open transaction for ever, kept from redelivery by the inbox's progress acks.
+    /// A call is dropped where it awaits: one that blocks its thread without awaiting is not
+    /// cut off (run blocking work with `tokio::task::spawn_blocking`).
     /// Default 5 min; `Duration::MAX` means never.
     pub handler_timeout: Duration,
     /// How long JetStream waits for an ack (or a progress ack) before it gives a message to
