@@ -17,9 +17,9 @@ use futures::StreamExt;
 use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gaps};
 use outbox_runtime::{Handler, Inbox, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
-    Recording, applied, applied_count, assert_applied_in_order, commit_round, commit_rounds,
-    consumer_config, consumer_database, orders, relay_all, run_until_settled, spawn_instances,
-    wait_until_settled,
+    Recording, Rounds, applied, applied_count, assert_applied_in_order, commit_rounds,
+    consumer_config, consumer_database, relay_all, run_until_settled, spawn_instances,
+    wait_until_applied, wait_until_settled,
 };
 use support::domain::OrderEvent;
 use support::{Logs, NatsServer, Proxy, Severed, TestEnv, wait_until};
@@ -134,10 +134,8 @@ async fn a_pull_request_the_broker_lost_is_replaced_at_once() {
     let producer = TestEnv::with_nats(&server.url()).await;
     let consumer = consumer_database().await;
     let config = consumer_config(&consumer, &producer, "lost-pull");
-    let mut conn = producer.conn().await;
-    let mut orders = support::consumer::orders(1);
-    commit_round(&producer, &mut conn, &mut orders, 0).await;
-    relay_all(&producer).await;
+    let mut rounds = Rounds::new(&producer, 1).await;
+    rounds.commit_and_relay(1).await;
     let nats = outbox_runtime::nats::connect(&server.url()).await.unwrap();
     let inbox = Inbox::connect(config, nats, Recording::default())
         .await
@@ -157,8 +155,7 @@ async fn a_pull_request_the_broker_lost_is_replaced_at_once() {
     server.stop();
     server.restart().await;
 
-    commit_round(&producer, &mut conn, &mut orders, 1).await;
-    relay_all(&producer).await;
+    rounds.commit_and_relay(1).await;
     wait_until(
         "the second event applied",
         Duration::from_secs(30),
@@ -1014,12 +1011,8 @@ async fn gaps_and_dead_letters(conn: &mut diesel_async::AsyncPgConnection) -> (i
 async fn a_deleted_consumer_is_created_again_from_above_its_ack_floor() {
     const AGGREGATES: usize = 10;
     let producer = TestEnv::new().await;
-    let mut conn = producer.conn().await;
-    let mut orders = orders(AGGREGATES);
-    for round in 0..3 {
-        commit_round(&producer, &mut conn, &mut orders, round).await;
-    }
-    relay_all(&producer).await;
+    let mut rounds = Rounds::new(&producer, AGGREGATES).await;
+    rounds.commit_and_relay(3).await;
     let consumer = consumer_database().await;
     let config = consumer_config(&consumer, &producer, "deleted");
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
@@ -1037,17 +1030,10 @@ async fn a_deleted_consumer_is_created_again_from_above_its_ack_floor() {
         .await
         .unwrap();
     assert!(stream.delete_consumer("deleted").await.unwrap().success);
-    for round in 3..6 {
-        commit_round(&producer, &mut conn, &mut orders, round).await;
-    }
-    relay_all(&producer).await;
-    let mut consumer_conn = consumer.conn().await;
-    wait_until("the next 30 applied", Duration::from_secs(30), || async {
-        (applied_count(&mut consumer.conn().await).await == AGGREGATES * 6).then_some(())
-    })
-    .await;
-    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    rounds.commit_and_relay(3).await;
+    wait_until_applied(&probe, &consumer, AGGREGATES * 6, Duration::from_secs(30)).await;
     running.shutdown().await.unwrap();
+    let mut consumer_conn = consumer.conn().await;
     assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 6);
     assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
     let created = stream.consumer_info("deleted").await.unwrap();
@@ -1069,12 +1055,8 @@ async fn a_deleted_consumer_is_created_again_from_above_its_ack_floor() {
 async fn a_stream_created_again_is_consumed_in_each_aggregates_order() {
     const AGGREGATES: usize = 4;
     let producer = TestEnv::new().await;
-    let mut conn = producer.conn().await;
-    let mut orders = orders(AGGREGATES);
-    for round in 0..5 {
-        commit_round(&producer, &mut conn, &mut orders, round).await;
-    }
-    relay_all(&producer).await;
+    let mut rounds = Rounds::new(&producer, AGGREGATES).await;
+    rounds.commit_and_relay(5).await;
     let consumer = consumer_database().await;
     let config = consumer_config(&consumer, &producer, "recreated");
     let inbox = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
@@ -1111,23 +1093,16 @@ async fn a_stream_created_again_is_consumed_in_each_aggregates_order() {
     );
     running.shutdown().await.unwrap();
 
-    for round in 5..15 {
-        commit_round(&producer, &mut conn, &mut orders, round).await;
-    }
-    relay_all(&producer).await;
+    rounds.commit_and_relay(10).await;
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
         .await
         .unwrap();
     assert_eq!(receive_and_die(&inbox, AGGREGATES).await, AGGREGATES);
     let probe = inbox.clone();
     let running = inbox.spawn();
-    let mut consumer_conn = consumer.conn().await;
-    wait_until("the next 40 applied", Duration::from_secs(30), || async {
-        (applied_count(&mut consumer.conn().await).await == AGGREGATES * 15).then_some(())
-    })
-    .await;
-    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    wait_until_applied(&probe, &consumer, AGGREGATES * 15, Duration::from_secs(30)).await;
     running.shutdown().await.unwrap();
+    let mut consumer_conn = consumer.conn().await;
     assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 15);
     assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
 }

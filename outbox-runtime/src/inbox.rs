@@ -1397,11 +1397,11 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         // of a stream created again since it was read, and is read again.
         let mut ack_floor = self.ack_floor().await;
         if ack_floor >= metadata.stream_sequence {
-            self.lock_ack_floor().read_at = None;
-            ack_floor = self.ack_floor().await;
-            if ack_floor >= metadata.stream_sequence {
-                ack_floor = 0;
-            }
+            ack_floor = self
+                .read_ack_floor()
+                .await
+                .filter(|floor| *floor < metadata.stream_sequence)
+                .unwrap_or(0);
         }
         let mut from = u64::try_from(stream_sequence).unwrap_or(0);
         // Whether `from` is the position's record of where the last applied event was.

@@ -59,6 +59,21 @@ pub async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str, timeout
     .await;
 }
 
+/// Waits until `count` events are applied in `consumer`'s database and every message is
+/// settled.
+pub async fn wait_until_applied(
+    inbox: &Inbox<impl Handler>,
+    consumer: &TestEnv,
+    count: usize,
+    timeout: Duration,
+) {
+    wait_until(&format!("{count} applied"), timeout, || async {
+        (applied_count(&mut consumer.conn().await).await == count).then_some(())
+    })
+    .await;
+    wait_until_settled(inbox, "every message settled", Duration::from_secs(10)).await;
+}
+
 /// Runs the inbox until every message is settled (within `timeout`), then shuts it down.
 pub async fn run_until_settled(inbox: Inbox<impl Handler>, what: &str, timeout: Duration) {
     let probe = inbox.clone();
@@ -152,6 +167,36 @@ pub async fn commit_rounds(producer: &TestEnv, aggregates: usize, events: usize)
     let mut orders = orders(aggregates);
     for round in 0..events {
         commit_round(producer, &mut conn, &mut orders, round).await;
+    }
+}
+
+/// A producer's orders `o-0`, `o-1`, ..., committed round by round as in
+/// [`commit_rounds`], each call going on where the last one left off.
+pub struct Rounds<'a> {
+    producer: &'a TestEnv,
+    conn: AsyncPgConnection,
+    orders: Vec<Order>,
+    next: usize,
+}
+
+impl<'a> Rounds<'a> {
+    /// `aggregates` orders of `producer`, none committed yet.
+    pub async fn new(producer: &'a TestEnv, aggregates: usize) -> Self {
+        Self {
+            producer,
+            conn: producer.conn().await,
+            orders: orders(aggregates),
+            next: 0,
+        }
+    }
+
+    /// Commits the next `rounds` rounds and relays everything the producer committed.
+    pub async fn commit_and_relay(&mut self, rounds: usize) {
+        for round in self.next..self.next + rounds {
+            commit_round(self.producer, &mut self.conn, &mut self.orders, round).await;
+        }
+        self.next += rounds;
+        relay_all(self.producer).await;
     }
 }
 
