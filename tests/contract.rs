@@ -1973,6 +1973,44 @@ async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_
         "{letters:?}"
     );
 
+    // An operator lists the dead letter and reads it whole: the message as delivered.
+    let mut conn = B::operator_conn(&env).await;
+    let listed = inbox::dead_letters(&mut conn, None, 100).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let letter = listed[0].clone();
+    assert_eq!(
+        (letter.consumer.as_str(), &letter.message_id, &letter.error),
+        ("refuser", &letters[0].0, &letters[0].1)
+    );
+    assert!(letter.deliveries >= 2, "{letter:?}");
+    assert!(letter.stream_sequence >= 1, "{letter:?}");
+    let age = time::OffsetDateTime::now_utc() - letter.dead_lettered_at;
+    assert!(age.whole_seconds().abs() < 300, "{letter:?}");
+    let sources = inbox::dead_letter_sources(&mut conn, "refuser", &letter.message_id).await;
+    assert_eq!(sources.unwrap(), [letter.source.as_str()]);
+    let (consumer, source, id) = ("refuser", letter.source.as_str(), &letter.message_id);
+    let detail = inbox::dead_letter(&mut conn, consumer, source, id)
+        .await
+        .unwrap();
+    let detail = detail.expect("the dead letter, by its key");
+    assert_eq!(detail.letter, letter);
+    assert_eq!(detail.headers["ce-subject"], serde_json::json!(["o-bad"]));
+    let sequence = detail.headers["ce-sequence"][0]
+        .as_str()
+        .map(str::parse::<i64>);
+    assert_eq!(sequence, Some(Ok(1)), "{:?}", detail.headers);
+    assert_eq!(detail.headers["ce-id"], serde_json::json!([id]));
+    let payload: serde_json::Value = serde_json::from_slice(&detail.payload).unwrap();
+    let placed = serde_json::json!({"customer": "ada", "total_cents": 990});
+    assert_eq!(payload, placed, "the payload as published");
+    for (consumer, source) in [("refuser", "/elsewhere"), ("nobody", source)] {
+        let none = inbox::dead_letter(&mut conn, consumer, source, id).await;
+        assert_eq!(none.unwrap(), None, "{consumer} {source}");
+    }
+    let none = inbox::dead_letters(&mut conn, Some("nobody"), 100).await;
+    assert_eq!(none.unwrap(), []);
+    assert_eq!(inbox::dead_letters(&mut conn, None, 0).await.unwrap(), []);
+
     // A second consumer whose handler rolls back by hand, then writes in a transaction of
     // its own: each message fails, and is dead-lettered at its one attempt; nothing the
     // handler wrote stays.
@@ -1993,6 +2031,36 @@ async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_
         "every message of the second consumer: {letters:?}"
     );
     assert_eq!(B::applied(&env).await, applied, "nothing it wrote stayed");
+
+    // Counted per consumer; listed oldest first, of one consumer or of all.
+    let counts = inbox::dead_letter_counts(&mut conn).await.unwrap();
+    assert_eq!(
+        counts,
+        [("refuser".to_owned(), 1), ("rollbacker".to_owned(), 8)]
+    );
+    let first_three = inbox::dead_letters(&mut conn, None, 3).await.unwrap();
+    assert_eq!(first_three.len(), 3);
+    assert_eq!(first_three[0], letter, "the oldest first");
+    let rolled_back = inbox::dead_letters(&mut conn, Some("rollbacker"), 100).await;
+    let rolled_back = rolled_back.unwrap();
+    assert_eq!(rolled_back.len(), 8);
+    assert!(rolled_back.iter().all(|l| l.consumer == "rollbacker"));
+    assert!(
+        rolled_back
+            .windows(2)
+            .all(|w| w[0].dead_lettered_at <= w[1].dead_lettered_at),
+        "{rolled_back:?}"
+    );
+
+    // Discarded once dealt with: the row goes, the inbox's record of the message stays.
+    let recorded = B::count(&env, "outbox_inbox").await;
+    let discarded = inbox::discard_dead_letter(&mut conn, consumer, source, id).await;
+    assert!(discarded.unwrap());
+    let again = inbox::discard_dead_letter(&mut conn, consumer, source, id).await;
+    assert!(!again.unwrap(), "discarded already");
+    let counts = inbox::dead_letter_counts(&mut conn).await.unwrap();
+    assert_eq!(counts, [("rollbacker".to_owned(), 8)]);
+    assert_eq!(B::count(&env, "outbox_inbox").await, recorded);
 }
 
 /// An event whose predecessor is not in the stream (removed from it) is applied over the

@@ -4,9 +4,10 @@
 //! outbox migrate                       apply the outbox and inbox migrations
 //! outbox relay                         run the relay until SIGTERM or SIGINT
 //! outbox status [--json] [--max-lag D] the queue, the lag, the dead letters
-//! outbox dead-letters list|show ID     inspect dead letters
+//! outbox dead-letters list|show ID     inspect the relay's dead letters
 //! outbox retry ID | --all [--aggregate-type T]
 //! outbox skip ID
+//! outbox inbox-dead-letters list|show|discard CONSUMER MESSAGE_ID
 //! outbox purge --older-than D          delete published, archived and inbox rows in batches
 //! outbox tail [--subject S] [--all]    print the stream's events as they arrive
 //! ```
@@ -55,7 +56,7 @@ enum Command {
     Relay(Box<relay::RelayArgs>),
     /// Show what waits in the outbox: the queue, the lag, the dead letters.
     Status(operate::StatusArgs),
-    /// Inspect dead letters.
+    /// Inspect the relay's dead letters: rows the broker rejected `max_attempts` times.
     #[command(subcommand)]
     DeadLetters(operate::DeadLetters),
     /// Put dead letters back in the queue (attempts reset; skipped ones too).
@@ -63,6 +64,9 @@ enum Command {
     /// Drop a dead letter from the queue: never published unless retried; its
     /// aggregate's later events flow.
     Skip(operate::SkipArgs),
+    /// Inspect the messages inbox consumers dead-lettered, and discard those dealt with.
+    #[command(subcommand)]
+    InboxDeadLetters(operate::InboxDeadLetters),
     /// Delete published rows (kept by `--published mark` or `archive`) and inbox rows older
     /// than a duration, in bounded batches; queued rows and dead letters are never touched.
     Purge(operate::PurgeArgs),
@@ -138,6 +142,9 @@ fn main() -> ExitCode {
             }
             Command::Skip(args) => {
                 operate::on_dead_letters(&database_url()?, DeadLetterCommand::Skip(args)).await
+            }
+            Command::InboxDeadLetters(command) => {
+                operate::on_inbox_dead_letters(&database_url()?, command).await
             }
             Command::Purge(args) => operate::purge(&database_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,

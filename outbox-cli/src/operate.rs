@@ -1,5 +1,5 @@
-//! The operator's commands: migrate, status, dead letters, retry, skip, purge, tail. Each
-//! prints what it did; the ones that list have a `--json` form for scripts.
+//! The operator's commands: migrate, status, dead letters, retry, skip, inbox dead letters,
+//! purge, tail. Each prints what it did; the ones that list have a `--json` form for scripts.
 
 use std::time::{Duration, Instant};
 
@@ -140,9 +140,7 @@ fn shown(duration: Duration) -> String {
 
 /// What `status` reads: the stats, the queue by type and the rows published in the last
 /// minute.
-async fn read_status(
-    database_url: &str,
-) -> Result<(outbox::OutboxStats, Vec<outbox::QueuedByType>, i64), String> {
+async fn read_status(database_url: &str) -> Result<Status, String> {
     let mut operator = Operator::connect(database_url).await?;
     let stats = match &mut operator {
         Operator::Postgres(conn) => outbox::stats(conn).await.map_err(database_error)?,
@@ -161,14 +159,38 @@ async fn read_status(
         let recent = outbox::published_last_minute(conn, RECENT_WINDOW)
             .await
             .map_err(database_error)?;
-        Ok((stats, by_type, recent))
+        let inbox_dead_letters = inbox::dead_letter_counts(conn)
+            .await
+            .map_err(database_error)?;
+        Ok(Status {
+            stats,
+            by_type,
+            recent,
+            inbox_dead_letters,
+        })
     })
+}
+
+/// What `status` shows.
+struct Status {
+    stats: outbox::OutboxStats,
+    by_type: Vec<outbox::QueuedByType>,
+    /// Rows published in the last minute.
+    recent: i64,
+    /// Each consumer's inbox dead letters, for those that have any.
+    inbox_dead_letters: Vec<(String, i64)>,
 }
 
 /// Prints what waits in the outbox: the stats (queue, lag, dead letters), the queue by
 /// type and the rows published in the last minute.
 pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended, String> {
-    let (stats, by_type, recent) = read_status(database_url).await?;
+    let Status {
+        stats,
+        by_type,
+        recent,
+        inbox_dead_letters,
+    } = read_status(database_url).await?;
+    let inbox_total: i64 = inbox_dead_letters.iter().map(|(_, n)| n).sum();
     let lag = stats.lag();
     let over = args.max_lag.is_some_and(|max| lag > max);
     if args.json {
@@ -193,6 +215,11 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
             "skipped_dead_letters": stats.skipped_dead_letters,
             "published_last_minute": recent,
             "by_type": types,
+            "inbox_dead_letters": inbox_total,
+            "inbox_dead_letters_by_consumer": inbox_dead_letters
+                .iter()
+                .map(|(consumer, n)| (consumer.clone(), json!(n)))
+                .collect::<serde_json::Map<_, _>>(),
             "max_lag_seconds": args.max_lag.map(|max| max.as_secs_f64()),
             "lag_over_max": over,
         });
@@ -208,6 +235,18 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
             stats.dead_letters, stats.blocked
         );
         println!("skipped dead letters    {}", stats.skipped_dead_letters);
+        if inbox_dead_letters.is_empty() {
+            println!("inbox dead letters      0");
+        } else {
+            let each: Vec<String> = inbox_dead_letters
+                .iter()
+                .map(|(consumer, n)| format!("{consumer} {n}"))
+                .collect();
+            println!(
+                "inbox dead letters      {inbox_total} ({})",
+                each.join(", ")
+            );
+        }
         println!(
             "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
         );
@@ -254,18 +293,22 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
     Ok(if over { Ended::Unhealthy } else { Ended::Done })
 }
 
+/// How many a `list` shows, and in which form.
+#[derive(Debug, Args)]
+pub(crate) struct Listing {
+    /// At most this many, at least 1.
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(1..))]
+    limit: i64,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub(crate) enum DeadLetters {
     /// The dead letters not published, oldest first: blocking ones and skipped ones.
-    List {
-        /// At most this many, at least 1.
-        #[arg(long, default_value_t = 100, allow_negative_numbers = true,
-              value_parser = clap::value_parser!(i64).range(1..))]
-        limit: i64,
-        /// Print JSON lines instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    List(Listing),
     /// One dead letter whole: its error, payload and headers.
     Show {
         /// The row id (its ce-id).
@@ -472,35 +515,27 @@ async fn dead_letters<C: OperatorConnection>(
     command: DeadLetters,
 ) -> Result<Ended, String> {
     match command {
-        DeadLetters::List { limit, json } => {
+        DeadLetters::List(Listing { limit, json }) => {
             let letters = dead_letter::list(conn, limit)
                 .await
                 .map_err(database_error)?;
-            if json {
-                for letter in &letters {
-                    println!("{}", letter_json(letter));
-                }
-            } else if letters.is_empty() {
-                println!("no dead letters");
-            } else {
-                for letter in &letters {
-                    let state = match letter.skipped_at {
-                        Some(_) => "skipped".to_owned(),
-                        None => format!("blocks {} events", letter.waiting),
-                    };
-                    println!(
-                        "{}  {} {} #{}  {}  attempts {}  {}  {}",
-                        letter.id,
-                        letter.aggregate_type,
-                        letter.aggregate_id,
-                        letter.aggregate_seq,
-                        letter.event_type,
-                        letter.attempts,
-                        state,
-                        letter.last_error.as_deref().unwrap_or("")
-                    );
-                }
-            }
+            print_list(&letters, json, "no dead letters", letter_json, |letter| {
+                let state = match letter.skipped_at {
+                    Some(_) => "skipped".to_owned(),
+                    None => format!("blocks {} events", letter.waiting),
+                };
+                format!(
+                    "{}  {} {} #{}  {}  attempts {}  {}  {}",
+                    letter.id,
+                    letter.aggregate_type,
+                    letter.aggregate_id,
+                    letter.aggregate_seq,
+                    letter.event_type,
+                    letter.attempts,
+                    state,
+                    letter.last_error.as_deref().unwrap_or("")
+                )
+            });
         }
         DeadLetters::Show { id, json } => {
             let Some(detail) = dead_letter::show(conn, id).await.map_err(database_error)? else {
@@ -515,14 +550,209 @@ async fn dead_letters<C: OperatorConnection>(
                 serde_json::from_str(&detail.payload).unwrap_or(json!(detail.payload));
             value["headers"] =
                 serde_json::from_str(&detail.headers).unwrap_or(json!(detail.headers));
-            if json {
-                println!("{value}");
-            } else {
-                println!("{value:#}");
-            }
+            print_one(&value, json);
         }
     }
     Ok(Ended::Done)
+}
+
+/// Prints `items`: a JSON line each (`as_json`) when `json`, else a line each (`as_line`),
+/// or `none` when there are none.
+fn print_list<T>(
+    items: &[T],
+    json: bool,
+    none: &str,
+    as_json: fn(&T) -> serde_json::Value,
+    as_line: impl Fn(&T) -> String,
+) {
+    if json {
+        for item in items {
+            println!("{}", as_json(item));
+        }
+    } else if items.is_empty() {
+        println!("{none}");
+    } else {
+        for item in items {
+            println!("{}", as_line(item));
+        }
+    }
+}
+
+/// Prints `value` on one line when `json`, else indented for a reader.
+fn print_one(value: &serde_json::Value, json: bool) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{value:#}");
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum InboxDeadLetters {
+    /// The messages inbox consumers dead-lettered, oldest first.
+    List {
+        /// Only this consumer's.
+        #[arg(long)]
+        consumer: Option<String>,
+        #[command(flatten)]
+        listing: Listing,
+    },
+    /// One inbox dead letter whole: its error, headers and payload.
+    Show {
+        #[command(flatten)]
+        key: InboxDeadLetterKey,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete an inbox dead letter once it has been dealt with. The consumer's record of the
+    /// message stays, so a redelivery of it is still never handled.
+    Discard {
+        #[command(flatten)]
+        key: InboxDeadLetterKey,
+    },
+}
+
+/// Which inbox dead letter: a consumer's, by the message's id.
+#[derive(Debug, Args)]
+pub(crate) struct InboxDeadLetterKey {
+    /// The consumer that dead-lettered it.
+    consumer: String,
+    /// The message's ce-id (as `list` shows it).
+    message_id: String,
+    /// The message's ce-source; needed only when the consumer dead-lettered messages of that
+    /// id from several sources.
+    #[arg(long)]
+    source: Option<String>,
+}
+
+fn inbox_letter_json(letter: &inbox::DeadLetter) -> serde_json::Value {
+    json!({
+        "consumer": letter.consumer,
+        "source": letter.source,
+        "message_id": letter.message_id,
+        "subject": letter.subject,
+        "error": letter.error,
+        "deliveries": letter.deliveries,
+        "stream_sequence": letter.stream_sequence,
+        "dead_lettered_at": letter.dead_lettered_at.to_string(),
+    })
+}
+
+/// Runs `command` on the inbox's dead letters in the database `database_url` names.
+pub(crate) async fn on_inbox_dead_letters(
+    database_url: &str,
+    command: InboxDeadLetters,
+) -> Result<Ended, String> {
+    let mut operator = Operator::connect(database_url).await?;
+    on_operator!(&mut operator, conn => inbox_dead_letters(conn, command).await)
+}
+
+async fn inbox_dead_letters<C: InboxConnection>(
+    conn: &mut C,
+    command: InboxDeadLetters,
+) -> Result<Ended, String> {
+    match command {
+        InboxDeadLetters::List {
+            consumer,
+            listing: Listing { limit, json },
+        } => {
+            let letters = inbox::dead_letters(conn, consumer.as_deref(), limit)
+                .await
+                .map_err(database_error)?;
+            let none = "no inbox dead letters";
+            print_list(&letters, json, none, inbox_letter_json, |letter| {
+                format!(
+                    "{}  {}  {}  {}  deliveries {}  {}",
+                    letter.dead_lettered_at,
+                    letter.consumer,
+                    letter.message_id,
+                    letter.subject,
+                    letter.deliveries,
+                    letter.error
+                )
+            });
+        }
+        InboxDeadLetters::Show { key, json } => {
+            let source = key.source(conn).await?;
+            let Some(detail) = inbox::dead_letter(conn, &key.consumer, &source, &key.message_id)
+                .await
+                .map_err(database_error)?
+            else {
+                return Err(key.none(&source));
+            };
+            let mut value = inbox_letter_json(&detail.letter);
+            value["headers"] = detail.headers;
+            value["payload_bytes"] = json!(detail.payload.len());
+            // The payload as JSON when it is, else as text, else (bytes that are not UTF-8)
+            // in hexadecimal.
+            match serde_json::from_slice::<serde_json::Value>(&detail.payload) {
+                Ok(payload) => value["payload"] = payload,
+                Err(_) => match String::from_utf8(detail.payload) {
+                    Ok(text) => value["payload"] = json!(text),
+                    Err(bytes) => {
+                        let hex: String = bytes
+                            .as_bytes()
+                            .iter()
+                            .map(|byte| format!("{byte:02x}"))
+                            .collect();
+                        value["payload_hex"] = json!(hex);
+                    }
+                },
+            }
+            print_one(&value, json);
+        }
+        InboxDeadLetters::Discard { key } => {
+            let source = key.source(conn).await?;
+            if !inbox::discard_dead_letter(conn, &key.consumer, &source, &key.message_id)
+                .await
+                .map_err(database_error)?
+            {
+                return Err(key.none(&source));
+            }
+            println!(
+                "discarded {}'s dead letter {}: the message stays recorded as handled",
+                key.consumer, key.message_id
+            );
+        }
+    }
+    Ok(Ended::Done)
+}
+
+impl InboxDeadLetterKey {
+    /// The source the operator named, else the only one under which the consumer
+    /// dead-lettered the message id; an error naming them when there are several, or none.
+    async fn source<C: InboxConnection>(&self, conn: &mut C) -> Result<String, String> {
+        if let Some(source) = &self.source {
+            return Ok(source.clone());
+        }
+        let sources = inbox::dead_letter_sources(conn, &self.consumer, &self.message_id)
+            .await
+            .map_err(database_error)?;
+        match <[String; 1]>::try_from(sources) {
+            Ok([source]) => Ok(source),
+            Err(sources) if sources.is_empty() => Err(format!(
+                "consumer {} has no dead letter with the message id {}",
+                self.consumer, self.message_id
+            )),
+            Err(sources) => Err(format!(
+                "consumer {} has dead letters with the message id {} from {} sources ({}): \
+                 name one with --source",
+                self.consumer,
+                self.message_id,
+                sources.len(),
+                sources.join(", ")
+            )),
+        }
+    }
+
+    /// The error for no dead letter of this key from `source`.
+    fn none(&self, source: &str) -> String {
+        format!(
+            "consumer {} has no dead letter with the message id {} from the source {source:?}",
+            self.consumer, self.message_id
+        )
+    }
 }
 
 #[derive(Debug, Args)]

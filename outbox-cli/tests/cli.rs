@@ -126,6 +126,7 @@ async fn migrate_applies_then_says_up_to_date() {
     for args in [
         &["status"][..],
         &["dead-letters", "list"],
+        &["inbox-dead-letters", "list"],
         &["purge", "--older-than", "1d"],
     ] {
         let refused = outbox(&env, &support::nats_url(), args);
@@ -292,6 +293,217 @@ async fn dead_letters_are_listed_shown_retried_and_skipped() {
         .unwrap();
     while relay.relay_batch().await.unwrap().claimed > 0 {}
     assert_eq!(env.stream_len().await, 3);
+}
+
+/// The inbox's dead letters: counted by `status`, listed (of one consumer or all), shown
+/// whole (a JSON payload as JSON, bytes that are not UTF-8 in hexadecimal), and discarded;
+/// a message id that two sources used needs `--source`, and an unknown one is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_dead_letters_are_counted_listed_shown_and_discarded() {
+    let env = TestEnv::new().await;
+    let nats = support::nats_url();
+    env.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
+                 headers, payload, error, deliveries, stream_sequence, dead_lettered_at) VALUES \
+             ('billing', '/shop', 'm-1', 'app.Order.o-1.Placed', \
+              '{\"ce-type\": [\"Placed\"]}', convert_to('{\"n\": 1}', 'UTF8'), \
+              'handler failed 5 times: no account', 6, 41, now() - interval '2 minutes'), \
+             ('billing', '/shop', 'm-2', 'app.Order.o-2.Placed', '{}', '\\xff00fe', \
+              'payload is not JSON', 1, 42, now() - interval '1 minute'), \
+             ('billing', '/legacy', 'm-1', 'app.Order.o-9.Placed', '{}', '', \
+              'handler failed 5 times: no account', 5, 43, now()), \
+             ('mailer', '/shop', 'm-3', 'app.Order.o-3.Shipped', '{}', \
+              convert_to('plain text', 'UTF8'), 'came after a later event', 1, 44, now()); \
+             INSERT INTO outbox_inbox (consumer, source, message_id) VALUES \
+             ('billing', '/shop', 'm-1'), ('billing', '/shop', 'm-2'), \
+             ('billing', '/legacy', 'm-1'), ('mailer', '/shop', 'm-3')",
+        )
+        .await
+        .unwrap();
+
+    let status = outbox(&env, &nats, &["status"]);
+    assert!(
+        text(&status).contains("inbox dead letters      4 (billing 3, mailer 1)"),
+        "{}",
+        text(&status)
+    );
+    let status = outbox(&env, &nats, &["status", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(report["inbox_dead_letters"], 4, "{report}");
+    assert_eq!(
+        report["inbox_dead_letters_by_consumer"],
+        serde_json::json!({"billing": 3, "mailer": 1}),
+        "{report}"
+    );
+
+    let lines = |output: &Output| -> Vec<serde_json::Value> {
+        assert!(output.status.success(), "{}", text(output));
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
+    };
+    let all = lines(&outbox(
+        &env,
+        &nats,
+        &["inbox-dead-letters", "list", "--json"],
+    ));
+    let ids: Vec<_> = all.iter().map(|l| l["message_id"].clone()).collect();
+    assert_eq!(ids.len(), 4, "{all:?}");
+    assert_eq!(ids[..2], ["m-1", "m-2"], "the oldest first: {all:?}");
+    assert_eq!(all[0]["error"], "handler failed 5 times: no account");
+    assert_eq!(
+        (&all[0]["deliveries"], &all[0]["stream_sequence"]),
+        (&6.into(), &41.into())
+    );
+    let mailer = lines(&outbox(
+        &env,
+        &nats,
+        &[
+            "inbox-dead-letters",
+            "list",
+            "--consumer",
+            "mailer",
+            "--json",
+        ],
+    ));
+    assert_eq!(mailer.len(), 1, "{mailer:?}");
+    assert_eq!(mailer[0]["subject"], "app.Order.o-3.Shipped");
+    let table = outbox(&env, &nats, &["inbox-dead-letters", "list", "--limit", "1"]);
+    let said = text(&table);
+    assert!(
+        said.contains("billing  m-1  app.Order.o-1.Placed  deliveries 6  handler failed"),
+        "{said}"
+    );
+    assert!(!said.contains("m-2"), "one line: {said}");
+
+    let show = |args: &[&str]| {
+        let output = outbox(&env, &nats, args);
+        assert!(output.status.success(), "{args:?}: {}", text(&output));
+        serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap()
+    };
+    let json = show(&[
+        "inbox-dead-letters",
+        "show",
+        "billing",
+        "m-1",
+        "--source",
+        "/shop",
+        "--json",
+    ]);
+    assert_eq!(json["payload"], serde_json::json!({"n": 1}), "{json}");
+    assert_eq!(
+        json["headers"],
+        serde_json::json!({"ce-type": ["Placed"]}),
+        "{json}"
+    );
+    let bytes = show(&["inbox-dead-letters", "show", "billing", "m-2", "--json"]);
+    assert_eq!(
+        (&bytes["payload_hex"], &bytes["payload_bytes"]),
+        (&"ff00fe".into(), &3.into()),
+        "{bytes}"
+    );
+    let plain = show(&["inbox-dead-letters", "show", "mailer", "m-3"]);
+    assert_eq!(plain["payload"], "plain text", "{plain}");
+
+    let ambiguous = outbox(
+        &env,
+        &nats,
+        &["inbox-dead-letters", "show", "billing", "m-1"],
+    );
+    assert_eq!(ambiguous.status.code(), Some(2), "{}", text(&ambiguous));
+    assert!(
+        text(&ambiguous).contains(
+            "consumer billing has dead letters with the message id m-1 from 2 sources \
+             (/legacy, /shop): name one with --source"
+        ),
+        "{}",
+        text(&ambiguous)
+    );
+    for (args, says) in [
+        (
+            &["inbox-dead-letters", "show", "billing", "m-9"][..],
+            "consumer billing has no dead letter with the message id m-9",
+        ),
+        (
+            &["inbox-dead-letters", "discard", "mailer", "m-1"][..],
+            "consumer mailer has no dead letter with the message id m-1",
+        ),
+        (
+            &[
+                "inbox-dead-letters",
+                "show",
+                "mailer",
+                "m-3",
+                "--source",
+                "/other",
+            ][..],
+            "consumer mailer has no dead letter with the message id m-3 from the source \"/other\"",
+        ),
+    ] {
+        let output = outbox(&env, &nats, args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {}", text(&output));
+        assert!(text(&output).contains(says), "{args:?}: {}", text(&output));
+    }
+
+    let discarded = outbox(
+        &env,
+        &nats,
+        &[
+            "inbox-dead-letters",
+            "discard",
+            "billing",
+            "m-1",
+            "--source",
+            "/legacy",
+        ],
+    );
+    assert!(
+        text(&discarded).contains("discarded billing's dead letter m-1"),
+        "{}",
+        text(&discarded)
+    );
+    let discarded = outbox(
+        &env,
+        &nats,
+        &["inbox-dead-letters", "discard", "mailer", "m-3"],
+    );
+    assert!(discarded.status.success(), "{}", text(&discarded));
+    let left = lines(&outbox(
+        &env,
+        &nats,
+        &["inbox-dead-letters", "list", "--json"],
+    ));
+    let left: Vec<_> = left
+        .iter()
+        .map(|l| format!("{} {} {}", l["consumer"], l["source"], l["message_id"]))
+        .collect();
+    assert_eq!(
+        left,
+        [r#""billing" "/shop" "m-1""#, r#""billing" "/shop" "m-2""#]
+    );
+    assert_eq!(
+        left_inbox(&env).await,
+        4,
+        "the inbox still records every message"
+    );
+}
+
+/// The rows of `outbox_inbox` in `env`'s database.
+async fn left_inbox(env: &TestEnv) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    use diesel_async::RunQueryDsl;
+    let count: Count = diesel::sql_query("SELECT count(*) AS n FROM outbox_inbox")
+        .get_result(&mut env.conn().await)
+        .await
+        .unwrap();
+    count.n
 }
 
 #[tokio::test]
@@ -1000,6 +1212,43 @@ async fn the_operators_commands_work_on_mysql() {
         said.contains(&id) && said.contains("refused by the test"),
         "{said}"
     );
+    AsyncMysqlConnection::establish(&url)
+        .await
+        .unwrap()
+        .batch_execute(
+            "INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
+                 headers, payload, error, deliveries, stream_sequence) \
+             VALUES ('billing', '/shop', 'm-dead', 'app.Order.o-1.Placed', \
+                     '{\"ce-type\": [\"Placed\"]}', '{\"n\": 2}', 'no account', 6, 41)",
+        )
+        .await
+        .unwrap();
+    let (code, said) = command(&["inbox-dead-letters", "show", "billing", "m-dead", "--json"]);
+    assert_eq!(code, Some(0), "{said}");
+    let shown: serde_json::Value = serde_json::from_str(&said).unwrap();
+    assert_eq!(
+        (&shown["payload"], &shown["headers"], &shown["source"]),
+        (
+            &serde_json::json!({"n": 2}),
+            &serde_json::json!({"ce-type": ["Placed"]}),
+            &"/shop".into()
+        ),
+        "{shown}"
+    );
+    let (code, said) = command(&["status"]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("inbox dead letters      1 (billing 1)"),
+        "{said}"
+    );
+    let (code, said) = command(&["inbox-dead-letters", "discard", "billing", "m-dead"]);
+    assert_eq!(code, Some(0), "{said}");
+    let (code, said) = command(&["inbox-dead-letters", "list"]);
+    assert_eq!(
+        (code, said.trim()),
+        (Some(0), "no inbox dead letters"),
+        "{said}"
+    );
     let (code, said) = command(&["dead-letters", "show", &id, "--json"]);
     assert_eq!(code, Some(0), "{said}");
     let shown: serde_json::Value = serde_json::from_str(&said).unwrap();
@@ -1076,7 +1325,11 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         .batch_execute(
             "INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) \
              VALUES ('billing', '', 'm-old', strftime('%Y-%m-%d %H:%M:%f', 'now', '-2 days')), \
-                    ('billing', '', 'm-new', strftime('%Y-%m-%d %H:%M:%f', 'now'))",
+                    ('billing', '', 'm-new', strftime('%Y-%m-%d %H:%M:%f', 'now')); \
+             INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
+                 headers, payload, error, deliveries, stream_sequence) \
+             VALUES ('billing', '/shop', 'm-dead', 'app.Order.o-1.Placed', '{}', \
+                     CAST('{\"n\": 2}' AS BLOB), 'no account', 6, 41)",
         )
         .unwrap();
     let letters = command(&["dead-letters", "list"]).output().unwrap();
@@ -1085,6 +1338,30 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         text(&letters).contains("no dead letters"),
         "{}",
         text(&letters)
+    );
+    let shown = command(&["inbox-dead-letters", "show", "billing", "m-dead", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(shown.status.code(), Some(0), "{}", text(&shown));
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(
+        (&shown["payload"], &shown["error"], &shown["deliveries"]),
+        (
+            &serde_json::json!({"n": 2}),
+            &"no account".into(),
+            &6.into()
+        ),
+        "{shown}"
+    );
+    let discarded = command(&["inbox-dead-letters", "discard", "billing", "m-dead"])
+        .output()
+        .unwrap();
+    assert_eq!(discarded.status.code(), Some(0), "{}", text(&discarded));
+    let listed = command(&["inbox-dead-letters", "list"]).output().unwrap();
+    assert!(
+        text(&listed).contains("no inbox dead letters"),
+        "{}",
+        text(&listed)
     );
     let purged = command(&[
         "purge",

@@ -54,6 +54,11 @@
 //!   identity header over [`MAX_ID_BYTES`](crate::causality::MAX_ID_BYTES), or whose payload does not decode:
 //!   [`Unreadable`], dead-lettered by default, or skipped with a warning.
 //!
+//! An operator reads the dead letters with [`dead_letters`] and [`dead_letter`] (or `outbox
+//! inbox-dead-letters list` and `show`), counts them with [`dead_letter_counts`], and removes
+//! one that has been dealt with by [`discard_dead_letter`]; the message stays recorded, so it
+//! is never handled again.
+//!
 //! # Restarts
 //! JetStream gives a message that an instance received and did not settle to another after
 //! `ack_wait` (5 s by default); the inbox keeps the messages it works on or holds alive with
@@ -102,6 +107,7 @@
 //! (`num_pending` and `num_ack_pending` in the consumer's info).
 
 mod dispatch;
+mod letters;
 mod message;
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -141,6 +147,10 @@ use crate::subject::validate_token;
 use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
 
+pub use letters::{
+    DeadLetter, DeadLetterDetail, dead_letter, dead_letter_counts, dead_letter_sources,
+    dead_letters, discard_dead_letter,
+};
 pub use message::{Metadata, UnreadableMessage};
 use order::Predecessor;
 pub use store::InboxConnection;

@@ -28,6 +28,7 @@ use diesel::{QueryResult, QueryableByName};
 use diesel_async::pooled_connection::PoolableConnection;
 
 use super::InboxConfig;
+use super::letters::sealed::DeadLetterStore;
 use crate::database::{ConnectError, Kind, Limits};
 use crate::unit_of_work::{BackendConnection, UnitOfWorkError};
 
@@ -191,9 +192,15 @@ impl Session {
 /// `postgres`), `AsyncMysqlConnection` (feature `mysql`) or
 /// [`AsyncSqliteConnection`](crate::sqlite::AsyncSqliteConnection) (feature `sqlite`).
 /// Sealed: the inbox's statements are written for these three.
-pub trait InboxConnection: BackendConnection + PoolableConnection + sealed::InboxStore {}
+pub trait InboxConnection:
+    BackendConnection + PoolableConnection + sealed::InboxStore + DeadLetterStore
+{
+}
 
-impl<C> InboxConnection for C where C: BackendConnection + PoolableConnection + sealed::InboxStore {}
+impl<C> InboxConnection for C where
+    C: BackendConnection + PoolableConnection + sealed::InboxStore + DeadLetterStore
+{
+}
 
 // The module is private, so `InboxStore` cannot be named or implemented outside the crate,
 // and the crate-private types in its signatures stay out of reach.
