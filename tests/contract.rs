@@ -2060,6 +2060,11 @@ async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_
     assert!(!again.unwrap(), "discarded already");
     let counts = inbox::dead_letter_counts(&mut conn).await.unwrap();
     assert_eq!(counts, [("rollbacker".to_owned(), 8)]);
+    let none = inbox::discard_dead_letters(&mut conn, Some("nobody")).await;
+    assert_eq!(none.unwrap(), 0);
+    let all = inbox::discard_dead_letters(&mut conn, Some("rollbacker")).await;
+    assert_eq!(all.unwrap(), 8);
+    assert_eq!(inbox::dead_letter_counts(&mut conn).await.unwrap(), []);
     assert_eq!(B::count(&env, "outbox_inbox").await, recorded);
 }
 

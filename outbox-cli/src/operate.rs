@@ -605,12 +605,27 @@ pub(crate) enum InboxDeadLetters {
         #[arg(long)]
         json: bool,
     },
-    /// Delete an inbox dead letter once it has been dealt with. The consumer's record of the
-    /// message stays, so a redelivery of it is still never handled.
-    Discard {
-        #[command(flatten)]
-        key: InboxDeadLetterKey,
-    },
+    /// Delete an inbox dead letter once it has been dealt with, or with --all every one (of
+    /// CONSUMER when given). The consumer's record of each message stays, so a redelivery of
+    /// it is still never handled.
+    Discard(DiscardArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DiscardArgs {
+    /// The consumer that dead-lettered it; with --all, only this consumer's.
+    #[arg(required_unless_present = "all")]
+    consumer: Option<String>,
+    /// The message's ce-id (as `list` shows it).
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    message_id: Option<String>,
+    /// The message's ce-source; needed only when the consumer dead-lettered messages of that
+    /// id from several sources.
+    #[arg(long, conflicts_with = "all")]
+    source: Option<String>,
+    /// Discard every dead letter (of CONSUMER when given, else of every consumer).
+    #[arg(long)]
+    all: bool,
 }
 
 /// Which inbox dead letter: a consumer's, by the message's id.
@@ -702,7 +717,17 @@ async fn inbox_dead_letters<C: InboxConnection>(
             }
             print_one(&value, json);
         }
-        InboxDeadLetters::Discard { key } => {
+        InboxDeadLetters::Discard(DiscardArgs {
+            consumer: Some(consumer),
+            message_id: Some(message_id),
+            source,
+            all: false,
+        }) => {
+            let key = InboxDeadLetterKey {
+                consumer,
+                message_id,
+                source,
+            };
             let source = key.source(conn).await?;
             if !inbox::discard_dead_letter(conn, &key.consumer, &source, &key.message_id)
                 .await
@@ -714,6 +739,23 @@ async fn inbox_dead_letters<C: InboxConnection>(
                 "discarded {}'s dead letter {}: the message stays recorded as handled",
                 key.consumer, key.message_id
             );
+        }
+        InboxDeadLetters::Discard(DiscardArgs {
+            consumer,
+            all: true,
+            ..
+        }) => {
+            let discarded = inbox::discard_dead_letters(conn, consumer.as_deref())
+                .await
+                .map_err(database_error)?;
+            let of = consumer.map_or("every consumer".to_owned(), |c| format!("consumer {c}"));
+            println!(
+                "discarded {discarded} dead letters of {of}: their messages stay recorded as \
+                 handled"
+            );
+        }
+        InboxDeadLetters::Discard(_) => {
+            return Err("discard takes a consumer and a message id, or --all".to_owned());
         }
     }
     Ok(Ended::Done)

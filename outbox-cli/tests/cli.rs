@@ -484,6 +484,25 @@ async fn inbox_dead_letters_are_counted_listed_shown_and_discarded() {
         left,
         [r#""billing" "/shop" "m-1""#, r#""billing" "/shop" "m-2""#]
     );
+    for args in [
+        &["inbox-dead-letters", "discard", "billing"][..],
+        &["inbox-dead-letters", "discard", "--all", "billing", "m-1"],
+    ] {
+        let output = outbox(&env, &nats, args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {}", text(&output));
+    }
+    let discarded = outbox(
+        &env,
+        &nats,
+        &["inbox-dead-letters", "discard", "--all", "billing"],
+    );
+    assert!(
+        text(&discarded).contains("discarded 2 dead letters of consumer billing"),
+        "{}",
+        text(&discarded)
+    );
+    let listed = outbox(&env, &nats, &["inbox-dead-letters", "list"]);
+    assert_eq!(text(&listed).trim(), "no inbox dead letters");
     assert_eq!(
         left_inbox(&env).await,
         4,

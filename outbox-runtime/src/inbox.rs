@@ -56,8 +56,8 @@
 //!
 //! An operator reads the dead letters with [`dead_letters`] and [`dead_letter`] (or `outbox
 //! inbox-dead-letters list` and `show`), counts them with [`dead_letter_counts`], and removes
-//! one that has been dealt with by [`discard_dead_letter`]; the message stays recorded, so it
-//! is never handled again.
+//! one that has been dealt with by [`discard_dead_letter`] (or all of a consumer's by
+//! [`discard_dead_letters`]); the message stays recorded, so it is never handled again.
 //!
 //! # Restarts
 //! JetStream gives a message that an instance received and did not settle to another after
@@ -149,7 +149,7 @@ use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
 
 pub use letters::{
     DeadLetter, DeadLetterDetail, dead_letter, dead_letter_counts, dead_letter_sources,
-    dead_letters, discard_dead_letter,
+    dead_letters, discard_dead_letter, discard_dead_letters,
 };
 pub use message::{Metadata, UnreadableMessage};
 use order::Predecessor;

@@ -140,6 +140,20 @@ pub async fn discard_dead_letter<C: InboxConnection>(
     conn.discard(key).await
 }
 
+/// Deletes every dead letter of `consumer` (of every consumer when `None`), as
+/// [`discard_dead_letter`] does one; returns how many.
+///
+/// In SQL: `DELETE FROM outbox_inbox_dead_letters WHERE consumer = ..`.
+///
+/// # Errors
+/// The database's error; then nothing changed.
+pub async fn discard_dead_letters<C: InboxConnection>(
+    conn: &mut C,
+    consumer: Option<&str>,
+) -> QueryResult<usize> {
+    conn.discard_all(consumer).await
+}
+
 /// How many dead letters each consumer has, for the consumers that have any, in byte order.
 ///
 /// In SQL: `SELECT consumer, count(*) FROM outbox_inbox_dead_letters GROUP BY consumer`.
@@ -189,6 +203,12 @@ pub(crate) mod sealed {
             &mut self,
             key: MessageKey<'_>,
         ) -> impl Future<Output = QueryResult<bool>> + Send;
+
+        /// The deletion of [`super::discard_dead_letters`].
+        fn discard_all(
+            &mut self,
+            consumer: Option<&str>,
+        ) -> impl Future<Output = QueryResult<usize>> + Send;
 
         /// The rows of [`super::dead_letter_counts`].
         fn counts(&mut self) -> impl Future<Output = QueryResult<Vec<CountRow>>> + Send;
@@ -362,6 +382,16 @@ impl Dialect {
         format!("DELETE FROM outbox_inbox_dead_letters {}", self.by_key(""))
     }
 
+    /// [`discard_dead_letters`]' statement: the consumer (or NULL) twice.
+    fn discard_all(&self) -> String {
+        let p = self.parameter;
+        format!(
+            "DELETE FROM outbox_inbox_dead_letters WHERE {} IS NULL OR consumer = {}",
+            p(1),
+            p(2)
+        )
+    }
+
     /// [`dead_letter_counts`]'s query.
     fn counts(&self) -> String {
         format!(
@@ -397,21 +427,15 @@ where
         .bind::<Text, _>(key.message_id)
 }
 
-/// [`Dialect::list`] bound.
-fn listed<'a, DB>(
-    dialect: &Dialect,
-    consumer: Option<&'a str>,
-    limit: i64,
-) -> BoxedSqlQuery<'a, DB, SqlQuery>
+/// `sql` with `consumer` (or NULL) bound to its first two parameters.
+fn of_consumer<'a, DB>(sql: String, consumer: Option<&'a str>) -> BoxedSqlQuery<'a, DB, SqlQuery>
 where
     DB: Binds,
     Option<&'a str>: ToSql<Nullable<Text>, DB>,
-    i64: ToSql<BigInt, DB>,
 {
-    query(dialect.list())
+    query(sql)
         .bind::<Nullable<Text>, _>(consumer)
         .bind::<Nullable<Text>, _>(consumer)
-        .bind::<BigInt, _>(limit)
 }
 
 /// [`Dialect::sources`] bound.
@@ -442,7 +466,8 @@ macro_rules! dead_letter_store {
                 limit: i64,
             ) -> QueryResult<Vec<LetterRow>> {
                 use diesel_async::RunQueryDsl;
-                listed::<$backend>(&$dialect, consumer, limit)
+                of_consumer::<$backend>($dialect.list(), consumer)
+                    .bind::<BigInt, _>(limit)
                     .load(self)
                     .await
             }
@@ -473,6 +498,13 @@ macro_rules! dead_letter_store {
                     .execute(self)
                     .await?;
                 Ok(deleted == 1)
+            }
+
+            async fn discard_all(&mut self, consumer: Option<&str>) -> QueryResult<usize> {
+                use diesel_async::RunQueryDsl;
+                of_consumer::<$backend>($dialect.discard_all(), consumer)
+                    .execute(self)
+                    .await
             }
 
             async fn counts(&mut self) -> QueryResult<Vec<CountRow>> {
