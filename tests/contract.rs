@@ -2068,6 +2068,71 @@ async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_
     assert_eq!(B::count(&env, "outbox_inbox").await, recorded);
 }
 
+/// A dead letter replayed once its handler is fixed: a handler that still fails leaves it
+/// (and nothing it wrote); a fixed one applies the event where it stands (after the events
+/// applied since), deletes the dead letter and the message's failed attempts in the same
+/// transaction, and two replays at once apply it once.
+async fn an_inbox_replays_a_dead_letter_once_its_handler_is_fixed<B: Consumed>() {
+    let env = B::setup().await;
+    B::execute(&env, B::APPLIED_TABLE).await;
+    four_events_each::<B>(&env, &["o-bad", "o-good"]).await;
+    let mut config = inbox_config::<B>(&env, "replayer");
+    config.max_attempts = 2;
+    let refusing = || Applier::<B> {
+        refused: Some("o-bad"),
+        ..Applier::new()
+    };
+    consume(&env, &config, 1, refusing).await;
+    assert_eq!(B::applied(&env).await["o-bad"], [2, 3, 4]);
+    assert_eq!(B::count(&env, "outbox_inbox_attempts").await, 1);
+    let mut conn = B::operator_conn(&env).await;
+    let letters = inbox::dead_letters(&mut conn, Some("replayer"), 10).await;
+    let [letter] = <[_; 1]>::try_from(letters.unwrap()).expect("one dead letter");
+    let (source, id) = (letter.source.as_str(), letter.message_id.as_str());
+
+    let still_failing: Inbox<Applier<B>, B::Conn> =
+        Inbox::connect(config.clone(), env.nats.clone(), refusing())
+            .await
+            .unwrap();
+    match still_failing.replay_dead_letter(source, id).await.unwrap() {
+        inbox::Replayed::Failed { error } => {
+            assert!(error.contains("refused by the test"), "{error}");
+        }
+        other => panic!("the handler still refuses it: {other:?}"),
+    }
+    assert_eq!(B::applied(&env).await["o-bad"], [2, 3, 4]);
+    let kept = inbox::dead_letters(&mut conn, Some("replayer"), 10).await;
+    assert_eq!(
+        kept.unwrap(),
+        std::slice::from_ref(&letter),
+        "the dead letter stays"
+    );
+
+    let fixed: Inbox<Applier<B>, B::Conn> =
+        Inbox::connect(config.clone(), env.nats.clone(), Applier::new())
+            .await
+            .unwrap();
+    let twice = fixed.clone();
+    let (first, second) = tokio::join!(
+        fixed.replay_dead_letter(source, id),
+        twice.replay_dead_letter(source, id)
+    );
+    let mut outcomes = [first.unwrap(), second.unwrap()];
+    outcomes.sort_by_key(|outcome| format!("{outcome:?}"));
+    assert_eq!(
+        outcomes,
+        [inbox::Replayed::Handled, inbox::Replayed::NotFound],
+        "applied once"
+    );
+    let applied = B::applied(&env).await;
+    assert_eq!(applied["o-bad"], [2, 3, 4, 1], "applied where it stands");
+    assert_eq!(applied["o-good"], [1, 2, 3, 4]);
+    assert_eq!(inbox::dead_letter_counts(&mut conn).await.unwrap(), []);
+    assert_eq!(B::count(&env, "outbox_inbox_attempts").await, 0);
+    let again = fixed.replay_dead_letter(source, id).await.unwrap();
+    assert_eq!(again, inbox::Replayed::NotFound);
+}
+
 /// An event whose predecessor is not in the stream (removed from it) is applied over the
 /// gap, which is recorded; the events after it follow in order.
 async fn an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap<B: Consumed>() {
@@ -2120,6 +2185,7 @@ macro_rules! consumed {
 consumed!(
     an_inbox_applies_each_event_once_in_order,
     an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_on,
+    an_inbox_replays_a_dead_letter_once_its_handler_is_fixed,
     an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap,
 );
 

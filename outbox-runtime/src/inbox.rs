@@ -55,9 +55,11 @@
 //!   [`Unreadable`], dead-lettered by default, or skipped with a warning.
 //!
 //! An operator reads the dead letters with [`dead_letters`] and [`dead_letter`] (or `outbox
-//! inbox-dead-letters list` and `show`), counts them with [`dead_letter_counts`], and removes
-//! one that has been dealt with by [`discard_dead_letter`] (or all of a consumer's by
-//! [`discard_dead_letters`]); the message stays recorded, so it is never handled again.
+//! inbox-dead-letters list` and `show`) and counts them with [`dead_letter_counts`]. Once the
+//! handler is fixed, [`Inbox::replay_dead_letter`] applies one where it stands (after the
+//! aggregate's later events) and deletes it; one dealt with by hand is removed by
+//! [`discard_dead_letter`] (or all of a consumer's by [`discard_dead_letters`]). Either way
+//! the message stays recorded, so it is never handled again.
 //!
 //! # Restarts
 //! JetStream gives a message that an instance received and did not settle to another after
@@ -566,6 +568,34 @@ pub enum InboxError {
     /// An inbox task panicked or was aborted.
     #[error("inbox task did not finish: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// The transaction of a replayed dead letter failed on the database's side, or its
+    /// commit's outcome is unknown ([`Inbox::replay_dead_letter`]).
+    #[error("inbox: {0}")]
+    UnitOfWork(#[from] UnitOfWorkError),
+}
+
+impl From<Bounded<diesel::result::Error>> for InboxError {
+    fn from(error: Bounded<diesel::result::Error>) -> Self {
+        match error {
+            Bounded::Failed(error) => Self::Database(error),
+            Bounded::TimedOut(timed_out) => Self::TimedOut(timed_out),
+        }
+    }
+}
+
+/// What [`Inbox::replay_dead_letter`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Replayed {
+    /// The handler applied the message, and its dead letter is deleted, in one transaction.
+    Handled,
+    /// The consumer has no such dead letter: never had, or it was replayed or discarded.
+    NotFound,
+    /// The handler failed again, or the message cannot be read or decoded: nothing changed,
+    /// and the dead letter stays.
+    Failed {
+        /// Why, as a dead letter's `error` says it.
+        error: String,
+    },
 }
 
 /// What processing a delivery came to, and how it is settled with JetStream.
@@ -1319,31 +1349,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 }
                 match body {
                     Body::Handle(event) => {
-                        let handler_timeout = shared.config.handler_timeout;
-                        let handled = tokio::time::timeout(
-                            handler_timeout,
-                            AssertUnwindSafe(shared.handler.handle(event, metadata, uow))
-                                .catch_unwind(),
-                        )
-                        .await;
-                        match handled {
-                            Ok(Ok(Ok(()))) => {}
-                            Ok(Ok(Err(error))) => {
-                                return Err(Failure::Handler(error.to_string()));
-                            }
-                            Err(_) => {
-                                return Err(Failure::Handler(format!(
-                                    "the handler did not return within handler_timeout \
-                                     ({handler_timeout:?})"
-                                )));
-                            }
-                            Ok(Err(panic)) => {
-                                return Err(Failure::Handler(format!(
-                                    "the handler panicked: {}",
-                                    panic_message(&panic)
-                                )));
-                            }
-                        }
+                        self.handle(event, metadata, uow).await?;
                         crash_point!("inbox::before_commit", |_| Err(Failure::Crash));
                         // The outbox's flush checks the transaction too; without events, the
                         // COMMIT does where it can, else this statement, which also forgets
@@ -1390,6 +1396,132 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 }
             })
             .await
+    }
+
+    /// Runs the handler on `event` within `handler_timeout`: its error, its panic or its
+    /// timeout is a [`Failure::Handler`].
+    async fn handle(
+        &self,
+        event: H::Event,
+        metadata: &Metadata,
+        uow: &mut UnitOfWork<'_, C>,
+    ) -> Result<(), Failure> {
+        let handler_timeout = self.shared.config.handler_timeout;
+        let handled = tokio::time::timeout(
+            handler_timeout,
+            AssertUnwindSafe(self.shared.handler.handle(event, metadata, uow)).catch_unwind(),
+        )
+        .await;
+        match handled {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(error))) => Err(Failure::Handler(error.to_string())),
+            Err(_) => Err(Failure::Handler(format!(
+                "the handler did not return within handler_timeout ({handler_timeout:?})"
+            ))),
+            Ok(Err(panic)) => Err(Failure::Handler(format!(
+                "the handler panicked: {}",
+                panic_message(&panic)
+            ))),
+        }
+    }
+
+    /// Applies this consumer's dead letter of the message `message_id` from `source` (empty
+    /// for a message without `ce-source`) now, once a fix is deployed: decodes the message as
+    /// it was received and runs the handler on it, in one transaction that also deletes the
+    /// dead letter (and the message's failed attempts), so two replays of it never both
+    /// apply it. The event is applied where it stands, outside its aggregate's order: the
+    /// consumer's position in the aggregate does not move, and later events applied since
+    /// stay applied. Replaying is the operator's decision that this is right for the event
+    /// (an effect that does not depend on order, or a late one); otherwise deal with the
+    /// dead letter by hand and [`discard_dead_letter`] it. The handler's events are caused by
+    /// the message, as when it is delivered.
+    ///
+    /// # Errors
+    /// [`InboxError::Connect`] without a connection from the pool, [`InboxError::Database`]
+    /// for a failure of the database (nothing changed), [`InboxError::TimedOut`] for one of
+    /// the inbox's statements over `statement_timeout`. A handler that fails again, and a
+    /// message that cannot be read or decoded, are [`Replayed::Failed`], not errors.
+    pub async fn replay_dead_letter(
+        &self,
+        source: &str,
+        message_id: &str,
+    ) -> Result<Replayed, InboxError> {
+        let shared = &*self.shared;
+        let (limit, target) = (shared.config.statement_timeout, shared.target.as_str());
+        let consumer = shared.config.consumer.as_str();
+        let mut conn = C::pooled(&shared.pool).await.map_err(InboxError::Connect)?;
+        let read = letters::dead_letter(&mut *conn, consumer, source, message_id);
+        let letter = database::bounded(limit, target, "reading a dead letter", read).await;
+        let Some(letter) = letter? else {
+            return Ok(Replayed::NotFound);
+        };
+        let subject = letter.letter.subject.clone();
+        let headers = message::headers_from_json(&letter.headers);
+        let stream_sequence = u64::try_from(letter.letter.stream_sequence).unwrap_or(0);
+        let deliveries = u64::try_from(letter.letter.deliveries).unwrap_or(1);
+        let metadata = match Metadata::from_headers(subject, &headers, stream_sequence, deliveries)
+        {
+            Ok(metadata) => metadata,
+            Err(unreadable) => {
+                return Ok(Replayed::Failed {
+                    error: unreadable.to_string(),
+                });
+            }
+        };
+        let event = match H::Event::decode(
+            &metadata.event_type,
+            metadata.event_version,
+            &letter.payload,
+        ) {
+            Ok(event) => event,
+            Err(error) => {
+                return Ok(Replayed::Failed {
+                    error: error.to_string(),
+                });
+            }
+        };
+        let key = MessageKey {
+            consumer,
+            source,
+            message_id,
+        };
+        let causality = Causality::caused_by(
+            &metadata.id,
+            metadata.correlation_id.as_deref(),
+            metadata.traceparent.as_ref(),
+        );
+        let replayed = shared
+            .config
+            .outbox
+            .transaction_with(&mut *conn, causality, async |uow| {
+                let discard = uow.conn().discard(key);
+                if !database::bounded(limit, target, "deleting a dead letter", discard).await? {
+                    // Replayed or discarded since it was read.
+                    return Ok(Replayed::NotFound);
+                }
+                self.handle(event, &metadata, uow).await?;
+                let finish = uow.conn().finish(key, true);
+                database::bounded(limit, target, "finishing a replayed message", finish).await?;
+                Ok(Replayed::Handled)
+            })
+            .await;
+        match replayed {
+            Ok(replayed) => {
+                if replayed == Replayed::Handled {
+                    tracing::info!(consumer, source, message_id, "replayed a dead letter");
+                }
+                Ok(replayed)
+            }
+            Err(failure) if failure.is_handlers() => Ok(Replayed::Failed {
+                error: failure.to_string(),
+            }),
+            Err(Failure::TimedOut(timed_out)) => Err(InboxError::TimedOut(timed_out)),
+            Err(Failure::Outbox(error)) => Err(InboxError::UnitOfWork(error)),
+            // A gap, a late event or a crash point are of delivered messages, never a replay's.
+            Err(other) => Ok(Replayed::Failed {
+                error: other.to_string(),
+            }),
+        }
     }
 
     /// Looks in the stream for the unapplied predecessor of an event whose aggregate's last

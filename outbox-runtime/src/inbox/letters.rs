@@ -6,9 +6,12 @@
 //! `outbox_inbox_dead_letters` with its error, headers and payload. The consumer recorded the
 //! message in `outbox_inbox` in the same transaction, so a redelivery of it is dropped as a
 //! duplicate, and its aggregate moved on: applying it now would break the aggregate's order.
-//! What an operator does with one is a decision of the service (apply its effect by hand,
-//! emit a compensating event, or accept the loss); [`discard_dead_letter`] then removes the
-//! row, and leaves the inbox's record of the message, so it is still never handled again.
+//! What an operator does with one is a decision of the service: replay it once the handler
+//! is fixed ([`Inbox::replay_dead_letter`](super::Inbox::replay_dead_letter), which applies
+//! it where it stands, after the aggregate's later events), or deal with it by hand (apply
+//! its effect, emit a compensating event, accept the loss) and [`discard_dead_letter`] it,
+//! which removes the row and leaves the inbox's record of the message, so it is still never
+//! handled again.
 //!
 //! The same on every database the inbox runs on (PostgreSQL, MySQL, SQLite); in SQL, each
 //! function's documentation says what it runs.

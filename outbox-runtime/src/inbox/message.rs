@@ -3,6 +3,8 @@
 //! writes (see [`crate::publisher`]), percent-decoding the `ce-` values as the CloudEvents
 //! NATS binding requires (section 3.1.3.2).
 
+use std::str::FromStr;
+
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use percent_encoding::percent_decode_str;
@@ -108,6 +110,19 @@ impl Metadata {
             })?;
         let empty = HeaderMap::new();
         let headers = message.headers.as_ref().unwrap_or(&empty);
+        let deliveries = u64::try_from(info.delivered).unwrap_or(1);
+        Self::from_headers(subject, headers, info.stream_sequence, deliveries)
+    }
+
+    /// Reads the metadata of a message on `subject` with `headers`, delivered `deliveries`
+    /// times from `stream_sequence`: [`read`](Self::read)'s decoding, for a message kept in
+    /// a dead letter.
+    pub(super) fn from_headers(
+        subject: String,
+        headers: &HeaderMap,
+        stream_sequence: u64,
+        deliveries: u64,
+    ) -> Result<Self, UnreadableMessage> {
         let text = |name: &'static str| decoded(headers, &subject, name);
 
         let (id, id_header) = match text("ce-id")? {
@@ -205,8 +220,8 @@ impl Metadata {
             correlation_id: text("ce-correlationid")?,
             causation_id: text("ce-causationid")?,
             traceparent,
-            stream_sequence: info.stream_sequence,
-            deliveries: u64::try_from(info.delivered).unwrap_or(1),
+            stream_sequence,
+            deliveries,
             subject,
         })
     }
@@ -278,6 +293,28 @@ pub(super) fn headers_json(message: &jetstream::Message) -> serde_json::Value {
         }
     }
     serde_json::Value::Object(object)
+}
+
+/// The headers [`headers_json`] wrote, as a message's again; a value that is not a string,
+/// or a name or value NATS refuses, is left out (the dead letter's `headers` column keeps it).
+pub(super) fn headers_from_json(json: &serde_json::Value) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let Some(object) = json.as_object() else {
+        return headers;
+    };
+    for (name, values) in object {
+        let Some(values) = values.as_array() else {
+            continue;
+        };
+        for value in values.iter().filter_map(serde_json::Value::as_str) {
+            let valid = async_nats::header::HeaderName::from_str(name).is_ok()
+                && !value.contains(['\r', '\n']);
+            if valid {
+                headers.append(name.as_str(), value);
+            }
+        }
+    }
+    headers
 }
 
 /// `text` without NUL characters (PostgreSQL's `text` and `jsonb` refuse them): each becomes
