@@ -1437,10 +1437,12 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// the message, as when it is delivered.
     ///
     /// # Errors
-    /// [`InboxError::Connect`] without a connection from the pool, [`InboxError::Database`]
-    /// for a failure of the database (nothing changed), [`InboxError::TimedOut`] for one of
-    /// the inbox's statements over `statement_timeout`. A handler that fails again, and a
-    /// message that cannot be read or decoded, are [`Replayed::Failed`], not errors.
+    /// [`InboxError::Connect`] without a connection from the pool; [`InboxError::Database`]
+    /// when the dead letter cannot be read; [`InboxError::UnitOfWork`] when the transaction
+    /// fails on the database's side (nothing changed) or its commit's outcome is unknown;
+    /// [`InboxError::TimedOut`] for one of the inbox's statements over `statement_timeout`.
+    /// A handler that fails again, and a message that cannot be read or decoded, are
+    /// [`Replayed::Failed`], not errors.
     pub async fn replay_dead_letter(
         &self,
         source: &str,

@@ -5,8 +5,8 @@
 
 use std::str::FromStr;
 
-use async_nats::HeaderMap;
-use async_nats::jetstream;
+use async_nats::header::{HeaderName, HeaderValue};
+use async_nats::{HeaderMap, jetstream};
 use percent_encoding::percent_decode_str;
 
 use crate::causality::{MAX_ID_BYTES, Traceparent};
@@ -306,11 +306,14 @@ pub(super) fn headers_from_json(json: &serde_json::Value) -> HeaderMap {
         let Some(values) = values.as_array() else {
             continue;
         };
+        // Parsed, not converted: async-nats's conversions from `&str` panic on what they
+        // refuse.
+        let Ok(name) = HeaderName::from_str(name) else {
+            continue;
+        };
         for value in values.iter().filter_map(serde_json::Value::as_str) {
-            let valid = async_nats::header::HeaderName::from_str(name).is_ok()
-                && !value.contains(['\r', '\n']);
-            if valid {
-                headers.append(name.as_str(), value);
+            if let Ok(value) = HeaderValue::from_str(value) {
+                headers.append(name.clone(), value);
             }
         }
     }
@@ -321,4 +324,35 @@ pub(super) fn headers_from_json(json: &serde_json::Value) -> HeaderMap {
 /// U+FFFD.
 pub(super) fn storable_text(text: &str) -> String {
     text.replace('\0', "\u{fffd}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dead letter's headers become a message's again, each value in its order; what NATS
+    /// could not carry (a name with a space, a value with a line break, a value that is not
+    /// a string) is left out rather than sent.
+    #[test]
+    fn a_dead_letters_headers_are_a_messages_again() {
+        let json = serde_json::json!({
+            "ce-id": ["m-1"],
+            "ce-type": ["Placed", 5, "Shipped"],
+            "not a name": ["x"],
+            "x-broken": ["a\r\nb"],
+            "x-not-an-array": "y",
+        });
+        let headers = headers_from_json(&json);
+        let values = |name: &str| -> Vec<String> {
+            headers
+                .get_all(name)
+                .map(|value| value.as_str().to_owned())
+                .collect()
+        };
+        assert_eq!(values("ce-id"), ["m-1"]);
+        assert_eq!(values("ce-type"), ["Placed", "Shipped"]);
+        let names: Vec<&str> = headers.iter().map(|(name, _)| name.as_ref()).collect();
+        assert_eq!(names.len(), 2, "only ce-id and ce-type: {names:?}");
+        assert!(headers_from_json(&serde_json::json!([1])).is_empty());
+    }
 }
