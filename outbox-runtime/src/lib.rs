@@ -45,7 +45,8 @@
 //! - [`relay`]: the message relay that publishes committed rows;
 //! - [`dead_letter`]: rows the broker kept rejecting, and what an operator does with them;
 //! - [`publisher`]: the JetStream side, with the wire contract of every message;
-//! - [`inbox`]: idempotent consumers, with exactly-once effects;
+//! - [`inbox`]: idempotent consumers, with exactly-once effects, and their dead letters
+//!   (listed, replayed once a handler is fixed, or discarded);
 //! - [`subject`]: the NATS subject rules every name obeys;
 //! - [`database`] and [`nats`]: the toolkit's connections, bounded by timeouts and shown
 //!   without their secrets.
