@@ -569,9 +569,11 @@ pub enum InboxError {
     #[error("inbox task did not finish: {0}")]
     Task(#[from] tokio::task::JoinError),
     /// The transaction of a replayed dead letter failed on the database's side, or its
-    /// commit's outcome is unknown ([`Inbox::replay_dead_letter`]).
-    #[error("inbox: {0}")]
-    UnitOfWork(#[from] UnitOfWorkError),
+    /// commit's outcome is unknown ([`Inbox::replay_dead_letter`]). (Not named `UnitOfWork`:
+    /// a variant of that name makes rustc spell the type `outbox_runtime::UnitOfWork` in
+    /// every diagnostic, the ui-tests' among them.)
+    #[error("inbox: replaying a dead letter: {0}")]
+    Replay(UnitOfWorkError),
 }
 
 impl From<Bounded<diesel::result::Error>> for InboxError {
@@ -1438,7 +1440,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     ///
     /// # Errors
     /// [`InboxError::Connect`] without a connection from the pool; [`InboxError::Database`]
-    /// when the dead letter cannot be read; [`InboxError::UnitOfWork`] when the transaction
+    /// when the dead letter cannot be read; [`InboxError::Replay`] when the transaction
     /// fails on the database's side (nothing changed) or its commit's outcome is unknown;
     /// [`InboxError::TimedOut`] for one of the inbox's statements over `statement_timeout`.
     /// A handler that fails again, and a message that cannot be read or decoded, are
@@ -1518,7 +1520,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 error: failure.to_string(),
             }),
             Err(Failure::TimedOut(timed_out)) => Err(InboxError::TimedOut(timed_out)),
-            Err(Failure::Outbox(error)) => Err(InboxError::UnitOfWork(error)),
+            Err(Failure::Outbox(error)) => Err(InboxError::Replay(error)),
             // A gap, a late event or a crash point are of delivered messages, never a replay's.
             Err(other) => Ok(Replayed::Failed {
                 error: other.to_string(),
