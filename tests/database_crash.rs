@@ -434,13 +434,15 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
         "the crashes met no unit of work: the test tested nothing"
     );
 
-    // Everything committed reaches the stream and the consumer.
+    // Everything committed reaches the stream and the consumer; should it not, the last
+    // state seen says which of the three stopped short.
     let expected = i64::try_from(bookings.len()).unwrap();
+    let seen = LastSeen::default();
     wait_until(
         "the relay and the inbox drain",
         Duration::from_secs(60),
         || {
-            let (env, settled) = (env.clone(), settled.clone());
+            let (env, settled, seen) = (env.clone(), settled.clone(), seen.clone());
             async move {
                 let queued = queued(&env).await;
                 let applied = count(
@@ -449,7 +451,13 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
                 )
                 .await;
                 let mut consumer = settled.consumer().clone();
-                let acks_pending = consumer.info().await.ok()?.num_ack_pending;
+                let info = consumer.info().await;
+                seen.set(format!(
+                    "{queued} queued, {applied} of {expected} applied, consumer: {:?}",
+                    info.as_ref()
+                        .map(|i| (i.num_pending, i.num_ack_pending, i.num_redelivered))
+                ));
+                let acks_pending = info.ok()?.num_ack_pending;
                 (queued == 0 && applied >= expected && acks_pending == 0).then_some(())
             }
         },
@@ -689,4 +697,24 @@ async fn a_crash_hands_a_lost_transactions_id_out_again_and_transaction_status_d
         count(&mut conn, "SELECT count(*) AS count FROM bookings").await,
         0
     );
+}
+
+/// The last state a wait saw, printed (as "last seen") when the test panics while it is
+/// alive: a timed-out wait then says what it was waiting on.
+#[derive(Clone, Default)]
+struct LastSeen(std::sync::Arc<std::sync::Mutex<String>>);
+
+impl LastSeen {
+    fn set(&self, state: String) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = state;
+    }
+}
+
+impl Drop for LastSeen {
+    fn drop(&mut self) {
+        if std::thread::panicking() && std::sync::Arc::strong_count(&self.0) == 1 {
+            let seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            eprintln!("last seen: {seen}");
+        }
+    }
 }
