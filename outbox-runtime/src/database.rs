@@ -542,6 +542,14 @@ pub(crate) async fn connect_sqlite(
     within_connect_timeout(database_url, limits.connect_timeout, setup).await
 }
 
+/// A time stored as microseconds since the Unix epoch (as every backend's operator queries
+/// read them), or an error that names `column` (`table.column`) when out of `time`'s range.
+pub(crate) fn time_from_micros(us: i64, column: &str) -> diesel::QueryResult<time::OffsetDateTime> {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(us) * 1_000).map_err(|e| {
+        diesel::result::Error::DeserializationError(format!("{column} is out of range: {e}").into())
+    })
+}
+
 /// Runs `query` within `limit`; on timeout the caller must drop the connection, whose state
 /// is unknown.
 pub(crate) async fn bounded<T, E>(

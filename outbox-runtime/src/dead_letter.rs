@@ -35,6 +35,8 @@ use diesel::sql_types::{BigInt, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 use uuid::Uuid;
 
+use crate::database::time_from_micros;
+
 pub use crate::database::OperatorConnection;
 
 /// A dead letter, as [`list`] returns it.
@@ -268,15 +270,6 @@ fn parse_id(id: &str) -> QueryResult<Uuid> {
     })
 }
 
-/// Microseconds since the epoch as a time; an error that names `column` when out of range.
-fn time_of(us: i64, column: &str) -> QueryResult<time::OffsetDateTime> {
-    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(us) * 1_000).map_err(|e| {
-        diesel::result::Error::DeserializationError(
-            format!("outbox_events.{column} is out of range: {e}").into(),
-        )
-    })
-}
-
 impl TryFrom<LetterRow> for DeadLetter {
     type Error = diesel::result::Error;
 
@@ -290,10 +283,13 @@ impl TryFrom<LetterRow> for DeadLetter {
             subject: row.subject,
             attempts: row.attempts,
             last_error: row.last_error,
-            dead_lettered_at: time_of(row.dead_lettered_us, "dead_lettered_at")?,
+            dead_lettered_at: time_from_micros(
+                row.dead_lettered_us,
+                "outbox_events.dead_lettered_at",
+            )?,
             skipped_at: row
                 .skipped_us
-                .map(|us| time_of(us, "skipped_at"))
+                .map(|us| time_from_micros(us, "outbox_events.skipped_at"))
                 .transpose()?,
             waiting: row.waiting,
         })
@@ -310,7 +306,7 @@ impl TryFrom<DetailRow> for DeadLetterDetail {
             partition_key: row.partition_key,
             payload: row.payload,
             headers: row.headers,
-            occurred_at: time_of(row.occurred_us, "occurred_at")?,
+            occurred_at: time_from_micros(row.occurred_us, "outbox_events.occurred_at")?,
             correlation_id: row.correlation_id,
         })
     }

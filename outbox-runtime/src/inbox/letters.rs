@@ -25,6 +25,7 @@ use diesel::sql_types::{BigInt, Binary, HasSqlType, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
 
 use super::store::{InboxConnection, MessageKey};
+use crate::database;
 
 /// A message an inbox consumer dead-lettered, as [`dead_letters`] lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -278,10 +279,10 @@ impl TryFrom<LetterRow> for DeadLetter {
     type Error = diesel::result::Error;
 
     fn try_from(row: LetterRow) -> QueryResult<Self> {
-        let dead_lettered_at = time::OffsetDateTime::from_unix_timestamp_nanos(
-            i128::from(row.dead_lettered_us) * 1_000,
-        )
-        .map_err(|e| unreadable("dead_lettered_at", e))?;
+        let dead_lettered_at = database::time_from_micros(
+            row.dead_lettered_us,
+            "outbox_inbox_dead_letters.dead_lettered_at",
+        )?;
         Ok(Self {
             consumer: row.consumer,
             source: row.source,
