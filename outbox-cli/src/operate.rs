@@ -37,6 +37,33 @@ async fn connect<C: diesel_async::AsyncConnection>(database_url: &str) -> Result
     }
 }
 
+/// `text` as it may be shown on one line of a terminal: each control character (line breaks,
+/// tabs, the escape that starts a terminal's control sequence, C1 controls) and each Unicode
+/// bidirectional formatting character (which reorders how the rest of the line is shown;
+/// CVE-2021-42574, "Trojan Source") written as Rust escapes it (`\n`, `\u{1b}`, `\u{202e}`).
+/// Every other character, quotes and backslashes included, is kept. A row's text (an error a
+/// handler returned, an id a hand insert wrote) then keeps its line and cannot drive the
+/// operator's terminal.
+fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}')
+    };
+    if !text.contains(hidden) {
+        return text.into();
+    }
+    let mut shown = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if hidden(c) {
+            shown.extend(c.escape_debug());
+        } else {
+            shown.push(c);
+        }
+    }
+    shown.into()
+}
+
 fn database_error(error: diesel::result::Error) -> String {
     format!("database error: {error}")
 }
@@ -240,7 +267,7 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
         } else {
             let each: Vec<String> = inbox_dead_letters
                 .iter()
-                .map(|(consumer, n)| format!("{consumer} {n}"))
+                .map(|(consumer, n)| format!("{} {n}", one_line(consumer)))
                 .collect();
             println!(
                 "inbox dead letters      {inbox_total} ({})",
@@ -251,27 +278,33 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
             "published last minute   {recent} (marked or archived rows, counting up to {RECENT_WINDOW})"
         );
         if !by_type.is_empty() {
-            let width_a = by_type
+            // Padded by characters (a `{:<w$}` width counts characters, not bytes).
+            let rows: Vec<_> = by_type
                 .iter()
-                .map(|row| row.aggregate_type.len())
-                .max()
-                .unwrap_or(0)
-                .max("aggregate type".len());
-            let width_e = by_type
-                .iter()
-                .map(|row| row.event_type.len())
-                .max()
-                .unwrap_or(0)
-                .max("event type".len());
+                .map(|row| {
+                    (
+                        one_line(&row.aggregate_type),
+                        one_line(&row.event_type),
+                        row,
+                    )
+                })
+                .collect();
+            let width = |column: fn(&(_, _, _)) -> &str, title: &str| {
+                rows.iter()
+                    .map(|row| column(row).chars().count())
+                    .fold(title.len(), usize::max)
+            };
+            let width_a = width(|row| &row.0, "aggregate type");
+            let width_e = width(|row| &row.1, "event type");
             println!();
             println!(
                 "{:<width_a$}  {:<width_e$}  {:>10}  {:>12}",
                 "aggregate type", "event type", "queued", "dead letters"
             );
-            for row in &by_type {
+            for (aggregate_type, event_type, row) in &rows {
                 println!(
-                    "{:<width_a$}  {:<width_e$}  {:>10}  {:>12}",
-                    row.aggregate_type, row.event_type, row.queued, row.dead_letters
+                    "{aggregate_type:<width_a$}  {event_type:<width_e$}  {:>10}  {:>12}",
+                    row.queued, row.dead_letters
                 );
             }
         }
@@ -527,13 +560,13 @@ async fn dead_letters<C: OperatorConnection>(
                 format!(
                     "{}  {} {} #{}  {}  attempts {}  {}  {}",
                     letter.id,
-                    letter.aggregate_type,
-                    letter.aggregate_id,
+                    one_line(&letter.aggregate_type),
+                    one_line(&letter.aggregate_id),
                     letter.aggregate_seq,
-                    letter.event_type,
+                    one_line(&letter.event_type),
                     letter.attempts,
                     state,
-                    letter.last_error.as_deref().unwrap_or("")
+                    one_line(letter.last_error.as_deref().unwrap_or(""))
                 )
             });
         }
@@ -680,11 +713,11 @@ async fn inbox_dead_letters<C: InboxConnection>(
                 format!(
                     "{}  {}  {}  {}  deliveries {}  {}",
                     letter.dead_lettered_at,
-                    letter.consumer,
-                    letter.message_id,
-                    letter.subject,
+                    one_line(&letter.consumer),
+                    one_line(&letter.message_id),
+                    one_line(&letter.subject),
                     letter.deliveries,
-                    letter.error
+                    one_line(&letter.error)
                 )
             });
         }
@@ -1081,9 +1114,9 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
         println!(
             "{}  #{sequence}  {} v{}  {}",
             message.subject,
-            header("ce-type"),
-            header("ce-eventversion"),
-            String::from_utf8_lossy(&message.payload)
+            one_line(&header("ce-type")),
+            one_line(&header("ce-eventversion")),
+            one_line(&String::from_utf8_lossy(&message.payload))
         );
         seen += 1;
     }
@@ -1093,6 +1126,29 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row's text keeps its line and cannot drive the terminal: control characters and
+    /// bidirectional overrides escaped, everything else (quotes, backslashes, accents, CJK,
+    /// emoji) as it is, and text with nothing to escape not copied.
+    #[test]
+    fn one_line_escapes_what_would_break_the_line_or_drive_the_terminal() {
+        assert_eq!(
+            one_line("first\nsecond\r\tthird"),
+            "first\\nsecond\\r\\tthird"
+        );
+        assert_eq!(
+            one_line("\u{1b}[2J\u{1b}]0;title\u{7}red"),
+            "\\u{1b}[2J\\u{1b}]0;title\\u{7}red"
+        );
+        assert_eq!(one_line("a\u{85}b\u{0}c"), "a\\u{85}b\\0c");
+        assert_eq!(
+            one_line("user\u{202e}gnp.exe\u{2066}x\u{2069}\u{200f}"),
+            "user\\u{202e}gnp.exe\\u{2066}x\\u{2069}\\u{200f}"
+        );
+        let kept = r#"field "name": expected `\d+`, got 'é' (注文 📦)"#;
+        assert_eq!(one_line(kept), kept);
+        assert!(matches!(one_line(kept), std::borrow::Cow::Borrowed(_)));
+    }
 
     /// The floor `--no-inbox`'s help names (66s): the default relay's redelivery horizon
     /// (5 s ack, 30 s statement, 30 s backoff, 0.5 s poll), longer than the default

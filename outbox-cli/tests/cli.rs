@@ -510,6 +510,77 @@ async fn inbox_dead_letters_are_counted_listed_shown_and_discarded() {
     );
 }
 
+/// Text a row carries (an error a handler returned, an id or a type a hand insert wrote) is
+/// shown on its line with its control characters and bidirectional overrides escaped: a line
+/// break no longer splits a row of `dead-letters list`, `inbox-dead-letters list` or
+/// `status`, and no escape sequence reaches the operator's terminal. (Before: printed raw.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
+    let env = TestEnv::new().await;
+    let nats = support::nats_url();
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                 partition_key, subject, payload, dead_lettered_at, last_error) VALUES \
+             ('Order', E'o-\\u202e1', 1, E'Placed\\x1b[8m', 'o-1', '{p}.Order.o-1.Placed', \
+              '{{}}', now(), E'no route to host\\n  caused by: \\x1b[2Jtimeout'); \
+             INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
+                 headers, payload, error, deliveries, stream_sequence) VALUES \
+             ('billing', '/shop', E'm-\\r1', 'app.Order.o-1.Placed', '{{}}', '', \
+              E'handler failed:\\n\\tno account\\x07', 1, 41)",
+            p = env.prefix
+        ))
+        .await
+        .unwrap();
+
+    let shown = |args: &[&str]| {
+        let output = outbox(&env, &nats, args);
+        assert!(output.status.success(), "{args:?}: {}", text(&output));
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        assert!(
+            !stdout.contains(['\u{1b}', '\u{7}', '\r', '\t', '\u{202e}']),
+            "{args:?} printed a control character: {stdout:?}"
+        );
+        stdout
+    };
+    let letters = shown(&["dead-letters", "list"]);
+    assert_eq!(letters.lines().count(), 1, "{letters}");
+    assert!(
+        letters.contains(
+            "Order o-\\u{202e}1 #1  Placed\\u{1b}[8m  attempts 0  blocks 0 events  \
+             no route to host\\n  caused by: \\u{1b}[2Jtimeout"
+        ),
+        "{letters}"
+    );
+    let inbox = shown(&["inbox-dead-letters", "list"]);
+    assert_eq!(inbox.lines().count(), 1, "{inbox}");
+    assert!(
+        inbox.contains(
+            "billing  m-\\r1  app.Order.o-1.Placed  deliveries 1  \
+             handler failed:\\n\\tno account\\u{7}"
+        ),
+        "{inbox}"
+    );
+    let status = shown(&["status"]);
+    let row = status
+        .lines()
+        .find(|line| line.starts_with("Order "))
+        .unwrap_or_else(|| panic!("no row of Order: {status}"));
+    assert_eq!(
+        row.split_whitespace().collect::<Vec<_>>(),
+        ["Order", "Placed\\u{1b}[8m", "0", "1"],
+        "{status}"
+    );
+    // The JSON forms keep the text whole (JSON escapes its control characters itself).
+    let json = outbox(&env, &nats, &["dead-letters", "list", "--json"]);
+    let letter: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        letter["last_error"],
+        "no route to host\n  caused by: \u{1b}[2Jtimeout"
+    );
+}
+
 /// The rows of `outbox_inbox` in `env`'s database.
 async fn left_inbox(env: &TestEnv) -> i64 {
     #[derive(diesel::QueryableByName)]
@@ -933,10 +1004,24 @@ async fn tail_prints_each_event_with_its_subject_sequence_and_type() {
         .await
         .unwrap();
     while relay.relay_batch().await.unwrap().claimed > 0 {}
+    // Another producer's message, whose text would break the line and drive the terminal:
+    // shown on one line, escaped.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("ce-type", "Plac\u{202e}ed");
+    async_nats::jetstream::new(env.nats.clone())
+        .publish_with_headers(
+            format!("{}.Order.o-2.Placed", env.prefix),
+            headers,
+            "line one\nline two\u{1b}[2J".into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     let tailed = outbox(
         &env,
         &support::nats_url(),
-        &["tail", "--stream", &env.stream, "--all", "--count", "2"],
+        &["tail", "--stream", &env.stream, "--all", "--count", "3"],
     );
     assert!(tailed.status.success(), "{}", text(&tailed));
     let lines: Vec<String> = String::from_utf8_lossy(&tailed.stdout)
@@ -951,6 +1036,10 @@ async fn tail_prints_each_event_with_its_subject_sequence_and_type() {
                 env.prefix
             ),
             format!("{}.Order.o-1.Shipped  #2  Shipped v1  {{}}", env.prefix),
+            format!(
+                "{}.Order.o-2.Placed  #3  Plac\\u{{202e}}ed v-  line one\\nline two\\u{{1b}}[2J",
+                env.prefix
+            ),
         ]
     );
 }
