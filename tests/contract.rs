@@ -1772,7 +1772,8 @@ impl Consumed for AsyncPg {
 /// unit of work's connection after the write, when given; takes `slow_first` over each
 /// aggregate's first event (so that another instance meets the later ones while it works).
 struct Applier<B> {
-    refused: Option<&'static str>,
+    /// Aggregates whose first event it refuses.
+    refused: Vec<String>,
     end: Option<&'static str>,
     slow_first: Duration,
     backend: std::marker::PhantomData<fn() -> B>,
@@ -1781,7 +1782,7 @@ struct Applier<B> {
 impl<B> Applier<B> {
     fn new() -> Self {
         Self {
-            refused: None,
+            refused: Vec::new(),
             end: None,
             slow_first: Duration::ZERO,
             backend: std::marker::PhantomData,
@@ -1799,7 +1800,7 @@ impl<B: Consumed> Handler<B::Conn> for Applier<B> {
         message: &Metadata,
         uow: &mut UnitOfWork<'_, B::Conn>,
     ) -> Result<(), String> {
-        if self.refused == Some(message.aggregate_id.as_str()) && message.sequence == 1 {
+        if self.refused.contains(&message.aggregate_id) && message.sequence == 1 {
             return Err("refused by the test".to_owned());
         }
         if message.sequence == 1 {
@@ -1955,7 +1956,7 @@ async fn an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_
     let mut config = inbox_config::<B>(&env, "refuser");
     config.max_attempts = 2;
     consume(&env, &config, 1, || Applier::<B> {
-        refused: Some("o-bad"),
+        refused: vec!["o-bad".to_owned()],
         ..Applier::new()
     })
     .await;
@@ -2079,7 +2080,7 @@ async fn an_inbox_replays_a_dead_letter_once_its_handler_is_fixed<B: Consumed>()
     let mut config = inbox_config::<B>(&env, "replayer");
     config.max_attempts = 2;
     let refusing = || Applier::<B> {
-        refused: Some("o-bad"),
+        refused: vec!["o-bad".to_owned()],
         ..Applier::new()
     };
     consume(&env, &config, 1, refusing).await;
@@ -2131,6 +2132,91 @@ async fn an_inbox_replays_a_dead_letter_once_its_handler_is_fixed<B: Consumed>()
     assert_eq!(B::count(&env, "outbox_inbox_attempts").await, 0);
     let again = fixed.replay_dead_letter(source, id).await.unwrap();
     assert_eq!(again, inbox::Replayed::NotFound);
+}
+
+/// A redrive: `replay_dead_letters` takes the consumer's oldest dead letters, up to its
+/// limit, and replays each in its own transaction; one that fails again stays and is
+/// reported without stopping the others, and another consumer's are left alone.
+async fn an_inbox_replays_its_consumers_dead_letters_oldest_first<B: Consumed>() {
+    let env = B::setup().await;
+    B::execute(&env, B::APPLIED_TABLE).await;
+    four_events_each::<B>(&env, &["o-a", "o-b", "o-c", "o-ok"]).await;
+    let mut config = inbox_config::<B>(&env, "redriver");
+    config.max_attempts = 1;
+    let refusing = || Applier::<B> {
+        refused: ["o-a", "o-b", "o-c"].map(str::to_owned).to_vec(),
+        ..Applier::new()
+    };
+    consume(&env, &config, 1, refusing).await;
+    // Another consumer whose every message fails (its handler ends the transaction by hand),
+    // leaving nothing written.
+    let mut other = inbox_config::<B>(&env, "bystander");
+    other.max_attempts = 1;
+    consume(&env, &other, 1, || Applier::<B> {
+        end: Some("ROLLBACK; BEGIN; INSERT INTO applied (aggregate, seq) VALUES ('reopened', 0)"),
+        ..Applier::new()
+    })
+    .await;
+    let mut conn = B::operator_conn(&env).await;
+    let letters = inbox::dead_letters(&mut conn, Some("redriver"), 10).await;
+    let letters = letters.unwrap();
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    let order: Vec<String> = letters.iter().map(|l| l.message_id.clone()).collect();
+    let mut aggregates = Vec::new();
+    for letter in &letters {
+        let (source, id) = (&letter.source, &letter.message_id);
+        let detail = inbox::dead_letter(&mut conn, "redriver", source, id).await;
+        let detail = detail.unwrap().expect("the dead letter, by its key");
+        let subject = detail.headers["ce-subject"][0].as_str().unwrap().to_owned();
+        aggregates.push(subject);
+    }
+
+    // Fixed for all but the second oldest's aggregate; a limit of 1 takes the oldest alone.
+    let partly_fixed = Applier::<B> {
+        refused: vec![aggregates[1].clone()],
+        ..Applier::new()
+    };
+    let inbox: Inbox<Applier<B>, B::Conn> =
+        Inbox::connect(config.clone(), env.nats.clone(), partly_fixed)
+            .await
+            .unwrap();
+    let first = inbox.replay_dead_letters(1).await.unwrap();
+    assert_eq!(
+        first,
+        inbox::ReplayReport {
+            handled: 1,
+            ..Default::default()
+        }
+    );
+    let rest = inbox.replay_dead_letters(10).await.unwrap();
+    assert_eq!((rest.handled, rest.not_found), (1, 0), "{rest:?}");
+    let [failed] = <[_; 1]>::try_from(rest.failed).expect("one failed again");
+    assert_eq!(failed.message_id, order[1]);
+    assert!(failed.error.contains("refused by the test"), "{failed:?}");
+    let left = inbox::dead_letters(&mut conn, Some("redriver"), 10).await;
+    let left: Vec<String> = left.unwrap().into_iter().map(|l| l.message_id).collect();
+    assert_eq!(left, [order[1].clone()], "the one that failed stays");
+    let applied = B::applied(&env).await;
+    for (i, aggregate) in aggregates.iter().enumerate() {
+        let expected: &[i64] = if i == 1 { &[2, 3, 4] } else { &[2, 3, 4, 1] };
+        assert_eq!(applied[aggregate], expected, "{aggregate}: {applied:?}");
+    }
+    assert_eq!(applied["o-ok"], [1, 2, 3, 4]);
+
+    let fixed: Inbox<Applier<B>, B::Conn> =
+        Inbox::connect(config.clone(), env.nats.clone(), Applier::new())
+            .await
+            .unwrap();
+    let last = fixed.replay_dead_letters(10).await.unwrap();
+    assert_eq!((last.handled, last.failed.len()), (1, 0), "{last:?}");
+    assert_eq!(B::applied(&env).await[&aggregates[1]], [2, 3, 4, 1]);
+    let none = fixed.replay_dead_letters(10).await.unwrap();
+    assert_eq!(none, inbox::ReplayReport::default());
+    assert_eq!(
+        inbox::dead_letter_counts(&mut conn).await.unwrap(),
+        [("bystander".to_owned(), 16)],
+        "another consumer's dead letters stay"
+    );
 }
 
 /// An event whose predecessor is not in the stream (removed from it) is applied over the
@@ -2186,6 +2272,7 @@ consumed!(
     an_inbox_applies_each_event_once_in_order,
     an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_on,
     an_inbox_replays_a_dead_letter_once_its_handler_is_fixed,
+    an_inbox_replays_its_consumers_dead_letters_oldest_first,
     an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap,
 );
 

@@ -57,7 +57,8 @@
 //! An operator reads the dead letters with [`dead_letters`] and [`dead_letter`] (or `outbox
 //! inbox-dead-letters list` and `show`) and counts them with [`dead_letter_counts`]. Once the
 //! handler is fixed, [`Inbox::replay_dead_letter`] applies one where it stands (after the
-//! aggregate's later events) and deletes it; one dealt with by hand is removed by
+//! aggregate's later events) and deletes it, and [`Inbox::replay_dead_letters`] the oldest
+//! of the consumer's in turn (a redrive); one dealt with by hand is removed by
 //! [`discard_dead_letter`] (or all of a consumer's by [`discard_dead_letters`]). Either way
 //! the message stays recorded, so it is never handled again.
 //!
@@ -598,6 +599,29 @@ pub enum Replayed {
         /// Why, as a dead letter's `error` says it.
         error: String,
     },
+}
+
+/// What [`Inbox::replay_dead_letters`] did with the dead letters it took.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplayReport {
+    /// Applied by the handler, each with its dead letter deleted in its transaction.
+    pub handled: usize,
+    /// Gone before their turn: replayed or discarded meanwhile by someone else.
+    pub not_found: usize,
+    /// Those the handler failed again, or that cannot be read or decoded, in the order they
+    /// were tried (oldest first): they stay dead letters, unchanged.
+    pub failed: Vec<FailedReplay>,
+}
+
+/// A dead letter [`Inbox::replay_dead_letters`] could not apply: its key and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailedReplay {
+    /// The message's `ce-source` (empty when it had none).
+    pub source: String,
+    /// The message's id (`ce-id`, or `Nats-Msg-Id`).
+    pub message_id: String,
+    /// Why, as [`Replayed::Failed`] says it.
+    pub error: String,
 }
 
 /// What processing a delivery came to, and how it is settled with JetStream.
@@ -1526,6 +1550,47 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 error: other.to_string(),
             }),
         }
+    }
+
+    /// Replays this consumer's dead letters, the oldest first, at most `limit` of them (none
+    /// when it is 0 or less), each as [`replay_dead_letter`](Self::replay_dead_letter) does:
+    /// in a transaction of its own that applies it where it stands and deletes it. A redrive,
+    /// once a fix for the handler is deployed. One that fails again stays, is reported, and
+    /// does not stop the others; being the oldest, it is taken first again by the next call,
+    /// so a `limit` above the failures' count is what lets a later call reach newer ones.
+    /// Dead letters of one aggregate are replayed in the order they were dead-lettered,
+    /// which is their sequence order; each is applied outside its aggregate's order, as
+    /// [`replay_dead_letter`](Self::replay_dead_letter) explains.
+    ///
+    /// # Errors
+    /// As [`replay_dead_letter`](Self::replay_dead_letter), and [`InboxError::Database`] when
+    /// the list cannot be read. The call stops at the first: the dead letters replayed
+    /// before it stay replayed (each committed on its own), the others stay dead letters.
+    pub async fn replay_dead_letters(&self, limit: i64) -> Result<ReplayReport, InboxError> {
+        let shared = &*self.shared;
+        let (timeout, target) = (shared.config.statement_timeout, shared.target.as_str());
+        let consumer = shared.config.consumer.as_str();
+        let letters = {
+            let mut conn = C::pooled(&shared.pool).await.map_err(InboxError::Connect)?;
+            let read = letters::dead_letters(&mut *conn, Some(consumer), limit);
+            database::bounded(timeout, target, "listing dead letters", read).await?
+        };
+        let mut report = ReplayReport::default();
+        for letter in letters {
+            match self
+                .replay_dead_letter(&letter.source, &letter.message_id)
+                .await?
+            {
+                Replayed::Handled => report.handled += 1,
+                Replayed::NotFound => report.not_found += 1,
+                Replayed::Failed { error } => report.failed.push(FailedReplay {
+                    source: letter.source,
+                    message_id: letter.message_id,
+                    error,
+                }),
+            }
+        }
+        Ok(report)
     }
 
     /// Looks in the stream for the unapplied predecessor of an event whose aggregate's last
