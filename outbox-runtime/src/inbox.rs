@@ -1558,8 +1558,9 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// once a fix for the handler is deployed. One that fails again stays, is reported, and
     /// does not stop the others; being the oldest, it is taken first again by the next call,
     /// so a `limit` above the failures' count is what lets a later call reach newer ones.
-    /// Dead letters of one aggregate are replayed in the order they were dead-lettered,
-    /// which is their sequence order; each is applied outside its aggregate's order, as
+    /// Dead letters are replayed in the order they were dead-lettered, which for one
+    /// aggregate is as a rule its sequence order (an event waits for its predecessor's
+    /// outcome); each is applied outside its aggregate's order, as
     /// [`replay_dead_letter`](Self::replay_dead_letter) explains.
     ///
     /// # Errors
