@@ -45,11 +45,6 @@ async fn connect<C: diesel_async::AsyncConnection>(database_url: &str) -> Result
 /// handler returned, an id a hand insert wrote) then keeps its line and cannot drive the
 /// operator's terminal.
 fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
-    let hidden = |c: char| {
-        c.is_control()
-            || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}'
-                | '\u{2066}'..='\u{2069}')
-    };
     if !text.contains(hidden) {
         return text.into();
     }
@@ -57,6 +52,36 @@ fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
     for c in text.chars() {
         if hidden(c) {
             shown.extend(c.escape_debug());
+        } else {
+            shown.push(c);
+        }
+    }
+    shown.into()
+}
+
+/// A character that would break a line, drive a terminal or reorder what it shows: a control
+/// character or a Unicode bidirectional formatting character (CVE-2021-42574's list).
+fn hidden(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}'
+            | '\u{2066}'..='\u{2069}')
+}
+
+/// Pretty JSON (`{value:#}`) as it may be shown on a terminal: each [`hidden`] character left
+/// raw in it (serde_json escapes U+0000-U+001F only, not DEL, the C1 controls or the bidi
+/// characters) written as a JSON escape (`\u009b`, `\u202e`), so the text stays the same
+/// JSON with the same values. The line breaks between its members are kept: inside strings
+/// serde_json has escaped every line break.
+fn terminal_json(pretty: &str) -> std::borrow::Cow<'_, str> {
+    let escaped = |c: char| c != '\n' && hidden(c);
+    if !pretty.contains(escaped) {
+        return pretty.into();
+    }
+    let mut shown = String::with_capacity(pretty.len() + 16);
+    for c in pretty.chars() {
+        if escaped(c) {
+            // Every hidden character is in the Basic Multilingual Plane: four hex digits.
+            shown.push_str(&format!("\\u{:04x}", u32::from(c)));
         } else {
             shown.push(c);
         }
@@ -611,12 +636,13 @@ fn print_list<T>(
     }
 }
 
-/// Prints `value` on one line when `json`, else indented for a reader.
+/// Prints `value` on one line when `json`, else indented for a reader, with what would drive
+/// a terminal escaped ([`terminal_json`]).
 fn print_one(value: &serde_json::Value, json: bool) {
     if json {
         println!("{value}");
     } else {
-        println!("{value:#}");
+        println!("{}", terminal_json(&format!("{value:#}")));
     }
 }
 
@@ -1148,6 +1174,34 @@ mod tests {
         let kept = r#"field "name": expected `\d+`, got 'é' (注文 📦)"#;
         assert_eq!(one_line(kept), kept);
         assert!(matches!(one_line(kept), std::borrow::Cow::Borrowed(_)));
+    }
+
+    /// The human `show`: the characters serde_json leaves raw (DEL, C1 controls, bidi
+    /// overrides) as JSON escapes, the same JSON; its structure's line breaks kept.
+    #[test]
+    fn terminal_json_escapes_what_serde_json_leaves_raw_and_stays_the_same_json() {
+        let value = serde_json::json!({
+            "error": "a\u{9b}31mred\u{7f} \u{202e}txt.exe\nnext \u{1b}[2J",
+            "kept": "é 注文 📦 \"quoted\" \\",
+        });
+        let pretty = format!("{value:#}");
+        let shown = terminal_json(&pretty);
+        assert!(
+            !shown.contains(|c: char| c != '\n' && hidden(c)),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains(r"a\u009b31mred\u007f \u202etxt.exe\nnext \u001b[2J"),
+            "{shown}"
+        );
+        assert_eq!(shown.lines().count(), pretty.lines().count());
+        let parsed: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(parsed, value);
+        let plain = format!("{:#}", serde_json::json!({"kept": "é 注文 📦"}));
+        assert!(matches!(
+            terminal_json(&plain),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 
     /// The floor `--no-inbox`'s help names (66s): the default relay's redelivery horizon

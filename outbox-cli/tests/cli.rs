@@ -524,7 +524,7 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
             "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
                  partition_key, subject, payload, dead_lettered_at, last_error) VALUES \
              ('Order', E'o-\\u202e1', 1, E'Placed\\x1b[8m', 'o-1', '{p}.Order.o-1.Placed', \
-              '{{}}', now(), E'no route to host\\n  caused by: \\x1b[2Jtimeout'); \
+              '{{}}', now(), E'no route to host\\n  caused by: \\x1b[2Jtimeout\\u009b'); \
              INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
                  headers, payload, error, deliveries, stream_sequence) VALUES \
              ('billing', '/shop', E'm-\\r1', 'app.Order.o-1.Placed', '{{}}', '', \
@@ -539,7 +539,7 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
         assert!(output.status.success(), "{args:?}: {}", text(&output));
         let stdout = String::from_utf8(output.stdout).unwrap();
         assert!(
-            !stdout.contains(['\u{1b}', '\u{7}', '\r', '\t', '\u{202e}']),
+            !stdout.contains(['\u{1b}', '\u{7}', '\r', '\t', '\u{9b}', '\u{202e}']),
             "{args:?} printed a control character: {stdout:?}"
         );
         stdout
@@ -549,7 +549,7 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
     assert!(
         letters.contains(
             "Order o-\\u{202e}1 #1  Placed\\u{1b}[8m  attempts 0  blocks 0 events  \
-             no route to host\\n  caused by: \\u{1b}[2Jtimeout"
+             no route to host\\n  caused by: \\u{1b}[2Jtimeout\\u{9b}"
         ),
         "{letters}"
     );
@@ -575,9 +575,19 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
     // The JSON forms keep the text whole (JSON escapes its control characters itself).
     let json = outbox(&env, &nats, &["dead-letters", "list", "--json"]);
     let letter: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let error = "no route to host\n  caused by: \u{1b}[2Jtimeout\u{9b}";
+    assert_eq!(letter["last_error"], error);
+    // `show` for a reader: indented JSON whose escapes cover what serde_json leaves raw (the
+    // C1 control, the bidi override); the same values as `--json`.
+    let id = letter["id"].as_str().unwrap();
+    let whole = shown(&["dead-letters", "show", id]);
+    assert!(whole.contains(r#""aggregate_id": "o-\u202e1""#), "{whole}");
+    let read: serde_json::Value = serde_json::from_str(&whole).unwrap();
+    assert_eq!(read["last_error"], error);
+    let exact = outbox(&env, &nats, &["dead-letters", "show", id, "--json"]);
     assert_eq!(
-        letter["last_error"],
-        "no route to host\n  caused by: \u{1b}[2Jtimeout"
+        read,
+        serde_json::from_slice::<serde_json::Value>(&exact.stdout).unwrap()
     );
 }
 
