@@ -1139,7 +1139,7 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
         };
         println!(
             "{}  #{sequence}  {} v{}  {}",
-            message.subject,
+            one_line(&message.subject),
             one_line(&header("ce-type")),
             one_line(&header("ce-eventversion")),
             one_line(&String::from_utf8_lossy(&message.payload))

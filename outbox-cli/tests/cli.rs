@@ -1020,7 +1020,7 @@ async fn tail_prints_each_event_with_its_subject_sequence_and_type() {
     headers.insert("ce-type", "Plac\u{202e}ed");
     async_nats::jetstream::new(env.nats.clone())
         .publish_with_headers(
-            format!("{}.Order.o-2.Placed", env.prefix),
+            format!("{}.Order.o-2\u{1b}[8m.Placed", env.prefix),
             headers,
             "line one\nline two\u{1b}[2J".into(),
         )
@@ -1047,7 +1047,8 @@ async fn tail_prints_each_event_with_its_subject_sequence_and_type() {
             ),
             format!("{}.Order.o-1.Shipped  #2  Shipped v1  {{}}", env.prefix),
             format!(
-                "{}.Order.o-2.Placed  #3  Plac\\u{{202e}}ed v-  line one\\nline two\\u{{1b}}[2J",
+                "{}.Order.o-2\\u{{1b}}[8m.Placed  #3  Plac\\u{{202e}}ed v-  \
+                 line one\\nline two\\u{{1b}}[2J",
                 env.prefix
             ),
         ]
