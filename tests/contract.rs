@@ -2188,6 +2188,9 @@ async fn an_inbox_replays_its_consumers_dead_letters_oldest_first<B: Consumed>()
             ..Default::default()
         }
     );
+    let left = inbox::dead_letters(&mut conn, Some("redriver"), 10).await;
+    let left: Vec<String> = left.unwrap().into_iter().map(|l| l.message_id).collect();
+    assert_eq!(left, order[1..], "the oldest went first");
     let rest = inbox.replay_dead_letters(10).await.unwrap();
     assert_eq!((rest.handled, rest.not_found), (1, 0), "{rest:?}");
     let [failed] = <[_; 1]>::try_from(rest.failed).expect("one failed again");
