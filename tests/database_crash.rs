@@ -452,10 +452,15 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
                 .await;
                 let mut consumer = settled.consumer().clone();
                 let info = consumer.info().await;
+                let consumer = match &info {
+                    Ok(i) => format!(
+                        "{} pending, {} ack-pending, {} redelivered",
+                        i.num_pending, i.num_ack_pending, i.num_redelivered
+                    ),
+                    Err(error) => format!("unreadable ({error})"),
+                };
                 seen.set(format!(
-                    "{queued} queued, {applied} of {expected} applied, consumer: {:?}",
-                    info.as_ref()
-                        .map(|i| (i.num_pending, i.num_ack_pending, i.num_redelivered))
+                    "{queued} queued, {applied} of {expected} applied, consumer: {consumer}"
                 ));
                 let acks_pending = info.ok()?.num_ack_pending;
                 (queued == 0 && applied >= expected && acks_pending == 0).then_some(())

@@ -1,6 +1,7 @@
 //! The operator's commands: migrate, status, dead letters, retry, skip, inbox dead letters,
 //! purge, tail. Each prints what it did; the ones that list have a `--json` form for scripts.
 
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
@@ -44,19 +45,22 @@ async fn connect<C: diesel_async::AsyncConnection>(database_url: &str) -> Result
 /// Every other character, quotes and backslashes included, is kept. A row's text (an error a
 /// handler returned, an id a hand insert wrote) then keeps its line and cannot drive the
 /// operator's terminal.
-fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
-    if !text.contains(hidden) {
-        return text.into();
-    }
-    let mut shown = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        if hidden(c) {
-            shown.extend(c.escape_debug());
-        } else {
-            shown.push(c);
-        }
-    }
-    shown.into()
+fn one_line(text: &str) -> Cow<'_, str> {
+    escape_where(text, hidden, |c, shown| shown.extend(c.escape_debug()))
+}
+
+/// Pretty JSON (`{value:#}`) as it may be shown on a terminal: each [`hidden`] character left
+/// raw in it (serde_json escapes U+0000-U+001F only, not DEL, the C1 controls or the bidi
+/// characters) written as a JSON escape (`\u009b`, `\u202e`), so the text stays the same
+/// JSON with the same values. The line breaks between its members are kept: inside strings
+/// serde_json has escaped every line break.
+fn terminal_json(pretty: &str) -> Cow<'_, str> {
+    // Every hidden character is in the Basic Multilingual Plane: four hex digits.
+    escape_where(
+        pretty,
+        |c| c != '\n' && hidden(c),
+        |c, shown| shown.push_str(&format!("\\u{:04x}", u32::from(c))),
+    )
 }
 
 /// A character that would break a line, drive a terminal or reorder what it shows: a control
@@ -67,21 +71,20 @@ fn hidden(c: char) -> bool {
             | '\u{2066}'..='\u{2069}')
 }
 
-/// Pretty JSON (`{value:#}`) as it may be shown on a terminal: each [`hidden`] character left
-/// raw in it (serde_json escapes U+0000-U+001F only, not DEL, the C1 controls or the bidi
-/// characters) written as a JSON escape (`\u009b`, `\u202e`), so the text stays the same
-/// JSON with the same values. The line breaks between its members are kept: inside strings
-/// serde_json has escaped every line break.
-fn terminal_json(pretty: &str) -> std::borrow::Cow<'_, str> {
-    let escaped = |c: char| c != '\n' && hidden(c);
-    if !pretty.contains(escaped) {
-        return pretty.into();
+/// `text` with each character for which `escaped` holds written by `escape` instead; borrowed
+/// when there is none.
+fn escape_where(
+    text: &str,
+    escaped: impl Fn(char) -> bool,
+    escape: impl Fn(char, &mut String),
+) -> Cow<'_, str> {
+    if !text.contains(&escaped) {
+        return text.into();
     }
-    let mut shown = String::with_capacity(pretty.len() + 16);
-    for c in pretty.chars() {
+    let mut shown = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
         if escaped(c) {
-            // Every hidden character is in the Basic Multilingual Plane: four hex digits.
-            shown.push_str(&format!("\\u{:04x}", u32::from(c)));
+            escape(c, &mut shown);
         } else {
             shown.push(c);
         }
@@ -1173,7 +1176,7 @@ mod tests {
         );
         let kept = r#"field "name": expected `\d+`, got 'é' (注文 📦)"#;
         assert_eq!(one_line(kept), kept);
-        assert!(matches!(one_line(kept), std::borrow::Cow::Borrowed(_)));
+        assert!(matches!(one_line(kept), Cow::Borrowed(_)));
     }
 
     /// The human `show`: the characters serde_json leaves raw (DEL, C1 controls, bidi
@@ -1198,10 +1201,7 @@ mod tests {
         let parsed: serde_json::Value = serde_json::from_str(&shown).unwrap();
         assert_eq!(parsed, value);
         let plain = format!("{:#}", serde_json::json!({"kept": "é 注文 📦"}));
-        assert!(matches!(
-            terminal_json(&plain),
-            std::borrow::Cow::Borrowed(_)
-        ));
+        assert!(matches!(terminal_json(&plain), Cow::Borrowed(_)));
     }
 
     /// The floor `--no-inbox`'s help names (66s): the default relay's redelivery horizon

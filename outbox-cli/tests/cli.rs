@@ -513,7 +513,8 @@ async fn inbox_dead_letters_are_counted_listed_shown_and_discarded() {
 /// Text a row carries (an error a handler returned, an id or a type a hand insert wrote) is
 /// shown on its line with its control characters and bidirectional overrides escaped: a line
 /// break no longer splits a row of `dead-letters list`, `inbox-dead-letters list` or
-/// `status`, and no escape sequence reaches the operator's terminal. (Before: printed raw.)
+/// `status`, `show`'s indented JSON escapes them as JSON does, and no escape sequence reaches
+/// the operator's terminal. (Before: printed raw.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
     let env = TestEnv::new().await;
@@ -540,7 +541,7 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
         let stdout = String::from_utf8(output.stdout).unwrap();
         assert!(
             !stdout.contains(['\u{1b}', '\u{7}', '\r', '\t', '\u{9b}', '\u{202e}']),
-            "{args:?} printed a control character: {stdout:?}"
+            "{args:?} printed a control or bidi character: {stdout:?}"
         );
         stdout
     };
