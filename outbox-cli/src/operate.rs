@@ -39,9 +39,10 @@ async fn connect<C: diesel_async::AsyncConnection>(database_url: &str) -> Result
 }
 
 /// `text` as it may be shown on one line of a terminal: each control character (line breaks,
-/// tabs, the escape that starts a terminal's control sequence, C1 controls) and each Unicode
-/// bidirectional formatting character (which reorders how the rest of the line is shown;
-/// CVE-2021-42574, "Trojan Source") written as Rust escapes it (`\n`, `\u{1b}`, `\u{202e}`).
+/// tabs, the escape that starts a terminal's control sequence, C1 controls), Unicode's line
+/// and paragraph separators and each Unicode bidirectional formatting character (which
+/// reorders how the rest of the line is shown; CVE-2021-42574, "Trojan Source") written as
+/// Rust escapes it (`\n`, `\u{1b}`, `\u{202e}`).
 /// Every other character, quotes and backslashes included, is kept. A row's text (an error a
 /// handler returned, an id a hand insert wrote) then keeps its line and cannot drive the
 /// operator's terminal.
@@ -50,10 +51,10 @@ fn one_line(text: &str) -> Cow<'_, str> {
 }
 
 /// Pretty JSON (`{value:#}`) as it may be shown on a terminal: each [`hidden`] character left
-/// raw in it (serde_json escapes U+0000-U+001F only, not DEL, the C1 controls or the bidi
-/// characters) written as a JSON escape (`\u009b`, `\u202e`), so the text stays the same
-/// JSON with the same values. The line breaks between its members are kept: inside strings
-/// serde_json has escaped every line break.
+/// raw in it (serde_json escapes U+0000-U+001F only, not DEL, the C1 controls, U+2028,
+/// U+2029 or the bidi characters) written as a JSON escape (`\u009b`, `\u202e`), so the text
+/// stays the same JSON with the same values. The line breaks between its members are kept:
+/// inside strings serde_json has escaped every line break.
 fn terminal_json(pretty: &str) -> Cow<'_, str> {
     // Every hidden character is in the Basic Multilingual Plane: four hex digits.
     escape_where(
@@ -64,10 +65,12 @@ fn terminal_json(pretty: &str) -> Cow<'_, str> {
 }
 
 /// A character that would break a line, drive a terminal or reorder what it shows: a control
-/// character or a Unicode bidirectional formatting character (CVE-2021-42574's list).
+/// character, Unicode's line and paragraph separators (U+2028, U+2029: line breaks to the
+/// editors and log viewers a copied line lands in, though not to a terminal) or a Unicode
+/// bidirectional formatting character (CVE-2021-42574's list).
 fn hidden(c: char) -> bool {
     c.is_control()
-        || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}'
+        || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{2028}'..='\u{202e}'
             | '\u{2066}'..='\u{2069}')
 }
 
@@ -1171,6 +1174,10 @@ mod tests {
         );
         assert_eq!(one_line("a\u{85}b\u{0}c"), "a\\u{85}b\\0c");
         assert_eq!(
+            one_line("line\u{2028}paragraph\u{2029}end"),
+            "line\\u{2028}paragraph\\u{2029}end"
+        );
+        assert_eq!(
             one_line("user\u{202e}gnp.exe\u{2066}x\u{2069}\u{200f}"),
             "user\\u{202e}gnp.exe\\u{2066}x\\u{2069}\\u{200f}"
         );
@@ -1184,7 +1191,7 @@ mod tests {
     #[test]
     fn terminal_json_escapes_what_serde_json_leaves_raw_and_stays_the_same_json() {
         let value = serde_json::json!({
-            "error": "a\u{9b}31mred\u{7f} \u{202e}txt.exe\nnext \u{1b}[2J",
+            "error": "a\u{9b}31mred\u{7f} \u{202e}txt.exe\nnext \u{1b}[2J\u{2028}",
             "kept": "é 注文 📦 \"quoted\" \\",
         });
         let pretty = format!("{value:#}");
@@ -1194,7 +1201,7 @@ mod tests {
             "{shown:?}"
         );
         assert!(
-            shown.contains(r"a\u009b31mred\u007f \u202etxt.exe\nnext \u001b[2J"),
+            shown.contains(r"a\u009b31mred\u007f \u202etxt.exe\nnext \u001b[2J\u2028"),
             "{shown}"
         );
         assert_eq!(shown.lines().count(), pretty.lines().count());
