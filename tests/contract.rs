@@ -696,16 +696,25 @@ async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend
     assert_eq!(support::sequences(&messages), expected);
 }
 
+/// Writers race on two aggregates with units of work of one aggregate (`hot`, then `warm`)
+/// and of both: each aggregate's sequences are 1, 2, 3, ... without a gap or a repeat.
+/// (PostgreSQL numbers a unit of work of one aggregate and one of several by different
+/// statements: both meet here.)
 async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + 'static>() {
     const WRITERS: usize = 6;
-    const UNITS: usize = 8;
+    const UNITS: usize = 9;
     let env = std::sync::Arc::new(B::setup().await);
     let writers: Vec<_> = (0..WRITERS)
         .map(|_| {
             let env = std::sync::Arc::clone(&env);
             tokio::spawn(async move {
-                for _ in 0..UNITS {
-                    let (_, result) = B::commit(&env, vec![shipped("hot")], None, End::Ok).await;
+                for unit in 0..UNITS {
+                    let aggregates = match unit % 3 {
+                        0 => vec![shipped("hot")],
+                        1 => vec![shipped("hot"), shipped("warm")],
+                        _ => vec![shipped("warm")],
+                    };
+                    let (_, result) = B::commit(&env, aggregates, None, End::Ok).await;
                     result.unwrap();
                 }
             })
@@ -714,13 +723,16 @@ async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + '
     for writer in writers {
         writer.await.unwrap();
     }
-    let seqs: Vec<i64> = B::rows(&env)
-        .await
-        .into_iter()
-        .map(|(_, seq)| seq)
-        .collect();
-    let expected: Vec<i64> = (1..=(WRITERS * UNITS * 2) as i64).collect();
-    assert_eq!(seqs, expected);
+    // Each unit of work writes two events (Placed, Shipped) per aggregate it tracks.
+    let per_aggregate = (WRITERS * UNITS * 2 / 3 * 2) as i64;
+    let expected: BTreeMap<String, Vec<i64>> = [
+        ("hot".to_owned(), (1..=per_aggregate).collect()),
+        ("warm".to_owned(), (1..=per_aggregate).collect()),
+    ]
+    .into();
+    let rows = B::rows(&env).await.into_iter();
+    let rows = rows.map(|(aggregate, seq)| AppliedRow { aggregate, seq });
+    assert_eq!(by_aggregate(rows.collect()), expected);
 }
 
 /// The dedup keys of units of work on different backends share one table.
@@ -864,28 +876,43 @@ async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>()
     );
 }
 
+/// Rows inserted by hand, before an aggregate's first unit of work and above its counter,
+/// are numbered after: by units of work of one aggregate and of several (which PostgreSQL
+/// numbers by different statements).
 async fn a_unit_of_work_numbers_after_rows_inserted_by_hand<B: Backend>() {
     let env = B::setup().await;
-    let by_hand = |seq: i64| {
+    let by_hand = |id: &str, seq: i64| {
         format!(
             "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
                                         partition_key, subject, payload) \
-             VALUES ('Order', 'o-1', {seq}, 'Noted', 'o-1', '{{prefix}}.Order.o-1.Noted', '{{}}')"
+             VALUES ('Order', '{id}', {seq}, 'Noted', '{id}', '{{prefix}}.Order.{id}.Noted', '{{}}')"
         )
     };
     // Before the aggregate's first unit of work, and again above its counter.
-    B::execute(&env, &by_hand(1)).await;
+    B::execute(&env, &by_hand("o-1", 1)).await;
     let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
     result.unwrap();
-    B::execute(&env, &by_hand(4)).await;
+    B::execute(&env, &by_hand("o-1", 4)).await;
     let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
     result.unwrap();
-    let seqs: Vec<i64> = B::rows(&env)
-        .await
-        .into_iter()
-        .map(|(_, seq)| seq)
-        .collect();
-    assert_eq!(seqs, [1, 2, 3, 4, 5, 6]);
+    // Both again, in units of work of two aggregates: `o-2` before its first, `o-1` above
+    // its counter; then `o-2` above its counter.
+    B::execute(&env, &by_hand("o-2", 1)).await;
+    B::execute(&env, &by_hand("o-1", 7)).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-1"), shipped("o-2")], None, End::Ok).await;
+    result.unwrap();
+    B::execute(&env, &by_hand("o-2", 4)).await;
+    let (_, result) = B::commit(&env, vec![shipped("o-2"), shipped("o-3")], None, End::Ok).await;
+    result.unwrap();
+    let expected: BTreeMap<String, Vec<i64>> = [
+        ("o-1".to_owned(), (1..=9).collect()),
+        ("o-2".to_owned(), (1..=6).collect()),
+        ("o-3".to_owned(), vec![1, 2]),
+    ]
+    .into();
+    let rows = B::rows(&env).await.into_iter();
+    let rows = rows.map(|(aggregate, seq)| AppliedRow { aggregate, seq });
+    assert_eq!(by_aggregate(rows.collect()), expected);
 }
 
 /// On a database without LISTEN/NOTIFY (MySQL, SQLite), a relay that found nothing is woken
@@ -1688,7 +1715,7 @@ trait Consumed: Operated<Conn: InboxConnection> + 'static {
     fn inbox_dead_letters(env: &Env) -> impl Future<Output = Vec<(String, String)>> + Send;
 }
 
-/// A row of `(aggregate, seq)`, read from `applied`.
+/// A row of `(aggregate, seq)`, read from `applied` (or the outbox's, from [`Backend::rows`]).
 #[derive(diesel::QueryableByName)]
 struct AppliedRow {
     #[diesel(sql_type = diesel::sql_types::Text)]
