@@ -697,9 +697,8 @@ async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend
 }
 
 /// Writers race on two aggregates with units of work of one aggregate (`hot`, then `warm`)
-/// and of both: each aggregate's sequences are 1, 2, 3, ... without a gap or a repeat.
-/// (PostgreSQL numbers a unit of work of one aggregate and one of several by different
-/// statements: both meet here.)
+/// and of both: each aggregate's sequences are 1, 2, 3, ... without a gap or a repeat, and
+/// no two units of work deadlock (one of both aggregates takes their counters in one order).
 async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + 'static>() {
     const WRITERS: usize = 6;
     const UNITS: usize = 9;
@@ -877,8 +876,8 @@ async fn a_rejected_message_is_dead_lettered_while_the_others_flow<B: Backend>()
 }
 
 /// Rows inserted by hand, before an aggregate's first unit of work and above its counter,
-/// are numbered after: by units of work of one aggregate and of several (which PostgreSQL
-/// numbers by different statements).
+/// are numbered after: by units of work of one aggregate and of several, the aggregate new
+/// to the counters or already there.
 async fn a_unit_of_work_numbers_after_rows_inserted_by_hand<B: Backend>() {
     let env = B::setup().await;
     let by_hand = |id: &str, seq: i64| {

@@ -9,9 +9,7 @@
 //! have no default (`aggregate_type`, `aggregate_id`, `aggregate_seq`, `event_type`,
 //! `partition_key`, `subject`, `payload`) is relayed like the unit of work's own.
 //! `outbox_aggregates` keeps the last sequence number handed out per aggregate, and whether
-//! its queue is blocked; the function `outbox_insert_events` is the unit of work's INSERT
-//! (set-based over several aggregates; for one aggregate, three plain steps: migration
-//! 000013).
+//! its queue is blocked; the function `outbox_insert_events` is the unit of work's INSERT.
 //! `outbox_inbox` and `outbox_inbox_dead_letters` belong to the [inbox](crate::inbox). The
 //! SQL in `outbox-runtime/migrations/` defines them all and documents every column;
 //! [`schema`] is diesel's view of the tables.

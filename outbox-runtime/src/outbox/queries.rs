@@ -249,8 +249,7 @@ statement! {
 #[cfg(feature = "postgres")]
 statement! {
     /// The unit of work's INSERT (see [`insert_events`]): the function of migration 000004,
-    /// whose plan PostgreSQL caches for the session (since migration 000013, three plain
-    /// steps when the events are of one aggregate).
+    /// whose plan PostgreSQL caches for the session.
     pub(crate) struct InsertEvents<'a> {
         aggregate_types: ArrayBind<'a, &'a str> => Array<Text>,
         aggregate_ids: ArrayBind<'a, &'a str> => Array<Text>,
