@@ -698,7 +698,7 @@ async fn committed_units_of_work_become_exactly_the_expected_messages<B: Backend
 
 /// Writers race on two aggregates with units of work of one aggregate (`hot`, then `warm`)
 /// and of both: each aggregate's sequences are 1, 2, 3, ... without a gap or a repeat, and
-/// no two units of work deadlock (one of both aggregates takes their counters in one order).
+/// no two units of work deadlock (a unit of work of both takes their counters in one order).
 async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + 'static>() {
     const WRITERS: usize = 6;
     const UNITS: usize = 9;
@@ -722,7 +722,8 @@ async fn sequences_stay_contiguous_under_concurrent_units_of_work<B: Backend + '
     for writer in writers {
         writer.await.unwrap();
     }
-    // Each unit of work writes two events (Placed, Shipped) per aggregate it tracks.
+    // Two units of work in three track each aggregate, and write two events (Placed,
+    // Shipped) for each aggregate they track.
     let per_aggregate = (WRITERS * UNITS * 2 / 3 * 2) as i64;
     let expected: BTreeMap<String, Vec<i64>> = [
         ("hot".to_owned(), (1..=per_aggregate).collect()),
