@@ -2,6 +2,7 @@
 //! purge, tail. Each prints what it did; the ones that list have a `--json` form for scripts.
 
 use std::borrow::Cow;
+use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
@@ -60,7 +61,10 @@ fn terminal_json(pretty: &str) -> Cow<'_, str> {
     escape_where(
         pretty,
         |c| c != '\n' && hidden(c),
-        |c, shown| shown.push_str(&format!("\\u{:04x}", u32::from(c))),
+        |c, shown| {
+            // Writing to a String cannot fail.
+            let _ = write!(shown, "\\u{:04x}", u32::from(c));
+        },
     )
 }
 
@@ -1186,8 +1190,8 @@ mod tests {
         assert!(matches!(one_line(kept), Cow::Borrowed(_)));
     }
 
-    /// The human `show`: the characters serde_json leaves raw (DEL, C1 controls, bidi
-    /// overrides) as JSON escapes, the same JSON; its structure's line breaks kept.
+    /// The human `show`: the characters serde_json leaves raw (DEL, C1 controls, U+2028,
+    /// bidi overrides) as JSON escapes, the same JSON; its structure's line breaks kept.
     #[test]
     fn terminal_json_escapes_what_serde_json_leaves_raw_and_stays_the_same_json() {
         let value = serde_json::json!({
