@@ -290,7 +290,8 @@ where
 {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        if let Some(cluster) = read().await
+        let cluster = read().await;
+        if let Some(cluster) = &cluster
             && cluster.leader.is_some()
             && cluster
                 .replicas
@@ -301,7 +302,22 @@ where
         }
         assert!(
             Instant::now() < deadline,
-            "{what} did not catch up within 60 s"
+            "{what} did not catch up within 60 s; last read: {}",
+            cluster.map_or_else(
+                || "nothing (no answer)".to_owned(),
+                |cluster| format!(
+                    "leader {:?}, replicas {:?}",
+                    cluster.leader,
+                    cluster
+                        .replicas
+                        .iter()
+                        .map(|r| format!(
+                            "{} current {} offline {} lag {:?}",
+                            r.name, r.current, r.offline, r.lag
+                        ))
+                        .collect::<Vec<_>>()
+                )
+            )
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
