@@ -205,3 +205,39 @@ async fn a_consumer_that_dies_between_its_commit_and_its_ack_applies_the_event_o
     assert_applied_in_order(&applied(&mut consumer.conn().await).await, 3, 3);
     scenario.teardown();
 }
+
+/// A relay whose worker panics (a bug) stops by itself, and its handle says so: a service
+/// that selects on `RelayHandle::stopped` sees it and exits, rather than running on with
+/// nothing published. The rows stay queued, and the next relay publishes them once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_worker_panics_is_seen_stopped_and_loses_nothing() {
+    let scenario = FailScenario::setup();
+    let env = TestEnv::new().await;
+    commit_rounds(&env, 5, 4).await;
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    fail::cfg("relay::before_publish", "panic(a bug in a worker)").unwrap();
+    let mut running = relay.spawn();
+    let stopped = tokio::time::timeout(Duration::from_secs(20), running.stopped())
+        .await
+        .expect("the relay stopped by itself within 20 s");
+    fail::remove("relay::before_publish");
+    match stopped {
+        Err(outbox_runtime::RelayError::Task(error)) => assert!(error.is_panic(), "{error}"),
+        other => panic!("a worker's panic, not {other:?}"),
+    }
+    assert!(
+        matches!(running.stopped().await, Ok(())),
+        "once it has returned, `stopped` returns at once"
+    );
+    running.shutdown().await.unwrap();
+    assert_eq!(queued(&env).await, 20, "every row queued");
+
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    while relay.relay_batch().await.unwrap().claimed > 0 {}
+    assert_each_once_in_order(&env.stream_messages().await);
+    scenario.teardown();
+}

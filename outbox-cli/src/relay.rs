@@ -225,7 +225,7 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     let config = args.config(database_url);
     let kind = Kind::of(database_url);
     let nats = args.nats.connect("outbox-relay").await?;
-    let relay = connect(kind, config.clone(), nats).await?;
+    let mut relay = connect(kind, config.clone(), nats).await?;
     tracing::info!(
         database = %outbox_runtime::database::redacted(database_url),
         stream = %config.topology.stream.name,
@@ -244,6 +244,16 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     let which = tokio::select! {
         _ = terminate.recv() => "SIGTERM",
         _ = interrupt.recv() => "SIGINT",
+        stopped = relay.stopped() => {
+            // A worker panicked (a bug): exit, so that a supervisor starts the relay again,
+            // rather than stay up with nothing published.
+            if let Some(purging) = purging {
+                purging.abort();
+            }
+            let why = stopped.err().map_or_else(String::new, |error| format!(": {error}"));
+            tracing::error!("the relay stopped by itself{why}; exiting");
+            return Err(format!("the relay stopped by itself{why}"));
+        }
     };
     let limit: Duration = args.shutdown_timeout.into();
     tracing::info!(signal = which, timeout = ?limit, "stopping gracefully");

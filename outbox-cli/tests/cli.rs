@@ -875,6 +875,65 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
     );
 }
 
+/// A relay whose worker panics (a bug, here a crash point set to panic before its first
+/// publish, through `FAILPOINTS`: the test build compiles the runtime's crash points in) stops
+/// by itself; the daemon must then exit, with an error that says so, rather than stay up with
+/// the outbox filling and nothing published; its event stays queued for the next relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_daemon_exits_when_its_relay_stops_by_itself() {
+    let env = TestEnv::new().await;
+    let mut child = command(&env, &support::nats_url())
+        .env(
+            "FAILPOINTS",
+            "relay::before_publish=panic(a bug in a worker)",
+        )
+        .args([
+            "relay",
+            "--subject-prefix",
+            &env.prefix,
+            "--stream",
+            &env.stream,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start outbox relay");
+    let mut order = support::domain::Order::place("o-1", "ada", 1);
+    env.commit(&mut order).await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("the daemon's status").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "the daemon still ran 30 s after its relay stopped:\n{}",
+                text(&output)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let output = child.wait_with_output().unwrap();
+    let said = text(&output);
+    assert_eq!(output.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("outbox: the relay stopped by itself: relay task did not finish")
+            && said.contains("a bug in a worker"),
+        "{said}"
+    );
+    let queued: i64 = {
+        use diesel::prelude::*;
+        use diesel_async::RunQueryDsl;
+        use outbox_runtime::outbox::schema::outbox_events;
+        outbox_events::table
+            .count()
+            .get_result(&mut env.conn().await)
+            .await
+            .unwrap()
+    };
+    assert_eq!(queued, 1, "the event stays queued for the next relay");
+}
+
 /// The body of an HTTP GET, by hand: the endpoint speaks plain HTTP/1.1.
 /// The metrics the relay at `address` serves, once its gauges say the outbox is drained
 /// (`outbox_queued_events 0`) and its counters have counted `published` events (a batch's

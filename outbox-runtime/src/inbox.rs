@@ -1008,7 +1008,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         let shutdown = CancellationToken::new();
         let signal = shutdown.clone();
         let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        InboxHandle { shutdown, task }
+        InboxHandle {
+            shutdown,
+            task: Some(task),
+        }
     }
 
     /// Consumes until `shutdown` completes, then stops pulling, naks the messages it holds
@@ -1958,17 +1961,45 @@ fn pool_error(error: impl fmt::Display) -> diesel::result::Error {
 /// A running consumer task.
 pub struct InboxHandle {
     shutdown: CancellationToken,
-    task: JoinHandle<Result<(), InboxError>>,
+    /// `None` once [`stopped`](Self::stopped) has returned the consumer's outcome.
+    task: Option<JoinHandle<Result<(), InboxError>>>,
 }
 
 impl InboxHandle {
     /// Stops the consumer gracefully (see [`Inbox::run`]) and waits for it.
     ///
     /// # Errors
-    /// What the consumer returned, or [`InboxError::Task`] when it panicked.
+    /// What the consumer returned, or [`InboxError::Task`] when it panicked; `Ok(())` when
+    /// [`stopped`](Self::stopped) has returned already.
     pub async fn shutdown(self) -> Result<(), InboxError> {
         self.shutdown.cancel();
-        self.task.await?
+        match self.task {
+            Some(task) => task.await?,
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the consumer stops without being asked to. It does only when a task of
+    /// the inbox panicked (a bug: a handler's panic is caught and retried like its error, and
+    /// failures of the broker and the database are retried, never returned); the messages
+    /// it had not acked are delivered again, to another instance or the next one, after
+    /// `ack_wait`. A service selects on it beside its own shutdown signal, so that a consumer
+    /// that stopped ends the process (and its supervisor starts it again) instead of leaving
+    /// the stream unread.
+    ///
+    /// Cancel-safe: dropped unfinished (a `tokio::select!` whose other branch won), it loses
+    /// nothing, and the next call waits on. Once it has returned, it returns `Ok(())` at once,
+    /// and so does [`shutdown`](Self::shutdown).
+    ///
+    /// # Errors
+    /// What the consumer returned: [`InboxError::Task`] when a task of it panicked.
+    pub async fn stopped(&mut self) -> Result<(), InboxError> {
+        let Some(task) = self.task.as_mut() else {
+            return Ok(());
+        };
+        let outcome = task.await;
+        self.task = None;
+        outcome?
     }
 }
 

@@ -114,6 +114,32 @@ macro_rules! crash_point {
     ($name:literal, $e:expr) => {};
 }
 
+/// With the `failpoints` feature (for tests only): configures the crash points that the
+/// environment variable `FAILPOINTS` names, in the `fail` crate's syntax (`name=action`,
+/// several separated by `;`, as `fail::FailScenario::setup` reads it), once per process, when
+/// the first relay connects. How a test sets a crash point in a process it starts (the
+/// `outbox` command); in a test's own process, `fail::cfg` does it. Without the variable it
+/// changes nothing.
+///
+/// # Panics
+/// On an entry without `=`, or one whose action the `fail` crate cannot parse.
+#[cfg(feature = "failpoints")]
+pub(crate) fn crash_points_from_env() {
+    static READ: std::sync::Once = std::sync::Once::new();
+    READ.call_once(|| {
+        let Ok(points) = std::env::var("FAILPOINTS") else {
+            return;
+        };
+        for point in points.split(';').filter(|point| !point.trim().is_empty()) {
+            let (name, actions) = point
+                .split_once('=')
+                .unwrap_or_else(|| panic!("FAILPOINTS: {point:?} is not name=action"));
+            fail::cfg(name.trim(), actions.trim())
+                .unwrap_or_else(|error| panic!("FAILPOINTS: {point:?}: {error}"));
+        }
+    });
+}
+
 pub mod aggregate;
 pub mod causality;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]

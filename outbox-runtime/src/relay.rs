@@ -477,6 +477,8 @@ impl Shared {
         nats: async_nats::Client,
     ) -> Result<(Arc<Self>, Duration), RelayError> {
         config.validate()?;
+        #[cfg(feature = "failpoints")]
+        crate::crash_points_from_env();
         describe_metrics();
         let publisher = Publisher::new(
             nats.clone(),
@@ -707,7 +709,10 @@ impl Relay {
         let shutdown = CancellationToken::new();
         let signal = shutdown.clone();
         let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        RelayHandle { shutdown, task }
+        RelayHandle {
+            shutdown,
+            task: Some(task),
+        }
     }
 
     /// Publishes until `shutdown` completes, then stops gracefully: no new batch is claimed,
@@ -980,17 +985,46 @@ fn describe_metrics() {
 /// A running relay task.
 pub struct RelayHandle {
     shutdown: CancellationToken,
-    task: JoinHandle<Result<(), RelayError>>,
+    /// `None` once [`stopped`](Self::stopped) has returned the relay's outcome.
+    task: Option<JoinHandle<Result<(), RelayError>>>,
 }
 
 impl RelayHandle {
     /// Stops the relay gracefully (see [`Relay::run`]) and waits for it.
     ///
     /// # Errors
-    /// What the relay returned, or [`RelayError::Task`] when it panicked.
+    /// What the relay returned, or [`RelayError::Task`] when it panicked; `Ok(())` when
+    /// [`stopped`](Self::stopped) has returned already.
     pub async fn shutdown(self) -> Result<(), RelayError> {
         self.shutdown.cancel();
-        self.task.await?
+        match self.task {
+            Some(task) => task.await?,
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the relay stops without being asked to. It does only when one of its
+    /// workers panicked (a bug: failures of the broker and the database are retried, never
+    /// returned), after stopping the others gracefully; the rows it had not published stay
+    /// queued for the next relay. A service selects on it beside its own shutdown signal, so
+    /// that a relay that stopped ends the process (and its supervisor starts it again)
+    /// instead of leaving the outbox to fill with nobody publishing; the `outbox relay`
+    /// daemon does so and exits with status 2.
+    ///
+    /// Cancel-safe: dropped unfinished (a `tokio::select!` whose other branch won), it loses
+    /// nothing, and the next call waits on. Once it has returned, it returns `Ok(())` at once,
+    /// and so does [`shutdown`](Self::shutdown).
+    ///
+    /// # Errors
+    /// What the relay returned: [`RelayError::Task`] when a worker panicked, or the relay
+    /// task itself did.
+    pub async fn stopped(&mut self) -> Result<(), RelayError> {
+        let Some(task) = self.task.as_mut() else {
+            return Ok(());
+        };
+        let outcome = task.await;
+        self.task = None;
+        outcome?
     }
 }
 

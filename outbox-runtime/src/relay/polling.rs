@@ -94,7 +94,10 @@ impl<C: PolledStore> Polling<C> {
         let shutdown = CancellationToken::new();
         let signal = shutdown.clone();
         let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        RelayHandle { shutdown, task }
+        RelayHandle {
+            shutdown,
+            task: Some(task),
+        }
     }
 
     pub(super) async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
