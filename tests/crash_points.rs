@@ -241,3 +241,55 @@ async fn a_relay_whose_worker_panics_is_seen_stopped_and_loses_nothing() {
     assert_each_once_in_order(&env.stream_messages().await);
     scenario.teardown();
 }
+
+/// An inbox whose task panics (a bug; a handler's own panic is caught and retried) stops by
+/// itself, and its handle says so. The panic here unwinds out of a message's open
+/// transaction, which holds its aggregate's position: nothing of the stopped inbox may keep
+/// that transaction open (its pooled connection, kept by a task that outlived it, held the
+/// lock, and the next instance waited on it for good). The next instance applies every
+/// event once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_whose_task_panics_is_seen_stopped_and_leaves_no_transaction_open() {
+    let scenario = FailScenario::setup();
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 3, 3).await;
+    support::consumer::relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "panicking");
+    let inbox = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    fail::cfg("inbox::before_commit", "1*panic(a bug in the inbox)").unwrap();
+    let mut running = inbox.spawn();
+    let stopped = tokio::time::timeout(Duration::from_secs(20), running.stopped())
+        .await
+        .expect("the inbox stopped by itself within 20 s");
+    fail::remove("inbox::before_commit");
+    match stopped {
+        Err(outbox_runtime::InboxError::Task(error)) => assert!(error.is_panic(), "{error}"),
+        other => panic!("a task's panic, not {other:?}"),
+    }
+    running.shutdown().await.unwrap();
+    support::wait_until(
+        "no transaction of the stopped inbox left open",
+        Duration::from_secs(5),
+        || async {
+            let sessions = support::other_sessions(&mut consumer.conn().await).await;
+            (!sessions
+                .iter()
+                .any(|(state, _)| state.starts_with("idle in transaction")))
+            .then_some(())
+        },
+    )
+    .await;
+
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(30)).await;
+    running.shutdown().await.unwrap();
+    assert_applied_in_order(&applied(&mut consumer.conn().await).await, 3, 3);
+    scenario.teardown();
+}

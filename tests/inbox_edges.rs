@@ -1183,3 +1183,38 @@ async fn never_returns(in_a_query: bool) {
         ]
     );
 }
+
+/// An inbox whose `run` future is dropped (a `tokio::select!` whose other branch won) stops
+/// whole: its retention task ends with it, and its pool's connections close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_whose_run_is_dropped_leaves_no_session_open() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 2, 2).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "dropped"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    let run = inbox.run(std::future::pending());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(1500), run)
+            .await
+            .is_err(),
+        "it runs until its shutdown"
+    );
+    wait_until(
+        "no session of the dropped inbox",
+        Duration::from_secs(10),
+        || async {
+            support::other_sessions(&mut consumer.conn().await)
+                .await
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
+}

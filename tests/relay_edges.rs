@@ -606,3 +606,32 @@ async fn without_a_layer_no_trace_context_is_invented() {
     assert_eq!(messages.len(), 1);
     assert!(messages[0].headers.get("traceparent").is_none());
 }
+
+/// A relay whose `run` future is dropped (a `tokio::select!` whose other branch won) stops
+/// whole: its workers, its listener, its housekeeping and its gauges end with it, and none of
+/// its connections stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_run_is_dropped_leaves_no_session_open() {
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.stats_interval = Duration::from_millis(100);
+    let relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let run = relay.run(std::future::pending());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), run)
+            .await
+            .is_err(),
+        "it runs until its shutdown"
+    );
+    wait_until(
+        "no session of the dropped relay",
+        Duration::from_secs(10),
+        || async {
+            support::other_sessions(&mut env.conn().await)
+                .await
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
+}

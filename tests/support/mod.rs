@@ -76,6 +76,31 @@ pub async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subjec
     .unwrap();
 }
 
+/// The sessions connected to `conn`'s database but `conn`'s own, each as its state
+/// (`idle`, `idle in transaction`, ...) and its `application_name`, as
+/// `pg_stat_activity` shows them.
+pub async fn other_sessions(conn: &mut AsyncPgConnection) -> Vec<(String, String)> {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Session {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        state: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        application_name: String,
+    }
+    let sessions: Vec<Session> = diesel::sql_query(
+        "SELECT coalesce(state, '') AS state, application_name FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .load(conn)
+    .await
+    .unwrap();
+    sessions
+        .into_iter()
+        .map(|session| (session.state, session.application_name))
+        .collect()
+}
+
 /// Waits until `check` returns `Some`, polling every 20 ms, for at most `timeout`; panics
 /// with `what` when it does not.
 pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T

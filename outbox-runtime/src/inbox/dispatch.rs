@@ -67,6 +67,11 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
 ) -> Result<(), InboxError> {
     let config = inbox.shared.config.clone();
     let stop = CancellationToken::new();
+    // Whichever way this function ends (a panic unwinding out of a message's transaction
+    // included), the tasks it started stop, and with them the last holders of the inbox's
+    // pool: a connection dropped mid-transaction goes back to the pool with its transaction
+    // open (its aggregate's position locked), and only the pool's end closes it.
+    let _stop_on_exit = stop.clone().drop_guard();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
     let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
     let mut queues = Queues::new(config.max_concurrency, max_buffered, config.ack_wait);

@@ -102,6 +102,9 @@ impl<C: PolledStore> Polling<C> {
 
     pub(super) async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
         let stop = CancellationToken::new();
+        // Whichever way this function ends (its future dropped, a panic), the tasks it started
+        // stop with it.
+        let _stop_on_exit = stop.clone().drop_guard();
         let wakers: Vec<Arc<Notify>> = (0..self.shared.config.workers)
             .map(|_| Arc::new(Notify::new()))
             .collect();
