@@ -1017,6 +1017,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// Consumes until `shutdown` completes, then stops pulling, naks the messages it holds
     /// and has not started (JetStream redelivers them at once, to another instance or the
     /// next one), lets the messages in progress finish and settle, and returns.
+    /// Dropped before it returns (a `tokio::select!` whose other branch won), it stops its
+    /// tasks and closes its connections, and what it held comes again after `ack_wait`.
     ///
     /// # Errors
     /// [`InboxError::Task`] when a task of the inbox panicked. Failures of the broker or

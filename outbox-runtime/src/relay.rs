@@ -720,7 +720,10 @@ impl Relay {
     /// by `ack_timeout`), marks what was acked and commits.
     ///
     /// Failures never end the relay: a broker outage or a database error pauses the worker
-    /// that met it, with backoff.
+    /// that met it, with backoff. Dropped before it returns (a `tokio::select!` whose other
+    /// branch won), it stops its tasks and closes its connections; what a batch in progress
+    /// published is published again by the next relay (JetStream drops the copies inside its
+    /// duplicate window).
     ///
     /// # Errors
     /// [`RelayError::Task`] when a worker panicked (a bug); the other workers are stopped
