@@ -797,9 +797,10 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     }
 }
 
-/// Starts `outbox relay` for `env`, with `extra` arguments.
-fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::Child {
-    command(env, nats_url)
+/// `outbox relay` for `env`, its output piped.
+fn relay_command(env: &TestEnv, nats_url: &str) -> Command {
+    let mut command = command(env, nats_url);
+    command
         .args([
             "relay",
             "--subject-prefix",
@@ -807,10 +808,16 @@ fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::C
             "--stream",
             &env.stream,
         ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+/// Starts `outbox relay` for `env`, with `extra` arguments.
+fn start_relay(env: &TestEnv, nats_url: &str, extra: &[&str]) -> std::process::Child {
+    relay_command(env, nats_url)
         .args(["--poll-interval", "50ms", "--stats-interval", "200ms"])
         .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .expect("start outbox relay")
 }
@@ -882,20 +889,11 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_daemon_exits_when_its_relay_stops_by_itself() {
     let env = TestEnv::new().await;
-    let mut child = command(&env, &support::nats_url())
+    let mut child = relay_command(&env, &support::nats_url())
         .env(
             "FAILPOINTS",
             "relay::before_publish=panic(a bug in a worker)",
         )
-        .args([
-            "relay",
-            "--subject-prefix",
-            &env.prefix,
-            "--stream",
-            &env.stream,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .expect("start outbox relay");
     let mut order = support::domain::Order::place("o-1", "ada", 1);
