@@ -1021,6 +1021,19 @@ impl RelayHandle {
     /// nothing, and the next call waits on. Once it has returned, it returns `Ok(())` at once,
     /// and so does [`shutdown`](Self::shutdown).
     ///
+    /// ```no_run
+    /// # async fn service(config: outbox_runtime::RelayConfig, nats: outbox_runtime::async_nats::Client)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut relay = outbox_runtime::Relay::connect(config, nats).await?.spawn();
+    /// tokio::select! {
+    ///     _ = tokio::signal::ctrl_c() => relay.shutdown().await?,
+    ///     // A bug stopped it: end the process, for its supervisor to start it again.
+    ///     stopped = relay.stopped() => return Err(format!("the relay stopped: {stopped:?}").into()),
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
     /// # Errors
     /// What the relay returned: [`RelayError::Task`] when a worker panicked, or the relay
     /// task itself did.
