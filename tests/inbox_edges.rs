@@ -1206,15 +1206,5 @@ async fn an_inbox_whose_run_is_dropped_leaves_no_session_open() {
             .is_err(),
         "it runs until its shutdown"
     );
-    // The inbox's connections name themselves `outbox-inbox` (a probe's own connection,
-    // closed a moment ago, may still be listed while its backend exits).
-    wait_until(
-        "no session of the dropped inbox",
-        Duration::from_secs(10),
-        || async {
-            let sessions = support::other_sessions(&mut consumer.conn().await).await;
-            (!sessions.iter().any(|(_, name)| name == "outbox-inbox")).then_some(())
-        },
-    )
-    .await;
+    support::until_no_session_named(&consumer, "outbox-inbox").await;
 }

@@ -623,15 +623,5 @@ async fn a_relay_whose_run_is_dropped_leaves_no_session_open() {
             .is_err(),
         "it runs until its shutdown"
     );
-    // The relay's connections name themselves `outbox-relay` (a probe's own connection,
-    // closed a moment ago, may still be listed while its backend exits).
-    wait_until(
-        "no session of the dropped relay",
-        Duration::from_secs(10),
-        || async {
-            let sessions = support::other_sessions(&mut env.conn().await).await;
-            (!sessions.iter().any(|(_, name)| name == "outbox-relay")).then_some(())
-        },
-    )
-    .await;
+    support::until_no_session_named(&env, "outbox-relay").await;
 }

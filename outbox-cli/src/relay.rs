@@ -241,25 +241,26 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
         ))
     });
 
-    let which = tokio::select! {
-        _ = terminate.recv() => "SIGTERM",
-        _ = interrupt.recv() => "SIGINT",
-        stopped = relay.stopped() => {
+    let signalled = tokio::select! {
+        _ = terminate.recv() => Ok("SIGTERM"),
+        _ = interrupt.recv() => Ok("SIGINT"),
+        stopped = relay.stopped() => Err(stopped.err()),
+    };
+    if let Some(purging) = purging {
+        purging.abort();
+    }
+    let which = match signalled {
+        Ok(which) => which,
+        Err(error) => {
             // A worker panicked (a bug): exit, so that a supervisor starts the relay again,
             // rather than stay up with nothing published.
-            if let Some(purging) = purging {
-                purging.abort();
-            }
-            let why = stopped.err().map_or_else(String::new, |error| format!(": {error}"));
+            let why = error.map_or_else(String::new, |error| format!(": {error}"));
             tracing::error!("the relay stopped by itself{why}; exiting");
             return Err(format!("the relay stopped by itself{why}"));
         }
     };
     let limit: Duration = args.shutdown_timeout.into();
     tracing::info!(signal = which, timeout = ?limit, "stopping gracefully");
-    if let Some(purging) = purging {
-        purging.abort();
-    }
     match tokio::time::timeout(limit, relay.shutdown()).await {
         Ok(Ok(())) => {
             tracing::info!("stopped");

@@ -133,8 +133,6 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 #[cfg(feature = "postgres")]
 use diesel_async::AsyncPgConnection;
 use futures::FutureExt;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::causality::Causality;
@@ -146,6 +144,7 @@ use crate::database::{
 use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox};
 use crate::relay::{over_its_cap, too_long, too_short};
+use crate::spawned::Spawned;
 use crate::subject::validate_token;
 use crate::topology::Topology;
 use crate::unit_of_work::{UnitOfWork, UnitOfWorkError};
@@ -1005,13 +1004,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
 
     /// Runs the consumer in a tokio task until [`InboxHandle::shutdown`].
     pub fn spawn(self) -> InboxHandle {
-        let shutdown = CancellationToken::new();
-        let signal = shutdown.clone();
-        let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        InboxHandle {
-            shutdown,
-            task: Some(task),
-        }
+        InboxHandle(Spawned::new(|shutdown| self.run(shutdown)))
     }
 
     /// Consumes until `shutdown` completes, then stops pulling, naks the messages it holds
@@ -1961,11 +1954,7 @@ fn pool_error(error: impl fmt::Display) -> diesel::result::Error {
 }
 
 /// A running consumer task.
-pub struct InboxHandle {
-    shutdown: CancellationToken,
-    /// `None` once [`stopped`](Self::stopped) has returned the consumer's outcome.
-    task: Option<JoinHandle<Result<(), InboxError>>>,
-}
+pub struct InboxHandle(Spawned<InboxError>);
 
 impl InboxHandle {
     /// Stops the consumer gracefully (see [`Inbox::run`]) and waits for it.
@@ -1974,11 +1963,7 @@ impl InboxHandle {
     /// What the consumer returned, or [`InboxError::Task`] when it panicked; `Ok(())` when
     /// [`stopped`](Self::stopped) has returned already.
     pub async fn shutdown(self) -> Result<(), InboxError> {
-        self.shutdown.cancel();
-        match self.task {
-            Some(task) => task.await?,
-            None => Ok(()),
-        }
+        self.0.shutdown().await
     }
 
     /// Waits until the consumer stops without being asked to. It does only when a task of
@@ -1996,12 +1981,7 @@ impl InboxHandle {
     /// # Errors
     /// What the consumer returned: [`InboxError::Task`] when a task of it panicked.
     pub async fn stopped(&mut self) -> Result<(), InboxError> {
-        let Some(task) = self.task.as_mut() else {
-            return Ok(());
-        };
-        let outcome = task.await;
-        self.task = None;
-        outcome?
+        self.0.stopped().await
     }
 }
 

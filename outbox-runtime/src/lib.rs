@@ -119,7 +119,8 @@ macro_rules! crash_point {
 /// several separated by `;`, as `fail::FailScenario::setup` reads it), once per process, when
 /// the first relay connects. How a test sets a crash point in a process it starts (the
 /// `outbox` command); in a test's own process, `fail::cfg` does it. Without the variable it
-/// changes nothing.
+/// changes nothing. Not `FailScenario::setup` itself: its guard holds the crate's scenario
+/// lock until dropped, and the crash-point tests of one binary take turns on that lock.
 ///
 /// # Panics
 /// On an entry without `=`, or one whose action the `fail` crate cannot parse.
@@ -156,6 +157,7 @@ pub mod nats;
 pub mod outbox;
 pub mod publisher;
 pub mod relay;
+mod spawned;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod subject;

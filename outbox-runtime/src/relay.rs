@@ -49,7 +49,6 @@ mod worker;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::database::{
@@ -59,6 +58,7 @@ use crate::database::{
 use crate::outbox::queries::RetryPolicy;
 use crate::outbox::{MissingMigrations, PublishedRows};
 use crate::publisher::{InvalidSource, Publisher, StreamError, ensure_stream};
+use crate::spawned::Spawned;
 use crate::topology::Topology;
 // PostgreSQL's relay: its listener, doorbell, topology registry and housekeeping.
 #[cfg(feature = "postgres")]
@@ -706,13 +706,7 @@ impl Relay {
 
     /// Runs the relay in a tokio task until [`RelayHandle::shutdown`].
     pub fn spawn(self) -> RelayHandle {
-        let shutdown = CancellationToken::new();
-        let signal = shutdown.clone();
-        let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        RelayHandle {
-            shutdown,
-            task: Some(task),
-        }
+        RelayHandle(Spawned::new(|shutdown| self.run(shutdown)))
     }
 
     /// Publishes until `shutdown` completes, then stops gracefully: no new batch is claimed,
@@ -989,11 +983,7 @@ fn describe_metrics() {
 }
 
 /// A running relay task.
-pub struct RelayHandle {
-    shutdown: CancellationToken,
-    /// `None` once [`stopped`](Self::stopped) has returned the relay's outcome.
-    task: Option<JoinHandle<Result<(), RelayError>>>,
-}
+pub struct RelayHandle(Spawned<RelayError>);
 
 impl RelayHandle {
     /// Stops the relay gracefully (see [`Relay::run`]) and waits for it.
@@ -1002,11 +992,7 @@ impl RelayHandle {
     /// What the relay returned, or [`RelayError::Task`] when it panicked; `Ok(())` when
     /// [`stopped`](Self::stopped) has returned already.
     pub async fn shutdown(self) -> Result<(), RelayError> {
-        self.shutdown.cancel();
-        match self.task {
-            Some(task) => task.await?,
-            None => Ok(()),
-        }
+        self.0.shutdown().await
     }
 
     /// Waits until the relay stops without being asked to. It does only when one of its
@@ -1038,12 +1024,7 @@ impl RelayHandle {
     /// What the relay returned: [`RelayError::Task`] when a worker panicked, or the relay
     /// task itself did.
     pub async fn stopped(&mut self) -> Result<(), RelayError> {
-        let Some(task) = self.task.as_mut() else {
-            return Ok(());
-        };
-        let outcome = task.await;
-        self.task = None;
-        outcome?
+        self.0.stopped().await
     }
 }
 

@@ -101,6 +101,22 @@ pub async fn other_sessions(conn: &mut AsyncPgConnection) -> Vec<(String, String
         .collect()
 }
 
+/// Waits up to 10 s until no session named `application_name` (the relay's connections name
+/// themselves `outbox-relay`, the inbox's `outbox-inbox`) is connected to `env`'s database.
+/// By name, not any session: a probe's own connection, closed a moment ago, may still be
+/// listed while its backend exits.
+pub async fn until_no_session_named(env: &TestEnv, application_name: &str) {
+    wait_until(
+        &format!("no session named {application_name}"),
+        Duration::from_secs(10),
+        || async {
+            let sessions = other_sessions(&mut env.conn().await).await;
+            (!sessions.iter().any(|(_, name)| name == application_name)).then_some(())
+        },
+    )
+    .await;
+}
+
 /// Waits until `check` returns `Some`, polling every 20 ms, for at most `timeout`; panics
 /// with `what` when it does not.
 pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T

@@ -19,6 +19,7 @@ use crate::commits::COMMITS;
 use crate::database;
 use crate::outbox::queries::{ClaimedEvent, JsonBytes, JsonText, RetryPolicy};
 use crate::outbox::{MissingMigrations, OutboxStats};
+use crate::spawned::Spawned;
 
 /// A database the polling relay publishes from.
 pub(super) trait PolledStore: RelayStore {
@@ -91,13 +92,7 @@ impl<C: PolledStore> Polling<C> {
     }
 
     pub(super) fn spawn(self) -> RelayHandle {
-        let shutdown = CancellationToken::new();
-        let signal = shutdown.clone();
-        let task = tokio::spawn(async move { self.run(signal.cancelled_owned()).await });
-        RelayHandle {
-            shutdown,
-            task: Some(task),
-        }
+        RelayHandle(Spawned::new(|shutdown| self.run(shutdown)))
     }
 
     pub(super) async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
