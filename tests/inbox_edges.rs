@@ -1208,3 +1208,47 @@ async fn an_inbox_whose_run_is_dropped_leaves_no_session_open() {
     );
     support::until_no_session_named(&consumer, "outbox-inbox").await;
 }
+
+/// An inbox whose `run` is dropped while its handlers are inside their transactions leaves
+/// none of them open, even while the service keeps a clone of the inbox (and so its pool):
+/// the connections those transactions were on are closed, not given back to the pool idle in
+/// them, so the aggregates' positions they locked are free for the next instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_whose_run_is_dropped_mid_message_leaves_no_transaction_open() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 2, 2).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "dropped-mid-message");
+    let stuck = Recording {
+        delay: Duration::from_secs(3600),
+    };
+    let inbox = Inbox::connect(config.clone(), producer.nats.clone(), stuck)
+        .await
+        .unwrap();
+    let kept = inbox.clone();
+    let run = inbox.run(std::future::pending());
+    let inside = wait_until(
+        "a handler inside its message's transaction",
+        Duration::from_secs(20),
+        || async { support::inbox_in_transaction(&consumer).await.then_some(()) },
+    );
+    tokio::select! {
+        ended = run => panic!("it runs until its shutdown, not {ended:?}"),
+        () = inside => {}
+    }
+    // `run` is dropped here, its handlers mid-transaction.
+    wait_until(
+        "no transaction of the dropped inbox left open",
+        Duration::from_secs(5),
+        || async { (!support::inbox_in_transaction(&consumer).await).then_some(()) },
+    )
+    .await;
+
+    let next = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(next, "every message settled", Duration::from_secs(30)).await;
+    assert_applied_in_order(&applied(&mut consumer.conn().await).await, 2, 2);
+    drop(kept);
+}

@@ -1011,7 +1011,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// and has not started (JetStream redelivers them at once, to another instance or the
     /// next one), lets the messages in progress finish and settle, and returns.
     /// Dropped before it returns (a `tokio::select!` whose other branch won), it stops its
-    /// tasks and closes its connections, and what it held comes again after `ack_wait`.
+    /// tasks, and what it held comes again after `ack_wait`. A connection a message's
+    /// transaction was open on is closed at once (the database rolls the transaction back and
+    /// frees the aggregate's position it locked); the pool's idle ones close with the last
+    /// clone of the inbox.
     ///
     /// # Errors
     /// [`InboxError::Task`] when a task of the inbox panicked. Failures of the broker or

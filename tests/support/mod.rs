@@ -101,6 +101,15 @@ pub async fn other_sessions(conn: &mut AsyncPgConnection) -> Vec<(String, String
         .collect()
 }
 
+/// Whether a connection of an inbox (named `outbox-inbox`) to `env`'s database is inside a
+/// transaction and idle there (between two of its statements).
+pub async fn inbox_in_transaction(env: &TestEnv) -> bool {
+    other_sessions(&mut env.conn().await)
+        .await
+        .iter()
+        .any(|(state, name)| name == "outbox-inbox" && state.starts_with("idle in transaction"))
+}
+
 /// Waits up to 10 s until no session named `application_name` (the relay's connections name
 /// themselves `outbox-relay`, the inbox's `outbox-inbox`) is connected to `env`'s database.
 /// By name, not any session: a probe's own connection, closed a moment ago, may still be
