@@ -30,12 +30,16 @@ pub fn nats_server_binary() -> PathBuf {
     on_path.unwrap_or_else(|| "/usr/sbin/nats-server".into())
 }
 
-/// A free TCP port on loopback.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
+/// `count` distinct free TCP ports on loopback: each is held until all are found, so that
+/// two nodes are never handed the same one (a port released is free to be found again).
+fn free_ports(count: usize) -> Vec<u16> {
+    let listeners: Vec<std::net::TcpListener> = (0..count)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|listener| listener.local_addr().expect("a bound port").port())
+        .collect()
 }
 
 struct Node {
@@ -44,6 +48,8 @@ struct Node {
     cluster_port: u16,
     store: PathBuf,
     child: Option<Child>,
+    /// Where its log stood when it was last started: what it logged since begins there.
+    log_start: usize,
 }
 
 /// Three nats-server processes forming one JetStream cluster. Dropping it kills them and
@@ -56,16 +62,41 @@ pub struct NatsCluster {
 
 impl NatsCluster {
     /// Starts three nodes and waits (up to 30 s) until the cluster has elected its
-    /// JetStream meta leader, so that streams can be created.
+    /// JetStream meta leader, so that streams can be created. A port found free can be
+    /// taken before its node binds it (as the local port of another process's connection):
+    /// that node exits, and the cluster, which never elects a meta leader without it, is
+    /// started again on other ports, up to three times.
     pub async fn start() -> Self {
+        let mut failures = Vec::new();
+        for _ in 0..3 {
+            let mut cluster = Self::spawn_all();
+            match cluster.until_all_listening().await {
+                Ok(()) => {
+                    cluster.until_jetstream_answers().await;
+                    return cluster;
+                }
+                // Dropping the cluster kills its nodes and removes their stores.
+                Err(failure) => failures.push(failure),
+            }
+        }
+        panic!(
+            "the cluster did not start in three attempts:\n{}",
+            failures.join("\n")
+        );
+    }
+
+    /// Three nodes on ports of their own, started.
+    fn spawn_all() -> Self {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        let ports = free_ports(6);
         let nodes: Vec<Node> = (0..3)
             .map(|i| Node {
                 name: format!("n{i}-{tag}"),
-                port: free_port(),
-                cluster_port: free_port(),
+                port: ports[2 * i],
+                cluster_port: ports[2 * i + 1],
                 store: std::env::temp_dir().join(format!("outbox-cluster-{tag}-n{i}")),
                 child: None,
+                log_start: 0,
             })
             .collect();
         let routes = nodes
@@ -81,11 +112,14 @@ impl NatsCluster {
         for node in 0..3 {
             cluster.spawn(node);
         }
-        for node in 0..3 {
-            cluster.until_listening(node).await;
-        }
-        cluster.until_jetstream_answers().await;
         cluster
+    }
+
+    async fn until_all_listening(&mut self) -> Result<(), String> {
+        for node in 0..self.nodes.len() {
+            self.until_listening(node).await?;
+        }
+        Ok(())
     }
 
     /// The three client URLs, separated by commas: a server list for a client that fails
@@ -175,7 +209,9 @@ impl NatsCluster {
     /// Starts `node` again, with its ports and store, and waits until it listens.
     pub async fn restart(&mut self, node: usize) {
         self.spawn(node);
-        self.until_listening(node).await;
+        if let Err(failure) = self.until_listening(node).await {
+            panic!("{failure}");
+        }
     }
 
     fn spawn(&mut self, node: usize) {
@@ -190,6 +226,8 @@ impl NatsCluster {
             .append(true)
             .open(this.store.with_extension("log"))
             .expect("the node's log file");
+        this.log_start = usize::try_from(log.metadata().expect("the log's size").len())
+            .expect("a log under usize::MAX bytes");
         let child = Command::new(&binary)
             .args([
                 "-a",
@@ -218,16 +256,36 @@ impl NatsCluster {
         this.child = Some(child);
     }
 
-    async fn until_listening(&self, node: usize) {
+    /// Waits up to 10 s until `node` listens for clients and for routes (it binds the
+    /// routes' port after the clients', and exits when that fails); `Err`, with its log,
+    /// when it exits or does not listen in time.
+    async fn until_listening(&mut self, node: usize) -> Result<(), String> {
         let address = format!("127.0.0.1:{}", self.nodes[node].port);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(&address).await.is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "node {} did not listen within 10 s; its log:\n{}",
-                self.nodes[node].name,
-                self.log(node)
-            );
+        loop {
+            if let Some(child) = self.nodes[node].child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                self.nodes[node].child = None;
+                return Err(format!(
+                    "node {} exited ({status}); its log:\n{}",
+                    self.nodes[node].name,
+                    self.log(node)
+                ));
+            }
+            let logged = self.log(node);
+            let routes_bound = logged
+                .get(self.nodes[node].log_start..)
+                .is_some_and(|since| since.contains("Listening for route connections"));
+            if routes_bound && tokio::net::TcpStream::connect(&address).await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "node {} did not listen within 10 s; its log:\n{logged}",
+                    self.nodes[node].name
+                ));
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -257,8 +315,10 @@ impl NatsCluster {
             };
             assert!(
                 Instant::now() < deadline,
-                "JetStream did not answer within 30 s ({answer}); node 0's log:\n{}",
-                self.log(0)
+                "JetStream did not answer within 30 s ({answer}); the nodes' logs:\n{}",
+                (0..self.nodes.len())
+                    .map(|node| format!("--- node {node}:\n{}", self.log(node)))
+                    .collect::<String>()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
