@@ -30,14 +30,38 @@ pub fn nats_server_binary() -> PathBuf {
     on_path.unwrap_or_else(|| "/usr/sbin/nats-server".into())
 }
 
-/// `count` distinct free TCP ports on loopback: each is held until all are found, so that
-/// two nodes are never handed the same one (a port released is free to be found again).
-fn free_ports(count: usize) -> Vec<u16> {
-    let listeners: Vec<std::net::TcpListener> = (0..count)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port"))
-        .collect();
-    listeners
-        .iter()
+/// `count` distinct free TCP ports on loopback for servers to listen on, drawn at random
+/// from the 12,000 ports below the kernel's ephemeral range (Linux's
+/// `net.ipv4.ip_local_port_range`, 32768-60999 by default), the range the local ports of
+/// connections are drawn from: a server killed and started again on its port finds it
+/// free, where a port of that range may meanwhile have become the local end of another
+/// process's connection (the server then exits: "address already in use"). Each port is
+/// held until all are found, so no two are the same.
+pub fn free_ports(count: usize) -> Vec<u16> {
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let lowest = ephemeral_start.saturating_sub(12_000).max(1_024);
+    let span = u128::from(ephemeral_start.saturating_sub(lowest).max(1));
+    let mut held = Vec::with_capacity(count);
+    for _ in 0..100_000 {
+        if held.len() == count {
+            break;
+        }
+        let offset = uuid::Uuid::new_v4().as_u128() % span;
+        let port = lowest + u16::try_from(offset).expect("an offset under the span");
+        // A port in use (by another test's server, or a service of the machine) is skipped.
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push(listener);
+        }
+    }
+    assert_eq!(
+        held.len(),
+        count,
+        "{count} free ports from {lowest} to {ephemeral_start}"
+    );
+    held.iter()
         .map(|listener| listener.local_addr().expect("a bound port").port())
         .collect()
 }
@@ -63,9 +87,9 @@ pub struct NatsCluster {
 impl NatsCluster {
     /// Starts three nodes and waits (up to 30 s) until the cluster has elected its
     /// JetStream meta leader, so that streams can be created. A port found free can be
-    /// taken before its node binds it (as the local port of another process's connection):
-    /// that node exits, and the cluster, which never elects a meta leader without it, is
-    /// started again on other ports, up to three times.
+    /// taken before its node binds it (by another test's server): that node exits, and the
+    /// cluster, which never elects a meta leader without it, is started again on other
+    /// ports, up to three times.
     pub async fn start() -> Self {
         let mut failures = Vec::new();
         for _ in 0..3 {

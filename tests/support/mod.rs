@@ -171,12 +171,10 @@ pub struct NatsServer {
     child: Option<std::process::Child>,
 }
 
-/// A free TCP port on loopback.
+/// A free TCP port on loopback for a server to listen on: one that stays free while the
+/// server is killed and started again on it (see [`cluster::free_ports`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
+    cluster::free_ports(1)[0]
 }
 
 impl NatsServer {
