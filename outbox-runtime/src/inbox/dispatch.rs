@@ -68,9 +68,9 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     let config = inbox.shared.config.clone();
     let stop = CancellationToken::new();
     // Whichever way this function ends (a panic unwinding out of a message's transaction
-    // included), the tasks it started stop, and with them the last holders of the inbox's
-    // pool: a connection dropped mid-transaction goes back to the pool with its transaction
-    // open (its aggregate's position locked), and only the pool's end closes it.
+    // included), the tasks it started stop, so that they do not keep the inbox's pool, and
+    // its idle connections, alive (a connection dropped mid-transaction is closed at once:
+    // `store::Pooled`).
     let _stop_on_exit = stop.clone().drop_guard();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
     let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
