@@ -245,9 +245,10 @@ async fn a_relay_whose_worker_panics_is_seen_stopped_and_loses_nothing() {
 /// An inbox whose task panics (a bug; a handler's own panic is caught and retried) stops by
 /// itself, and its handle says so. The panic here unwinds out of a message's open
 /// transaction, which holds its aggregate's position: nothing of the stopped inbox may keep
-/// that transaction open (its pooled connection, given back to a pool that a task that
-/// outlived it or a clone the service keeps held on to, held the lock, and the next instance
-/// waited on it for good). The next instance applies every event once, in order.
+/// that transaction open (its pooled connection went back to the pool with the transaction
+/// open, and held the lock as long as the pool lived, which a task that outlived the inbox,
+/// or a clone the service keeps, made for good: the next instance waited on it). The next
+/// instance applies every event once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_inbox_whose_task_panics_is_seen_stopped_and_leaves_no_transaction_open() {
     let scenario = FailScenario::setup();

@@ -171,8 +171,9 @@ pub struct NatsServer {
     child: Option<std::process::Child>,
 }
 
-/// A free TCP port on loopback for a server to listen on: one that stays free while the
-/// server is killed and started again on it (see [`cluster::free_ports`]).
+/// A free TCP port on loopback for a server to listen on, outside the range of connections'
+/// local ports, so that none takes it while the server is killed and started again on it
+/// (see [`cluster::free_ports`]).
 pub fn free_port() -> u16 {
     cluster::free_ports(1)[0]
 }
