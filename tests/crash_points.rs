@@ -274,12 +274,7 @@ async fn an_inbox_whose_task_panics_is_seen_stopped_and_leaves_no_transaction_op
         other => panic!("a task's panic, not {other:?}"),
     }
     running.shutdown().await.unwrap();
-    support::wait_until(
-        "no transaction of the stopped inbox left open",
-        Duration::from_secs(5),
-        || async { (!support::inbox_in_transaction(&consumer).await).then_some(()) },
-    )
-    .await;
+    support::until_no_inbox_transaction_open(&consumer).await;
 
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
         .await

@@ -1238,12 +1238,7 @@ async fn an_inbox_whose_run_is_dropped_mid_message_leaves_no_transaction_open() 
         () = inside => {}
     }
     // `run` is dropped here, its handlers mid-transaction.
-    wait_until(
-        "no transaction of the dropped inbox left open",
-        Duration::from_secs(5),
-        || async { (!support::inbox_in_transaction(&consumer).await).then_some(()) },
-    )
-    .await;
+    support::until_no_inbox_transaction_open(&consumer).await;
 
     let next = Inbox::connect(config, producer.nats.clone(), Recording::default())
         .await

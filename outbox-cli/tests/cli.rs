@@ -35,21 +35,27 @@ fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
 /// exits, or a panic naming `args` when it is still running after 30 s (it took them and
 /// went on: a relay that started, a purge that loops).
 fn refused(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
-    let mut child = command(env, nats_url)
+    let child = command(env, nats_url)
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run outbox");
+    exited_within_30_s(
+        child,
+        &format!("outbox {args:?} went on instead of refusing"),
+    )
+}
+
+/// `child`'s output once it exits; when it still runs after 30 s, kills it and panics with
+/// `went_on` and what it wrote.
+fn exited_within_30_s(mut child: std::process::Child, went_on: &str) -> Output {
     let deadline = Instant::now() + Duration::from_secs(30);
     while child.try_wait().expect("wait for outbox").is_none() {
         if Instant::now() > deadline {
             child.kill().expect("kill outbox");
             let output = child.wait_with_output().expect("outbox's output");
-            panic!(
-                "outbox {args:?} went on instead of refusing: {}",
-                text(&output)
-            );
+            panic!("{went_on}:\n{}", text(&output));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -889,7 +895,7 @@ async fn the_relay_daemon_publishes_serves_metrics_and_stops_on_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_daemon_exits_when_its_relay_stops_by_itself() {
     let env = TestEnv::new().await;
-    let mut child = relay_command(&env, &support::nats_url())
+    let child = relay_command(&env, &support::nats_url())
         .env(
             "FAILPOINTS",
             "relay::before_publish=panic(a bug in a worker)",
@@ -899,19 +905,7 @@ async fn the_relay_daemon_exits_when_its_relay_stops_by_itself() {
     let mut order = support::domain::Order::place("o-1", "ada", 1);
     env.commit(&mut order).await;
 
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().expect("the daemon's status").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!(
-                "the daemon still ran 30 s after its relay stopped:\n{}",
-                text(&output)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let output = child.wait_with_output().unwrap();
+    let output = exited_within_30_s(child, "the daemon still ran 30 s after its relay stopped");
     let said = text(&output);
     assert_eq!(output.status.code(), Some(2), "{said}");
     assert!(
@@ -919,17 +913,10 @@ async fn the_relay_daemon_exits_when_its_relay_stops_by_itself() {
             && said.contains("a bug in a worker"),
         "{said}"
     );
-    let queued: i64 = {
-        use diesel::prelude::*;
-        use diesel_async::RunQueryDsl;
-        use outbox_runtime::outbox::schema::outbox_events;
-        outbox_events::table
-            .count()
-            .get_result(&mut env.conn().await)
-            .await
-            .unwrap()
-    };
-    assert_eq!(queued, 1, "the event stays queued for the next relay");
+    let stats = outbox_runtime::outbox::stats(&mut env.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(stats.queued, 1, "the event stays queued for the next relay");
 }
 
 /// The body of an HTTP GET, by hand: the endpoint speaks plain HTTP/1.1.

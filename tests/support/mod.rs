@@ -110,6 +110,17 @@ pub async fn inbox_in_transaction(env: &TestEnv) -> bool {
         .any(|(state, name)| name == "outbox-inbox" && state.starts_with("idle in transaction"))
 }
 
+/// Waits up to 5 s until no connection of an inbox to `env`'s database is inside a
+/// transaction (see [`inbox_in_transaction`]).
+pub async fn until_no_inbox_transaction_open(env: &TestEnv) {
+    wait_until(
+        "no transaction of the inbox left open",
+        Duration::from_secs(5),
+        || async { (!inbox_in_transaction(env).await).then_some(()) },
+    )
+    .await;
+}
+
 /// Waits up to 10 s until no session named `application_name` (the relay's connections name
 /// themselves `outbox-relay`, the inbox's `outbox-inbox`) is connected to `env`'s database.
 /// By name, not any session: a probe's own connection, closed a moment ago, may still be
