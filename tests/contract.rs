@@ -18,7 +18,8 @@
 //! by plain SQL is relayed, and one the relay could not read is refused; three relays racing
 //! keep each aggregate in order; a relay that dies before its delete is followed without
 //! duplicates; a rejected message is dead-lettered while the others flow; dedup keys hold
-//! across backends that share a table. The operator's functions (dead letters, purges, the
+//! across backends that share a table; a unit of work dropped part-way on a connection from
+//! `Pooled::get` leaves nothing locked (MySQL, SQLite). The operator's functions (dead letters, purges, the
 //! archive) and the inbox (each event applied once and in order by two instances and after
 //! a second delivery of every message; a failing handler's event dead-lettered while its
 //! aggregate moves on; a handler that ends the transaction never acked as handled; an event
@@ -2306,6 +2307,81 @@ consumed!(
     an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap,
 );
 
+/// A unit of work whose future is dropped part-way (a request's timeout, a client gone, a
+/// `select!`) on a connection from `Pooled::get` (`get`) leaves nothing locked: the
+/// connection is closed rather than given back to the pool inside the transaction, the
+/// database rolls the transaction back, and the next unit of work on the same row goes
+/// through within 5 s; the dropped one wrote nothing, and its event went with the next.
+/// deadpool's own guard would sit in the pool holding the row (on SQLite, the database's
+/// write lock) until the pool handed it out again. PostgreSQL's is in `tests/unit_of_work.rs`.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+async fn a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked<B, P, F>(
+    env: &Env,
+    get: F,
+) where
+    B: Backend,
+    P: outbox_runtime::OutboxConnection,
+    F: AsyncFn() -> Result<P, diesel_async::pooled_connection::deadpool::PoolError>,
+{
+    const LOCK: &str = "UPDATE orders SET id = 'o-1' WHERE id = 'o-1'";
+    let outbox = env.outbox();
+    // Two idle connections, so that the unit of work after the dropped one is handed another
+    // (deadpool hands out the longest idle first).
+    let warm = (get().await.unwrap(), get().await.unwrap());
+    drop(warm);
+    let mut order = Order::place("o-1", "ada", 1);
+    let mut conn = get().await.unwrap();
+    outbox
+        .transaction(&mut conn, async |uow| {
+            uow.conn()
+                .batch_execute("INSERT INTO orders VALUES ('o-1')")
+                .await?;
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    drop(conn);
+
+    order.record(OrderEvent::Shipped);
+    let locked = tokio::sync::Notify::new();
+    tokio::select! {
+        outcome = async {
+            let mut conn = get().await.unwrap();
+            outbox
+                .transaction(&mut conn, async |uow| {
+                    uow.conn().batch_execute(LOCK).await?;
+                    uow.track(&mut order);
+                    locked.notify_one();
+                    // The request hangs here, holding the row, until it is dropped.
+                    std::future::pending::<()>().await;
+                    Ok::<_, UnitOfWorkError>(())
+                })
+                .await
+        } => panic!("the hanging unit of work ended: {outcome:?}"),
+        () = locked.notified() => {}
+    }
+
+    let mut conn = get().await.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        outbox.transaction(&mut conn, async |uow| {
+            uow.conn().batch_execute(LOCK).await?;
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        }),
+    )
+    .await
+    .expect("the row stayed locked by the dropped unit of work")
+    .unwrap();
+    assert_eq!(
+        B::rows(env).await,
+        [("o-1".to_owned(), 1), ("o-1".to_owned(), 2)],
+        "the dropped unit of work wrote nothing, and its event went with the next"
+    );
+    assert!(order.pending_events().is_empty());
+}
+
 #[cfg(feature = "postgres-sync")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dedup_key_taken_by_an_async_unit_of_work_holds_for_a_sync_one() {
@@ -2620,6 +2696,23 @@ mod mysql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_purge_of_the_archive_deletes_only_old_rows() {
         super::a_purge_of_the_archive_deletes_only_old_rows::<AsyncMysql>().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked() {
+        use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+        use diesel_async::pooled_connection::deadpool::Pool;
+
+        let env = AsyncMysql::setup().await;
+        let manager =
+            AsyncDieselConnectionManager::<AsyncMysqlConnection>::new(&database(&env).url);
+        let pool = Pool::builder(manager).max_size(2).build().unwrap();
+        super::a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked::<
+            AsyncMysql,
+            _,
+            _,
+        >(&env, async || outbox_runtime::Pooled::get(&pool).await)
+        .await;
     }
 
     impl AsyncMysql {
@@ -3605,6 +3698,31 @@ mod sqlite {
 
     fn database(env: &Env) -> &Database {
         env.sqlite.as_ref().expect("a SQLite environment")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked() {
+        use diesel_async::pooled_connection::deadpool::Pool;
+        use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+
+        let env = AsyncSqlite::setup().await;
+        let mut config = ManagerConfig::default();
+        // The toolkit's settings for each connection: write-ahead log, a 5-s busy timeout.
+        config.custom_setup = Box::new(|path| {
+            let opened = outbox_runtime::sqlite::establish(path).map(AsyncSqliteConnection::new);
+            Box::pin(std::future::ready(opened))
+        });
+        let manager = AsyncDieselConnectionManager::<AsyncSqliteConnection>::new_with_config(
+            &database(&env).path,
+            config,
+        );
+        let pool = Pool::builder(manager).max_size(2).build().unwrap();
+        super::a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked::<
+            AsyncSqlite,
+            _,
+            _,
+        >(&env, async || outbox_runtime::Pooled::get(&pool).await)
+        .await;
     }
 
     pub struct AsyncSqlite;

@@ -9,10 +9,16 @@
 //! on a lock is cancelled by the server, and each query of the relay and the inbox is also
 //! bounded on the client side, which is what ends a wait on a server that does not answer
 //! at all.
+//!
+//! [`Pooled`] is a connection of a service's own pool that is closed, not given back to the
+//! pool, when it is dropped inside a transaction (a unit of work's future dropped part-way).
 
 use std::fmt;
 use std::future::Future;
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
+
+use diesel_async::pooled_connection::PoolableConnection;
 
 #[cfg(feature = "mysql")]
 use diesel_async::AsyncConnection;
@@ -584,6 +590,134 @@ impl<E: fmt::Display> fmt::Display for Bounded<E> {
             Self::TimedOut(timed_out) => timed_out.fmt(f),
         }
     }
+}
+
+/// A connection from diesel-async's deadpool pool that goes back to the pool only outside a
+/// transaction. Get it with [`Pooled::get`] where `pool.get()` would be called, and use it as
+/// the connection: it derefs to it, and [`Outbox::transaction`](crate::Outbox::transaction)
+/// takes it as it takes deadpool's own guard.
+///
+/// Dropped while a transaction is open on it, or after a BEGIN, COMMIT or ROLLBACK of one was
+/// cut off, or with its connection closed, it is taken out of the pool (deadpool's
+/// `Object::take`, which makes room for a new connection) and closed: the database rolls the
+/// transaction back as the session ends, at once, and frees the rows it locked. That happens
+/// when a future holding a unit of work is dropped part-way: a request's timeout
+/// (`tokio::time::timeout`), a web framework dropping the handler of a client that went away,
+/// a `select!`; or when a panic unwinds out of a transaction. deadpool's own guard would give
+/// such a connection back to the pool idle in its transaction, its locks held against every
+/// other session (a unit of work of the same business rows waits on them; on SQLite every
+/// writer waits on the database's write lock, and fails after its busy timeout), until the
+/// pool handed it out again: diesel-async discards a connection with an open transaction only
+/// when it recycles it at a later `get`, and deadpool hands out the longest idle connection
+/// first, so on a quiet service that can take long. Outside a transaction it goes back to the
+/// pool like deadpool's guard.
+///
+/// The inbox gets its connections this way.
+pub struct Pooled<O: DerefMut<Target: PoolableConnection>> {
+    /// The pool's guard; `None` only while it is dropped.
+    object: Option<O>,
+    /// Takes the connection out of its pool and closes it (deadpool's `Object::take`).
+    detach: fn(O),
+}
+
+impl<O: DerefMut<Target: PoolableConnection>> Deref for Pooled<O> {
+    type Target = O::Target;
+
+    fn deref(&self) -> &O::Target {
+        self.object.as_ref().expect("taken only on drop")
+    }
+}
+
+impl<O: DerefMut<Target: PoolableConnection>> DerefMut for Pooled<O> {
+    fn deref_mut(&mut self) -> &mut O::Target {
+        self.object.as_mut().expect("taken only on drop")
+    }
+}
+
+impl<O: DerefMut<Target: PoolableConnection>> Drop for Pooled<O> {
+    fn drop(&mut self) {
+        if let Some(mut object) = self.object.take()
+            // Its transaction manager says whether a transaction is open or a statement of
+            // one (BEGIN, COMMIT, ROLLBACK) was cut off; a closed connection is broken too.
+            && object.is_broken()
+        {
+            (self.detach)(object);
+        }
+    }
+}
+
+impl<O: DerefMut<Target: PoolableConnection> + fmt::Debug> fmt::Debug for Pooled<O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Pooled").field(&self.object).finish()
+    }
+}
+
+impl<O: DerefMut<Target: PoolableConnection>> Pooled<O> {
+    /// A connection from `pool` (diesel-async's deadpool pool of an `AsyncPgConnection`, an
+    /// `AsyncMysqlConnection` or an `AsyncSqliteConnection`), as `pool.get()` hands it out,
+    /// in a guard that closes it rather than give it back to the pool inside a transaction
+    /// (see [`Pooled`]).
+    ///
+    /// # Errors
+    /// deadpool's `PoolError` (diesel-async's `pooled_connection::deadpool::PoolError`), as
+    /// `pool.get()` returns it: its wait timed out, a new connection could not be opened, or
+    /// the pool was closed.
+    pub async fn get<P: sealed::Pool<Object = O>>(
+        pool: &P,
+    ) -> Result<Self, diesel_async::pooled_connection::deadpool::PoolError> {
+        let object = pool.get().await?;
+        Ok(Self {
+            object: Some(object),
+            detach: P::take,
+        })
+    }
+}
+
+mod sealed {
+    use std::future::Future;
+    use std::ops::DerefMut;
+
+    use diesel_async::pooled_connection::PoolableConnection;
+    use diesel_async::pooled_connection::deadpool::PoolError;
+
+    /// diesel-async's deadpool pool of a connection the toolkit runs on. deadpool's `get` and
+    /// `Object::take` need bounds of its manager that each connection type meets on its own,
+    /// so each pool is named here. Public in a private module: it cannot be named or
+    /// implemented outside the crate.
+    pub trait Pool {
+        type Object: DerefMut<Target: PoolableConnection>;
+
+        fn get(&self) -> impl Future<Output = Result<Self::Object, PoolError>> + Send;
+
+        /// Takes `object` out of its pool and closes its connection.
+        fn take(object: Self::Object);
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    macro_rules! pool {
+        ($conn:ty) => {
+            impl Pool for diesel_async::pooled_connection::deadpool::Pool<$conn> {
+                type Object = diesel_async::pooled_connection::deadpool::Object<$conn>;
+
+                async fn get(&self) -> Result<Self::Object, PoolError> {
+                    diesel_async::pooled_connection::deadpool::Pool::get(self).await
+                }
+
+                fn take(object: Self::Object) {
+                    drop(diesel_async::pooled_connection::deadpool::Object::take(
+                        object,
+                    ));
+                }
+            }
+        };
+    }
+
+    #[cfg(feature = "postgres")]
+    pool!(diesel_async::AsyncPgConnection);
+    #[cfg(feature = "mysql")]
+    pool!(diesel_async::AsyncMysqlConnection);
+    #[cfg(feature = "sqlite")]
+    pool!(crate::sqlite::AsyncSqliteConnection);
 }
 
 #[cfg(test)]

@@ -191,7 +191,7 @@ pub use aggregate::{Aggregate, PendingEvents};
 pub use causality::{InvalidTraceparent, Traceparent};
 #[cfg(feature = "postgres")]
 pub use database::Connector;
-pub use database::{ConnectError, TimedOut};
+pub use database::{ConnectError, Pooled, TimedOut};
 pub use event::{DomainEvent, EventSet, EventType, PayloadError, UpcastError};
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use inbox::{

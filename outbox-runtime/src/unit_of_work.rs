@@ -16,6 +16,7 @@ use std::collections::HashSet;
 use std::future::Future;
 
 use diesel::connection::TransactionManagerStatus;
+use diesel_async::pooled_connection::PoolableConnection;
 #[cfg(feature = "postgres")]
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection};
 use diesel_async::{AsyncConnection, TransactionManager};
@@ -523,9 +524,17 @@ impl Outbox {
     /// (an id, a row), and record later events in the next unit of work.
     ///
     /// # Cancellation
-    /// Like diesel-async's `transaction`, dropping the returned future part-way leaves the
-    /// transaction open on `conn`; drop the connection too (a pool discards it when it
-    /// notices the open transaction).
+    /// Like diesel-async's `transaction`, dropping the returned future part-way (a request's
+    /// timeout, a `select!`) leaves the transaction open on `conn`, holding the rows it
+    /// locked, until the connection is closed. Where the future may be dropped, take `conn`
+    /// from the pool with [`Pooled::get`](crate::Pooled::get): dropped inside the transaction,
+    /// that guard closes the connection, and the database rolls the transaction back at once.
+    /// deadpool's own guard gives the connection back to the pool with the transaction open,
+    /// and diesel-async discards it only when the pool hands it out again. What the
+    /// transaction did is rolled back, and its aggregates keep their pending events, unless
+    /// the future was dropped while the COMMIT was in flight: then it may have committed (see
+    /// [`UnitOfWorkError::CommitOutcomeUnknown`] for the same case seen, and an event's dedup
+    /// key, `#[event(dedup_key)]`, for a retry that writes it once).
     pub async fn transaction<P, T, E, F>(&self, conn: &mut P, f: F) -> Result<T, E>
     where
         P: OutboxConnection + ?Sized,
@@ -956,8 +965,9 @@ pub trait BackendConnection: AsyncConnection + Send + 'static + sealed::Backend 
 impl<C> BackendConnection for C where C: AsyncConnection + Send + 'static + sealed::Backend {}
 
 /// What [`Outbox::transaction`] takes: a [`BackendConnection`], or a pool's guard around one
-/// (deadpool's `Object`, as diesel-async's `pooled_connection::deadpool` hands it out). The
-/// closure's [`UnitOfWork`] is on the connection itself either way.
+/// (deadpool's `Object`, as diesel-async's `pooled_connection::deadpool` hands it out, or the
+/// toolkit's [`Pooled`](crate::Pooled), which closes a connection dropped inside a
+/// transaction). The closure's [`UnitOfWork`] is on the connection itself either way.
 ///
 /// For another pool's guard (bb8, mobc), pass `&mut *conn`: it derefs to the connection.
 #[diagnostic::on_unimplemented(
@@ -982,7 +992,7 @@ impl<C: BackendConnection> OutboxConnection for C {
 }
 
 /// `OutboxConnection` for deadpool's guard of `$conn`.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 macro_rules! pooled_outbox_connection {
     ($conn:ty) => {
         impl OutboxConnection for diesel_async::pooled_connection::deadpool::Object<$conn> {
@@ -995,10 +1005,25 @@ macro_rules! pooled_outbox_connection {
     };
 }
 
+/// The toolkit's own guard, which closes a connection dropped inside a transaction rather
+/// than give it back to its pool.
+impl<O> OutboxConnection for crate::database::Pooled<O>
+where
+    O: std::ops::DerefMut<Target: BackendConnection + PoolableConnection> + Send,
+{
+    type Connection = O::Target;
+
+    fn connection(&mut self) -> &mut O::Target {
+        self
+    }
+}
+
 #[cfg(feature = "postgres")]
 pooled_outbox_connection!(AsyncPgConnection);
 #[cfg(feature = "mysql")]
 pooled_outbox_connection!(diesel_async::AsyncMysqlConnection);
+#[cfg(feature = "sqlite")]
+pooled_outbox_connection!(crate::sqlite::AsyncSqliteConnection);
 
 // The module is private, so `Backend` cannot be named or implemented outside the crate, and
 // the crate-private types in its signatures stay out of reach.

@@ -326,7 +326,7 @@ macro_rules! deadpool_store {
     ($conn:ty) => {
         type Pool = diesel_async::pooled_connection::deadpool::Pool<$conn>;
         type Pooled =
-            $crate::inbox::store::Pooled<diesel_async::pooled_connection::deadpool::Object<$conn>>;
+            $crate::database::Pooled<diesel_async::pooled_connection::deadpool::Object<$conn>>;
 
         fn pool(
             database_url: String,
@@ -353,64 +353,14 @@ macro_rules! deadpool_store {
         }
 
         async fn pooled(pool: &Self::Pool) -> Result<Self::Pooled, String> {
-            let object = pool.get().await.map_err(|e| e.to_string())?;
-            Ok($crate::inbox::store::Pooled::new(object, |object| {
-                drop(diesel_async::pooled_connection::deadpool::Object::take(
-                    object,
-                ))
-            }))
+            // Closed rather than given back to the pool inside a transaction: a message's
+            // future dropped with `run`'s, a panic unwinding out of a message's transaction,
+            // a `replay_dead_letter` future dropped by its caller would otherwise leave the
+            // consumer's position in an aggregate locked against every instance.
+            $crate::database::Pooled::get(pool)
+                .await
+                .map_err(|e| e.to_string())
         }
     };
 }
 pub(crate) use deadpool_store;
-
-/// A connection from the inbox's pool that goes back to the pool only outside a
-/// transaction. Dropped inside one (a panic unwinding out of a message's transaction, a
-/// message's future dropped with `run`'s, a `replay_dead_letter` future dropped by its
-/// caller), or with a statement of one cut off mid-way, it is taken out of the pool and
-/// closed: the database rolls the transaction back as the session ends, and frees the rows
-/// it locked (the consumer's position in an aggregate). Given back instead, it would sit idle
-/// in its transaction, holding those locks against every instance of the consumer, until the
-/// pool handed it out again (diesel-async's pool discards such a connection only then) or
-/// the pool ended: never, while the service keeps an `Inbox` clone and the inbox is idle.
-pub struct Pooled<O: DerefMut<Target: PoolableConnection>> {
-    /// The pool's guard; `None` only while it is dropped.
-    object: Option<O>,
-    /// Takes the connection out of its pool and closes it (deadpool's `Object::take`).
-    detach: fn(O),
-}
-
-impl<O: DerefMut<Target: PoolableConnection>> Pooled<O> {
-    pub(crate) fn new(object: O, detach: fn(O)) -> Self {
-        Self {
-            object: Some(object),
-            detach,
-        }
-    }
-}
-
-impl<O: DerefMut<Target: PoolableConnection>> std::ops::Deref for Pooled<O> {
-    type Target = O::Target;
-
-    fn deref(&self) -> &O::Target {
-        self.object.as_ref().expect("taken only on drop")
-    }
-}
-
-impl<O: DerefMut<Target: PoolableConnection>> DerefMut for Pooled<O> {
-    fn deref_mut(&mut self) -> &mut O::Target {
-        self.object.as_mut().expect("taken only on drop")
-    }
-}
-
-impl<O: DerefMut<Target: PoolableConnection>> Drop for Pooled<O> {
-    fn drop(&mut self) {
-        if let Some(mut object) = self.object.take()
-            // Its transaction manager says whether a transaction is open or a statement of
-            // one (BEGIN, COMMIT, ROLLBACK) was cut off; a closed connection is broken too.
-            && object.is_broken()
-        {
-            (self.detach)(object);
-        }
-    }
-}
