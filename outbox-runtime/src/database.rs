@@ -646,9 +646,11 @@ impl<O: DerefMut<Target: PoolableConnection>> Drop for Pooled<O> {
     }
 }
 
-impl<O: DerefMut<Target: PoolableConnection> + fmt::Debug> fmt::Debug for Pooled<O> {
+/// Shows no more than that it is one: a connection's fields are the driver's, and may hold
+/// what was used to open it.
+impl<O: DerefMut<Target: PoolableConnection>> fmt::Debug for Pooled<O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Pooled").field(&self.object).finish()
+        f.debug_struct("Pooled").finish_non_exhaustive()
     }
 }
 
