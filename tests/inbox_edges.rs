@@ -1044,6 +1044,68 @@ async fn a_deleted_consumer_is_created_again_from_above_its_ack_floor() {
     );
 }
 
+/// The stream is created again and another instance creates the consumer again in it, so
+/// that this instance never does: it learns of the new stream from the ack floor it reads.
+/// When the consumer is deleted later, this instance creates it again from above that floor,
+/// not from the new stream's first message (which would deliver again every message the
+/// consumer had settled in it, and apply again each standalone event whose inbox record the
+/// retention had purged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_did_not_create_the_stream_s_consumer_again_restores_it_from_its_floor() {
+    const AGGREGATES: usize = 10;
+    let producer = TestEnv::new().await;
+    let mut rounds = Rounds::new(&producer, AGGREGATES).await;
+    rounds.commit_and_relay(3).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "elsewhere");
+    let inbox = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(
+        inbox.clone(),
+        "the first 30 settled",
+        Duration::from_secs(20),
+    )
+    .await;
+
+    // While this instance is stopped, the stream is created again (by the relay), and its
+    // consumer by another instance starting.
+    producer
+        .jetstream()
+        .delete_stream(&producer.stream)
+        .await
+        .unwrap();
+    relay_all(&producer).await;
+    let other = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    drop(other);
+    rounds.commit_and_relay(3).await;
+    let running = inbox.clone().spawn();
+    wait_until_applied(&inbox, &consumer, AGGREGATES * 6, Duration::from_secs(30)).await;
+    // The instance reads the ack floor on its heartbeat (a third of `ack_wait`, 1 s here).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let stream = producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap();
+    assert!(stream.delete_consumer("elsewhere").await.unwrap().success);
+    rounds.commit_and_relay(3).await;
+    wait_until_applied(&inbox, &consumer, AGGREGATES * 9, Duration::from_secs(30)).await;
+    running.shutdown().await.unwrap();
+    let mut consumer_conn = consumer.conn().await;
+    assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 9);
+    assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
+    let created = stream.consumer_info("elsewhere").await.unwrap();
+    assert_eq!(
+        created.config.deliver_policy,
+        async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: 31 },
+        "the 30 messages settled in the new stream are not delivered again"
+    );
+}
+
 /// The stream is deleted under a running inbox and a relay creates it again: the inbox
 /// creates its consumer again in the new stream, delivering from its first message. Then,
 /// after a restart, each aggregate's later events are applied in order although the stream

@@ -832,6 +832,10 @@ struct AckFloor {
     /// When the stream it counts in was created (nanoseconds since the Unix epoch, as
     /// JetStream reports it): a stream deleted and created again starts its sequences over.
     stream_created: i128,
+    /// When the consumer it was read from was created (the same unit), or 0 when not known: a
+    /// consumer created since may be in a stream created since, by another instance, and
+    /// then the stream is read again before the floor is attributed to it.
+    consumer_created: i128,
 }
 
 /// An idempotent consumer: a handler behind the inbox, on the connection `C` (PostgreSQL's
@@ -956,6 +960,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             sequence: consumer.cached_info().ack_floor.stream_sequence,
             read_at: Some(Instant::now()),
             stream_created: stream.cached_info().created.unix_timestamp_nanos(),
+            consumer_created: consumer.cached_info().created.unix_timestamp_nanos(),
         };
         let consumer_config = updated_pull_config(&consumer.cached_info().config);
 
@@ -1705,15 +1710,50 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     }
 
     /// Reads the consumer's ack floor from JetStream (waiting at most
-    /// [`order::LOOKUP_TIMEOUT`]) and keeps it; `None` when JetStream did not tell.
+    /// [`order::LOOKUP_TIMEOUT`] for each answer) and keeps it, with the stream it counts in;
+    /// `None` when JetStream did not tell.
+    ///
+    /// The stream is read again when the consumer is not the one last read: another instance
+    /// may have created the stream and the consumer again, and [`Self::restore_consumer`]
+    /// delivers from above the floor only in the stream the floor was read in. The stream is
+    /// read between two readings of the consumer, and the floor kept only when both found
+    /// the same consumer: a consumer lives no longer than its stream, so that stream is the
+    /// one read. (Attributed to an older stream instead, a floor would only make a restore
+    /// deliver the whole stream again, which the inbox's records dedup; attributed to a newer
+    /// one, it would skip that stream's first messages.)
     pub(crate) async fn read_ack_floor(&self) -> Option<u64> {
-        let mut consumer = self.shared.consumer.clone();
-        let read = tokio::time::timeout(order::LOOKUP_TIMEOUT, consumer.info()).await;
-        let floor = read.ok()?.ok()?.ack_floor.stream_sequence;
+        let info = self.consumer_info().await?;
+        let known_consumer = self.lock_ack_floor().consumer_created;
+        let (info, stream_created) = if info.created.unix_timestamp_nanos() == known_consumer {
+            (info, None)
+        } else {
+            let mut stream = self.shared.stream.clone();
+            let stream_info = tokio::time::timeout(order::LOOKUP_TIMEOUT, stream.info())
+                .await
+                .ok()?
+                .ok()?;
+            let again = self.consumer_info().await?;
+            if again.created != info.created {
+                return None;
+            }
+            (again, Some(stream_info.created.unix_timestamp_nanos()))
+        };
+        let floor = info.ack_floor.stream_sequence;
         let mut known = self.lock_ack_floor();
         known.sequence = floor;
         known.read_at = Some(Instant::now());
+        known.consumer_created = info.created.unix_timestamp_nanos();
+        if let Some(created) = stream_created {
+            known.stream_created = created;
+        }
         Some(floor)
+    }
+
+    /// The durable consumer's info, as JetStream answers within [`order::LOOKUP_TIMEOUT`].
+    async fn consumer_info(&self) -> Option<jetstream::consumer::Info> {
+        let mut consumer = self.shared.consumer.clone();
+        let read = tokio::time::timeout(order::LOOKUP_TIMEOUT, consumer.info()).await;
+        read.ok()?.ok().cloned()
     }
 
     fn lock_ack_floor(&self) -> std::sync::MutexGuard<'_, AckFloor> {
@@ -1791,6 +1831,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                     sequence: 0,
                     read_at: Some(Instant::now()),
                     stream_created: created,
+                    // Read again, with the stream, at the next reading of the floor.
+                    consumer_created: 0,
                 };
                 tracing::warn!(
                     %consumer, stream = %stream_name,
