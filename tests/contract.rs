@@ -19,11 +19,12 @@
 //! keep each aggregate in order; a relay that dies before its delete is followed without
 //! duplicates; a rejected message is dead-lettered while the others flow; dedup keys hold
 //! across backends that share a table; a unit of work dropped part-way on a connection from
-//! `Pooled::get` leaves nothing locked (MySQL, SQLite). The operator's functions (dead letters, purges, the
-//! archive) and the inbox (each event applied once and in order by two instances and after
-//! a second delivery of every message; a failing handler's event dead-lettered while its
-//! aggregate moves on; a handler that ends the transaction never acked as handled; an event
-//! after a gap in the stream applied and the gap recorded; retention) run on each database.
+//! `Pooled::get` leaves nothing locked (MySQL, SQLite). The operator's functions (dead
+//! letters, purges, the archive) and the inbox (each event applied once and in order by two
+//! instances and after a second delivery of every message; a failing handler's event
+//! dead-lettered while its aggregate moves on; a handler that ends the transaction never
+//! acked as handled; an event after a gap in the stream applied and the gap recorded;
+//! retention) run on each database.
 
 mod support;
 

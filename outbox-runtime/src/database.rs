@@ -609,7 +609,7 @@ impl<E: fmt::Display> fmt::Display for Bounded<E> {
 /// writer waits on the database's write lock, and fails after its busy timeout), until the
 /// pool handed it out again: diesel-async discards a connection with an open transaction only
 /// when it recycles it at a later `get`, and deadpool hands out the longest idle connection
-/// first, so on a quiet service that can take long. Outside a transaction it goes back to the
+/// first (its default queue mode), so on a quiet service that can take long. Outside a transaction it goes back to the
 /// pool like deadpool's guard.
 ///
 /// The inbox gets its connections this way.
