@@ -70,7 +70,7 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     // Whichever way this function ends (a panic unwinding out of a message's transaction
     // included), the tasks it started stop, so that they do not keep the inbox's pool, and
     // its idle connections, alive (a connection dropped mid-transaction is closed at once:
-    // `store::Pooled`).
+    // `crate::database::Pooled`).
     let _stop_on_exit = stop.clone().drop_guard();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
     let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
