@@ -45,6 +45,7 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use super::message::{Metadata, ordering_key};
 use super::store::Aggregate;
@@ -67,9 +68,11 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
 ) -> Result<(), InboxError> {
     let config = inbox.shared.config.clone();
     let stop = CancellationToken::new();
-    // Whichever way this function ends (a panic unwinding out of a message's transaction
-    // included), the tasks it started stop, so that they do not keep the inbox's pool, and
-    // its idle connections, alive (a connection dropped mid-transaction is closed at once:
+    // Whichever way this function ends (its future dropped, a panic unwinding out of a
+    // message's transaction), the tasks it started stop (the purge loop by this token, the
+    // position check and the consumer's restoration as their handles drop), so that they do
+    // not keep the inbox's pool, and its idle connections, alive, nor create the consumer
+    // again after the instance ended (a connection dropped mid-transaction is closed at once:
     // `crate::database::Pooled`).
     let _stop_on_exit = stop.clone().drop_guard();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
@@ -77,7 +80,7 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     let mut queues = Queues::new(config.max_concurrency, max_buffered, config.ack_wait);
     // The position check of the parked events in progress: a task of its own, since it
     // waits for a pooled connection that only the handlers this loop drives give back.
-    let mut checking: Option<tokio::task::JoinHandle<Option<Positions>>> = None;
+    let mut checking: Option<AbortOnDropHandle<Option<Positions>>> = None;
     let mut park_check = tokio::time::interval(PARK_CHECK);
     park_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut jobs: FuturesUnordered<BoxFuture<'static, Finished>> = FuturesUnordered::new();
@@ -100,12 +103,14 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     // stream missing) is not asked in a loop.
     let mut failed = false;
     let mut unanswered = false;
-    let mut restoring: Option<tokio::task::JoinHandle<()>> = None;
+    let mut restoring: Option<AbortOnDropHandle<()>> = None;
 
     loop {
         if (failed || unanswered) && restoring.as_ref().is_none_or(|task| task.is_finished()) {
             let inbox = inbox.clone();
-            restoring = Some(tokio::spawn(async move { inbox.restore_consumer().await }));
+            restoring = Some(AbortOnDropHandle::new(tokio::spawn(async move {
+                inbox.restore_consumer().await
+            })));
         }
         unanswered = false;
         if failed {
@@ -176,10 +181,10 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
                 queues.heartbeat().await
             }
             _ = park_check.tick(), if checking.is_none() && queues.has_parked() => {
-                checking = Some(tokio::spawn(check_positions(
+                checking = Some(AbortOnDropHandle::new(tokio::spawn(check_positions(
                     inbox.clone(),
                     queues.parked_aggregates(),
-                )));
+                ))));
                 Vec::new()
             }
             checked = async { checking.as_mut().expect("guarded").await }, if checking.is_some() => {
@@ -215,12 +220,7 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
         }
     }
     nak_all(handed_back).await;
-    if let Some(checking) = checking {
-        checking.abort();
-    }
-    if let Some(restoring) = restoring {
-        restoring.abort();
-    }
+    drop((checking, restoring));
     while jobs.next().await.is_some() {}
     stop.cancel();
     purging.await?;
