@@ -15,7 +15,7 @@ use diesel::prelude::*;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
 use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gaps};
-use outbox_runtime::{Handler, Inbox, Metadata, Outcome, UnitOfWork};
+use outbox_runtime::{Handler, Inbox, InboxHandle, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
     Recording, Rounds, applied, applied_count, assert_applied_in_order, commit_rounds,
     consumer_config, consumer_database, relay_all, run_until_settled, spawn_instances,
@@ -1021,27 +1021,62 @@ async fn a_deleted_consumer_is_created_again_from_above_its_ack_floor() {
     let probe = inbox.clone();
     let running = inbox.spawn();
     wait_until_settled(&probe, "the first 30 settled", Duration::from_secs(20)).await;
-    // The instance reads the ack floor on its heartbeat (a third of `ack_wait`, 1 s here).
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let deleted = Deleted {
+        producer: &producer,
+        consumer: &consumer,
+        inbox: &probe,
+        name: "deleted",
+        aggregates: AGGREGATES,
+    };
+    deleted
+        .consumer_comes_back_from_31(&mut rounds, running, 6)
+        .await;
+}
 
-    let stream = producer
-        .jetstream()
-        .get_stream(&producer.stream)
-        .await
-        .unwrap();
-    assert!(stream.delete_consumer("deleted").await.unwrap().success);
-    rounds.commit_and_relay(3).await;
-    wait_until_applied(&probe, &consumer, AGGREGATES * 6, Duration::from_secs(30)).await;
-    running.shutdown().await.unwrap();
-    let mut consumer_conn = consumer.conn().await;
-    assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 6);
-    assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
-    let created = stream.consumer_info("deleted").await.unwrap();
-    assert_eq!(
-        created.config.deliver_policy,
-        async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: 31 },
-        "the 30 messages settled before the deletion are not delivered again"
-    );
+/// A running inbox instance whose durable consumer `name` is deleted after the first 30
+/// messages of its stream were settled: [`Deleted::consumer_comes_back_from_31`].
+struct Deleted<'a> {
+    producer: &'a TestEnv,
+    consumer: &'a TestEnv,
+    inbox: &'a Inbox<Recording>,
+    name: &'static str,
+    aggregates: usize,
+}
+
+impl Deleted<'_> {
+    /// Once the instance has read its ack floor, deletes the consumer, commits and relays 3
+    /// more events per aggregate, and checks that `events` per aggregate are applied once, in
+    /// order, without a gap, and that the instance created the consumer again delivering
+    /// from stream sequence 31: the 30 messages settled before are not delivered again.
+    async fn consumer_comes_back_from_31(
+        &self,
+        rounds: &mut Rounds<'_>,
+        running: InboxHandle,
+        events: i64,
+    ) {
+        // The instance reads the ack floor on its heartbeat (a third of `ack_wait`, 1 s here).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let stream = self
+            .producer
+            .jetstream()
+            .get_stream(&self.producer.stream)
+            .await
+            .unwrap();
+        assert!(stream.delete_consumer(self.name).await.unwrap().success);
+        rounds.commit_and_relay(3).await;
+        let count = self.aggregates * usize::try_from(events).unwrap();
+        wait_until_applied(self.inbox, self.consumer, count, Duration::from_secs(30)).await;
+        running.shutdown().await.unwrap();
+        let mut consumer_conn = self.consumer.conn().await;
+        assert_applied_in_order(&applied(&mut consumer_conn).await, self.aggregates, events);
+        assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
+        let created = stream.consumer_info(self.name).await.unwrap();
+        assert_eq!(
+            created.config.deliver_policy,
+            async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: 31 },
+            "the 30 messages settled before the deletion are not delivered again"
+        );
+    }
 }
 
 /// The stream is created again and another instance creates the consumer again in it, so
@@ -1083,27 +1118,16 @@ async fn an_instance_that_did_not_create_the_stream_s_consumer_again_restores_it
     rounds.commit_and_relay(3).await;
     let running = inbox.clone().spawn();
     wait_until_applied(&inbox, &consumer, AGGREGATES * 6, Duration::from_secs(30)).await;
-    // The instance reads the ack floor on its heartbeat (a third of `ack_wait`, 1 s here).
-    tokio::time::sleep(Duration::from_secs(2)).await;
-
-    let stream = producer
-        .jetstream()
-        .get_stream(&producer.stream)
-        .await
-        .unwrap();
-    assert!(stream.delete_consumer("elsewhere").await.unwrap().success);
-    rounds.commit_and_relay(3).await;
-    wait_until_applied(&inbox, &consumer, AGGREGATES * 9, Duration::from_secs(30)).await;
-    running.shutdown().await.unwrap();
-    let mut consumer_conn = consumer.conn().await;
-    assert_applied_in_order(&applied(&mut consumer_conn).await, AGGREGATES, 9);
-    assert_eq!(gaps_and_dead_letters(&mut consumer_conn).await, (0, 0));
-    let created = stream.consumer_info("elsewhere").await.unwrap();
-    assert_eq!(
-        created.config.deliver_policy,
-        async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: 31 },
-        "the 30 messages settled in the new stream are not delivered again"
-    );
+    let deleted = Deleted {
+        producer: &producer,
+        consumer: &consumer,
+        inbox: &inbox,
+        name: "elsewhere",
+        aggregates: AGGREGATES,
+    };
+    deleted
+        .consumer_comes_back_from_31(&mut rounds, running, 9)
+        .await;
 }
 
 /// The stream is deleted under a running inbox and a relay creates it again: the inbox
