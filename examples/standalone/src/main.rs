@@ -247,10 +247,10 @@ async fn main() -> Result<(), BoxError> {
     let outbox = Outbox::with_topology(topology.clone());
     let mut relay_config = RelayConfig::new(&database_url);
     relay_config.topology = topology.clone();
-    let relay = Relay::connect(relay_config, nats.clone()).await?.spawn();
+    let mut relay = Relay::connect(relay_config, nats.clone()).await?.spawn();
     let mut inbox_config = InboxConfig::new("bank-read-model", &database_url);
     inbox_config.topology = topology; // every subject of it: bank.>
-    let inbox = Inbox::connect(inbox_config, nats, Balances).await?.spawn();
+    let mut inbox = Inbox::connect(inbox_config, nats, Balances).await?.spawn();
 
     // Two accounts, opened and funded in one unit of work.
     let run = outbox_runtime::uuid::Uuid::now_v7().simple().to_string();
@@ -280,7 +280,10 @@ async fn main() -> Result<(), BoxError> {
 
     // The inbox builds the read model from the published events.
     let expected = [(ada.id.clone(), 7_500, 1), (bob.id.clone(), 2_500, 1)];
-    let balances = tokio::time::timeout(Duration::from_secs(30), async {
+    // A service waits on its own work beside the relay's and the inbox's `stopped()`: each
+    // ends only on a bug (a task's panic), and then the process should exit, for its
+    // supervisor to start it again, rather than run on with nothing published or applied.
+    let read_model = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
             let balances: Vec<Balance> = diesel::sql_query(
                 "SELECT id, cents, transfers FROM bank_balances WHERE id = ANY($1) ORDER BY id",
@@ -297,9 +300,18 @@ async fn main() -> Result<(), BoxError> {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-    })
-    .await
-    .map_err(|_| "the read model did not catch up in 30 s")??;
+    });
+    let balances = tokio::select! {
+        caught_up = read_model => {
+            caught_up.map_err(|_| "the read model did not catch up in 30 s")??
+        }
+        stopped = relay.stopped() => {
+            return Err(format!("the relay stopped: {stopped:?}").into());
+        }
+        stopped = inbox.stopped() => {
+            return Err(format!("the inbox stopped: {stopped:?}").into());
+        }
+    };
     for (account, cents, transfers) in balances {
         println!(
             "read model: {account} holds {}.{:02}, {transfers} transfer",
