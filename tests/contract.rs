@@ -19,7 +19,7 @@
 //! keep each aggregate in order; a relay that dies before its delete is followed without
 //! duplicates; a rejected message is dead-lettered while the others flow; dedup keys hold
 //! across backends that share a table; a unit of work dropped part-way on a connection from
-//! `Pooled::get` leaves nothing locked (MySQL, SQLite). The operator's functions (dead
+//! `Pooled::get` leaves nothing locked (async backends). The operator's functions (dead
 //! letters, purges, the archive) and the inbox (each event applied once and in order by two
 //! instances and after a second delivery of every message; a failing handler's event
 //! dead-lettered while its aggregate moves on; a handler that ends the transaction never
@@ -2314,12 +2314,10 @@ consumed!(
 /// database rolls the transaction back, and the next unit of work on the same row goes
 /// through within 5 s; the dropped one wrote nothing, and its event went with the next.
 /// deadpool's own guard would sit in the pool holding the row (on SQLite, the database's
-/// write lock) until the pool handed it out again. PostgreSQL's is in `tests/unit_of_work.rs`.
-#[cfg(any(feature = "mysql", feature = "sqlite"))]
-async fn a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked<B, P, F>(
-    env: &Env,
-    get: F,
-) where
+/// write lock) until the pool handed it out again (on PostgreSQL and MariaDB, the next unit of
+/// work waited past the 5 s; on SQLite it failed with "database is locked").
+async fn dropped_part_way_on_a_pooled_connection<B, P, F>(env: &Env, get: F)
+where
     B: Backend,
     P: outbox_runtime::OutboxConnection,
     F: AsyncFn() -> Result<P, diesel_async::pooled_connection::deadpool::PoolError>,
@@ -2381,6 +2379,21 @@ async fn a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_l
         "the dropped unit of work wrote nothing, and its event went with the next"
     );
     assert!(order.pending_events().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_of_work_dropped_part_way_on_a_pooled_postgres_connection_leaves_nothing_locked() {
+    use diesel_async::AsyncPgConnection;
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use diesel_async::pooled_connection::deadpool::Pool;
+
+    let env = AsyncPg::setup().await;
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(&env.database_url);
+    let pool = Pool::builder(manager).max_size(2).build().unwrap();
+    dropped_part_way_on_a_pooled_connection::<AsyncPg, _, _>(&env, async || {
+        outbox_runtime::Pooled::get(&pool).await
+    })
+    .await;
 }
 
 #[cfg(feature = "postgres-sync")]
@@ -2708,11 +2721,9 @@ mod mysql {
         let manager =
             AsyncDieselConnectionManager::<AsyncMysqlConnection>::new(&database(&env).url);
         let pool = Pool::builder(manager).max_size(2).build().unwrap();
-        super::a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked::<
-            AsyncMysql,
-            _,
-            _,
-        >(&env, async || outbox_runtime::Pooled::get(&pool).await)
+        super::dropped_part_way_on_a_pooled_connection::<AsyncMysql, _, _>(&env, async || {
+            outbox_runtime::Pooled::get(&pool).await
+        })
         .await;
     }
 
@@ -3718,11 +3729,9 @@ mod sqlite {
             config,
         );
         let pool = Pool::builder(manager).max_size(2).build().unwrap();
-        super::a_unit_of_work_dropped_part_way_on_a_pooled_connection_leaves_nothing_locked::<
-            AsyncSqlite,
-            _,
-            _,
-        >(&env, async || outbox_runtime::Pooled::get(&pool).await)
+        super::dropped_part_way_on_a_pooled_connection::<AsyncSqlite, _, _>(&env, async || {
+            outbox_runtime::Pooled::get(&pool).await
+        })
         .await;
     }
 
