@@ -852,7 +852,12 @@ impl InboxDeadLetterKey {
                 self.consumer,
                 self.message_id,
                 sources.len(),
-                sources.join(", ")
+                // A source is a message's `ce-source`: whatever its publisher wrote.
+                sources
+                    .iter()
+                    .map(|source| one_line(source))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )),
         }
     }
@@ -1019,18 +1024,20 @@ fn relay_horizon() -> Duration {
 async fn purge_inbox<C: InboxConnection>(conn: &mut C, args: &PurgeArgs) -> Result<(), String> {
     let mut progress = Progress::new();
     for consumer in inbox::consumers(conn).await.map_err(database_error)? {
+        // A consumer's name is a row's text: an inbox row written by hand may hold anything.
+        let shown = one_line(&consumer).into_owned();
         let mut handled = 0;
         loop {
             let deleted = inbox::purge(conn, &consumer, args.older_than, args.batch)
                 .await
                 .map_err(database_error)?;
             handled += deleted;
-            progress.report(|| format!("outbox_inbox {consumer}: {handled} rows deleted"));
+            progress.report(|| format!("outbox_inbox {shown}: {handled} rows deleted"));
             if deleted < args.batch as usize {
                 break;
             }
         }
-        println!("deleted {handled} inbox rows of {consumer}");
+        println!("deleted {handled} inbox rows of {shown}");
     }
     Ok(())
 }

@@ -535,7 +535,9 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
              INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
                  headers, payload, error, deliveries, stream_sequence) VALUES \
              ('billing', '/shop', E'm-\\r1', 'app.Order.o-1.Placed', '{{}}', '', \
-              E'handler failed:\\n\\tno account\\x07', 1, 41)",
+              E'handler failed:\\n\\tno account\\x07', 1, 41); \
+             INSERT INTO outbox_inbox (consumer, source, message_id, handled_at) VALUES \
+             (E'bill\\x1b[2Jing', '/shop', 'm-9', now() - interval '1 hour')",
             p = env.prefix
         ))
         .await
@@ -595,6 +597,47 @@ async fn row_text_keeps_its_line_and_cannot_drive_the_terminal() {
     assert_eq!(
         read,
         serde_json::from_slice::<serde_json::Value>(&exact.stdout).unwrap()
+    );
+
+    // A consumer's name in the inbox's rows, as `purge` reports its progress and its count.
+    let purged = outbox(&env, &nats, &["purge", "--older-than", "2m"]);
+    let said = text(&purged);
+    assert!(purged.status.success(), "{said}");
+    assert!(
+        !said.contains(['\u{1b}', '\u{9b}']),
+        "purge printed a control character: {said:?}"
+    );
+    assert!(
+        said.contains("deleted 1 inbox rows of bill\\u{1b}[2Jing"),
+        "{said}"
+    );
+    // A message's source (its `ce-source`, as its publisher wrote it), in the error that
+    // lists the sources a message id was dead-lettered under.
+    env.conn()
+        .await
+        .batch_execute(
+            "INSERT INTO outbox_inbox_dead_letters (consumer, source, message_id, subject, \
+                 headers, payload, error, deliveries, stream_sequence) VALUES \
+             ('billing', E'/shop\\x1b[2J\\u202e', 'm-2', 'app.Order.o-2.Placed', '{}', '', \
+              'failed', 1, 42), \
+             ('billing', '/legacy', 'm-2', 'app.Order.o-2.Placed', '{}', '', 'failed', 1, 43)",
+        )
+        .await
+        .unwrap();
+    let ambiguous = refused(
+        &env,
+        &nats,
+        &["inbox-dead-letters", "show", "billing", "m-2"],
+    );
+    let said = text(&ambiguous);
+    assert_eq!(ambiguous.status.code(), Some(2), "{said}");
+    assert!(
+        !said.contains(['\u{1b}', '\u{202e}']),
+        "the error printed a control or bidi character: {said:?}"
+    );
+    assert!(
+        said.contains("from 2 sources (/legacy, /shop\\u{1b}[2J\\u{202e}): name one with --source"),
+        "{said}"
     );
 }
 
