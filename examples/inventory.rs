@@ -173,10 +173,10 @@ async fn main() -> Result<(), BoxError> {
         config.source = source.to_owned();
         config
     };
-    let shop_relay = Relay::connect(relay_config(&shop_url, &shop, "/shop"), nats.clone())
+    let mut shop_relay = Relay::connect(relay_config(&shop_url, &shop, "/shop"), nats.clone())
         .await?
         .spawn();
-    let inventory_relay = Relay::connect(
+    let mut inventory_relay = Relay::connect(
         relay_config(&inventory_url, &inventory, "/inventory"),
         nats.clone(),
     )
@@ -188,7 +188,7 @@ async fn main() -> Result<(), BoxError> {
     inbox_config.outbox = inventory_outbox;
     inbox_config.topology = shop;
     inbox_config.filter_subjects = vec!["shop.Order.*.Placed".to_owned()];
-    let inbox = Inbox::connect(inbox_config, nats.clone(), Reservations)
+    let mut inbox = Inbox::connect(inbox_config, nats.clone(), Reservations)
         .await?
         .spawn();
 
@@ -256,7 +256,7 @@ async fn main() -> Result<(), BoxError> {
     .await?;
     println!("shop: order {} delivered a second time", ids[0]);
 
-    let answered = tokio::time::timeout(Duration::from_secs(30), async {
+    let answering = tokio::time::timeout(Duration::from_secs(30), async {
         let mut answered = 0;
         while answered < ids.len() {
             let message = answers.next().await.ok_or("the answers ended")??;
@@ -275,8 +275,21 @@ async fn main() -> Result<(), BoxError> {
             );
         }
         Ok::<_, BoxError>(())
-    })
-    .await;
+    });
+    // The relays and the inbox stop by themselves only on a bug: end with its error rather
+    // than wait out the 30 s.
+    let answered = tokio::select! {
+        answered = answering => answered,
+        stopped = shop_relay.stopped() => {
+            return Err(format!("the shop's relay stopped: {stopped:?}").into());
+        }
+        stopped = inventory_relay.stopped() => {
+            return Err(format!("the inventory's relay stopped: {stopped:?}").into());
+        }
+        stopped = inbox.stopped() => {
+            return Err(format!("the inbox stopped: {stopped:?}").into());
+        }
+    };
 
     // The duplicate was skipped: stock moved once per order.
     #[derive(QueryableByName)]

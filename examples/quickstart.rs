@@ -342,7 +342,7 @@ async fn run<D: Database>(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut conn = D::open(database_url).await?;
     let nats = outbox_runtime::nats::connect(nats_url).await?;
-    let relay = D::relay(RelayConfig::new(database_url), nats.clone()).await?;
+    let mut relay = D::relay(RelayConfig::new(database_url), nats.clone()).await?;
 
     // A consumer of order events, from now on.
     let stream = async_nats::jetstream::new(nats)
@@ -420,7 +420,14 @@ async fn run<D: Database>(
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     };
-    let arrived = tokio::time::timeout(Duration::from_secs(30), arrivals).await;
+    // A relay stops by itself only on a bug (a worker panicked): a service selects on
+    // `stopped()` beside its own work, and ends with its error rather than wait on.
+    let arrived = tokio::select! {
+        arrived = tokio::time::timeout(Duration::from_secs(30), arrivals) => arrived,
+        stopped = relay.stopped() => {
+            return Err(format!("the relay stopped: {stopped:?}").into());
+        }
+    };
     relay.shutdown().await?;
     match arrived {
         Ok(result) => result?,
