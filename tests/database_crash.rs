@@ -438,6 +438,7 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     // state seen says which of the three stopped short.
     let expected = i64::try_from(bookings.len()).unwrap();
     let seen = LastSeen::default();
+    let drain_started = std::time::Instant::now();
     wait_until(
         "the relay and the inbox drain",
         Duration::from_secs(60),
@@ -468,6 +469,7 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
         },
     )
     .await;
+    let drained = drain_started.elapsed();
     relay.shutdown().await.unwrap();
     inbox.shutdown().await.unwrap();
 
@@ -542,7 +544,8 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     }
     eprintln!(
         "{} messages in the stream, {} applied, over {accounts} accounts; {again} rows \
-         published again after a crash, dropped by JetStream as duplicates",
+         published again after a crash, dropped by JetStream as duplicates; the relay and \
+         the inbox drained {drained:.1?} after the writers stopped",
         messages.len(),
         applied.len(),
     );

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::AckKind;
 use diesel::prelude::*;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
@@ -650,6 +651,76 @@ async fn the_same_id_from_two_sources_is_two_messages() {
     run_until_settled(inbox, "both settled", Duration::from_secs(10)).await;
     let applied = applied(&mut consumer.conn().await).await;
     assert_eq!(applied.len(), 2, "both handled: {applied:?}");
+}
+
+/// An event whose predecessor was delivered, and is delivered again right behind it, to the
+/// same instance: the predecessor cannot start while the event is handled (one message of
+/// an aggregate at a time), so the event does not wait in place for another instance to
+/// apply it, which stalled the aggregate until the wait gave up after 250 ms without
+/// progress; it is parked at once, and the predecessor runs. Here another instance received
+/// every aggregate's two events and gave them back, each second event before any first one,
+/// so that JetStream redelivers them in that order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_whose_predecessor_arrives_behind_it_does_not_wait_in_place_for_it() {
+    const AGGREGATES: usize = 10;
+    let counters = support::counters::Counters::installed();
+    let producer = TestEnv::new().await;
+    relay_all(&producer).await; // creates the stream
+    let p = &producer.prefix;
+    for n in 0..AGGREGATES {
+        let order = format!("o-{n}");
+        for (seq, event, payload) in [("1", "Placed", PLACED), ("2", "Shipped", SHIPPED)] {
+            let id = format!("{order}-{seq}");
+            let headers = [
+                ("ce-id", id.as_str()),
+                ("ce-source", "/tests"),
+                ("ce-type", event),
+                ("ce-aggregatetype", "Order"),
+                ("ce-subject", order.as_str()),
+                ("ce-sequence", seq),
+            ];
+            publish_raw(
+                &producer,
+                format!("{p}.Order.{order}.{event}"),
+                &headers,
+                payload,
+            )
+            .await;
+        }
+    }
+    let consumer = consumer_database().await;
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "behind"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    let received = receive(&inbox, 2 * AGGREGATES).await;
+    assert_eq!(received.len(), 2 * AGGREGATES);
+    let (firsts, seconds): (Vec<_>, Vec<_>) = received.into_iter().partition(|message| {
+        let headers = message.headers.as_ref().expect("headers");
+        headers.get("ce-sequence").map(|v| v.as_str()) == Some("1")
+    });
+    for message in seconds.iter().chain(&firsts) {
+        message.ack_with(AckKind::Nak(None)).await.unwrap();
+    }
+    run_until_settled(inbox, "every event settled", Duration::from_secs(30)).await;
+
+    let applied = applied(&mut consumer.conn().await).await;
+    for n in 0..AGGREGATES {
+        assert_eq!(applied.get(&format!("o-{n}")), Some(&vec![1, 2]), "o-{n}");
+    }
+    // Each second event was processed twice (parked, then applied), each first one once.
+    let mut took = counters.histogram("outbox_inbox_process_seconds{consumer=behind}");
+    took.sort_by(f64::total_cmp);
+    assert_eq!(took.len(), 3 * AGGREGATES, "{took:?}");
+    let stalled = took.iter().filter(|seconds| **seconds >= 0.25).count();
+    assert!(
+        stalled < AGGREGATES / 2,
+        "{stalled} of the {AGGREGATES} second events waited in place for a predecessor \
+         queued behind them: {took:?} s"
+    );
 }
 
 /// Ends the inbox's transaction itself, then writes in a transaction of its own (into

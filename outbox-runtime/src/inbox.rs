@@ -133,6 +133,7 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 #[cfg(feature = "postgres")]
 use diesel_async::AsyncPgConnection;
 use futures::FutureExt;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::causality::Causality;
@@ -1035,15 +1036,21 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// None for a failure of the handler or the database: those are [`Outcome::Retry`] (or
     /// [`Outcome::DeadLettered`] at the last attempt).
     pub async fn process(&self, message: &jetstream::Message) -> Result<Outcome, InboxError> {
-        Ok(self.process_held(message, Duration::ZERO).await.outcome)
+        Ok(self
+            .process_held(message, Duration::ZERO, &CancellationToken::new())
+            .await
+            .outcome)
     }
 
     /// [`process`](Self::process), for a message that has waited `held_for` for its
-    /// predecessor so far.
+    /// predecessor so far. `earlier_here` is cancelled when an earlier message of the same
+    /// aggregate reaches this instance meanwhile: the message then stops waiting in place
+    /// for its predecessor (see [`Self::wait_for_predecessor`]).
     pub(crate) async fn process_held(
         &self,
         message: &jetstream::Message,
         held_for: Duration,
+        earlier_here: &CancellationToken,
     ) -> Processed {
         let config = &self.shared.config;
         let metadata = match Metadata::read(message) {
@@ -1069,7 +1076,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         // unit of work takes its context.
         #[cfg(feature = "opentelemetry")]
         let span = crate::telemetry::consumer_span(&config.consumer, &metadata, message);
-        self.process_read(message, &metadata, held_for)
+        self.process_read(message, &metadata, held_for, earlier_here)
             .instrument(span)
             .await
     }
@@ -1107,6 +1114,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         message: &jetstream::Message,
         metadata: &Metadata,
         held_for: Duration,
+        earlier_here: &CancellationToken,
     ) -> Processed {
         let config = &self.shared.config;
         let mut result = self
@@ -1123,7 +1131,14 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             {
                 Ok(gap) => Some(gap),
                 Err(predecessor) if held_for < config.gap_timeout => {
-                    result = self.wait_for_predecessor(message, metadata, last_seq).await;
+                    result = self
+                        .wait_for_predecessor(
+                            message,
+                            metadata,
+                            (last_seq, stream_sequence),
+                            earlier_here,
+                        )
+                        .await;
                     if let Err(Failure::Gap { .. }) = result {
                         let delay = InboxConfig::hold_delay(metadata.deliveries);
                         tracing::debug!(%predecessor, ?delay, "waiting for an earlier event of the aggregate");
@@ -1192,31 +1207,45 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// a busy aggregate's messages), and commits within milliseconds, where a nak would cost
     /// its delay. Gives up, returning the last [`Failure::Gap`], when the position has not
     /// moved for [`PREDECESSOR_STALL`] (the predecessor waits for a redelivery or a retry of
-    /// its own: the event is then parked or nak'd, freeing its handler slot) or after a
-    /// third of `ack_wait` in all.
+    /// its own: the event is then parked or nak'd, freeing its handler slot), after a
+    /// third of `ack_wait` in all, or at once when `earlier_here` is cancelled: an earlier
+    /// message of the aggregate reached this instance, where it waits until this event's
+    /// handling ends (one message of an aggregate at a time), so that waiting would only
+    /// stall the aggregate for [`PREDECESSOR_STALL`].
     async fn wait_for_predecessor(
         &self,
         message: &jetstream::Message,
         metadata: &Metadata,
-        mut last_seq: i64,
+        (mut last_seq, mut stream_sequence): (i64, i64),
+        earlier_here: &CancellationToken,
     ) -> Result<Outcome, Failure> {
         let started = tokio::time::Instant::now();
         let limit = self.shared.config.ack_wait / 3;
         let mut moved = started;
         let mut pause = Duration::from_millis(1);
         loop {
-            tokio::time::sleep(pause).await;
+            tokio::select! {
+                biased;
+                // The earlier message waits behind this one in the instance, where it cannot
+                // run until this one ends: waiting would only stall the aggregate.
+                () = earlier_here.cancelled() => {
+                    return Err(Failure::Gap { last_seq, stream_sequence });
+                }
+                () = tokio::time::sleep(pause) => {}
+            }
             pause = (pause * 2).min(PREDECESSOR_POLL);
             let result = self
                 .apply(message, metadata, self.body(message, metadata), None)
                 .await;
             let now = tokio::time::Instant::now();
             match result {
-                Err(Failure::Gap { last_seq: seq, .. })
-                    if now - started < limit && now - moved < PREDECESSOR_STALL =>
-                {
+                Err(Failure::Gap {
+                    last_seq: seq,
+                    stream_sequence: at,
+                }) if now - started < limit && now - moved < PREDECESSOR_STALL => {
                     if seq > last_seq {
-                        (last_seq, moved, pause) = (seq, now, Duration::from_millis(1));
+                        (last_seq, stream_sequence, moved, pause) =
+                            (seq, at, now, Duration::from_millis(1));
                     }
                 }
                 result => return result,

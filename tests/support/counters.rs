@@ -1,17 +1,18 @@
-//! The `metrics` counters a test binary's code exported, read through metrics-util's
-//! debugging recorder, installed once per binary. Tests that read it use names of their
-//! own (a consumer name, say), so they can run in parallel.
+//! The `metrics` counters and histograms a test binary's code exported, read through
+//! metrics-util's debugging recorder, installed once per binary. Tests that read it use
+//! names of their own (a consumer name, say), so they can run in parallel.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
-/// The recorder's snapshots give each counter's increments since the last snapshot; the
-/// totals add them up.
+/// The recorder's snapshots give each counter's increments, and each histogram's values,
+/// since the last snapshot; the totals add them up, and the histograms keep them all.
 pub struct Counters {
     snapshotter: Snapshotter,
     totals: Mutex<BTreeMap<String, u64>>,
+    histograms: Mutex<BTreeMap<String, Vec<f64>>>,
 }
 
 impl Counters {
@@ -27,6 +28,7 @@ impl Counters {
             Counters {
                 snapshotter,
                 totals: Mutex::default(),
+                histograms: Mutex::default(),
             }
         })
     }
@@ -34,21 +36,38 @@ impl Counters {
     /// Every counter, as `name{label=value,...}` (labels in the order they were given) to
     /// its value.
     pub fn all(&self) -> BTreeMap<String, u64> {
+        self.take_snapshot();
+        self.totals.lock().unwrap().clone()
+    }
+
+    /// Every value a histogram (`name{label=value,...}`, as [`all`](Self::all) names
+    /// counters) recorded so far, in the order recorded.
+    pub fn histogram(&self, key: &str) -> Vec<f64> {
+        self.take_snapshot();
+        let histograms = self.histograms.lock().unwrap();
+        histograms.get(key).cloned().unwrap_or_default()
+    }
+
+    /// Adds what was recorded since the last snapshot to the totals and the histograms.
+    fn take_snapshot(&self) {
         let mut totals = self.totals.lock().unwrap();
+        let mut histograms = self.histograms.lock().unwrap();
         for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
-            let DebugValue::Counter(increments) = value else {
-                continue;
-            };
             let key = key.key();
             let labels: Vec<String> = key
                 .labels()
                 .map(|label| format!("{}={}", label.key(), label.value()))
                 .collect();
-            *totals
-                .entry(format!("{}{{{}}}", key.name(), labels.join(",")))
-                .or_default() += increments;
+            let name = format!("{}{{{}}}", key.name(), labels.join(","));
+            match value {
+                DebugValue::Counter(increments) => *totals.entry(name).or_default() += increments,
+                DebugValue::Histogram(values) => histograms
+                    .entry(name)
+                    .or_default()
+                    .extend(values.into_iter().map(|value| value.into_inner())),
+                DebugValue::Gauge(_) => {}
+            }
         }
-        totals.clone()
     }
 
     /// The key of the relay's `outbox_relay_claims_total` for `stream`'s claims that found

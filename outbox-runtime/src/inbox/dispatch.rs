@@ -14,6 +14,9 @@
 //! JetStream spread over several instances follow each other within milliseconds instead
 //! of bouncing between them on nak delays. Parking is bounded: at most half the buffer's
 //! worth of keys, each event for `ack_wait` + 1 s at a time and `2 x ack_wait` + 1 s in all.
+//! An event that waits in place for its predecessor (see `Inbox::wait_for_predecessor`)
+//! stops waiting, and is parked, as soon as an earlier message of its aggregate reaches this
+//! instance: that one cannot start until the event's handling ends.
 //!
 //! A message that must wait otherwise (its handler failed, or parking is full or over its
 //! time) is nak'd with a delay and holds its key: the later messages of that key that
@@ -22,6 +25,16 @@
 //! if it went to another instance, after its delay plus `ack_wait`. The database's order
 //! check (see `inbox::order`) makes this an economy, not the guarantee: a message that
 //! overtakes its predecessor anyway is held when it reaches the database.
+//!
+//! A key's messages nak'd back while it waits are nak'd to come back together, at one
+//! instant (just after the held message; a fixed time after the first of them behind a
+//! parked event), rather than each a fixed delay after it arrived: JetStream redelivers the
+//! messages whose delay ended at the same check in stream order, and the others in the
+//! order their delays end (nats-server `server/consumer.go`, `checkPending`: v2.9.10, v2.14.5),
+//! so an aggregate's messages come back in its order instead of in the order they happened
+//! to arrive. (Each arriving at its own time, a run that came back out of order went back
+//! out of order again, and an aggregate with a long run in the stream was applied a few
+//! messages per nak delay after a database outage.)
 //!
 //! Messages are pulled by bounded requests, one at a time, each for as many messages as the
 //! buffer has room for and ended by JetStream when they are delivered or after a second, so
@@ -295,6 +308,8 @@ struct Job {
     message: jetstream::Message,
     held_for: Duration,
     may_park: bool,
+    /// Cancelled when an earlier message of its key reaches the instance while it runs.
+    earlier_here: CancellationToken,
 }
 
 /// A message handled: its key, its stream sequence, what came of it, and whether it was
@@ -325,13 +340,14 @@ async fn handle<H: Handler<C>, C: InboxConnection>(inbox: Inbox<H, C>, job: Job)
         message,
         held_for,
         may_park,
+        earlier_here,
     } = job;
     let sequence = sequence(&message);
     let config = &inbox.shared.config;
     let started = std::time::Instant::now();
     let processed = {
         // A long handler keeps its message: progress acks while it runs.
-        let processing = inbox.process_held(&message, held_for);
+        let processing = inbox.process_held(&message, held_for, &earlier_here);
         tokio::pin!(processing);
         // interval_at, not interval: an interval's immediate first tick still waits for the
         // timer wheel's next millisecond, which would be the main cost of a fast message.
@@ -414,17 +430,66 @@ struct Key {
     waiting: BTreeMap<u64, jetstream::Message>,
     /// The sequence of the message being handled.
     running: Option<u64>,
-    /// A nak'd message the key waits for, and until when at most.
-    held_for: Option<(u64, Instant)>,
+    /// Cancelled when an earlier message of the key arrives while it is handled (the
+    /// running message would otherwise wait in place for it, while it cannot start).
+    earlier_here: CancellationToken,
+    /// A nak'd message the key waits for.
+    held_for: Option<Hold>,
     /// The parked event (in `waiting`) and what it waits on.
     parked: Option<Parked>,
+    /// When the messages nak'd from behind the parked event come back.
+    behind_parked_back: Option<Instant>,
     /// Whether the key is in the ready queue.
     ready: bool,
 }
 
+/// A key's message nak'd with a delay, which the key's later messages wait for.
+#[derive(Clone, Copy)]
+struct Hold {
+    /// Its stream sequence.
+    sequence: u64,
+    /// When JetStream redelivers it.
+    back: Instant,
+    /// When the key stops waiting for it (it went to another instance, or its nak was
+    /// lost): `back` plus `ack_wait`.
+    until: Instant,
+}
+
+impl Hold {
+    /// The nak delay of a later message of the key, nak'd at `now`: all of them come back
+    /// together, [`RETURN_MARGIN`] after the held message (which has then started, and the
+    /// key's messages that arrive while it runs wait here, in order); once that time has
+    /// passed (the held message went to another instance, or is late), a second at most,
+    /// until the key stops waiting.
+    fn delay_behind(&self, now: Instant) -> Duration {
+        let delay = if now < self.back {
+            self.back - now + RETURN_MARGIN
+        } else {
+            self.until - now
+        };
+        delay.min(Duration::from_secs(1))
+    }
+}
+
+/// How long after a held message the later messages of its key are nak'd to come back, so
+/// that JetStream redelivers the held one first; also how close an instant at which a
+/// key's nak'd messages come back may be for another message to be nak'd to the same one.
+const RETURN_MARGIN: Duration = Duration::from_millis(20);
+
 impl Key {
-    fn held(&self, now: Instant) -> Option<(u64, Instant)> {
-        self.held_for.filter(|(_, until)| now < *until)
+    /// The nak delay of a message behind the key's parked event, nak'd at `now`: every such
+    /// message comes back at one instant, [`BEHIND_PARKED_DELAY`] after the first of them,
+    /// while it is [`RETURN_MARGIN`] away or more.
+    fn behind_parked_delay(&mut self, now: Instant) -> Duration {
+        let back = match self.behind_parked_back {
+            Some(back) if back >= now + RETURN_MARGIN => back,
+            _ => *self.behind_parked_back.insert(now + BEHIND_PARKED_DELAY),
+        };
+        back - now
+    }
+
+    fn held(&self, now: Instant) -> Option<Hold> {
+        self.held_for.filter(|hold| now < hold.until)
     }
 
     fn can_start(&self, now: Instant) -> bool {
@@ -434,7 +499,7 @@ impl Key {
         self.running.is_none()
             && match self.held(now) {
                 None => true,
-                Some((sequence, _)) => first <= sequence,
+                Some(hold) => first <= hold.sequence,
             }
             && self
                 .parked
@@ -501,16 +566,20 @@ impl Queues {
             // Redelivered while being handled: the handling settles it.
             return Vec::new();
         }
-        if let Some((held, until)) = key.held(now)
-            && sequence > held
+        if key.running.is_some_and(|running| sequence < running) {
+            key.earlier_here.cancel();
+        }
+        if let Some(hold) = key.held(now)
+            && sequence > hold.sequence
         {
             // It would only wait here: let JetStream keep it until the held one is back.
-            return vec![(message, (until - now).min(Duration::from_secs(1)))];
+            return vec![(message, hold.delay_behind(now))];
         }
         if blocked_full {
             // Half the buffer waits behind parked events already: keep room to receive the
             // predecessors they wait for.
-            return vec![(message, BEHIND_PARKED_DELAY)];
+            let delay = key.behind_parked_delay(now);
+            return vec![(message, delay)];
         }
         if key.waiting.insert(sequence, message).is_none() {
             self.buffered += 1;
@@ -537,6 +606,7 @@ impl Queues {
             self.buffered -= 1;
             key.held_for = None;
             key.running = Some(sequence);
+            key.earlier_here = CancellationToken::new();
             self.running += 1;
             let held_for = self
                 .held_since
@@ -549,6 +619,7 @@ impl Queues {
                 message,
                 held_for,
                 may_park,
+                earlier_here: key.earlier_here.clone(),
             });
         }
         None
@@ -580,11 +651,14 @@ impl Queues {
             let excess = self.blocked().saturating_sub(self.max_buffered / 2);
             let key = self.keys.get_mut(&finished.key).expect("parked above");
             let mut naks = Vec::new();
-            while naks.len() < excess
-                && let Some(entry) = key.waiting.last_entry()
-                && *entry.key() > parked_at
-            {
-                naks.push((entry.remove(), BEHIND_PARKED_DELAY));
+            if excess > 0 {
+                let delay = key.behind_parked_delay(now);
+                while naks.len() < excess
+                    && let Some(entry) = key.waiting.last_entry()
+                    && *entry.key() > parked_at
+                {
+                    naks.push((entry.remove(), delay));
+                }
             }
             self.buffered -= naks.len();
             return naks;
@@ -608,11 +682,16 @@ impl Queues {
         key.running = None;
         let mut naks = Vec::new();
         if let Some(delay) = wait {
-            let until = now + delay + self.ack_wait;
-            key.held_for = Some((finished.sequence, until));
+            let back = now + delay;
+            let hold = Hold {
+                sequence: finished.sequence,
+                back,
+                until: back + self.ack_wait,
+            };
+            key.held_for = Some(hold);
             let later = key.waiting.split_off(&finished.sequence);
             self.buffered -= later.len();
-            let back_in = delay.min(Duration::from_secs(1));
+            let back_in = hold.delay_behind(now);
             naks.extend(later.into_values().map(|message| (message, back_in)));
         }
         if key.idle() {
@@ -636,7 +715,7 @@ impl Queues {
                     tracing::debug!(%error, "progress ack failed");
                 }
             }
-            if key.held_for.is_some_and(|(_, until)| now >= until) {
+            if key.held_for.is_some_and(|hold| now >= hold.until) {
                 key.held_for = None;
                 released.push(name.clone());
             }
