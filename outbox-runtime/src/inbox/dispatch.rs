@@ -32,9 +32,8 @@
 //! messages whose delay ended at the same check in stream order, and the others in the
 //! order their delays end (nats-server `server/consumer.go`, `checkPending`: v2.9.10, v2.14.5),
 //! so an aggregate's messages come back in its order instead of in the order they happened
-//! to arrive. (Each arriving at its own time, a run that came back out of order went back
-//! out of order again, and an aggregate with a long run in the stream was applied a few
-//! messages per nak delay after a database outage.)
+//! to arrive. (Each nak'd a fixed delay after it arrived, a run that came back out of order
+//! went back out of order again.)
 //!
 //! Messages are pulled by bounded requests, one at a time, each for as many messages as the
 //! buffer has room for and ended by JetStream when they are delivered or after a second, so
