@@ -70,8 +70,8 @@ const BUFFERED_PER_HANDLER: usize = 4;
 /// all): time for a predecessor a dead instance held to be redelivered and applied.
 const PARK_SLACK: Duration = Duration::from_secs(1);
 
-/// The nak delay of a message that arrives behind a parked event when half the buffer
-/// waits behind parked events already.
+/// How long after the first of them the messages nak'd from behind a key's parked event
+/// (half the buffer waits behind parked events already) come back, together.
 const BEHIND_PARKED_DELAY: Duration = Duration::from_millis(250);
 
 pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
