@@ -470,6 +470,11 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     )
     .await;
     let drained = drain_started.elapsed();
+    // Every delivery of a message to the consumer, redeliveries included.
+    let deliveries = settled.consumer().clone().info().await.map_or_else(
+        |error| format!("unread ({error})"),
+        |info| info.delivered.consumer_sequence.to_string(),
+    );
     relay.shutdown().await.unwrap();
     inbox.shutdown().await.unwrap();
 
@@ -545,7 +550,8 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     eprintln!(
         "{} messages in the stream, {} applied, over {accounts} accounts; {again} rows \
          published again after a crash, dropped by JetStream as duplicates; the relay and \
-         the inbox drained {drained:.1?} after the writers stopped",
+         the inbox drained {drained:.1?} after the writers stopped; {deliveries} deliveries \
+         to the consumer",
         messages.len(),
         applied.len(),
     );

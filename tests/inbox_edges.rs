@@ -514,6 +514,88 @@ async fn a_connection_lost_during_the_inboxs_commit_applies_the_message_once() {
     assert_eq!(applied(&mut conn).await.get("o-0"), Some(&vec![1]));
 }
 
+/// Fails the first event of every aggregate the first `failures` times it is handled, then
+/// records it; records every other event at once.
+#[derive(Clone)]
+struct FailingFirst {
+    failures: usize,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Handler for FailingFirst {
+    type Event = OrderEvent;
+    type Error = String;
+
+    async fn handle(
+        &self,
+        event: OrderEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        if message.sequence == 1 && self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
+            return Err("the first event fails".to_owned());
+        }
+        Recording::default()
+            .handle(event, message, uow)
+            .await
+            .map_err(|error| error.to_string())
+    }
+}
+
+/// An aggregate's first event fails its handler three times: each time the aggregate is
+/// held for the retry delay, and its later messages are handed back to JetStream to come
+/// back behind it. JetStream delivers in stream order, so an instance that went on pulling
+/// while the aggregate was held fetched the rest of the chain only to hand it back: every
+/// failure redelivered the whole chain. Those handed back now count against the room the
+/// instance pulls for, until they are due back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_instance() {
+    const EVENTS: usize = 600;
+    const FAILURES: usize = 3;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "held-chain");
+    config.retry_delay = Duration::from_millis(200);
+    config.max_retry_delay = Duration::from_millis(200);
+    config.max_concurrency = 4;
+    let handler = FailingFirst {
+        failures: FAILURES,
+        calls: Arc::default(),
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let started = Instant::now();
+    run_until_settled(inbox, "every message settled", Duration::from_secs(60)).await;
+    let took = started.elapsed();
+
+    let mut conn = consumer.conn().await;
+    assert_applied_in_order(&applied(&mut conn).await, 1, EVENTS as i64);
+    let delivered = probe
+        .consumer()
+        .clone()
+        .info()
+        .await
+        .unwrap()
+        .delivered
+        .consumer_sequence;
+    let redelivered = usize::try_from(delivered).unwrap() - EVENTS;
+    println!(
+        "{redelivered} redeliveries for {EVENTS} events behind {FAILURES} failures of the \
+         first, settled in {took:.2?}"
+    );
+    // One buffer's worth (16) and one pull's (16) handed back per failure, and the failed
+    // event itself, fit many times; a hold that cycles the chain redelivers it whole.
+    assert!(
+        redelivered < EVENTS,
+        "{redelivered} redeliveries: the chain of {EVENTS} events was cycled through the \
+         instance while its first event waited for its retries"
+    );
+}
+
 /// The error of every message the inbox dead-lettered.
 async fn dead_letter_errors(conn: &mut diesel_async::AsyncPgConnection) -> Vec<String> {
     outbox_inbox_dead_letters::table
