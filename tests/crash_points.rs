@@ -164,14 +164,7 @@ async fn consume_with_crash(point: &str, action: &str) -> (TestEnv, u64) {
     wait_until_settled(&probe, "every message settled", Duration::from_secs(20)).await;
     running.shutdown().await.unwrap();
     fail::remove(point);
-    let deliveries = probe
-        .consumer()
-        .clone()
-        .info()
-        .await
-        .unwrap()
-        .delivered
-        .consumer_sequence;
+    let deliveries = support::consumer::deliveries(&probe).await;
     (consumer, deliveries)
 }
 

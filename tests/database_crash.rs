@@ -470,11 +470,7 @@ async fn a_postgresql_crash_loses_no_committed_event_publishes_no_ghost_and_appl
     )
     .await;
     let drained = drain_started.elapsed();
-    // Every delivery of a message to the consumer, redeliveries included.
-    let deliveries = settled.consumer().clone().info().await.map_or_else(
-        |error| format!("unread ({error})"),
-        |info| info.delivered.consumer_sequence.to_string(),
-    );
+    let deliveries = support::consumer::deliveries(&settled).await;
     relay.shutdown().await.unwrap();
     inbox.shutdown().await.unwrap();
 

@@ -19,7 +19,7 @@ use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gap
 use outbox_runtime::{Handler, Inbox, InboxHandle, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
     Recording, Rounds, applied, applied_count, assert_applied_in_order, commit_rounds,
-    consumer_config, consumer_database, relay_all, run_until_settled, spawn_instances,
+    consumer_config, consumer_database, deliveries, relay_all, run_until_settled, spawn_instances,
     wait_until_applied, wait_until_settled,
 };
 use support::domain::OrderEvent;
@@ -574,15 +574,7 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
 
     let mut conn = consumer.conn().await;
     assert_applied_in_order(&applied(&mut conn).await, 1, EVENTS as i64);
-    let delivered = probe
-        .consumer()
-        .clone()
-        .info()
-        .await
-        .unwrap()
-        .delivered
-        .consumer_sequence;
-    let redelivered = usize::try_from(delivered).unwrap() - EVENTS;
+    let redelivered = usize::try_from(deliveries(&probe).await).unwrap() - EVENTS;
     println!(
         "{redelivered} redeliveries for {EVENTS} events behind {FAILURES} failures of the \
          first, settled in {took:.2?}"

@@ -59,6 +59,13 @@ pub async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str, timeout
     .await;
 }
 
+/// Every delivery JetStream has made to the inbox's consumer, redeliveries included: the
+/// consumer's sequence.
+pub async fn deliveries(inbox: &Inbox<impl Handler>) -> u64 {
+    let mut consumer = inbox.consumer().clone();
+    consumer.info().await.unwrap().delivered.consumer_sequence
+}
+
 /// Waits until `count` events are applied in `consumer`'s database and every message is
 /// settled.
 pub async fn wait_until_applied(
