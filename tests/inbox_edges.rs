@@ -514,10 +514,11 @@ async fn a_connection_lost_during_the_inboxs_commit_applies_the_message_once() {
     assert_eq!(applied(&mut conn).await.get("o-0"), Some(&vec![1]));
 }
 
-/// Fails the first event of every aggregate the first `failures` times it is handled, then
+/// Fails the first event of `aggregate` the first `failures` times it is handled, then
 /// records it; records every other event at once.
 #[derive(Clone)]
 struct FailingFirst {
+    aggregate: &'static str,
     failures: usize,
     calls: Arc<AtomicUsize>,
 }
@@ -532,7 +533,10 @@ impl Handler for FailingFirst {
         message: &Metadata,
         uow: &mut UnitOfWork<'_>,
     ) -> Result<(), Self::Error> {
-        if message.sequence == 1 && self.calls.fetch_add(1, Ordering::SeqCst) < self.failures {
+        if message.aggregate_id == self.aggregate
+            && message.sequence == 1
+            && self.calls.fetch_add(1, Ordering::SeqCst) < self.failures
+        {
             return Err("the first event fails".to_owned());
         }
         Recording::default()
@@ -561,6 +565,7 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
     config.max_retry_delay = Duration::from_millis(200);
     config.max_concurrency = 4;
     let handler = FailingFirst {
+        aggregate: "o-0",
         failures: FAILURES,
         calls: Arc::default(),
     };
@@ -585,6 +590,62 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
         redelivered < EVENTS,
         "{redelivered} redeliveries: the chain of {EVENTS} events was cycled through the \
          instance while its first event waited for its retries"
+    );
+}
+
+/// One aggregate's first event fails its handler twice, with retry delays of 4 s, in front of
+/// its 59 later events; nine other aggregates' events are interleaved with them in the
+/// stream. The failing aggregate's messages handed back while it waits must not take the
+/// room the instance pulls the others' messages with: every other event is applied before
+/// the failing one's first event finally is (8 s on), not after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
+    const AGGREGATES: usize = 10;
+    const EVENTS: usize = 60;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, AGGREGATES, EVENTS).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "long-retry");
+    config.retry_delay = Duration::from_secs(4);
+    config.max_retry_delay = Duration::from_secs(4);
+    config.max_concurrency = 4;
+    let handler = FailingFirst {
+        aggregate: "o-0",
+        failures: 2,
+        calls: Arc::default(),
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
+        .await
+        .unwrap();
+    run_until_settled(inbox, "every message settled", Duration::from_secs(60)).await;
+
+    let mut conn = consumer.conn().await;
+    assert_applied_in_order(&applied(&mut conn).await, AGGREGATES, EVENTS as i64);
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        aggregate: String,
+    }
+    let order: Vec<String> = diesel::sql_query("SELECT aggregate FROM applied ORDER BY n")
+        .load::<Row>(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| row.aggregate)
+        .collect();
+    let first_of_failing = order
+        .iter()
+        .position(|aggregate| aggregate == "o-0")
+        .unwrap();
+    let others_after = order[first_of_failing..]
+        .iter()
+        .filter(|aggregate| *aggregate != "o-0")
+        .count();
+    assert_eq!(
+        others_after, 0,
+        "{others_after} events of the other aggregates were applied only after the failing \
+         aggregate's retries"
     );
 }
 

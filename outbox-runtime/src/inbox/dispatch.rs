@@ -33,18 +33,21 @@
 //! order their delays end (nats-server `server/consumer.go`, `checkPending`: v2.9.10, v2.14.5),
 //! so an aggregate's messages come back in its order instead of in the order they happened
 //! to arrive. (Each nak'd a fixed delay after it arrived, a run that came back out of order
-//! went back out of order again.) Until they are due back, those behind a held message count
-//! against the buffer's room: JetStream delivers in stream order, so while an aggregate's chain
-//! waits, pulling more would mostly fetch more of that chain only to hand it back again. One
-//! hold hands back about a buffer's worth of messages, where it handed back every message of
-//! the chain that the consumer's `max_ack_pending` let through (after a crash, some had been
-//! delivered 36 times). The room comes back [`RETURN_MARGIN`] after they are due: nats-server
-//! queues an expired nak delay for redelivery when its pending timer fires, a millisecond
-//! after the due time or 10 ms after the last nak (`server/consumer.go`, `ackWait`,
-//! `processNak`), and a pull sent before that receives the chain's later messages ahead of
-//! them. Those nak'd from behind a parked event are not counted: a parked event is released
-//! within milliseconds when another instance applies its predecessor, and an instance that
-//! stopped pulling meanwhile kept a hot aggregate's pace 15-20 % slower.
+//! went back out of order again.) Until they are due back, those that come back with their
+//! held message (its delay under a second) count against the buffer's room: JetStream
+//! delivers in stream order, so while an aggregate's chain waits, pulling more would mostly
+//! fetch more of that chain only to hand it back again. One such hold hands back about a
+//! buffer's worth of messages, where it handed back every message of the chain that the
+//! consumer's `max_ack_pending` let through (after a crash, some had been delivered 36
+//! times). Behind a longer wait they are not counted, or the instance would stop pulling its
+//! other aggregates' messages for as long (see `Hold::returns_behind`). The room comes back
+//! [`RETURN_MARGIN`] after they are due: nats-server queues an expired nak delay for
+//! redelivery when its pending timer fires, a millisecond after the due time or 10 ms after
+//! the last nak (`server/consumer.go`, `ackWait`, `processNak`), and a pull sent before that
+//! receives the chain's later messages ahead of them. Those nak'd from behind a parked event
+//! are not counted either: a parked event is released within milliseconds when another
+//! instance applies its predecessor, and an instance that stopped pulling meanwhile kept a
+//! hot aggregate's pace 15-20 % slower.
 //!
 //! Messages are pulled by bounded requests, one at a time, each for as many messages as the
 //! buffer has room for and ended by JetStream when they are delivered or after a second, so
@@ -482,9 +485,21 @@ impl Hold {
         } else {
             self.until - now
         };
-        delay.min(Duration::from_secs(1))
+        delay.min(LONGEST_DELAY_BEHIND)
+    }
+
+    /// Whether the later messages of the key nak'd at `now` come back with the held message
+    /// (its own delay ends within [`LONGEST_DELAY_BEHIND`]): only those count against the
+    /// room the instance pulls for. Behind a longer wait (a retry delay of seconds) they come
+    /// back each second while the held message is away, and an instance that waited for them
+    /// each time would pull nothing but them, its other aggregates' messages left behind.
+    fn returns_behind(&self, now: Instant) -> bool {
+        now < self.back && self.back - now + RETURN_MARGIN <= LONGEST_DELAY_BEHIND
     }
 }
+
+/// The longest nak delay of a message behind a held one.
+const LONGEST_DELAY_BEHIND: Duration = Duration::from_secs(1);
 
 /// How long after a held message the later messages of its key are nak'd to come back, so
 /// that JetStream redelivers the held one first; also how close an instant at which a
@@ -543,7 +558,7 @@ struct Queues {
     ack_wait: Duration,
     /// Since when each message (by stream sequence) has waited for its predecessor.
     held_since: HashMap<u64, Instant>,
-    /// When the room of each message nak'd back from behind a held message is free
+    /// When the room of each message nak'd back to return with its held message is free
     /// again: [`RETURN_MARGIN`] after JetStream is due to redeliver it.
     returning: BinaryHeap<Reverse<Instant>>,
 }
@@ -564,8 +579,8 @@ impl Queues {
         }
     }
 
-    /// How many messages to pull: the buffer's room, less the messages nak'd back from
-    /// behind a held message that are not back at JetStream yet.
+    /// How many messages to pull: the buffer's room, less the messages nak'd back to return
+    /// with their held message that are not back at JetStream yet.
     fn room(&mut self) -> usize {
         let now = Instant::now();
         while self
@@ -580,14 +595,14 @@ impl Queues {
             .saturating_sub(self.returning.len())
     }
 
-    /// When the room of the first message nak'd back from behind a held message is
+    /// When the room of the first message nak'd back to return with its held message is
     /// free again.
     fn next_return(&self) -> Option<Instant> {
         self.returning.peek().map(|Reverse(back)| *back)
     }
 
-    /// Counts messages nak'd back at `now` from behind a held message, with their delays,
-    /// against the buffer's room until they are back at JetStream.
+    /// Counts messages nak'd back at `now` to return with their held message, with their
+    /// delays, against the buffer's room until they are back at JetStream.
     fn hand_back(
         &mut self,
         now: Instant,
@@ -624,8 +639,12 @@ impl Queues {
             && sequence > hold.sequence
         {
             // It would only wait here: let JetStream keep it until the held one is back.
-            let delay = hold.delay_behind(now);
-            return self.hand_back(now, vec![(message, delay)]);
+            let nak = vec![(message, hold.delay_behind(now))];
+            return if hold.returns_behind(now) {
+                self.hand_back(now, nak)
+            } else {
+                nak
+            };
         }
         if blocked_full {
             // Half the buffer waits behind parked events already: keep room to receive the
@@ -733,6 +752,7 @@ impl Queues {
         };
         key.running = None;
         let mut naks = Vec::new();
+        let mut returns_behind = false;
         if let Some(delay) = wait {
             let back = now + delay;
             let hold = Hold {
@@ -745,6 +765,7 @@ impl Queues {
             self.buffered -= later.len();
             let back_in = hold.delay_behind(now);
             naks.extend(later.into_values().map(|message| (message, back_in)));
+            returns_behind = hold.returns_behind(now);
         }
         if key.idle() {
             self.keys.remove(&finished.key);
@@ -752,7 +773,11 @@ impl Queues {
             key.ready = true;
             self.ready.push_back(finished.key);
         }
-        self.hand_back(now, naks)
+        if returns_behind {
+            self.hand_back(now, naks)
+        } else {
+            naks
+        }
     }
 
     /// Keeps waiting messages from redelivery, releases keys whose held message did not
