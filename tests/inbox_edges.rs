@@ -551,7 +551,7 @@ impl Handler for FailingFirst {
 /// back behind it. JetStream delivers in stream order, so an instance that went on pulling
 /// while the aggregate was held fetched the rest of the chain only to hand it back: every
 /// failure redelivered the whole chain. Those handed back now count against the room the
-/// instance pulls for, until they are due back.
+/// instance pulls for until they are due back (with the held event, 200 ms on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_instance() {
     const EVENTS: usize = 600;
@@ -569,7 +569,7 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
         failures: FAILURES,
         calls: Arc::default(),
     };
-    let inbox = Inbox::connect(config, producer.nats.clone(), handler.clone())
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
         .await
         .unwrap();
     let probe = inbox.clone();
@@ -593,11 +593,11 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
     );
 }
 
-/// One aggregate's first event fails its handler twice, with retry delays of 4 s, in front of
-/// its 59 later events; nine other aggregates' events are interleaved with them in the
-/// stream. The failing aggregate's messages handed back while it waits must not take the
+/// One aggregate's first event fails its handler three times, with retry delays of 4 s, in
+/// front of its 59 later events; nine other aggregates' events are interleaved with them in
+/// the stream. The failing aggregate's messages handed back while it waits must not take the
 /// room the instance pulls the others' messages with: every other event is applied before
-/// the failing one's first event finally is (8 s on), not after it.
+/// the failing one's first event finally is (12 s on), not after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
     const AGGREGATES: usize = 10;
@@ -612,7 +612,7 @@ async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
     config.max_concurrency = 4;
     let handler = FailingFirst {
         aggregate: "o-0",
-        failures: 2,
+        failures: 3,
         calls: Arc::default(),
     };
     let inbox = Inbox::connect(config, producer.nats.clone(), handler)
