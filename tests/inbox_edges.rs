@@ -597,9 +597,12 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
 /// front of its 59 later events; nine other aggregates' events are interleaved with them in
 /// the stream. The failing aggregate's messages handed back while it waits must not take the
 /// room the instance pulls the others' messages with: every other event is applied before
-/// the failing one's first event finally is (12 s on), not after it.
+/// the failing one's first event finally is (12 s on), not after it. And they are handed
+/// back to come back with it, once per retry: nak'd for a second at most, they came back
+/// and were handed back again each second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
+    const FAILURES: usize = 3;
     const AGGREGATES: usize = 10;
     const EVENTS: usize = 60;
     let producer = TestEnv::new().await;
@@ -609,15 +612,17 @@ async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
     let mut config = consumer_config(&consumer, &producer, "long-retry");
     config.retry_delay = Duration::from_secs(4);
     config.max_retry_delay = Duration::from_secs(4);
+    config.ack_wait = Duration::from_secs(5);
     config.max_concurrency = 4;
     let handler = FailingFirst {
         aggregate: "o-0",
-        failures: 3,
+        failures: FAILURES,
         calls: Arc::default(),
     };
     let inbox = Inbox::connect(config, producer.nats.clone(), handler)
         .await
         .unwrap();
+    let probe = inbox.clone();
     run_until_settled(inbox, "every message settled", Duration::from_secs(60)).await;
 
     let mut conn = consumer.conn().await;
@@ -646,6 +651,14 @@ async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
         others_after, 0,
         "{others_after} events of the other aggregates were applied only after the failing \
          aggregate's retries"
+    );
+    let redelivered = usize::try_from(deliveries(&probe).await).unwrap() - AGGREGATES * EVENTS;
+    println!("{redelivered} redeliveries behind {FAILURES} retries of 4 s");
+    // Once per retry: the failed event and its 59 later ones, three times (180).
+    assert!(
+        redelivered < 2 * FAILURES * EVENTS,
+        "{redelivered} redeliveries: the failing aggregate's chain was handed back more than \
+         once per retry"
     );
 }
 

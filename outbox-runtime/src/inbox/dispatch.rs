@@ -39,8 +39,10 @@
 //! fetch more of that chain only to hand it back again. One such hold hands back about a
 //! buffer's worth of messages, where it handed back every message of the chain that the
 //! consumer's `max_ack_pending` let through (after a crash, some had been delivered 36
-//! times). Behind a longer wait they are not counted, or the instance would stop pulling its
-//! other aggregates' messages for as long (see `Hold::returns_behind`). The room comes back
+//! times). Behind a longer wait (a handler's retry delay of seconds) they are nak'd to come
+//! back with the held message too (within `ack_wait`), not each second, so the chain passes
+//! once per retry, but they are not counted, or the instance would stop pulling its other
+//! aggregates' messages for as long (see `Hold::returns_behind`). The room comes back
 //! [`RETURN_MARGIN`] after they are due: nats-server queues an expired nak delay for
 //! redelivery when its pending timer fires, a millisecond after the due time or 10 ms after
 //! the last nak (`server/consumer.go`, `ackWait`, `processNak`), and a pull sent before that
@@ -476,30 +478,33 @@ struct Hold {
 impl Hold {
     /// The nak delay of a later message of the key, nak'd at `now`: all of them come back
     /// together, [`RETURN_MARGIN`] after the held message (which has then started, and the
-    /// key's messages that arrive while it runs wait here, in order); once that time has
-    /// passed (the held message went to another instance, or is late), a second at most,
-    /// until the key stops waiting.
+    /// key's messages that arrive while it runs wait here, in order), however long its delay,
+    /// but within `ack_wait` (the held message comes back then if its nak was lost); once
+    /// that time has passed (the held message went to another instance, or is late),
+    /// [`SHORT_HOLD`] at most, until the key stops waiting.
     fn delay_behind(&self, now: Instant) -> Duration {
-        let delay = if now < self.back {
-            self.back - now + RETURN_MARGIN
+        if now < self.back {
+            (self.back - now + RETURN_MARGIN).min(self.until - self.back)
         } else {
-            self.until - now
-        };
-        delay.min(LONGEST_DELAY_BEHIND)
+            (self.until - now).min(SHORT_HOLD)
+        }
     }
 
     /// Whether the later messages of the key nak'd at `now` come back with the held message
-    /// (its own delay ends within [`LONGEST_DELAY_BEHIND`]): only those count against the
-    /// room the instance pulls for. Behind a longer wait (a retry delay of seconds) they come
-    /// back each second while the held message is away, and an instance that waited for them
-    /// each time would pull nothing but them, its other aggregates' messages left behind.
+    /// within [`SHORT_HOLD`]: only those count against the room the instance pulls for.
+    /// Behind a longer wait (a retry delay of seconds) the instance goes on pulling: the
+    /// chain's later messages are nak'd to come back with the held one too, and its other
+    /// aggregates' messages are among those it pulls (an instance that stopped pulling for
+    /// as long would leave them behind).
     fn returns_behind(&self, now: Instant) -> bool {
-        now < self.back && self.back - now + RETURN_MARGIN <= LONGEST_DELAY_BEHIND
+        now < self.back && self.back - now + RETURN_MARGIN <= SHORT_HOLD
     }
 }
 
-/// The longest nak delay of a message behind a held one.
-const LONGEST_DELAY_BEHIND: Duration = Duration::from_secs(1);
+/// How soon a held message must be due back for the messages nak'd behind it to count
+/// against the instance's room; also the longest nak delay behind a held message that is
+/// late.
+const SHORT_HOLD: Duration = Duration::from_secs(1);
 
 /// How long after a held message the later messages of its key are nak'd to come back, so
 /// that JetStream redelivers the held one first; also how close an instant at which a
