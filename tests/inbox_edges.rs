@@ -546,6 +546,42 @@ impl Handler for FailingFirst {
     }
 }
 
+/// Commits `events` rounds over `aggregates` aggregates and runs one inbox instance (4
+/// handlers) until every message settles, the first event of `o-0` failing `failures` times
+/// with `retry_delay`; returns the consumer's database, how many messages were redelivered
+/// and how long they took to settle.
+async fn behind_failing_first(
+    aggregates: usize,
+    events: usize,
+    failures: usize,
+    retry_delay: Duration,
+    ack_wait: Duration,
+) -> (TestEnv, usize, Duration) {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, aggregates, events).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "behind-failing");
+    config.retry_delay = retry_delay;
+    config.max_retry_delay = retry_delay;
+    config.ack_wait = ack_wait;
+    config.max_concurrency = 4;
+    let handler = FailingFirst {
+        aggregate: "o-0",
+        failures,
+        calls: Arc::default(),
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let started = Instant::now();
+    run_until_settled(inbox, "every message settled", Duration::from_secs(60)).await;
+    let took = started.elapsed();
+    let redelivered = usize::try_from(deliveries(&probe).await).unwrap() - aggregates * events;
+    (consumer, redelivered, took)
+}
+
 /// An aggregate's first event fails its handler three times: each time the aggregate is
 /// held for the retry delay, and its later messages are handed back to JetStream to come
 /// back behind it. JetStream delivers in stream order, so an instance that went on pulling
@@ -556,30 +592,15 @@ impl Handler for FailingFirst {
 async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_instance() {
     const EVENTS: usize = 600;
     const FAILURES: usize = 3;
-    let producer = TestEnv::new().await;
-    commit_rounds(&producer, 1, EVENTS).await;
-    relay_all(&producer).await;
-    let consumer = consumer_database().await;
-    let mut config = consumer_config(&consumer, &producer, "held-chain");
-    config.retry_delay = Duration::from_millis(200);
-    config.max_retry_delay = Duration::from_millis(200);
-    config.max_concurrency = 4;
-    let handler = FailingFirst {
-        aggregate: "o-0",
-        failures: FAILURES,
-        calls: Arc::default(),
-    };
-    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
-        .await
-        .unwrap();
-    let probe = inbox.clone();
-    let started = Instant::now();
-    run_until_settled(inbox, "every message settled", Duration::from_secs(60)).await;
-    let took = started.elapsed();
-
-    let mut conn = consumer.conn().await;
-    assert_applied_in_order(&applied(&mut conn).await, 1, EVENTS as i64);
-    let redelivered = usize::try_from(deliveries(&probe).await).unwrap() - EVENTS;
+    let (consumer, redelivered, took) = behind_failing_first(
+        1,
+        EVENTS,
+        FAILURES,
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_applied_in_order(&applied(&mut consumer.conn().await).await, 1, EVENTS as i64);
     println!(
         "{redelivered} redeliveries for {EVENTS} events behind {FAILURES} failures of the \
          first, settled in {took:.2?}"
@@ -605,26 +626,14 @@ async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
     const FAILURES: usize = 3;
     const AGGREGATES: usize = 10;
     const EVENTS: usize = 60;
-    let producer = TestEnv::new().await;
-    commit_rounds(&producer, AGGREGATES, EVENTS).await;
-    relay_all(&producer).await;
-    let consumer = consumer_database().await;
-    let mut config = consumer_config(&consumer, &producer, "long-retry");
-    config.retry_delay = Duration::from_secs(4);
-    config.max_retry_delay = Duration::from_secs(4);
-    config.ack_wait = Duration::from_secs(5);
-    config.max_concurrency = 4;
-    let handler = FailingFirst {
-        aggregate: "o-0",
-        failures: FAILURES,
-        calls: Arc::default(),
-    };
-    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
-        .await
-        .unwrap();
-    let probe = inbox.clone();
-    run_until_settled(inbox, "every message settled", Duration::from_secs(60)).await;
-
+    let (consumer, redelivered, _) = behind_failing_first(
+        AGGREGATES,
+        EVENTS,
+        FAILURES,
+        Duration::from_secs(4),
+        Duration::from_secs(5),
+    )
+    .await;
     let mut conn = consumer.conn().await;
     assert_applied_in_order(&applied(&mut conn).await, AGGREGATES, EVENTS as i64);
     #[derive(QueryableByName)]
@@ -652,7 +661,6 @@ async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
         "{others_after} events of the other aggregates were applied only after the failing \
          aggregate's retries"
     );
-    let redelivered = usize::try_from(deliveries(&probe).await).unwrap() - AGGREGATES * EVENTS;
     println!("{redelivered} redeliveries behind {FAILURES} retries of 4 s");
     // Once per retry: the failed event and its 59 later ones, three times (180).
     assert!(
