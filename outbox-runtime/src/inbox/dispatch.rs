@@ -172,6 +172,7 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
                 }
             }
         }
+        let next_return = queues.next_return();
         let naks = tokio::select! {
             biased;
             () = &mut shutdown => break,
@@ -203,8 +204,8 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
             }
             // The buffer's room was taken by messages handed back, the first of which is back
             // at JetStream now: pull again.
-            () = tokio::time::sleep_until(queues.next_return().unwrap_or(pull_ends)),
-                if pull.is_none() && queues.next_return().is_some() => Vec::new(),
+            () = tokio::time::sleep_until(next_return.unwrap_or(pull_ends)),
+                if pull.is_none() && next_return.is_some() => Vec::new(),
             _ = heartbeat.tick() => {
                 // The ack floor is kept fresh for a consumer created again (see
                 // `Inbox::restore_consumer`); read in a task of its own, since JetStream may
@@ -606,17 +607,25 @@ impl Queues {
         self.returning.peek().map(|Reverse(back)| *back)
     }
 
-    /// Counts messages nak'd back at `now` to return with their held message, with their
-    /// delays, against the buffer's room until they are back at JetStream.
-    fn hand_back(
+    /// The naks of later messages of `hold`'s key, at `now`: each with the hold's
+    /// [`Hold::delay_behind`], counted against the buffer's room until it is back at
+    /// JetStream when it comes back with the held message ([`Hold::returns_behind`]).
+    fn nak_behind(
         &mut self,
+        hold: Hold,
         now: Instant,
-        naks: Vec<(jetstream::Message, Duration)>,
+        messages: impl IntoIterator<Item = jetstream::Message>,
     ) -> Vec<(jetstream::Message, Duration)> {
-        self.returning.extend(
-            naks.iter()
-                .map(|(_, delay)| Reverse(now + *delay + RETURN_MARGIN)),
-        );
+        let delay = hold.delay_behind(now);
+        let naks: Vec<_> = messages
+            .into_iter()
+            .map(|message| (message, delay))
+            .collect();
+        if hold.returns_behind(now) {
+            let free_again = Reverse(now + delay + RETURN_MARGIN);
+            self.returning
+                .extend(std::iter::repeat_n(free_again, naks.len()));
+        }
         naks
     }
 
@@ -644,12 +653,7 @@ impl Queues {
             && sequence > hold.sequence
         {
             // It would only wait here: let JetStream keep it until the held one is back.
-            let nak = vec![(message, hold.delay_behind(now))];
-            return if hold.returns_behind(now) {
-                self.hand_back(now, nak)
-            } else {
-                nak
-            };
+            return self.nak_behind(hold, now, [message]);
         }
         if blocked_full {
             // Half the buffer waits behind parked events already: keep room to receive the
@@ -756,9 +760,7 @@ impl Queues {
             return Vec::new();
         };
         key.running = None;
-        let mut naks = Vec::new();
-        let mut returns_behind = false;
-        if let Some(delay) = wait {
+        let behind = wait.map(|delay| {
             let back = now + delay;
             let hold = Hold {
                 sequence: finished.sequence,
@@ -766,23 +768,19 @@ impl Queues {
                 until: back + self.ack_wait,
             };
             key.held_for = Some(hold);
-            let later = key.waiting.split_off(&finished.sequence);
-            self.buffered -= later.len();
-            let back_in = hold.delay_behind(now);
-            naks.extend(later.into_values().map(|message| (message, back_in)));
-            returns_behind = hold.returns_behind(now);
-        }
+            (hold, key.waiting.split_off(&finished.sequence))
+        });
         if key.idle() {
             self.keys.remove(&finished.key);
         } else if !key.ready {
             key.ready = true;
             self.ready.push_back(finished.key);
         }
-        if returns_behind {
-            self.hand_back(now, naks)
-        } else {
-            naks
-        }
+        let Some((hold, later)) = behind else {
+            return Vec::new();
+        };
+        self.buffered -= later.len();
+        self.nak_behind(hold, now, later.into_values())
     }
 
     /// Keeps waiting messages from redelivery, releases keys whose held message did not
