@@ -1042,6 +1042,118 @@ async fn a_consumer_of_some_event_types_applies_them_without_waiting_for_the_oth
     assert!(took < Duration::from_secs(5), "no waiting: {took:?}");
 }
 
+/// The consumer's filters on the server: `filter_subject`, or `filter_subjects`.
+async fn server_filters(inbox: &Inbox<impl Handler>) -> (String, Vec<String>) {
+    let mut consumer = inbox.consumer().clone();
+    let config = consumer.info().await.unwrap().config.clone();
+    (config.filter_subject, config.filter_subjects)
+}
+
+/// An inbox that takes every subject of its stream (the default, `{prefix}.>` on the
+/// topology's stream) has a consumer without a filter: nats-server 2.9 counts a filtered
+/// consumer's pending messages by comparing their subjects (a partition key each) for every
+/// message it delivers when that count came out without a last sequence, and spent up to
+/// 1.1 ms of CPU a message so, against 40-100 us unfiltered (BENCHMARKS.md, "Consumer
+/// instances"). A narrower filter stays on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_of_its_whole_stream_has_a_consumer_without_a_filter() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 2, 2).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let whole = Inbox::connect(
+        consumer_config(&consumer, &producer, "whole"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        server_filters(&whole).await,
+        (String::new(), Vec::new()),
+        "no filter for the filters' {:?}",
+        consumer_config(&consumer, &producer, "whole").filters()
+    );
+    run_until_settled(whole, "every event settled", Duration::from_secs(10)).await;
+    assert_eq!(
+        applied(&mut consumer.conn().await).await,
+        [
+            ("o-0".to_owned(), vec![1, 2]),
+            ("o-1".to_owned(), vec![1, 2])
+        ]
+        .into()
+    );
+
+    let mut narrow = consumer_config(&consumer, &producer, "narrow");
+    narrow.filter_subjects = vec![format!("{}.Order.*.Shipped", producer.prefix)];
+    let narrow = Inbox::connect(narrow, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        server_filters(&narrow).await,
+        (format!("{}.Order.*.Shipped", producer.prefix), Vec::new())
+    );
+}
+
+/// A consumer without a filter takes whatever its stream captures: a subject the stream
+/// gained since is skipped (acked, its handler not called), as a filter would have left it
+/// out, and an instance connecting after the change takes the consumer as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_its_stream_captured_since_is_skipped_by_an_inbox_without_a_filter() {
+    let producer = TestEnv::new().await;
+    let mut rounds = Rounds::new(&producer, 1).await;
+    rounds.commit_and_relay(1).await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "grown");
+    let first = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    assert_eq!(server_filters(&first).await, (String::new(), Vec::new()));
+    drop(first);
+
+    // The stream captures another prefix's subjects too, and one message there looks like
+    // an event of an order: applied, it would show in `applied`.
+    let js = producer.jetstream();
+    let mut stream_config = js
+        .get_stream(&producer.stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    let other = format!("{}x", producer.prefix);
+    stream_config.subjects.push(format!("{other}.>"));
+    js.update_stream(&stream_config).await.unwrap();
+    let mut headers = HeaderMap::new();
+    for (name, value) in [
+        ("ce-id", "foreign-1"),
+        ("ce-source", "/other"),
+        ("ce-type", "Placed"),
+        ("ce-aggregatetype", "Order"),
+        ("ce-subject", "o-9"),
+        ("ce-sequence", "1"),
+    ] {
+        headers.insert(name, value);
+    }
+    js.publish_with_headers(format!("{other}.Order.o-9.Placed"), headers, PLACED.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    rounds.commit_and_relay(1).await;
+
+    let second = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    assert_eq!(server_filters(&second).await, (String::new(), Vec::new()));
+    run_until_settled(second, "every message settled", Duration::from_secs(10)).await;
+    assert_eq!(
+        applied(&mut consumer.conn().await).await,
+        [("o-0".to_owned(), vec![1, 2])].into(),
+        "the producer's events only"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_created_with_limited_deliveries_is_updated_to_count_failures_itself() {
     let producer = TestEnv::new().await;

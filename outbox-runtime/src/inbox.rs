@@ -126,6 +126,7 @@ mod store;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -811,6 +812,12 @@ struct Shared<H, C: InboxConnection> {
     config: InboxConfig,
     /// The consumer's subject filters ([`InboxConfig::filters`]).
     filters: Vec<String>,
+    /// The consumer has no filter on the server: it was created when `filters` took every
+    /// subject of the stream ([`takes_whole_stream`]), and a message of a subject the stream
+    /// gained since is skipped here, as a filter would have left it out.
+    unfiltered: bool,
+    /// Whether a message outside the filters was skipped (and warned of) yet.
+    skipped_outside: AtomicBool,
     /// The database URL without its password.
     target: String,
     handler: H,
@@ -872,10 +879,18 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// other settings are updated to these), opens the database pool and checks that the
     /// inbox tables are migrated.
     ///
+    /// Where the filters take every subject the stream captures (the default, `{prefix}.>`,
+    /// on the topology's stream), the consumer is created without a filter: it gets the same
+    /// messages, and nats-server 2.9 spends up to twenty times less CPU on each (a filtered
+    /// consumer makes it count the pending messages by their subjects, one partition key
+    /// each, for every message it delivers; BENCHMARKS.md, "Consumer instances"). An existing
+    /// consumer without a filter is taken as it is, and a message of a subject the stream
+    /// captured since, under none of the filters, is skipped ([`Outcome::Skipped`], acked).
+    ///
     /// # Errors
     /// [`InboxError::Config`] (also for a `database_url` of another database than `C`'s, or
     /// a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing, or an
-    /// existing consumer of that name filters another subject), [`InboxError::Connect`],
+    /// existing consumer of that name has other filter subjects), [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,
@@ -906,7 +921,11 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .get_stream(&config.topology.stream.name)
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
+        // Where the filters take every subject of the stream, the consumer has none: the same
+        // messages, and far less of nats-server 2.9's time (see `takes_whole_stream`).
+        let stream_config = &stream.cached_info().config;
         let (filter_subject, filter_subjects) = match filters.as_slice() {
+            _ if takes_whole_stream(stream_config, &filters) => (String::new(), Vec::new()),
             [one] => (one.clone(), Vec::new()),
             several => (String::new(), several.to_vec()),
         };
@@ -930,19 +949,37 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .map_err(|e| consumer_error(e.to_string()))?
             .config
             .clone();
-        let mut existing_filters = if existing.filter_subjects.is_empty() {
-            vec![existing.filter_subject.clone()]
+        // A consumer without a filter, created so, takes what the filters take and whatever
+        // subjects the stream captured since: the inbox skips those (`process_held`). One with
+        // filters must have these.
+        let unfiltered = existing.filter_subject.is_empty() && existing.filter_subjects.is_empty();
+        if unfiltered {
+            if !takes_whole_stream(stream_config, &filters) {
+                tracing::warn!(
+                    consumer = %config.consumer,
+                    stream = %config.topology.stream.name,
+                    stream_subjects = ?stream_config.subjects,
+                    ?filters,
+                    "the consumer has no filter and the stream captures more than the filters \
+                     take: the inbox skips (acks) the messages outside them; delete the \
+                     consumer for one that filters them out on the server"
+                );
+            }
         } else {
-            existing.filter_subjects.clone()
-        };
-        existing_filters.sort();
-        let mut wanted_filters = filters.clone();
-        wanted_filters.sort();
-        if existing_filters != wanted_filters {
-            return Err(consumer_error(format!(
-                "the consumer exists with filter subjects {existing_filters:?}, not \
-                 {wanted_filters:?}; delete it or choose another consumer name"
-            )));
+            let mut existing_filters = if existing.filter_subjects.is_empty() {
+                vec![existing.filter_subject.clone()]
+            } else {
+                existing.filter_subjects.clone()
+            };
+            existing_filters.sort();
+            let mut wanted_filters = filters.clone();
+            wanted_filters.sort();
+            if existing_filters != wanted_filters {
+                return Err(consumer_error(format!(
+                    "the consumer exists with filter subjects {existing_filters:?}, not \
+                     {wanted_filters:?}; delete it or choose another consumer name"
+                )));
+            }
         }
         let outdated = existing.ack_wait != wanted.ack_wait
             || existing.max_deliver != wanted.max_deliver
@@ -991,6 +1028,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         Ok(Self {
             shared: Arc::new(Shared {
                 filters,
+                unfiltered,
+                skipped_outside: AtomicBool::new(false),
                 config,
                 target,
                 handler,
@@ -1053,6 +1092,31 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         earlier_here: &CancellationToken,
     ) -> Processed {
         let config = &self.shared.config;
+        if self.shared.unfiltered
+            && !self
+                .shared
+                .filters
+                .iter()
+                .any(|filter| order::covers(filter, &message.subject))
+        {
+            let reason = format!(
+                "subject {:?} is under none of the inbox's filters {:?} (its consumer has no \
+                 filter on the server, and the stream captures more)",
+                message.subject.as_str(),
+                self.shared.filters
+            );
+            // Once per instance: a stream that captures another service's subjects would
+            // otherwise log each of its messages.
+            if !self.shared.skipped_outside.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    consumer = %config.consumer, %reason,
+                    "skipping a message, and the next ones outside the filters without a warning"
+                );
+            } else {
+                tracing::debug!(consumer = %config.consumer, %reason, "skipping a message");
+            }
+            return Outcome::Skipped { reason }.into();
+        }
         let metadata = match Metadata::read(message) {
             Ok(metadata) => metadata,
             Err(unreadable) => {
@@ -1958,6 +2022,28 @@ fn supports_filter_subjects(version: &str) -> bool {
     crate::nats::server_at_least(version, 2, 10)
 }
 
+/// Whether `filters` take every message a stream of `config` stores: it captures only
+/// subjects that some filter covers (no sources, mirror or subject transform, whose messages
+/// keep or take other subjects). A consumer without a filter then gets the same messages,
+/// and costs the server less: nats-server 2.9 counts a filtered consumer's pending messages
+/// (`consumer.go`, `streamNumPending`) by comparing the subjects of a message block's
+/// messages with each of its distinct subjects that match (`filestore.go`,
+/// `filteredPendingLocked`), once for each message delivered when that count's last sequence
+/// came out 0 (which it does in one of its branches), and the relay's subjects carry a
+/// partition key each: 60-95% of the server's CPU in a profile of one inbox instance, up to
+/// 1 ms a message (BENCHMARKS.md, "Consumer instances"). A consumer without a filter takes
+/// the count's shortcut.
+fn takes_whole_stream(config: &jetstream::stream::Config, filters: &[String]) -> bool {
+    !config.subjects.is_empty()
+        && config.mirror.is_none()
+        && config.sources.as_ref().is_none_or(Vec::is_empty)
+        && config.subject_transform.is_none()
+        && config
+            .subjects
+            .iter()
+            .all(|subject| filters.iter().any(|filter| order::covers(filter, subject)))
+}
+
 /// A consumer's settings on the server, as a pull consumer's configuration for an update.
 fn updated_pull_config(info: &jetstream::consumer::Config) -> pull::Config {
     pull::Config {
@@ -2125,6 +2211,62 @@ fn check_database<C: InboxConnection>(config: &InboxConfig) -> Result<(), InboxE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_consumer_takes_the_whole_stream_only_where_its_filters_cover_what_the_stream_stores() {
+        let stream = |subjects: &[&str]| jetstream::stream::Config {
+            subjects: subjects.iter().map(|s| (*s).to_owned()).collect(),
+            ..Default::default()
+        };
+        let filters =
+            |filters: &[&str]| filters.iter().map(|f| (*f).to_owned()).collect::<Vec<_>>();
+        let all = filters(&["events.>"]);
+        assert!(takes_whole_stream(&stream(&["events.>"]), &all));
+        assert!(takes_whole_stream(&stream(&["events.Order.>"]), &all));
+        assert!(takes_whole_stream(
+            &stream(&["events.Order.>", "events.Payment.>"]),
+            &filters(&["events.Payment.>", "events.Order.>"])
+        ));
+        assert!(!takes_whole_stream(&stream(&["events.>", "audit.>"]), &all));
+        assert!(!takes_whole_stream(
+            &stream(&["events.>"]),
+            &filters(&["events.Order.>"])
+        ));
+        assert!(
+            !takes_whole_stream(&stream(&[]), &all),
+            "a stream of sources only"
+        );
+        let sourced = jetstream::stream::Config {
+            sources: Some(vec![jetstream::stream::Source {
+                name: "OTHER".to_owned(),
+                ..Default::default()
+            }]),
+            ..stream(&["events.>"])
+        };
+        assert!(
+            !takes_whole_stream(&sourced, &all),
+            "sourced messages keep their subjects"
+        );
+        let mirror = jetstream::stream::Config {
+            mirror: Some(jetstream::stream::Source {
+                name: "OTHER".to_owned(),
+                ..Default::default()
+            }),
+            ..stream(&["events.>"])
+        };
+        assert!(!takes_whole_stream(&mirror, &all));
+        let transformed = jetstream::stream::Config {
+            subject_transform: Some(jetstream::stream::SubjectTransform {
+                source: "events.>".to_owned(),
+                destination: "copied.>".to_owned(),
+            }),
+            ..stream(&["events.>"])
+        };
+        assert!(
+            !takes_whole_stream(&transformed, &all),
+            "stored under other subjects"
+        );
+    }
 
     #[test]
     fn filter_subjects_need_2_10() {

@@ -243,6 +243,22 @@ fn intersect(filter: &str, pattern: &str) -> Option<String> {
     }
 }
 
+/// Whether the subject filter `filter` matches every subject that `pattern` (a filter, or a
+/// subject: the pattern of itself) matches: token by token, `filter` has `>` over the rest
+/// (one token or more), `*` over one token other than `>`, or the same token.
+pub(crate) fn covers(filter: &str, pattern: &str) -> bool {
+    let mut pattern = pattern.split('.');
+    for token in filter.split('.') {
+        match (token, pattern.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(other)) if other != ">" => {}
+            (token, Some(other)) if token == other => {}
+            _ => return false,
+        }
+    }
+    pattern.next().is_none()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,6 +293,31 @@ mod tests {
                 expected,
                 "{filter} with {pattern}"
             );
+        }
+    }
+
+    #[test]
+    fn a_filter_covers_what_each_of_its_tokens_takes() {
+        let cases = [
+            ("events.>", "events.>", true),
+            ("events.>", "events.Order.o-1.Placed", true),
+            ("events.>", "events", false),
+            (">", "events.>", true),
+            ("events.*.>", "events.>", false),
+            ("events.*", "events.Order", true),
+            ("events.*", "events.*", true),
+            ("events.*", "events.>", false),
+            ("events.*", "events.Order.o-1", false),
+            ("events.Order.>", "events.>", false),
+            ("events.Order.>", "events.*.o-1.Placed", false),
+            ("events.*.o-1.Placed", "events.Order.o-1.Placed", true),
+            ("events.Order", "events.*", false),
+            ("events.Order", "events.Order", true),
+            ("events.Order", "events.Order.o-1", false),
+            ("events", "other", false),
+        ];
+        for (filter, pattern, expected) in cases {
+            assert_eq!(covers(filter, pattern), expected, "{filter} over {pattern}");
         }
     }
 
