@@ -19,9 +19,11 @@
 //!    event, and one unit of work of 10,000 events over as many aggregates, new and again;
 //! 7. the claim rate with a million published rows kept against an empty table;
 //! 8. the inbox: messages handled per second with a one-row business write, against a plain
-//!    consumer doing the same write without an inbox; with 2 and 3 instances of the consumer;
-//!    with an emitted event; on one key, with 1 and 2 instances; with handlers that wait
-//!    20 ms before the write (a call to another service), with 1, 2 and 3 instances;
+//!    consumer doing the same write without an inbox, both taking a stream of their own (the
+//!    inbox's default filter); with 2 and 3 instances of the consumer; with a filter narrower
+//!    than the stream; with an emitted event; on one key, with 1 and 2 instances; with
+//!    handlers that wait 20 ms before the write (a call to another service), with 1, 2 and 3
+//!    instances;
 //! 9. a three-node JetStream cluster on loopback (three nats-server processes the benchmark
 //!    starts: `NATS_SERVER_BIN`, else `nats-server` on the PATH, else Debian's): the ceiling,
 //!    this relay and its commit-to-ack latency, on a stream of one replica and of three.
@@ -61,7 +63,7 @@ use futures::stream::FuturesUnordered;
 use futures::{StreamExt, TryStreamExt};
 use outbox_runtime::{
     DomainEvent, Handler, Inbox, InboxConfig, Metadata, Outbox, PendingEvents, PublishedRows,
-    Relay, RelayConfig, UnitOfWork, UnitOfWorkError, aggregate,
+    Relay, RelayConfig, StreamSettings, Topology, UnitOfWork, UnitOfWorkError, aggregate,
 };
 use serde::{Deserialize, Serialize};
 
@@ -411,6 +413,11 @@ impl Bench {
                 "   scale-out: 2 instances / 1 = {:.2}x, 3 instances / 1 = {:.2}x",
                 inbox.inbox2 / inbox.inbox,
                 inbox.inbox3 / inbox.inbox
+            );
+            report(
+                "8. inbox: the same write, a filter narrower than the stream",
+                inbox.narrow,
+                "messages/s",
             );
             report(
                 "8. inbox: the same write and one emitted event",
@@ -928,6 +935,8 @@ struct InboxRates {
     inbox: f64,
     inbox2: f64,
     inbox3: f64,
+    /// One instance, its filter narrower than its stream (`{prefix}.Inbox.>`).
+    narrow: f64,
     emitting: f64,
     hot: f64,
     hot2: f64,
@@ -1394,10 +1403,11 @@ impl Bench {
         })
     }
 
-    /// Figure 8: publishes `events` messages straight to the stream (as the relay would), then
-    /// times a plain consumer and the inbox over them, each with its own durable consumer and
-    /// `max_concurrency` database connections; then the inbox over a tenth as many messages
-    /// that all share one partition key, so are handled one at a time.
+    /// Figure 8: publishes `events` messages straight to the run's stream (as the relay
+    /// would), then times a plain consumer and the inbox over them, each with its own durable
+    /// consumer and `max_concurrency` database connections; then the inbox over a tenth as
+    /// many messages that all share one partition key, so are handled one at a time, on a
+    /// stream of their own (so that the first consumers take their whole stream).
     async fn inbox_rates(&self) -> Result<InboxRates, BoxError> {
         let js = jetstream::new(self.place.nats.clone());
         let mut conn = AsyncPgConnection::establish(&self.place.database_url).await?;
@@ -1405,6 +1415,34 @@ impl Bench {
             "CREATE TABLE bench_effects (key text PRIMARY KEY, handled bigint NOT NULL)",
         )
         .await?;
+        // The run's stream holds the "Inbox" messages only, so that a consumer of them takes
+        // the whole stream, as one with the inbox's default filter does; the one-key messages
+        // go to a stream of their own.
+        let hot = Topology::new(
+            format!("{}hot", self.place.prefix).parse()?,
+            StreamSettings {
+                name: format!("{}_HOT", self.place.stream),
+                create: false,
+                ..StreamSettings::default()
+            },
+        );
+        js.create_stream(jetstream::stream::Config {
+            name: hot.stream.name.clone(),
+            subjects: vec![hot.subject_prefix.all_subjects()],
+            ..Default::default()
+        })
+        .await?;
+        let result = self.inbox_rates_on(&js, &hot).await;
+        js.delete_stream(&hot.stream.name).await?;
+        result
+    }
+
+    /// [`Self::inbox_rates`] once its streams are there: `hot`, the one-key messages'.
+    async fn inbox_rates_on(
+        &self,
+        js: &jetstream::Context,
+        hot: &Topology,
+    ) -> Result<InboxRates, BoxError> {
         let filler = self
             .args
             .payload
@@ -1413,12 +1451,12 @@ impl Bench {
             n: 0,
             pad: "x".repeat(filler),
         })?);
-        let messages = |kind: &str, count: usize, aggregates: usize| {
+        let messages = |topology: &Topology, kind: &str, count: usize, aggregates: usize| {
             (0..count)
                 .map(|i| {
                     let aggregate = format!("a{}", i % aggregates);
                     let seq = (i / aggregates) as i64 + 1;
-                    let subject = format!("{}.{kind}.{aggregate}.Ticked", self.place.prefix);
+                    let subject = format!("{}.{kind}.{aggregate}.Ticked", topology.subject_prefix);
                     let headers = message_headers(uuid::Uuid::now_v7(), kind, &aggregate, seq);
                     (subject, headers)
                 })
@@ -1426,29 +1464,32 @@ impl Bench {
         };
         let events = self.args.events;
         let hot_count = (events / 10).max(1);
+        let main = self.place.topology();
         publish_pipelined(
-            &js,
-            messages("Inbox", events, self.args.aggregates.max(1)),
+            js,
+            messages(&main, "Inbox", events, self.args.aggregates.max(1)),
             payload.clone(),
         )
         .await?;
-        publish_pipelined(&js, messages("Hot", hot_count, 1), payload).await?;
-        let config = |consumer: &str, kind: &str| {
+        publish_pipelined(js, messages(hot, "Hot", hot_count, 1), payload).await?;
+        // A consumer of all its topology's subjects, or with `filter` (narrower than its
+        // stream).
+        let config = |consumer: &str, topology: &Topology, filter: Option<String>| {
             let mut config = InboxConfig::new(consumer, &self.place.database_url);
             config.outbox = Outbox::with_topology(self.place.topology());
-            config.topology = self.place.topology();
-            config.filter_subjects = vec![format!("{}.{kind}.>", self.place.prefix)];
+            config.topology = topology.clone();
+            config.filter_subjects = filter.into_iter().collect();
             config
         };
 
-        // The plain consumer: the same write in its own transaction, then the ack.
-        let plain_config = config("plain", "Inbox");
+        // The plain consumer: the same write in its own transaction, then the ack. It takes
+        // the whole stream without a filter, as the inbox's consumer does.
+        let plain_config = config("plain", &main, None);
         let consumer = js
             .get_stream(&self.place.stream)
             .await?
             .create_consumer(pull::Config {
                 durable_name: Some("plain".to_owned()),
-                filter_subject: plain_config.filters().remove(0),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ..Default::default()
             })
@@ -1489,16 +1530,18 @@ impl Bench {
 
         let mut rates = Vec::new();
         let waiting = Duration::from_millis(HANDLER_WAIT_MS);
-        for (consumer, kind, count, emit, instances, wait) in [
-            ("inbox", "Inbox", events, false, 1, Duration::ZERO),
-            ("inbox2", "Inbox", events, false, 2, Duration::ZERO),
-            ("inbox3", "Inbox", events, false, 3, Duration::ZERO),
-            ("emitting", "Inbox", events, true, 1, Duration::ZERO),
-            ("hot", "Hot", hot_count, false, 1, Duration::ZERO),
-            ("hot2", "Hot", hot_count, false, 2, Duration::ZERO),
-            ("waiting1", "Inbox", hot_count, false, 1, waiting),
-            ("waiting2", "Inbox", hot_count, false, 2, waiting),
-            ("waiting3", "Inbox", hot_count, false, 3, waiting),
+        let narrow = Some(format!("{}.Inbox.>", main.subject_prefix));
+        for (consumer, topology, filter, count, emit, instances, wait) in [
+            ("inbox", &main, None, events, false, 1, Duration::ZERO),
+            ("inbox2", &main, None, events, false, 2, Duration::ZERO),
+            ("inbox3", &main, None, events, false, 3, Duration::ZERO),
+            ("narrow", &main, narrow, events, false, 1, Duration::ZERO),
+            ("emitting", &main, None, events, true, 1, Duration::ZERO),
+            ("hot", hot, None, hot_count, false, 1, Duration::ZERO),
+            ("hot2", hot, None, hot_count, false, 2, Duration::ZERO),
+            ("waiting1", &main, None, hot_count, false, 1, waiting),
+            ("waiting2", &main, None, hot_count, false, 2, waiting),
+            ("waiting3", &main, None, hot_count, false, 3, waiting),
         ] {
             let handled = Arc::new(AtomicUsize::new(0));
             let handler = Effects {
@@ -1510,7 +1553,8 @@ impl Bench {
             let mut inboxes = Vec::new();
             for _ in 0..instances {
                 let nats = outbox_runtime::nats::connect(&self.place.nats_url).await?;
-                inboxes.push(Inbox::connect(config(consumer, kind), nats, handler.clone()).await?);
+                let config = config(consumer, topology, filter.clone());
+                inboxes.push(Inbox::connect(config, nats, handler.clone()).await?);
             }
             let cpu = CpuTimes::now();
             let started = Instant::now();
@@ -1530,10 +1574,11 @@ impl Bench {
             inbox: rates[0],
             inbox2: rates[1],
             inbox3: rates[2],
-            emitting: rates[3],
-            hot: rates[4],
-            hot2: rates[5],
-            waiting: [rates[6], rates[7], rates[8]],
+            narrow: rates[3],
+            emitting: rates[4],
+            hot: rates[5],
+            hot2: rates[6],
+            waiting: [rates[7], rates[8], rates[9]],
             hot_count,
         })
     }
