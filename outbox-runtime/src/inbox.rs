@@ -812,9 +812,10 @@ struct Shared<H, C: InboxConnection> {
     config: InboxConfig,
     /// The consumer's subject filters ([`InboxConfig::filters`]).
     filters: Vec<String>,
-    /// The consumer has no filter on the server: it was created when `filters` took every
-    /// subject of the stream ([`takes_whole_stream`]), and a message of a subject the stream
-    /// gained since is skipped here, as a filter would have left it out.
+    /// The consumer has no filter on the server (created so where `filters` took every
+    /// subject of the stream, [`takes_whole_stream`], or found so): a message under none of
+    /// `filters`, of a subject the stream captured since, is skipped here, as a filter would
+    /// have left it out.
     unfiltered: bool,
     /// Whether a message outside the filters was skipped (and warned of) yet.
     skipped_outside: AtomicBool,
@@ -881,11 +882,12 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     ///
     /// Where the filters take every subject the stream captures (the default, `{prefix}.>`,
     /// on the topology's stream), the consumer is created without a filter: it gets the same
-    /// messages, and nats-server 2.9 spends up to twenty times less CPU on each (a filtered
-    /// consumer makes it count the pending messages by their subjects, one partition key
-    /// each, for every message it delivers; BENCHMARKS.md, "Consumer instances"). An existing
-    /// consumer without a filter is taken as it is, and a message of a subject the stream
-    /// captured since, under none of the filters, is skipped ([`Outcome::Skipped`], acked).
+    /// messages, and nats-server before 2.9.15 spends up to ten times less CPU on each (a
+    /// filtered consumer can make it count the pending messages by their subjects, one
+    /// partition key each, for every message it delivers; BENCHMARKS.md, "Consumer
+    /// instances"). An existing consumer without a filter is taken as it is, and a message of
+    /// a subject the stream captured since, under none of the filters, is skipped
+    /// ([`Outcome::Skipped`], acked). An existing consumer with filters must have these.
     ///
     /// # Errors
     /// [`InboxError::Config`] (also for a `database_url` of another database than `C`'s, or
@@ -922,7 +924,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
         // Where the filters take every subject of the stream, the consumer has none: the same
-        // messages, and far less of nats-server 2.9's time (see `takes_whole_stream`).
+        // messages, and far less of an older nats-server's time (see `takes_whole_stream`).
         let stream_config = &stream.cached_info().config;
         let (filter_subject, filter_subjects) = match filters.as_slice() {
             _ if takes_whole_stream(stream_config, &filters) => (String::new(), Vec::new()),
@@ -2025,14 +2027,14 @@ fn supports_filter_subjects(version: &str) -> bool {
 /// Whether `filters` take every message a stream of `config` stores: it captures only
 /// subjects that some filter covers (no sources, mirror or subject transform, whose messages
 /// keep or take other subjects). A consumer without a filter then gets the same messages,
-/// and costs the server less: nats-server 2.9 counts a filtered consumer's pending messages
-/// (`consumer.go`, `streamNumPending`) by comparing the subjects of a message block's
-/// messages with each of its distinct subjects that match (`filestore.go`,
-/// `filteredPendingLocked`), once for each message delivered when that count's last sequence
-/// came out 0 (which it does in one of its branches), and the relay's subjects carry a
-/// partition key each: 60-95% of the server's CPU in a profile of one inbox instance, up to
-/// 1 ms a message (BENCHMARKS.md, "Consumer instances"). A consumer without a filter takes
-/// the count's shortcut.
+/// and costs the server less: nats-server before 2.9.15 (Debian's 2.9.10) counts a filtered
+/// consumer's pending messages (`consumer.go`, `streamNumPending`) by comparing the subjects
+/// of a message block's messages with each of its distinct subjects that match
+/// (`filestore.go`, `filteredPendingLocked`), once for each message delivered when that
+/// count's last sequence came out 0 (which it does in one of its branches), and the relay's
+/// subjects carry a partition key each: 95% of the server's CPU in a profile of one inbox
+/// instance, up to 1.1 ms a message (BENCHMARKS.md, "Consumer instances"). A consumer without
+/// a filter takes the count's shortcut.
 fn takes_whole_stream(config: &jetstream::stream::Config, filters: &[String]) -> bool {
     !config.subjects.is_empty()
         && config.mirror.is_none()
