@@ -926,8 +926,9 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         // Where the filters take every subject of the stream, the consumer has none: the same
         // messages, and far less of an older nats-server's time (see `takes_whole_stream`).
         let stream_config = &stream.cached_info().config;
+        let whole_stream = takes_whole_stream(stream_config, &filters);
         let (filter_subject, filter_subjects) = match filters.as_slice() {
-            _ if takes_whole_stream(stream_config, &filters) => (String::new(), Vec::new()),
+            _ if whole_stream => (String::new(), Vec::new()),
             [one] => (one.clone(), Vec::new()),
             several => (String::new(), several.to_vec()),
         };
@@ -956,15 +957,15 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         // filters must have these.
         let unfiltered = existing.filter_subject.is_empty() && existing.filter_subjects.is_empty();
         if unfiltered {
-            if !takes_whole_stream(stream_config, &filters) {
+            if !whole_stream {
                 tracing::warn!(
                     consumer = %config.consumer,
                     stream = %config.topology.stream.name,
                     stream_subjects = ?stream_config.subjects,
                     ?filters,
                     "the consumer has no filter and the stream captures more than the filters \
-                     take: the inbox skips (acks) the messages outside them; delete the \
-                     consumer for one that filters them out on the server"
+                     take: JetStream delivers those messages too, and the inbox skips (acks) \
+                     them"
                 );
             }
         } else {
