@@ -288,12 +288,18 @@ pub struct InboxConfig {
     /// At least `retry_delay`, or the configuration is refused.
     pub max_retry_delay: Duration,
     /// Messages handled at once (different aggregates), and database connections. An
-    /// instance also holds up to four times this many messages it has not started.
+    /// instance also holds up to four times this many messages it has not started, beyond
+    /// those it keeps aside behind a retry or a parked event (see `max_ack_pending`).
     /// Default 16.
     pub max_concurrency: usize,
     /// Messages JetStream delivers, across the consumer's instances, before it waits for
     /// acks: the consumer's `max_ack_pending`. Default 1,000, the NATS server's own default
     /// for a consumer (docs.nats.io, JetStream consumers, "MaxAckPending").
+    ///
+    /// Also the most messages an instance keeps aside (in memory, with progress acks, not
+    /// handed back) while an earlier message of their aggregate waits for a retry or is
+    /// parked; they run in order once it is applied. A bound on an instance's memory:
+    /// this many messages' payloads beyond its buffer.
     pub max_ack_pending: usize,
     /// How long an event waits for a predecessor that is in the stream and not applied
     /// before it is applied over it (the predecessor is then dead-lettered when it comes).

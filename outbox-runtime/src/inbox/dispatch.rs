@@ -1,10 +1,10 @@
 //! The consumer loop: pulls messages, queues them by ordering key (their aggregate) in
 //! stream order, and handles them with bounded concurrency, one at a time per key.
 //!
-//! An instance holds at most `4 x max_concurrency` messages it has not started: it asks
-//! JetStream for no more than the room it has, so that what a crashed instance
-//! leaves unacked is small beside the consumer's `max_ack_pending`, and another instance
-//! keeps receiving messages meanwhile.
+//! An instance holds at most `4 x max_concurrency` messages it has not started (beyond
+//! those it keeps aside, which could not start: see below): it asks JetStream for no more
+//! than the room it has, so that what a crashed instance leaves unacked is small beside the
+//! consumer's `max_ack_pending`, and another instance keeps receiving messages meanwhile.
 //!
 //! An event whose predecessor is in the stream and not applied is *parked*: kept here (with
 //! progress acks), its key's later messages queued behind it, while the consumer's position
@@ -20,36 +20,38 @@
 //!
 //! A message that must wait otherwise (its handler failed, or parking is full or over its
 //! time) is nak'd with a delay and holds its key: the later messages of that key that
-//! arrive meanwhile are nak'd back too, rather than kept, so the buffer holds only messages
-//! that can run. The key is released when the held message comes back and is processed, or,
-//! if it went to another instance, after its delay plus `ack_wait`. The database's order
-//! check (see `inbox::order`) makes this an economy, not the guarantee: a message that
-//! overtakes its predecessor anyway is held when it reaches the database.
+//! arrive meanwhile, or were waiting, are *kept aside*: held here with progress acks, not
+//! counted against the buffer's room (so the instance goes on pulling its other keys'
+//! messages), and run in order once the held message comes back and is processed. The
+//! messages behind a parked event beyond half the buffer are kept aside as well. Only the
+//! held message goes back to JetStream: a key's chain handed back was redelivered once per
+//! retry at best, and, with the host loaded, came back out of stream order, since JetStream
+//! redelivers nak'd messages in the order their delays end (nats-server
+//! `server/consumer.go`, `checkPending`, `processNak`: v2.9.10, v2.14.5), which the naks'
+//! transit times shift; each gap then sent the rest round again. The key stops waiting
+//! for its held message here [`Hold::release`] after it is due (it went to another
+//! instance, or is late): what it kept aside then runs, and the database's order check
+//! (see `inbox::order`) waits for the held message wherever it went. That check makes all
+//! of this an economy, not the guarantee: a message that overtakes its predecessor anyway
+//! is held when it reaches the database.
 //!
-//! A key's messages nak'd back while it waits are nak'd to come back together, at one
-//! instant (just after the held message; a fixed time after the first of them behind a
-//! parked event), rather than each a fixed delay after it arrived: JetStream redelivers the
-//! messages whose delay ended at the same check in stream order, and the others in the
-//! order their delays end (nats-server `server/consumer.go`, `checkPending`: v2.9.10, v2.14.5),
-//! so an aggregate's messages come back in its order instead of in the order they happened
-//! to arrive. (Each nak'd a fixed delay after it arrived, a run that came back out of order
-//! went back out of order again.) Until they are due back, those that come back with their
-//! held message (its delay under a second) count against the buffer's room: JetStream
-//! delivers in stream order, so while an aggregate's chain waits, pulling more would mostly
-//! fetch more of that chain only to hand it back again. One such hold hands back about a
-//! buffer's worth of messages, where it handed back every message of the chain that the
-//! consumer's `max_ack_pending` let through (after a crash, some had been delivered 36
-//! times). Behind a longer wait (a handler's retry delay of seconds) they are nak'd to come
-//! back with the held message too (within `ack_wait`), not each second, so the chain passes
-//! once per retry, but they are not counted, or the instance would stop pulling its other
-//! aggregates' messages for as long (see `Hold::returns_behind`). The room comes back
-//! [`RETURN_MARGIN`] after they are due: nats-server queues an expired nak delay for
-//! redelivery when its pending timer fires, a millisecond after the due time or 10 ms after
-//! the last nak (`server/consumer.go`, `ackWait`, `processNak`), and a pull sent before that
-//! receives the chain's later messages ahead of them. Those nak'd from behind a parked event
-//! are not counted either: a parked event is released within milliseconds when another
-//! instance applies its predecessor, and an instance that stopped pulling meanwhile kept a
-//! hot aggregate's pace 15-20 % slower.
+//! At most the consumer's `max_ack_pending` messages are kept aside, the most JetStream
+//! delivers unacked anyway (a message nak'd back stays pending there too), so an instance
+//! holds at most that many messages' payloads beyond its buffer. Beyond it (a consumer
+//! whose limit is higher on the server), a key's later messages are nak'd back, to come
+//! back together, at one instant (just after the held message; a fixed time after the first
+//! of them behind a parked event), rather than each a fixed delay after it arrived. Until
+//! they are due back, those that come back with their held message (its delay under a
+//! second) count against the buffer's room: JetStream delivers in stream order, so while an
+//! aggregate's chain waits, pulling more would mostly fetch more of that chain only to hand
+//! it back again. Behind a longer wait (a handler's retry delay of seconds) they are nak'd to
+//! come back with the held message too (within `ack_wait`), but not counted, or the
+//! instance would stop pulling its other aggregates' messages for as long (see
+//! `Hold::returns_behind`). The room comes back [`RETURN_MARGIN`] after they are due:
+//! nats-server queues an expired nak delay for redelivery when its pending timer fires, a
+//! millisecond after the due time or 10 ms after the last nak (`server/consumer.go`,
+//! `ackWait`, `processNak`), and a pull sent before that receives the chain's later messages
+//! ahead of them.
 //!
 //! Messages are pulled by bounded requests, one at a time, each for as many messages as the
 //! buffer has room for and ended by JetStream when they are delivered or after a second, so
@@ -106,7 +108,12 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
     let _stop_on_exit = stop.clone().drop_guard();
     let purging = tokio::spawn(purge_loop(inbox.clone(), stop.clone()));
     let max_buffered = config.max_concurrency.saturating_mul(BUFFERED_PER_HANDLER);
-    let mut queues = Queues::new(config.max_concurrency, max_buffered, config.ack_wait);
+    let mut queues = Queues::new(
+        config.max_concurrency,
+        max_buffered,
+        config.max_ack_pending,
+        config.ack_wait,
+    );
     // The position check of the parked events in progress: a task of its own, since it
     // waits for a pooled connection that only the handlers this loop drives give back.
     let mut checking: Option<AbortOnDropHandle<Option<Positions>>> = None;
@@ -173,6 +180,7 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
             }
         }
         let next_return = queues.next_return();
+        let next_release = queues.next_release();
         let naks = tokio::select! {
             biased;
             () = &mut shutdown => break,
@@ -206,6 +214,13 @@ pub(super) async fn run<H: Handler<C>, C: InboxConnection>(
             // at JetStream now: pull again.
             () = tokio::time::sleep_until(next_return.unwrap_or(pull_ends)),
                 if pull.is_none() && next_return.is_some() => Vec::new(),
+            // A held key whose message did not come back here in time runs what it kept
+            // aside: the database's order check waits for the held message, wherever it went.
+            () = tokio::time::sleep_until(next_release.unwrap_or(pull_ends)),
+                if next_release.is_some() => {
+                queues.release_due();
+                Vec::new()
+            }
             _ = heartbeat.tick() => {
                 // The ack floor is kept fresh for a consumer created again (see
                 // `Inbox::restore_consumer`); read in a task of its own, since JetStream may
@@ -456,6 +471,11 @@ struct Key {
     earlier_here: CancellationToken,
     /// A nak'd message the key waits for.
     held_for: Option<Hold>,
+    /// Later messages kept here while the key waits for its held message (or its parked
+    /// event), by stream sequence: not counted against the buffer's room, and not handed
+    /// back, so that they neither come back from JetStream out of order nor take the room
+    /// the instance pulls its other keys' messages with.
+    aside: BTreeMap<u64, jetstream::Message>,
     /// The parked event (in `waiting`) and what it waits on.
     parked: Option<Parked>,
     /// When the messages nak'd from behind the parked event come back.
@@ -471,9 +491,13 @@ struct Hold {
     sequence: u64,
     /// When JetStream redelivers it.
     back: Instant,
-    /// When the key stops waiting for it (it went to another instance, or its nak was
-    /// lost): `back` plus `ack_wait`.
+    /// The latest the later messages nak'd behind it are due back: `back` plus `ack_wait`
+    /// (within which the held message comes back even if its nak was lost).
     until: Instant,
+    /// When the key stops waiting for it here (it went to another instance, or is late):
+    /// `back` plus its delay, at least [`RETURN_MARGIN`] and at most [`SHORT_HOLD`]. The
+    /// key's messages then run, and the database's order check waits for the held one.
+    release: Instant,
 }
 
 impl Hold {
@@ -526,7 +550,16 @@ impl Key {
     }
 
     fn held(&self, now: Instant) -> Option<Hold> {
-        self.held_for.filter(|hold| now < hold.until)
+        self.held_for.filter(|hold| now < hold.release)
+    }
+
+    /// Whether the messages kept aside may join the waiting ones: the key neither waits for
+    /// a held message nor has one running (it may fail again) or parked.
+    fn may_release_aside(&self, now: Instant) -> bool {
+        !self.aside.is_empty()
+            && self.held(now).is_none()
+            && self.running.is_none()
+            && self.parked.is_none()
     }
 
     fn can_start(&self, now: Instant) -> bool {
@@ -546,6 +579,7 @@ impl Key {
 
     fn idle(&self) -> bool {
         self.waiting.is_empty()
+            && self.aside.is_empty()
             && self.running.is_none()
             && self.held_for.is_none()
             && self.parked.is_none()
@@ -559,30 +593,102 @@ struct Queues {
     buffered: usize,
     /// Keys with a parked event.
     parked: usize,
+    /// Messages kept aside, across keys.
+    aside: usize,
     max_running: usize,
     max_buffered: usize,
+    /// The most messages kept aside: the consumer's `max_ack_pending`, which JetStream
+    /// holds the messages nak'd back under as well (they stay pending until acked).
+    max_aside: usize,
     ack_wait: Duration,
     /// Since when each message (by stream sequence) has waited for its predecessor.
     held_since: HashMap<u64, Instant>,
     /// When the room of each message nak'd back to return with its held message is free
     /// again: [`RETURN_MARGIN`] after JetStream is due to redeliver it.
     returning: BinaryHeap<Reverse<Instant>>,
+    /// When each hold with messages kept aside is released ([`Hold::release`]), by key.
+    releases: BinaryHeap<Reverse<(Instant, String)>>,
 }
 
 impl Queues {
-    fn new(max_running: usize, max_buffered: usize, ack_wait: Duration) -> Self {
+    fn new(max_running: usize, max_buffered: usize, max_aside: usize, ack_wait: Duration) -> Self {
         Self {
             keys: HashMap::new(),
             ready: VecDeque::new(),
             running: 0,
             buffered: 0,
             parked: 0,
+            aside: 0,
             max_running,
             max_buffered,
+            max_aside,
             ack_wait,
             held_since: HashMap::new(),
             returning: BinaryHeap::new(),
+            releases: BinaryHeap::new(),
         }
+    }
+
+    /// When the first hold with messages kept aside is released.
+    fn next_release(&self) -> Option<Instant> {
+        self.releases.peek().map(|Reverse((release, _))| *release)
+    }
+
+    /// Releases the holds that are due: the messages their keys kept aside join the
+    /// waiting ones.
+    fn release_due(&mut self) {
+        let now = Instant::now();
+        while let Some(Reverse((release, _))) = self.releases.peek()
+            && *release <= now
+        {
+            let Reverse((_, name)) = self.releases.pop().expect("peeked");
+            self.release_aside(&name, now);
+        }
+    }
+
+    /// Moves the messages `name` kept aside to its waiting ones, where the key may take
+    /// them ([`Key::may_release_aside`]), and queues the key to run.
+    fn release_aside(&mut self, name: &str, now: Instant) {
+        let Some(key) = self.keys.get_mut(name) else {
+            return;
+        };
+        if key.held_for.is_some_and(|hold| now >= hold.release) {
+            key.held_for = None;
+        }
+        if !key.may_release_aside(now) {
+            return;
+        }
+        let aside = std::mem::take(&mut key.aside);
+        self.aside -= aside.len();
+        for (sequence, message) in aside {
+            // One received again since was kept among the waiting ones: that delivery is
+            // the one to settle.
+            if let std::collections::btree_map::Entry::Vacant(entry) = key.waiting.entry(sequence) {
+                entry.insert(message);
+                self.buffered += 1;
+            }
+        }
+        if !key.ready {
+            key.ready = true;
+            self.ready.push_back(name.to_owned());
+        }
+    }
+
+    /// Keeps `message`, a later message of a held key or one behind a parked event, aside;
+    /// gives it back when the most messages are kept aside already.
+    fn keep_aside(
+        &mut self,
+        key_name: &str,
+        message: jetstream::Message,
+    ) -> Option<jetstream::Message> {
+        if self.aside >= self.max_aside {
+            return Some(message);
+        }
+        let key = self.keys.get_mut(key_name).expect("a key that waits");
+        if key.aside.insert(sequence(&message), message).is_none() {
+            self.aside += 1;
+        }
+        None
     }
 
     /// How many messages to pull: the buffer's room, less the messages nak'd back to return
@@ -652,14 +758,23 @@ impl Queues {
         if let Some(hold) = key.held(now)
             && sequence > hold.sequence
         {
-            // It would only wait here: let JetStream keep it until the held one is back.
-            return self.nak_behind(hold, now, [message]);
+            // It would only wait among the waiting messages: kept aside, or, when the most
+            // are kept aside, handed back to JetStream until the held one is back.
+            return match self.keep_aside(&key_name, message) {
+                None => Vec::new(),
+                Some(message) => self.nak_behind(hold, now, [message]),
+            };
         }
         if blocked_full {
             // Half the buffer waits behind parked events already: keep room to receive the
-            // predecessors they wait for.
+            // predecessors they wait for. Kept aside, or, when the most are kept aside,
+            // handed back to come back together.
             let delay = key.behind_parked_delay(now);
-            return vec![(message, delay)];
+            return self
+                .keep_aside(&key_name, message)
+                .map(|message| (message, delay))
+                .into_iter()
+                .collect();
         }
         if key.waiting.insert(sequence, message).is_none() {
             self.buffered += 1;
@@ -727,20 +842,25 @@ impl Queues {
                 self.ready.push_back(finished.key.clone());
             }
             // Keep room to receive the predecessors the parked events wait for: no more than
-            // half the buffer waits behind them; this key's latest messages go back.
+            // half the buffer waits behind them; this key's latest messages are kept aside
+            // (or, when the most are, handed back to come back together).
             let excess = self.blocked().saturating_sub(self.max_buffered / 2);
             let key = self.keys.get_mut(&finished.key).expect("parked above");
+            let mut behind = Vec::new();
+            while behind.len() < excess
+                && let Some(entry) = key.waiting.last_entry()
+                && *entry.key() > parked_at
+            {
+                behind.push(entry.remove());
+            }
+            self.buffered -= behind.len();
             let mut naks = Vec::new();
-            if excess > 0 {
-                let delay = key.behind_parked_delay(now);
-                while naks.len() < excess
-                    && let Some(entry) = key.waiting.last_entry()
-                    && *entry.key() > parked_at
-                {
-                    naks.push((entry.remove(), delay));
+            for message in behind {
+                if let Some(message) = self.keep_aside(&finished.key, message) {
+                    let key = self.keys.get_mut(&finished.key).expect("parked above");
+                    naks.push((message, key.behind_parked_delay(now)));
                 }
             }
-            self.buffered -= naks.len();
             return naks;
         }
         let wait = match &finished.outcome {
@@ -762,25 +882,39 @@ impl Queues {
         key.running = None;
         let behind = wait.map(|delay| {
             let back = now + delay;
+            let until = back + self.ack_wait;
             let hold = Hold {
                 sequence: finished.sequence,
                 back,
-                until: back + self.ack_wait,
+                until,
+                release: (back + delay.clamp(RETURN_MARGIN, SHORT_HOLD)).min(until),
             };
             key.held_for = Some(hold);
             (hold, key.waiting.split_off(&finished.sequence))
         });
         if key.idle() {
             self.keys.remove(&finished.key);
-        } else if !key.ready {
+            return Vec::new();
+        }
+        if !key.ready {
             key.ready = true;
-            self.ready.push_back(finished.key);
+            self.ready.push_back(finished.key.clone());
         }
         let Some((hold, later)) = behind else {
+            // Its message settled: what the key kept aside may run.
+            self.release_aside(&finished.key, now);
             return Vec::new();
         };
         self.buffered -= later.len();
-        self.nak_behind(hold, now, later.into_values())
+        self.releases
+            .push(Reverse((hold.release, finished.key.clone())));
+        let mut naks = Vec::new();
+        for message in later.into_values() {
+            if let Some(message) = self.keep_aside(&finished.key, message) {
+                naks.push(message);
+            }
+        }
+        self.nak_behind(hold, now, naks)
     }
 
     /// Keeps waiting messages from redelivery, releases keys whose held message did not
@@ -790,12 +924,12 @@ impl Queues {
         let now = Instant::now();
         let mut released = Vec::new();
         for (name, key) in &mut self.keys {
-            for message in key.waiting.values() {
+            for message in key.waiting.values().chain(key.aside.values()) {
                 if let Err(error) = message.ack_with(AckKind::Progress).await {
                     tracing::debug!(%error, "progress ack failed");
                 }
             }
-            if key.held_for.is_some_and(|hold| now >= hold.until) {
+            if key.held_for.is_some_and(|hold| now >= hold.release) {
                 key.held_for = None;
                 released.push(name.clone());
             }
@@ -803,6 +937,7 @@ impl Queues {
         // Parked events whose time is up run again, whether or not a position check ends.
         self.unpark(Vec::new());
         for name in released {
+            self.release_aside(&name, now);
             if let Some(key) = self.keys.get_mut(&name) {
                 if key.idle() {
                     self.keys.remove(&name);
@@ -876,13 +1011,14 @@ impl Queues {
         self.parked = 0;
         for key in self.keys.values_mut() {
             key.parked = None;
-            messages.extend(
-                std::mem::take(&mut key.waiting)
-                    .into_values()
-                    .map(|message| (message, Duration::ZERO)),
-            );
+            let mut kept = std::mem::take(&mut key.waiting);
+            for (sequence, message) in std::mem::take(&mut key.aside) {
+                kept.entry(sequence).or_insert(message);
+            }
+            messages.extend(kept.into_values().map(|message| (message, Duration::ZERO)));
         }
         self.buffered = 0;
+        self.aside = 0;
         messages
     }
 }
