@@ -740,6 +740,9 @@ impl Queues {
         let now = Instant::now();
         let key_name = ordering_key(&message);
         let sequence = sequence(&message);
+        // A hold released a moment ago (its timer not served yet): what its key kept aside
+        // joins the waiting messages before this one is queued beside them.
+        self.release_aside(&key_name, now);
         // Counted only for a message behind a parked event: route runs for every message.
         let behind_parked = self
             .keys
@@ -769,12 +772,11 @@ impl Queues {
             // Half the buffer waits behind parked events already: keep room to receive the
             // predecessors they wait for. Kept aside, or, when the most are kept aside,
             // handed back to come back together.
-            let delay = key.behind_parked_delay(now);
-            return self
-                .keep_aside(&key_name, message)
-                .map(|message| (message, delay))
-                .into_iter()
-                .collect();
+            let Some(message) = self.keep_aside(&key_name, message) else {
+                return Vec::new();
+            };
+            let key = self.keys.get_mut(&key_name).expect("routed above");
+            return vec![(message, key.behind_parked_delay(now))];
         }
         if key.waiting.insert(sequence, message).is_none() {
             self.buffered += 1;
@@ -996,6 +998,9 @@ impl Queues {
             }
         }
         for name in released {
+            // What the key kept aside may wait again (the parked event may have gone aside
+            // itself, behind a held message that failed once more).
+            self.release_aside(&name, now);
             if let Some(key) = self.keys.get_mut(&name)
                 && !key.ready
             {
