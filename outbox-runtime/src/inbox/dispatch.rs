@@ -1064,3 +1064,145 @@ async fn purge_loop<H: Handler<C>, C: InboxConnection>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A JetStream context on a client that never connects: the messages below are only
+    /// queued, never settled.
+    async fn context() -> jetstream::Context {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect("nats://127.0.0.1:1")
+            .await
+            .expect("a client that connects later");
+        jetstream::new(client)
+    }
+
+    /// Stream message `sequence`, ordered by `key` (its subject: no headers).
+    fn message(context: &jetstream::Context, key: &str, sequence: u64) -> jetstream::Message {
+        jetstream::Message {
+            message: async_nats::Message {
+                subject: key.into(),
+                reply: Some(format!("$JS.ACK.S.C.1.{sequence}.{sequence}.0.0").into()),
+                payload: Default::default(),
+                headers: None,
+                status: None,
+                description: None,
+                length: 0,
+            },
+            context: context.clone(),
+        }
+    }
+
+    fn finished(key: &str, sequence: u64, outcome: Outcome) -> Finished {
+        Finished {
+            key: key.to_owned(),
+            sequence,
+            outcome,
+            settled: true,
+            parked: None,
+        }
+    }
+
+    fn retry() -> Outcome {
+        Outcome::Retry {
+            delay: RETURN_MARGIN,
+            error: "failed".to_owned(),
+        }
+    }
+
+    fn started(queues: &mut Queues) -> Option<u64> {
+        queues.next_to_start().map(|job| sequence(&job.message))
+    }
+
+    fn aggregate() -> Aggregate {
+        Aggregate {
+            source: String::new(),
+            aggregate_type: "Order".to_owned(),
+            aggregate_id: "o-1".to_owned(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_held_keys_later_messages_are_kept_aside_and_run_in_order_after_it() {
+        let context = context().await;
+        let mut queues = Queues::new(4, 16, 100, Duration::from_secs(5));
+        assert!(queues.route(message(&context, "a", 1)).is_empty());
+        assert_eq!(started(&mut queues), Some(1));
+        assert!(queues.route(message(&context, "a", 2)).is_empty());
+        assert!(queues.finished(finished("a", 1, retry())).is_empty());
+        assert!(queues.route(message(&context, "a", 3)).is_empty());
+        assert_eq!((queues.aside, queues.buffered), (2, 0));
+        assert_eq!(queues.room(), 16, "what is kept aside takes no room");
+        assert_eq!(started(&mut queues), None);
+        // The held message comes back and is applied: the two follow, in order.
+        assert!(queues.route(message(&context, "a", 1)).is_empty());
+        assert_eq!(started(&mut queues), Some(1));
+        assert!(
+            queues
+                .finished(finished("a", 1, Outcome::Handled))
+                .is_empty()
+        );
+        assert_eq!((queues.aside, queues.buffered), (0, 2));
+        assert_eq!(started(&mut queues), Some(2));
+        assert!(
+            queues
+                .finished(finished("a", 2, Outcome::Handled))
+                .is_empty()
+        );
+        assert_eq!(started(&mut queues), Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_key_whose_held_message_is_late_runs_what_it_kept_aside() {
+        let context = context().await;
+        let mut queues = Queues::new(4, 16, 100, Duration::from_secs(5));
+        queues.route(message(&context, "a", 1));
+        started(&mut queues);
+        queues.finished(finished("a", 1, retry()));
+        queues.route(message(&context, "a", 2));
+        queues.route(message(&context, "a", 3));
+        let release = queues.next_release().expect("a hold to release");
+        tokio::time::sleep_until(release).await;
+        queues.release_due();
+        assert_eq!(started(&mut queues), Some(2));
+        // It waits for the held message, parked; which comes late and fails once more: the
+        // parked event goes aside with the rest.
+        let parked = Parked {
+            sequence: 2,
+            aggregate: aggregate(),
+            seq: 2,
+            since: Instant::now(),
+        };
+        let mut parked_here = finished(
+            "a",
+            2,
+            Outcome::Held {
+                delay: RETURN_MARGIN,
+                reason: "its predecessor".to_owned(),
+            },
+        );
+        parked_here.parked = Some((message(&context, "a", 2), parked));
+        assert!(queues.finished(parked_here).is_empty());
+        queues.route(message(&context, "a", 1));
+        assert_eq!(started(&mut queues), Some(1));
+        queues.finished(finished("a", 1, retry()));
+        assert_eq!(queues.aside, 2);
+        queues.route(message(&context, "a", 1));
+        assert_eq!(started(&mut queues), Some(1));
+        queues.finished(finished("a", 1, Outcome::Handled));
+        assert_eq!(
+            started(&mut queues),
+            None,
+            "the parked event is still parked"
+        );
+        // The position check finds the predecessor applied: the parked event runs, and the
+        // one behind it.
+        queues.unpark(vec![(aggregate(), 1)]);
+        assert_eq!(started(&mut queues), Some(2));
+        queues.finished(finished("a", 2, Outcome::Handled));
+        assert_eq!(started(&mut queues), Some(3));
+    }
+}
