@@ -68,7 +68,11 @@
 //! progress acks, so a long handler is not redelivered meanwhile. An instance holds at most
 //! `4 x max_concurrency` messages it has not started (64 by default), far below the
 //! consumer's `max_ack_pending` (1,000), so the other instances, or a restarted one, keep
-//! receiving messages while a dead instance's wait out their `ack_wait`. Worst cases: after a
+//! receiving messages while a dead instance's wait out their `ack_wait`. Beyond those it
+//! keeps aside the later messages of an aggregate whose event waits (for a retry, or for its
+//! predecessor), up to `max_ack_pending` in all: they run in order once that event is
+//! applied, rather than going back to JetStream, which redelivers nak'd messages in the
+//! order their delays end, not always the aggregate's. Worst cases: after a
 //! crash, the dead instance's messages, and the later events of their aggregates, wait
 //! `ack_wait`; the rest flow at once. On a graceful stop ([`InboxHandle::shutdown`]) the
 //! instance naks what it has not started, for immediate redelivery, and finishes what it has.
