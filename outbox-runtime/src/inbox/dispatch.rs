@@ -606,7 +606,8 @@ struct Queues {
     /// When the room of each message nak'd back to return with its held message is free
     /// again: [`RETURN_MARGIN`] after JetStream is due to redeliver it.
     returning: BinaryHeap<Reverse<Instant>>,
-    /// When each hold with messages kept aside is released ([`Hold::release`]), by key.
+    /// When each hold is released ([`Hold::release`]), by key: every hold has its entry,
+    /// since its key may keep messages aside until then.
     releases: BinaryHeap<Reverse<(Instant, String)>>,
 }
 
@@ -629,13 +630,13 @@ impl Queues {
         }
     }
 
-    /// When the first hold with messages kept aside is released.
+    /// When the first hold is released.
     fn next_release(&self) -> Option<Instant> {
         self.releases.peek().map(|Reverse((release, _))| *release)
     }
 
-    /// Releases the holds that are due: the messages their keys kept aside join the
-    /// waiting ones.
+    /// Releases the holds that are due: their keys' later messages may start, those kept
+    /// aside joining the waiting ones; a key left with nothing is forgotten.
     fn release_due(&mut self) {
         let now = Instant::now();
         while let Some(Reverse((release, _))) = self.releases.peek()
@@ -643,6 +644,14 @@ impl Queues {
         {
             let Reverse((_, name)) = self.releases.pop().expect("peeked");
             self.release_aside(&name, now);
+            if let Some(key) = self.keys.get_mut(&name) {
+                if key.idle() {
+                    self.keys.remove(&name);
+                } else if !key.ready {
+                    key.ready = true;
+                    self.ready.push_back(name);
+                }
+            }
         }
     }
 
@@ -735,7 +744,9 @@ impl Queues {
         naks
     }
 
-    /// Queues a received message; returns what to nak (a later message of a held key).
+    /// Queues a received message, or keeps it aside (a later message of a held key, or one
+    /// behind a parked event); returns what to nak (such a message, when the most are kept
+    /// aside already).
     fn route(&mut self, message: jetstream::Message) -> Vec<(jetstream::Message, Duration)> {
         let now = Instant::now();
         let key_name = ordering_key(&message);
@@ -823,7 +834,7 @@ impl Queues {
     }
 
     /// Records a finished message; returns what to nak (the later messages of a key that is
-    /// now held).
+    /// now held, or is parked, beyond what may be kept aside).
     fn finished(&mut self, finished: Finished) -> Vec<(jetstream::Message, Duration)> {
         self.running -= 1;
         let now = Instant::now();
@@ -919,36 +930,20 @@ impl Queues {
         self.nak_behind(hold, now, naks)
     }
 
-    /// Keeps waiting messages from redelivery, releases keys whose held message did not
-    /// come back in time and parked events whose time is up, and forgets holds of messages
-    /// long gone to other instances.
+    /// Keeps waiting and kept-aside messages from redelivery, releases parked events whose
+    /// time is up, and forgets holds of messages long gone to other instances. (Held keys
+    /// are released by their timer: [`Queues::release_due`].)
     async fn heartbeat(&mut self) -> Vec<(jetstream::Message, Duration)> {
         let now = Instant::now();
-        let mut released = Vec::new();
-        for (name, key) in &mut self.keys {
+        for key in self.keys.values() {
             for message in key.waiting.values().chain(key.aside.values()) {
                 if let Err(error) = message.ack_with(AckKind::Progress).await {
                     tracing::debug!(%error, "progress ack failed");
                 }
             }
-            if key.held_for.is_some_and(|hold| now >= hold.release) {
-                key.held_for = None;
-                released.push(name.clone());
-            }
         }
         // Parked events whose time is up run again, whether or not a position check ends.
         self.unpark(Vec::new());
-        for name in released {
-            self.release_aside(&name, now);
-            if let Some(key) = self.keys.get_mut(&name) {
-                if key.idle() {
-                    self.keys.remove(&name);
-                } else if !key.ready {
-                    key.ready = true;
-                    self.ready.push_back(name);
-                }
-            }
-        }
         let forget_after = Duration::from_secs(3600);
         self.held_since
             .retain(|_, since| now.duration_since(*since) < forget_after);
