@@ -18,11 +18,11 @@ use futures::StreamExt;
 use outbox_runtime::outbox::schema::{outbox_inbox_dead_letters, outbox_inbox_gaps};
 use outbox_runtime::{Handler, Inbox, InboxHandle, Metadata, Outcome, UnitOfWork};
 use support::consumer::{
-    Recording, Rounds, applied, applied_count, assert_applied_in_order, commit_rounds,
-    consumer_config, consumer_database, deliveries, relay_all, run_until_settled, spawn_instances,
-    wait_until_applied, wait_until_settled,
+    Recording, Rounds, applied, applied_count, assert_applied_in_order, commit_round,
+    commit_rounds, consumer_config, consumer_database, deliveries, relay_all, run_until_settled,
+    spawn_instances, wait_until_applied, wait_until_settled,
 };
-use support::domain::OrderEvent;
+use support::domain::{Order, OrderEvent};
 use support::{Logs, NatsServer, Proxy, Severed, TestEnv, wait_until};
 
 /// Fetches up to `count` messages for the consumer, leaving them unacked.
@@ -615,6 +615,22 @@ async fn an_aggregate_held_for_a_retry_does_not_cycle_its_chain_through_the_inst
     );
 }
 
+/// The aggregate of each applied event, in the order they were applied.
+async fn applied_aggregates(conn: &mut diesel_async::AsyncPgConnection) -> Vec<String> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        aggregate: String,
+    }
+    diesel::sql_query("SELECT aggregate FROM applied ORDER BY n")
+        .load::<Row>(conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| row.aggregate)
+        .collect()
+}
+
 /// One aggregate's first event fails its handler three times, with retry delays of 4 s, in
 /// front of its 59 later events; nine other aggregates' events are interleaved with them in
 /// the stream. The failing aggregate's messages kept while it waits must not take the room
@@ -640,18 +656,7 @@ async fn an_aggregate_waiting_for_a_long_retry_does_not_hold_up_the_others() {
     .await;
     let mut conn = consumer.conn().await;
     assert_applied_in_order(&applied(&mut conn).await, AGGREGATES, EVENTS as i64);
-    #[derive(QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = diesel::sql_types::Text)]
-        aggregate: String,
-    }
-    let order: Vec<String> = diesel::sql_query("SELECT aggregate FROM applied ORDER BY n")
-        .load::<Row>(&mut conn)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|row| row.aggregate)
-        .collect();
+    let order = applied_aggregates(&mut conn).await;
     let first_of_failing = order
         .iter()
         .position(|aggregate| aggregate == "o-0")
@@ -742,6 +747,113 @@ async fn a_chain_kept_aside_follows_its_event_applied_by_another_instance() {
         "the chain followed its first event only {followed:.2?} after it was applied: it \
          waited for the event to come back to the instance that kept it"
     );
+}
+
+/// One aggregate's first event fails three times in front of its 99 later events, more than
+/// the consumer's `max_ack_pending` (40); nine other aggregates' events follow them in the
+/// stream. JetStream delivers no new message while `max_ack_pending` are unacked (nats-server
+/// `server/consumer.go`, `getNextMsg`: `errMaxAckPending`), and the later events an instance
+/// keeps aside behind the failing one are unacked: the consumer waits until the failing event
+/// is applied, and only that long. Its retries still come back (JetStream redelivers past the
+/// limit), nothing waits for good, the chain is not handed back, and every aggregate is
+/// applied in order: with one instance, and with two (the chain spread over both, one of
+/// them waiting for an event the other holds).
+async fn behind_a_chain_longer_than_max_ack_pending(instances: usize) {
+    const CHAIN: usize = 100;
+    const OTHERS: usize = 9;
+    const OTHER_EVENTS: usize = 10;
+    const FAILURES: usize = 3;
+    const MAX_ACK_PENDING: usize = 40;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 1, CHAIN).await;
+    // Relayed first: a relay publishes its aggregates side by side.
+    relay_all(&producer).await;
+    let mut conn = producer.conn().await;
+    let mut others: Vec<Order> = (1..=OTHERS)
+        .map(|n| Order::place(&format!("p-{n}"), "ada", 1))
+        .collect();
+    for round in 0..OTHER_EVENTS {
+        commit_round(&producer, &mut conn, &mut others, round).await;
+    }
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "longer-than-pending");
+    config.max_ack_pending = MAX_ACK_PENDING;
+    config.max_concurrency = 4;
+    config.ack_wait = Duration::from_secs(2);
+    config.retry_delay = Duration::from_millis(500);
+    config.max_retry_delay = Duration::from_millis(500);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = FailingFirst {
+        aggregate: "o-0",
+        failures: FAILURES,
+        calls: calls.clone(),
+    };
+    let probe = Inbox::connect(config.clone(), producer.nats.clone(), handler.clone())
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let running = spawn_instances(&config, &handler, &support::nats_url(), instances).await;
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(60)).await;
+    let took = started.elapsed();
+    for instance in running {
+        instance.shutdown().await.unwrap();
+    }
+    let mut conn = consumer.conn().await;
+    let applied = applied(&mut conn).await;
+    assert_eq!(applied.len(), 1 + OTHERS, "every aggregate: {applied:?}");
+    for (aggregate, seqs) in &applied {
+        let events = if aggregate == "o-0" {
+            CHAIN
+        } else {
+            OTHER_EVENTS
+        };
+        let expected: Vec<i64> = (1..=events as i64).collect();
+        assert_eq!(
+            *seqs, expected,
+            "{aggregate} applied out of order or not whole"
+        );
+    }
+    let redelivered =
+        usize::try_from(deliveries(&probe).await).unwrap() - CHAIN - OTHERS * OTHER_EVENTS;
+    // What the limit does (not asserted: it is JetStream's): the other aggregates' events,
+    // behind the chain in the stream, wait for the failing event.
+    let order = applied_aggregates(&mut conn).await;
+    let first_of_failing = order.iter().position(|aggregate| aggregate == "o-0");
+    let others_before = order[..first_of_failing.unwrap_or(0)].len();
+    println!(
+        "{instances} instance(s): {redelivered} redeliveries, every message settled in \
+         {took:.2?}, behind {FAILURES} failures {:?} apart; {others_before} of the others' \
+         events applied before the failing one",
+        config.retry_delay
+    );
+    assert!(
+        AtomicUsize::load(&calls, Ordering::SeqCst) > FAILURES,
+        "the failing event was never applied"
+    );
+    // The failed event, once per failure; the messages another instance parked or kept
+    // aside until its position check (a pull's worth each time at most).
+    let bound = if instances == 1 {
+        2 * FAILURES
+    } else {
+        2 * FAILURES + MAX_ACK_PENDING
+    };
+    assert!(
+        redelivered < bound,
+        "{redelivered} redeliveries: the chain was handed back while its first event waited"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_chain_longer_than_max_ack_pending_holds_up_one_instance_only_until_it_is_applied()
+ {
+    behind_a_chain_longer_than_max_ack_pending(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_chain_longer_than_max_ack_pending_holds_up_two_instances_only_until_it_is_applied()
+ {
+    behind_a_chain_longer_than_max_ack_pending(2).await;
 }
 
 /// The error of every message the inbox dead-lettered.

@@ -304,6 +304,13 @@ pub struct InboxConfig {
     /// handed back) while an earlier message of their aggregate waits for a retry or is
     /// parked; they run in order once it is applied. A bound on an instance's memory:
     /// this many messages' payloads beyond its buffer.
+    ///
+    /// While this many are unacked, JetStream delivers the consumer no new message (only
+    /// redeliveries: nats-server `server/consumer.go`, `getNextMsg`), and the messages kept
+    /// aside are unacked: an aggregate that waits with more later messages in the stream than
+    /// this holds up every other aggregate of the consumer until its waiting event is applied
+    /// or dead-lettered (with the defaults, `max_attempts` handler calls and the nak delays
+    /// between them). Raise it where one aggregate's backlog can outgrow it.
     pub max_ack_pending: usize,
     /// How long an event waits for a predecessor that is in the stream and not applied
     /// before it is applied over it (the predecessor is then dead-lettered when it comes).
