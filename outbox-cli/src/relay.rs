@@ -224,6 +224,7 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let config = args.config(database_url);
     let kind = Kind::of(database_url);
+    check(kind, &config)?;
     let nats = args.nats.connect("outbox-relay").await?;
     let mut relay = connect(kind, config.clone(), nats).await?;
     tracing::info!(
@@ -274,7 +275,25 @@ pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, St
     }
 }
 
-/// The relay of the database `kind`, connected and running.
+/// Refuses, before anything is connected, what the relay would refuse once connected: its
+/// configuration, a database this build does not relay, a SQLite file that is not there.
+/// So the setting at fault is named whether or not NATS and the database are up.
+fn check(kind: Kind, config: &RelayConfig) -> Result<(), String> {
+    config.validate().map_err(|e| e.to_string())?;
+    match kind {
+        Kind::Postgres => Ok(()),
+        #[cfg(feature = "mysql")]
+        Kind::Mysql => Ok(()),
+        #[cfg(not(feature = "mysql"))]
+        Kind::Mysql => Err(built_without("mysql")),
+        #[cfg(feature = "sqlite")]
+        Kind::Sqlite => crate::operate::sqlite_file_exists(&config.database_url),
+        #[cfg(not(feature = "sqlite"))]
+        Kind::Sqlite => Err(built_without("sqlite")),
+    }
+}
+
+/// The relay of the database `kind`, connected and running (after [`check`]).
 async fn connect(
     kind: Kind,
     config: RelayConfig,
@@ -293,13 +312,10 @@ async fn connect(
         #[cfg(not(feature = "mysql"))]
         Kind::Mysql => Err(built_without("mysql")),
         #[cfg(feature = "sqlite")]
-        Kind::Sqlite => Ok({
-            crate::operate::sqlite_file_exists(&config.database_url)?;
-            outbox_runtime::sqlite::SqliteRelay::connect(config, nats)
-                .await
-                .map_err(|e| e.to_string())?
-                .spawn()
-        }),
+        Kind::Sqlite => Ok(outbox_runtime::sqlite::SqliteRelay::connect(config, nats)
+            .await
+            .map_err(|e| e.to_string())?
+            .spawn()),
         #[cfg(not(feature = "sqlite"))]
         Kind::Sqlite => Err(built_without("sqlite")),
     }

@@ -798,9 +798,13 @@ async fn left(env: &TestEnv) -> Vec<String> {
 /// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
 /// connections), more workers than a relay runs (each a connection of the database's), and a
 /// first retry delay over its cap, are refused before the relay starts, naming the setting.
+/// Each setting the relay cannot honour is refused, naming it, before anything is
+/// connected: with NATS up, and with NATS unreachable (where the NATS error came first and
+/// hid the setting at fault).
 #[tokio::test]
 async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     let env = TestEnv::new().await;
+    let unreachable = "nats://127.0.0.1:1";
     for (flags, says) in [
         (
             &["--poll-interval", "0s"][..],
@@ -822,27 +826,30 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
             &["--retry-delay", "10m"][..],
             "retry_delay 600s is longer than max_retry_delay 300s",
         ),
+        (
+            &["--stream", "ORDERS AND MORE"][..],
+            "topology.stream.name \"ORDERS AND MORE\" is not a JetStream stream name",
+        ),
     ] {
-        let mut args = vec![
-            "relay",
-            "--subject-prefix",
-            &env.prefix,
-            "--stream",
-            &env.stream,
-        ];
+        let mut args = vec!["relay", "--subject-prefix", &env.prefix];
+        if !flags.contains(&"--stream") {
+            args.extend(["--stream", &env.stream]);
+        }
         args.extend_from_slice(flags);
-        let refused = refused(&env, &support::nats_url(), &args);
-        assert_eq!(
-            refused.status.code(),
-            Some(2),
-            "{flags:?}: {}",
-            text(&refused)
-        );
-        assert!(
-            text(&refused).contains(says),
-            "{flags:?}: {}",
-            text(&refused)
-        );
+        for nats_url in [support::nats_url(), unreachable.to_owned()] {
+            let refused = refused(&env, &nats_url, &args);
+            assert_eq!(
+                refused.status.code(),
+                Some(2),
+                "{flags:?} with NATS at {nats_url}: {}",
+                text(&refused)
+            );
+            assert!(
+                text(&refused).contains(says),
+                "{flags:?} with NATS at {nats_url}: {}",
+                text(&refused)
+            );
+        }
     }
 }
 

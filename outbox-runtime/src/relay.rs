@@ -314,7 +314,20 @@ impl RelayConfig {
         self.ack_timeout + self.statement_timeout + self.max_backoff + self.poll_interval
     }
 
-    fn validate(&self) -> Result<(), RelayError> {
+    /// Checks the configuration without connecting anything: what every relay's `connect`
+    /// ([`Relay::connect`], and on MySQL and SQLite theirs) refuses before it touches NATS
+    /// or the database, so that a service or a daemon can refuse a bad setting at once,
+    /// whether or not the servers are up. A relay on MySQL or SQLite also refuses a
+    /// `connector` at its `connect`.
+    ///
+    /// # Errors
+    /// [`RelayError::Config`], naming the setting and its bound: a timeout of zero, an
+    /// interval under [`MIN_INTERVAL`] or a duration over [`MAX_DURATION`], a count of zero
+    /// (`workers`, `batch_size`, `max_in_flight`, `max_attempts`), `retry_delay` over
+    /// `max_retry_delay`, more than [`MAX_WORKERS`] workers, `max_attempts` over
+    /// `i32::MAX`, a stream name JetStream refuses, or `max_in_flight` over tokio's
+    /// semaphore's `MAX_PERMITS`.
+    pub fn validate(&self) -> Result<(), RelayError> {
         for (name, value) in [
             ("connect_timeout", self.connect_timeout),
             ("statement_timeout", self.statement_timeout),
