@@ -417,7 +417,21 @@ impl InboxConfig {
         }
     }
 
-    fn validate(&self) -> Result<(), InboxError> {
+    /// Checks the configuration without connecting anything: what [`Inbox::connect`]
+    /// refuses before it asks NATS or the database, so that a service can refuse a bad
+    /// setting at once, whether or not the servers are up. Once connected, `connect` also
+    /// refuses several `filter_subjects` on a server before 2.10, and a `database_url` of
+    /// another database than the handler's connection type.
+    ///
+    /// # Errors
+    /// [`InboxError::Config`], naming the setting and its bound: a filter outside the
+    /// topology's prefix, a stream or consumer name NATS refuses (the consumer's at most 255
+    /// bytes), a count of zero (`max_attempts`, `max_concurrency`, `max_ack_pending`),
+    /// `max_attempts` over `i32::MAX`, `ack_wait` under 100 ms, a timeout under 1 ms, a
+    /// `purge_interval` under [`MIN_INTERVAL`](crate::relay::MIN_INTERVAL), a duration over
+    /// [`MAX_DURATION`](crate::relay::MAX_DURATION), `retry_delay` over `max_retry_delay`, or a
+    /// `retention` shorter than [`own_redelivery_time`](Self::own_redelivery_time).
+    pub fn validate(&self) -> Result<(), InboxError> {
         let prefix = &self.topology.subject_prefix;
         if let Some(filter) = self
             .filter_subjects
