@@ -325,7 +325,9 @@ impl RelayConfig {
     /// interval under [`MIN_INTERVAL`] or a duration over [`MAX_DURATION`], a count of zero
     /// (`workers`, `batch_size`, `max_in_flight`, `max_attempts`), `retry_delay` over
     /// `max_retry_delay`, more than [`MAX_WORKERS`] workers, `max_attempts` over
-    /// `i32::MAX`, a stream name JetStream refuses, or `max_in_flight` over tokio's
+    /// `i32::MAX`, stream settings a stream would not take (its name, `replicas` outside 1
+    /// to 5, a `duplicate_window` of zero or over `max_age`, a `max_bytes` below 1 other
+    /// than -1: [`StreamSettings`](crate::StreamSettings)), or `max_in_flight` over tokio's
     /// semaphore's `MAX_PERMITS`.
     pub fn validate(&self) -> Result<(), RelayError> {
         for (name, value) in [
