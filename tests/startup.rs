@@ -457,6 +457,58 @@ async fn a_consumer_whose_filter_lies_outside_its_topology_is_refused_naming_bot
     );
 }
 
+/// A filter NATS would not take (an empty token, a wildcard inside a token, `>` before the
+/// end, whitespace) is refused by `connect`, naming the filter and what is wrong with it,
+/// rather than by JetStream's "consumer filter subject is not a valid subset of the interest
+/// subjects" when the consumer is created.
+#[tokio::test]
+async fn a_consumer_whose_filter_is_not_a_subject_filter_is_refused_naming_its_fault() {
+    let env = TestEnv::new().await;
+    env.create_stream(Duration::from_secs(120)).await;
+    let prefix = &env.prefix;
+    for (filter, says) in [
+        (
+            format!("{prefix}.Order..Placed"),
+            "token 3 (\"\"): it is empty",
+        ),
+        (
+            format!("{prefix}.Order.>.Placed"),
+            "token 3 is '>', which stands only as the last token",
+        ),
+        (
+            format!("{prefix}.Order.o*.Placed"),
+            "token 3 (\"o*\"): it contains the NATS wildcard '*'",
+        ),
+        (
+            format!("{prefix}.Order.*.Placed "),
+            "token 4 (\"Placed \"): it contains whitespace",
+        ),
+        (format!("{prefix}.Order."), "token 3 (\"\"): it is empty"),
+    ] {
+        let mut config = InboxConfig::new("malformed", &env.database_url);
+        config.topology = env.topology();
+        config.filter_subjects = vec![filter.clone()];
+        assert!(
+            matches!(config.validate(), Err(InboxError::Config(_))),
+            "{filter:?} passed validate"
+        );
+        let error = Inbox::connect(config, env.nats.clone(), Nothing)
+            .await
+            .err()
+            .expect("a malformed filter is refused");
+        let text = error.to_string();
+        assert!(
+            matches!(error, InboxError::Config(_)),
+            "{filter:?}: {error:?}"
+        );
+        assert!(
+            text.contains(&format!("subject filter {filter:?} is not valid"))
+                && text.contains(says),
+            "{filter:?}: {text}"
+        );
+    }
+}
+
 /// The PostgreSQL entry points given another database's URL say which module serves it,
 /// instead of the driver's "invalid connection string"; nothing is opened.
 #[tokio::test]

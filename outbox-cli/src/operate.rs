@@ -1116,6 +1116,11 @@ pub(crate) struct TailArgs {
 
 pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
     use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+    // Before connecting: JetStream's own word for a malformed filter ("not a valid subset
+    // of the interest subjects") does not say what is wrong, and an empty one follows all.
+    if let Some(subject) = &args.subject {
+        outbox_runtime::subject::validate_filter(subject).map_err(|e| format!("--subject: {e}"))?;
+    }
     let nats = args.nats.connect("outbox-tail").await?;
     let stream = async_nats::jetstream::new(nats)
         .get_stream(&args.stream)

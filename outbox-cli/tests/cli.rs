@@ -853,6 +853,35 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     }
 }
 
+/// `outbox tail --subject` takes a NATS subject filter, and says what is wrong with one that
+/// is not, before it connects: JetStream's answer named no fault ("consumer filter subject is
+/// not a valid subset of the interest subjects"), and an empty filter followed every subject.
+#[tokio::test]
+async fn tail_refuses_a_subject_that_is_not_a_filter_naming_its_fault() {
+    let env = TestEnv::new().await;
+    for (subject, says) in [
+        ("events..Placed", "token 2 (\"\"): it is empty"),
+        ("", "token 1 (\"\"): it is empty"),
+        (
+            "events.>.Placed",
+            "token 2 is '>', which stands only as the last token",
+        ),
+    ] {
+        for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
+            let args = ["tail", "--stream", &env.stream, "--subject", subject];
+            let refused = refused(&env, &nats_url, &args);
+            let output = text(&refused);
+            assert_eq!(refused.status.code(), Some(2), "{subject:?}: {output}");
+            assert!(
+                output.contains(&format!(
+                    "--subject: subject filter {subject:?} is not valid"
+                )) && output.contains(says),
+                "{subject:?} with NATS at {nats_url}: {output}"
+            );
+        }
+    }
+}
+
 /// `outbox relay` for `env`, its output piped.
 fn relay_command(env: &TestEnv, nats_url: &str) -> Command {
     let mut command = command(env, nats_url);

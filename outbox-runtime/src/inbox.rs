@@ -263,8 +263,9 @@ pub struct InboxConfig {
     /// `{prefix}.>`. One filter works on every server; several make one durable consumer
     /// take several subjects (the consumer's `filter_subjects`, nats-server 2.10 and later;
     /// NATS docs, JetStream consumers, "FilterSubjects"), and [`Inbox::connect`] refuses them
-    /// on an older server, naming its version. A filter that cannot match a subject under the
-    /// prefix is refused too.
+    /// on an older server, naming its version. A filter that is not a subject filter
+    /// ([`validate_filter`](crate::subject::validate_filter)), or cannot match a subject
+    /// under the prefix, is refused too.
     pub filter_subjects: Vec<String>,
     /// Handler failures (errors or panics) before a message is dead-lettered. Deliveries do
     /// not count: a crash or a restart never dead-letters a message. Default 5.
@@ -424,8 +425,9 @@ impl InboxConfig {
     /// another database than the handler's connection type.
     ///
     /// # Errors
-    /// [`InboxError::Config`], naming the setting and its bound: a filter outside the
-    /// topology's prefix, a stream or consumer name NATS refuses (the consumer's at most 255
+    /// [`InboxError::Config`], naming the setting and its bound: a filter that is not a
+    /// subject filter ([`validate_filter`](crate::subject::validate_filter)) or lies outside
+    /// the topology's prefix, a stream or consumer name NATS refuses (the consumer's at most 255
     /// bytes), a count of zero (`max_attempts`, `max_concurrency`, `max_ack_pending`),
     /// `max_attempts` over `i32::MAX`, `ack_wait` under 100 ms, a timeout under 1 ms, a
     /// `purge_interval` under [`MIN_INTERVAL`](crate::relay::MIN_INTERVAL), a duration over
@@ -433,6 +435,10 @@ impl InboxConfig {
     /// `retention` shorter than [`own_redelivery_time`](Self::own_redelivery_time).
     pub fn validate(&self) -> Result<(), InboxError> {
         let prefix = &self.topology.subject_prefix;
+        for filter in &self.filter_subjects {
+            crate::subject::validate_filter(filter)
+                .map_err(|error| InboxError::Config(error.to_string()))?;
+        }
         if let Some(filter) = self
             .filter_subjects
             .iter()

@@ -150,6 +150,59 @@ pub fn validate_prefix(prefix: &str) -> Result<(), InvalidSubjectPrefix> {
     Ok(())
 }
 
+/// A subject filter NATS would not take, such as a consumer's `filter_subjects`: it is one or
+/// more tokens joined by `.`, each a valid token ([`validate_token`]) or the wildcard `*`,
+/// the last possibly `>`, at most [`MAX_SUBJECT_BYTES`] in all (NATS docs, "Subject-Based
+/// Messaging", "Wildcards").
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("subject filter {filter:?} is not valid: {reason}")]
+pub struct InvalidFilter {
+    /// The rejected filter, cut to its first 128 bytes.
+    pub filter: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// Checks a NATS subject filter such as `events.Order.*.Placed` or `events.>`.
+///
+/// # Errors
+/// [`InvalidFilter`] naming the filter and its first fault: its length, or the first token
+/// (counted from 1) that is empty, holds whitespace, a control character or a wildcard
+/// inside it, or is a `>` before the last.
+pub fn validate_filter(filter: &str) -> Result<(), InvalidFilter> {
+    let invalid = |reason: String| InvalidFilter {
+        filter: shortened(filter, 128),
+        reason,
+    };
+    if filter.len() > MAX_SUBJECT_BYTES {
+        return Err(invalid(format!(
+            "it is {} bytes long, over the limit of {MAX_SUBJECT_BYTES} bytes",
+            filter.len()
+        )));
+    }
+    let mut tokens = filter.split('.').enumerate().peekable();
+    while let Some((index, token)) = tokens.next() {
+        match token {
+            "*" => {}
+            ">" if tokens.peek().is_none() => {}
+            ">" => {
+                return Err(invalid(format!(
+                    "token {} is '>', which stands only as the last token",
+                    index + 1
+                )));
+            }
+            _ => validate_token(token).map_err(|reason| {
+                invalid(format!(
+                    "token {} ({:?}): {reason}",
+                    index + 1,
+                    shortened(token, 64)
+                ))
+            })?,
+        }
+    }
+    Ok(())
+}
+
 /// A subject the relay will not publish: a row's `subject` must lie under the relay's own
 /// `{prefix}.`, with valid tokens, within [`MAX_SUBJECT_BYTES`]. Anything else (a JetStream
 /// API subject such as `$JS.API.STREAM.PURGE.X`, a wildcard, a space) would reach another
@@ -339,6 +392,58 @@ mod tests {
             error.subject.len(),
             128 + 3,
             "the error carries a shortened subject"
+        );
+    }
+
+    #[test]
+    fn filters_take_whole_token_wildcards_and_a_last_greater_than() {
+        for filter in [
+            "events.>",
+            ">",
+            "*",
+            "events.Order.*.Placed",
+            "*.Order.>",
+            "events.Order.o-1.Placed",
+        ] {
+            assert_eq!(validate_filter(filter), Ok(()), "{filter}");
+        }
+        for (filter, reason) in [
+            ("", "token 1 (\"\"): it is empty"),
+            ("events..Placed", "token 2 (\"\"): it is empty"),
+            ("events.", "token 2 (\"\"): it is empty"),
+            (".events", "token 1 (\"\"): it is empty"),
+            (
+                "events.>.Placed",
+                "token 2 is '>', which stands only as the last token",
+            ),
+            (">.>", "token 1 is '>'"),
+            (
+                "events.o*",
+                "token 2 (\"o*\"): it contains the NATS wildcard '*'",
+            ),
+            (
+                "events.**",
+                "token 2 (\"**\"): it contains the NATS wildcard '*'",
+            ),
+            (
+                "events.a>",
+                "token 2 (\"a>\"): it contains the NATS wildcard '>'",
+            ),
+            (
+                "events.Order ",
+                "token 2 (\"Order \"): it contains whitespace",
+            ),
+            ("events.\u{7}", "control character"),
+        ] {
+            let error = validate_filter(filter).unwrap_err();
+            assert_eq!(error.filter, filter);
+            assert!(error.reason.contains(reason), "{filter:?}: {error}");
+        }
+        let long = format!("events.{}", "x".repeat(1100));
+        let error = validate_filter(&long).unwrap_err();
+        assert!(
+            error.reason.contains("over the limit of 1024 bytes"),
+            "{error}"
         );
     }
 
