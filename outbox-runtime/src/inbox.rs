@@ -420,9 +420,10 @@ impl InboxConfig {
 
     /// Checks the configuration without connecting anything: what [`Inbox::connect`]
     /// refuses before it asks NATS or the database, so that a service can refuse a bad
-    /// setting at once, whether or not the servers are up. Once connected, `connect` also
-    /// refuses several `filter_subjects` on a server before 2.10, and a `database_url` of
-    /// another database than the handler's connection type.
+    /// setting at once, whether or not the servers are up. `connect` also refuses a
+    /// `database_url` of another database than the handler's connection type (before it
+    /// connects, knowing that type), and several `filter_subjects` on a server before 2.10
+    /// (from the server's version).
     ///
     /// # Errors
     /// [`InboxError::Config`], naming the setting and its bound: a filter that is not a
