@@ -796,11 +796,10 @@ async fn left(env: &TestEnv) -> Vec<String> {
 }
 
 /// Intervals that would run a loop without a pause (an idle relay claiming, a purge opening
-/// connections), more workers than a relay runs (each a connection of the database's), and a
-/// first retry delay over its cap, are refused before the relay starts, naming the setting.
-/// Each setting the relay cannot honour is refused, naming it, before anything is
-/// connected: with NATS up, and with NATS unreachable (where the NATS error came first and
-/// hid the setting at fault).
+/// connections), more workers than a relay runs (each a connection of the database's), a
+/// first retry delay over its cap and a stream name JetStream refuses are refused before
+/// anything is connected, naming the setting: with NATS up, and with NATS unreachable
+/// (where the NATS error came first and hid the setting at fault).
 #[tokio::test]
 async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     let env = TestEnv::new().await;

@@ -122,8 +122,8 @@ impl Handler for Recording {
     }
 }
 
-/// What was applied: each aggregate's sequences in the order they were applied.
-pub async fn applied(conn: &mut AsyncPgConnection) -> BTreeMap<String, Vec<i64>> {
+/// Every applied event, `(aggregate, seq)`, in the order they were applied.
+pub async fn applied_in_order(conn: &mut AsyncPgConnection) -> Vec<(String, i64)> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = diesel::sql_types::Text)]
@@ -135,9 +135,16 @@ pub async fn applied(conn: &mut AsyncPgConnection) -> BTreeMap<String, Vec<i64>>
         .load(conn)
         .await
         .unwrap();
+    rows.into_iter()
+        .map(|row| (row.aggregate, row.seq))
+        .collect()
+}
+
+/// What was applied: each aggregate's sequences in the order they were applied.
+pub async fn applied(conn: &mut AsyncPgConnection) -> BTreeMap<String, Vec<i64>> {
     let mut applied: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for row in rows {
-        applied.entry(row.aggregate).or_default().push(row.seq);
+    for (aggregate, seq) in applied_in_order(conn).await {
+        applied.entry(aggregate).or_default().push(seq);
     }
     applied
 }
