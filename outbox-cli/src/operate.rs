@@ -1121,6 +1121,9 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
     if let Some(subject) = &args.subject {
         outbox_runtime::subject::validate_filter(subject).map_err(|e| format!("--subject: {e}"))?;
     }
+    // A stream name with a space or a `.` would reach JetStream's API subject as two tokens.
+    outbox_runtime::subject::validate_stream_name(&args.stream)
+        .map_err(|e| format!("--stream: {e}"))?;
     let nats = args.nats.connect("outbox-tail").await?;
     let stream = async_nats::jetstream::new(nats)
         .get_stream(&args.stream)

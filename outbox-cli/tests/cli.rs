@@ -881,6 +881,32 @@ async fn tail_refuses_a_subject_that_is_not_a_filter_naming_its_fault() {
     }
 }
 
+/// `outbox tail --stream` with a name JetStream would read as something else (its API subject
+/// `$JS.API.STREAM.INFO.<name>` split in two by a space or a `.`) is refused before
+/// connecting, naming the stream and its fault, whether NATS is up or not.
+#[tokio::test]
+async fn tail_refuses_a_stream_that_is_not_a_stream_name_naming_its_fault() {
+    let env = TestEnv::new().await;
+    for (stream, says) in [
+        ("ORDERS AND MORE", "it contains whitespace"),
+        ("ORDERS.V2", "'.'"),
+        ("ORDERS/V2", "the path separator '/'"),
+        ("", "it is empty"),
+    ] {
+        for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
+            let refused = refused(&env, &nats_url, &["tail", "--stream", stream]);
+            let output = text(&refused);
+            assert_eq!(refused.status.code(), Some(2), "{stream:?}: {output}");
+            assert!(
+                output.contains(&format!(
+                    "--stream: {stream:?} is not a JetStream stream name"
+                )) && output.contains(says),
+                "{stream:?} with NATS at {nats_url}: {output}"
+            );
+        }
+    }
+}
+
 /// `outbox relay` for `env`, its output piped.
 fn relay_command(env: &TestEnv, nats_url: &str) -> Command {
     let mut command = command(env, nats_url);

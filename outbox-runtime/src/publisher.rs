@@ -721,27 +721,10 @@ impl StreamSettings {
         Ok(())
     }
 
-    /// The stream name's first fault, as an error that names it. NATS docs, "Naming
-    /// Things": a stream name holds no whitespace, `.`, `*`, `>`, path separator or
-    /// non-printable character; nats-server 2.9 takes at most 255 bytes ("stream name is too
-    /// long, maximum allowed is 255").
+    /// The stream name's first fault, as an error that names it
+    /// ([`validate_stream_name`](crate::subject::validate_stream_name)).
     pub(crate) fn check_name(&self) -> Result<(), String> {
-        if self.name.len() > 255 {
-            return Err(format!(
-                "name is {} bytes long, over nats-server's limit of 255",
-                self.name.len()
-            ));
-        }
-        let name = crate::subject::shortened(&self.name, 64);
-        crate::subject::validate_token(&self.name)
-            .map_err(|reason| format!("name {name:?} is not a JetStream stream name: {reason}"))?;
-        if let Some(separator) = self.name.chars().find(|c| matches!(c, '/' | '\\')) {
-            return Err(format!(
-                "name {name:?} is not a JetStream stream name: it contains the path separator \
-                 {separator:?}"
-            ));
-        }
-        Ok(())
+        crate::subject::validate_stream_name(&self.name).map_err(|error| format!("name {error}"))
     }
 
     /// The settings of `config` that differ from these: `(setting, the stream's value, these

@@ -1253,11 +1253,12 @@ mod tests {
             );
         }
         assert_eq!(
-            checked(&"E".repeat(300)).as_deref(),
-            Some(
-                "relay configuration: topology.stream.name is 300 bytes long, over \
-                 nats-server's limit of 255"
-            )
+            checked(&"E".repeat(300)),
+            Some(format!(
+                "relay configuration: topology.stream.name \"{}...\" is not a JetStream \
+                 stream name: it is 300 bytes long, over nats-server's limit of 255",
+                "E".repeat(64)
+            ))
         );
         for name in ["EVENTS", "orders-events_2", "ÉVÉNEMENTS", &"E".repeat(255)] {
             assert_eq!(checked(name), None, "{name}");

@@ -203,6 +203,47 @@ pub fn validate_filter(filter: &str) -> Result<(), InvalidFilter> {
     Ok(())
 }
 
+/// A name JetStream would not take for a stream, or would take to mean something else.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{name:?} is not a JetStream stream name: {reason}")]
+pub struct InvalidStreamName {
+    /// The rejected name, cut to its first 64 bytes.
+    pub name: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// The most bytes of a stream name nats-server takes (2.9's error "stream name is too long,
+/// maximum allowed is 255").
+pub const MAX_STREAM_NAME_BYTES: usize = 255;
+
+/// Checks a JetStream stream name such as `EVENTS`, as a relay, an inbox and `outbox tail`
+/// do before they connect. NATS docs, "Naming Things": a stream name holds no whitespace,
+/// `.`, `*`, `>`, path separator (nats-server stores a stream in a directory of its name) or
+/// non-printable character, and is at most [`MAX_STREAM_NAME_BYTES`] long.
+///
+/// # Errors
+/// [`InvalidStreamName`] naming the name and its first fault.
+pub fn validate_stream_name(name: &str) -> Result<(), InvalidStreamName> {
+    let invalid = |reason: String| InvalidStreamName {
+        name: shortened(name, 64),
+        reason,
+    };
+    if name.len() > MAX_STREAM_NAME_BYTES {
+        return Err(invalid(format!(
+            "it is {} bytes long, over nats-server's limit of {MAX_STREAM_NAME_BYTES}",
+            name.len()
+        )));
+    }
+    validate_token(name).map_err(|reason| invalid(reason.to_string()))?;
+    if let Some(separator) = name.chars().find(|c| matches!(c, '/' | '\\')) {
+        return Err(invalid(format!(
+            "it contains the path separator {separator:?}"
+        )));
+    }
+    Ok(())
+}
+
 /// A subject the relay will not publish: a row's `subject` must lie under the relay's own
 /// `{prefix}.`, with valid tokens, within [`MAX_SUBJECT_BYTES`]. Anything else (a JetStream
 /// API subject such as `$JS.API.STREAM.PURGE.X`, a wildcard, a space) would reach another
@@ -393,6 +434,38 @@ mod tests {
             128 + 3,
             "the error carries a shortened subject"
         );
+    }
+
+    #[test]
+    fn stream_names_are_one_printable_token_without_a_path_separator() {
+        for name in ["EVENTS", "orders-v2", "a_b", &"S".repeat(255)] {
+            assert_eq!(validate_stream_name(name), Ok(()), "{name}");
+        }
+        for (name, reason) in [
+            ("", "it is empty"),
+            ("ORDERS AND MORE", "whitespace"),
+            ("ORDERS.V2", "'.'"),
+            ("ORDERS*", "'*'"),
+            ("ORDERS>", "'>'"),
+            ("ORDERS/V2", "the path separator '/'"),
+            ("ORDERS\\V2", "the path separator '\\\\'"),
+            ("ORDERS\u{0}", "control character"),
+        ] {
+            let error = validate_stream_name(name).unwrap_err();
+            assert_eq!(error.name, name);
+            assert!(error.reason.contains(reason), "{name:?}: {}", error.reason);
+            assert!(
+                error.to_string().contains("is not a JetStream stream name"),
+                "{error}"
+            );
+        }
+        let long = "S".repeat(256);
+        let error = validate_stream_name(&long).unwrap_err();
+        assert_eq!(
+            error.reason,
+            "it is 256 bytes long, over nats-server's limit of 255"
+        );
+        assert_eq!(error.name, format!("{}...", &long[..64]));
     }
 
     #[test]
