@@ -1913,7 +1913,8 @@ async fn four_events_each<B: Consumed>(env: &Env, ids: &[&str]) {
 
 /// Two instances of one consumer apply every event once, each aggregate's in sequence order;
 /// a second delivery of every message (a new durable consumer of the same name, from the
-/// stream's start) changes nothing; the consumer is listed, and retention deletes its rows.
+/// stream's start) changes nothing; the consumer is listed, and retention deletes its rows;
+/// a third delivery past retention applies nothing again, each event dead-lettered as late.
 async fn an_inbox_applies_each_event_once_in_order<B: Consumed>() {
     let env = B::setup().await;
     B::execute(&env, B::APPLIED_TABLE).await;
@@ -1971,6 +1972,40 @@ async fn an_inbox_applies_each_event_once_in_order<B: Consumed>() {
         B::count(&env, "outbox_inbox_positions").await,
         8,
         "positions are kept"
+    );
+
+    // Past retention (the ids forgotten), the whole stream delivered once more: the positions
+    // keep every event from being applied again. The inbox cannot tell an applied event whose
+    // id it forgot from one of its aggregate it never applied (a skipped dead letter retried
+    // late, another event numbered the same by a producer whose database was restored), so
+    // each is dead-lettered as late, for an operator to discard, rather than dropped.
+    async_nats::jetstream::new(env.nats.clone())
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .delete_consumer("applier")
+        .await
+        .unwrap();
+    consume(&env, &config, 1, Applier::<B>::new).await;
+    assert_eq!(
+        B::applied(&env).await,
+        expected,
+        "nothing applied again past retention"
+    );
+    let letters = B::inbox_dead_letters(&env).await;
+    assert_eq!(letters.len(), 32, "{letters:?}");
+    for (message_id, error) in &letters {
+        assert!(
+            error.contains("arrived after event 4 of its aggregate was applied"),
+            "{message_id}: {error}"
+        );
+    }
+    let mut conn = B::operator_conn(&env).await;
+    assert_eq!(
+        inbox::discard_dead_letters(&mut conn, Some("applier"))
+            .await
+            .unwrap(),
+        32
     );
 }
 

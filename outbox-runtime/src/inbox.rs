@@ -92,7 +92,12 @@
 //! (`max_attempts` times `ack_wait` plus the nak delays), the producer's relay horizon, and
 //! any replay of the stream from an earlier position. The default, 7 days, is far above the
 //! first two; a stream replayed from further back needs a longer one. Positions are kept:
-//! one row per aggregate.
+//! one row per aggregate. So a duplicate of an aggregate's event that comes after its id was
+//! purged is not applied again (the aggregate's position is past it), but the inbox cannot
+//! tell it from an event of the aggregate it never applied (a skipped dead letter published
+//! late, or an event numbered the same by a producer whose database was restored): it is
+//! dead-lettered as late, for an operator to check and discard. A message without an
+//! aggregate (a foreign producer's) is handled again.
 //!
 //! # Databases
 //! The inbox runs on the connection `C` of [`Inbox<H, C>`](Inbox), its handler's
