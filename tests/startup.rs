@@ -265,6 +265,42 @@ async fn a_stream_lookup_the_server_never_answers_names_the_ack_timeout_that_bou
     assert!(waited < Duration::from_secs(5), "{waited:?}");
 }
 
+/// A nats-server started without JetStream (`nats-server` without `-js`, a newcomer's first
+/// mistake) answers no request of JetStream's API: the relay and the inbox refuse to start
+/// saying so and how to start one. async-nats's own words for it, "requested JetStream
+/// resource does not exist", read as a missing stream.
+#[tokio::test]
+async fn a_nats_server_without_jetstream_is_named_as_such_by_the_relay_and_the_inbox() {
+    use outbox_runtime::nats::NO_JETSTREAM;
+    let server = NatsServer::start_without_jetstream().await;
+    let nats = outbox_runtime::nats::connect(&server.url()).await.unwrap();
+    let env = TestEnv::new().await;
+    let error = Relay::connect(env.relay_config(), nats.clone())
+        .await
+        .err()
+        .expect("a relay without JetStream is refused");
+    assert!(matches!(error, RelayError::Stream(_)), "{error:?}");
+    let text = error.to_string();
+    assert!(
+        text.contains(&format!("\"{}\"", env.stream)) && text.contains(NO_JETSTREAM),
+        "{text}"
+    );
+    assert!(NO_JETSTREAM.contains("start nats-server with -js"));
+
+    let mut config = InboxConfig::new("no-jetstream", &env.database_url);
+    config.topology = env.topology();
+    let error = Inbox::connect(config, nats, Nothing)
+        .await
+        .err()
+        .expect("an inbox without JetStream is refused");
+    let text = error.to_string();
+    assert!(matches!(error, InboxError::Consumer { .. }), "{error:?}");
+    assert!(
+        text.contains("no-jetstream") && text.contains(NO_JETSTREAM),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn an_empty_source_is_refused() {
     let env = TestEnv::new().await;

@@ -1128,7 +1128,10 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
     let stream = async_nats::jetstream::new(nats)
         .get_stream(&args.stream)
         .await
-        .map_err(|e| format!("stream {:?}: {e}", args.stream))?;
+        .map_err(|e| {
+            let text = outbox_runtime::nats::jetstream_error_text(&e);
+            format!("stream {:?}: {text}", args.stream)
+        })?;
     let consumer = stream
         .create_consumer(pull::OrderedConfig {
             deliver_policy: if args.all {

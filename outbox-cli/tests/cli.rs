@@ -907,6 +907,32 @@ async fn tail_refuses_a_stream_that_is_not_a_stream_name_naming_its_fault() {
     }
 }
 
+/// Against a nats-server without JetStream (started without `-js`), `outbox relay` and
+/// `outbox tail` say so and how to start one, where async-nats's words ("requested JetStream
+/// resource does not exist") read as a missing stream.
+#[tokio::test]
+async fn the_relay_and_tail_name_a_nats_server_without_jetstream() {
+    let env = TestEnv::new().await;
+    let server = NatsServer::start_without_jetstream().await;
+    let relay = [
+        "relay",
+        "--subject-prefix",
+        &env.prefix,
+        "--stream",
+        &env.stream,
+    ];
+    for args in [&relay[..], &["tail", "--stream", &env.stream]] {
+        let refused = refused(&env, &server.url(), args);
+        let output = text(&refused);
+        assert!(!refused.status.success(), "{args:?}: {output}");
+        assert!(
+            output.contains(&format!("{:?}", env.stream))
+                && output.contains(outbox_runtime::nats::NO_JETSTREAM),
+            "{args:?}: {output}"
+        );
+    }
+}
+
 /// `outbox relay` for `env`, its output piped.
 fn relay_command(env: &TestEnv, nats_url: &str) -> Command {
     let mut command = command(env, nats_url);

@@ -965,7 +965,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         let stream = jetstream::new(nats)
             .get_stream(&config.topology.stream.name)
             .await
-            .map_err(|e| consumer_error(e.to_string()))?;
+            .map_err(|e| consumer_error(crate::nats::jetstream_error_text(&e)))?;
         // Where the filters take every subject of the stream, the consumer has none: the same
         // messages, and far less of an older nats-server's time (see `takes_whole_stream`).
         let stream_config = &stream.cached_info().config;

@@ -103,6 +103,44 @@ pub fn server_at_least(version: &str, major: u64, minor: u64) -> bool {
     found >= (major, minor)
 }
 
+/// What a JetStream API request that nothing answered means, as [`jetstream_error_text`]
+/// says it: a nats-server with JetStream answers every request of its API (`$JS.API.>`),
+/// an unknown stream with an error (10059), so a request without responders reached a
+/// server that runs without JetStream (started without `-js` or a `jetstream` block), an
+/// account without it, or a server that disabled it (its log says why).
+pub const NO_JETSTREAM: &str = "nothing answers JetStream's API at this NATS server: it runs \
+    without JetStream (start nats-server with -js, as the repository's compose.yaml does), \
+    JetStream is off for this account, or the server disabled it (its log says why)";
+
+/// Whether `error` is, or was caused by, a JetStream API request that nothing answered
+/// (async-nats's `RequestErrorKind::NoResponders` of its JetStream context): see
+/// [`NO_JETSTREAM`].
+pub fn is_no_jetstream(error: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{RequestError, RequestErrorKind};
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if error
+            .downcast_ref::<RequestError>()
+            .is_some_and(|request| request.kind() == RequestErrorKind::NoResponders)
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
+/// The text of a JetStream API call's `error`: [`NO_JETSTREAM`] for a request that nothing
+/// answered (async-nats's own words, "requested JetStream resource does not exist", read as
+/// a missing stream), else the error's own.
+pub fn jetstream_error_text(error: &(dyn std::error::Error + 'static)) -> String {
+    if is_no_jetstream(error) {
+        NO_JETSTREAM.to_owned()
+    } else {
+        error.to_string()
+    }
+}
+
 /// The options and servers to connect to `urls` with: the credentials of the URLs as
 /// options, the servers without them. Add options of your own (TLS, a name) before
 /// connecting with `options.connect(servers)`.
@@ -300,6 +338,24 @@ impl NatsSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_jetstream_request_without_responders_is_told_as_no_jetstream() {
+        use async_nats::jetstream::context::{
+            GetStreamError, GetStreamErrorKind, RequestError, RequestErrorKind,
+        };
+        let lookup = |kind| {
+            GetStreamError::with_source(GetStreamErrorKind::Request, RequestError::new(kind))
+        };
+        let absent = lookup(RequestErrorKind::NoResponders);
+        assert!(is_no_jetstream(&absent));
+        assert_eq!(jetstream_error_text(&absent), NO_JETSTREAM);
+        let timed_out = lookup(RequestErrorKind::TimedOut);
+        assert!(!is_no_jetstream(&timed_out));
+        assert_eq!(jetstream_error_text(&timed_out), timed_out.to_string());
+        let missing = GetStreamError::new(GetStreamErrorKind::EmptyName);
+        assert!(!is_no_jetstream(&missing));
+    }
 
     #[test]
     fn credentials_leave_the_url() {

@@ -833,7 +833,7 @@ pub(crate) async fn ensure_stream(
                  its JetStream API requests too"
             ))
         } else {
-            api(error.to_string())
+            api(crate::nats::jetstream_error_text(error))
         }
     };
     let wanted = format!("{prefix}.>");

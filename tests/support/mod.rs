@@ -179,6 +179,8 @@ pub struct NatsServer {
     store: std::path::PathBuf,
     /// Arguments beyond the address, port and store (authentication, say).
     extra: Vec<String>,
+    /// Whether it runs JetStream (`-js`).
+    jetstream: bool,
     child: Option<std::process::Child>,
 }
 
@@ -200,6 +202,13 @@ impl NatsServer {
         Self::launch(Self::new_store(), extra).await
     }
 
+    /// A server without JetStream (no `-js`), as a newcomer may start one.
+    pub async fn start_without_jetstream() -> Self {
+        let mut server = Self::unstarted(Self::new_store(), Vec::new());
+        server.jetstream = false;
+        server.launched().await
+    }
+
     /// A server started with `--config` and a file holding `config` (nats-server's
     /// configuration format), kept beside its store and removed with it.
     pub async fn start_with_config(config: &str) -> Self {
@@ -216,24 +225,32 @@ impl NatsServer {
     }
 
     async fn launch(store: std::path::PathBuf, extra: Vec<String>) -> Self {
-        let mut server = Self {
+        Self::unstarted(store, extra).launched().await
+    }
+
+    fn unstarted(store: std::path::PathBuf, extra: Vec<String>) -> Self {
+        Self {
             port: free_port(),
             store,
             extra,
+            jetstream: true,
             child: None,
-        };
+        }
+    }
+
+    async fn launched(mut self) -> Self {
         // A port found free can be taken before the server binds it (by another test's
         // server, or as the local port of a connection): then it exits, and another port is
         // tried.
         for _ in 0..5 {
-            match server.try_start().await {
-                Ok(()) => return server,
-                Err(Start::Exited(_)) => server.port = free_port(),
+            match self.try_start().await {
+                Ok(()) => return self,
+                Err(Start::Exited(_)) => self.port = free_port(),
                 Err(Start::Failed(failure)) => panic!("{failure}"),
             }
         }
-        server.restart().await;
-        server
+        self.restart().await;
+        self
     }
 
     /// Where the server keeps its JetStream store (a test may look into it; its log and a
@@ -272,15 +289,9 @@ impl NatsServer {
         let log = self.store.with_extension("log");
         let log_file = std::fs::File::create(&log).expect("the server's log file");
         let mut child = std::process::Command::new(&binary)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(&self.store)
+            .args(self.jetstream.then_some("-js"))
             .args(&self.extra)
             .stdout(std::process::Stdio::null())
             .stderr(log_file)
