@@ -493,6 +493,56 @@ async fn a_consumer_whose_filter_lies_outside_its_topology_is_refused_naming_bot
     );
 }
 
+/// A durable consumer that exists with other filter subjects is refused at `connect`, naming
+/// both and what each way out costs, rather than changed in place (nats-server 2.9 records a
+/// new filter without applying it); once the operator deleted it, `connect` creates it anew.
+#[tokio::test]
+async fn a_consumer_that_exists_with_other_filters_is_refused_naming_both_and_the_ways_out() {
+    let env = TestEnv::new().await;
+    env.create_stream(Duration::from_secs(120)).await;
+    let prefix = &env.prefix;
+    let config = |filter: String| {
+        let mut config = InboxConfig::new("refiltered", &env.database_url);
+        config.topology = env.topology();
+        config.filter_subjects = vec![filter];
+        config
+    };
+    let (first, second) = (
+        format!("{prefix}.Order.>"),
+        format!("{prefix}.Order.*.Placed"),
+    );
+    let inbox: Inbox<Nothing> = Inbox::connect(config(first.clone()), env.nats.clone(), Nothing)
+        .await
+        .unwrap();
+    drop(inbox);
+    let error = Inbox::connect(config(second.clone()), env.nats.clone(), Nothing)
+        .await
+        .err()
+        .expect("other filters are refused");
+    assert!(matches!(error, InboxError::Consumer { .. }), "{error:?}");
+    let text = error.to_string();
+    for says in [
+        format!("filter subjects [{first:?}], not [{second:?}]"),
+        "delete it (`nats consumer rm`)".to_owned(),
+        "an older event of an aggregate it applied is dead-lettered as late".to_owned(),
+        "or choose another consumer name, which handles the whole stream as new".to_owned(),
+    ] {
+        assert!(text.contains(&says), "{says:?} in {text}");
+    }
+    env.jetstream()
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .delete_consumer("refiltered")
+        .await
+        .unwrap();
+    let inbox: Inbox<Nothing> = Inbox::connect(config(second.clone()), env.nats.clone(), Nothing)
+        .await
+        .unwrap();
+    let filter = &inbox.consumer().cached_info().config.filter_subject;
+    assert_eq!(filter, &second);
+}
+
 /// A filter NATS would not take (an empty token, a wildcard inside a token, `>` before the
 /// end, whitespace) is refused by `connect`, naming the filter and what is wrong with it,
 /// rather than by JetStream's "consumer filter subject is not a valid subset of the interest

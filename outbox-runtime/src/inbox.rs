@@ -1023,7 +1023,12 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             if existing_filters != wanted_filters {
                 return Err(consumer_error(format!(
                     "the consumer exists with filter subjects {existing_filters:?}, not \
-                     {wanted_filters:?}; delete it or choose another consumer name"
+                     {wanted_filters:?}; delete it (`nats consumer rm`) to have the next \
+                     connect deliver the whole stream under the new filters (what the \
+                     consumer handled within its retention is dropped as a duplicate, an \
+                     older event of an aggregate it applied is dead-lettered as late, an \
+                     older message without an aggregate is handled again), or choose another \
+                     consumer name, which handles the whole stream as new"
                 )));
             }
         }
