@@ -842,6 +842,59 @@ async fn a_waiting_chain_longer_than_max_ack_pending_holds_up_two_instances_only
     behind_a_chain_longer_than_max_ack_pending(2).await;
 }
 
+/// A consumer whose filter took only `Shipped` applied an order's events 2 and 3 (over the
+/// `Placed` its filter left out); deleted and created again with every subject, it is given
+/// the whole stream: 2 and 3 are duplicates, and the `Placed` it never applied comes before
+/// an event it applied, so it is dead-lettered as late, never applied out of order (what the
+/// refusal of a changed filter says deleting the consumer does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_again_with_wider_filters_dead_letters_what_precedes_its_positions() {
+    let producer = TestEnv::new().await;
+    let mut conn = producer.conn().await;
+    let mut orders = vec![Order::place("o-1", "ada", 1)];
+    for round in 0..3 {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "widened");
+    config.filter_subjects = vec![format!("{}.Order.*.Shipped", producer.prefix)];
+    let inbox = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "the Shipped events", Duration::from_secs(30)).await;
+    let mut conn = consumer.conn().await;
+    assert_eq!(
+        applied_in_order(&mut conn).await,
+        [("o-1".to_owned(), 2), ("o-1".to_owned(), 3)]
+    );
+
+    producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap()
+        .delete_consumer("widened")
+        .await
+        .unwrap();
+    config.filter_subjects.clear();
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "the whole stream again", Duration::from_secs(30)).await;
+    assert_eq!(
+        applied_in_order(&mut conn).await,
+        [("o-1".to_owned(), 2), ("o-1".to_owned(), 3)],
+        "nothing applied again, and not the Placed before them"
+    );
+    let errors = dead_letter_errors(&mut conn).await;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("arrived after event 3 of its aggregate was applied"),
+        "{errors:?}"
+    );
+}
+
 /// The error of every message the inbox dead-lettered.
 async fn dead_letter_errors(conn: &mut diesel_async::AsyncPgConnection) -> Vec<String> {
     outbox_inbox_dead_letters::table

@@ -524,7 +524,9 @@ async fn a_consumer_that_exists_with_other_filters_is_refused_naming_both_and_th
     for says in [
         format!("filter subjects [{first:?}], not [{second:?}]"),
         "delete it (`nats consumer rm`)".to_owned(),
-        "an older event of an aggregate it applied is dead-lettered as late".to_owned(),
+        "any other event of an aggregate whose later event it applied, of a newly taken \
+         subject too, is dead-lettered as late"
+            .to_owned(),
         "or choose another consumer name, which handles the whole stream as new".to_owned(),
     ] {
         assert!(text.contains(&says), "{says:?} in {text}");

@@ -1025,10 +1025,11 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                     "the consumer exists with filter subjects {existing_filters:?}, not \
                      {wanted_filters:?}; delete it (`nats consumer rm`) to have the next \
                      connect deliver the whole stream under the new filters (what the \
-                     consumer handled within its retention is dropped as a duplicate, an \
-                     older event of an aggregate it applied is dead-lettered as late, an \
-                     older message without an aggregate is handled again), or choose another \
-                     consumer name, which handles the whole stream as new"
+                     consumer handled within its retention is dropped as a duplicate; any \
+                     other event of an aggregate whose later event it applied, of a newly \
+                     taken subject too, is dead-lettered as late, never applied out of \
+                     order; any other message without an aggregate is handled), or choose \
+                     another consumer name, which handles the whole stream as new"
                 )));
             }
         }
