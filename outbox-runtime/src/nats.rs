@@ -105,12 +105,14 @@ pub fn server_at_least(version: &str, major: u64, minor: u64) -> bool {
 
 /// What a JetStream API request that nothing answered means, as [`jetstream_error_text`]
 /// says it: a nats-server with JetStream answers every request of its API (`$JS.API.>`),
-/// an unknown stream with an error (10059), so a request without responders reached a
-/// server that runs without JetStream (started without `-js` or a `jetstream` block), an
-/// account without it, or a server that disabled it (its log says why).
-pub const NO_JETSTREAM: &str = "nothing answers JetStream's API at this NATS server: it runs \
-    without JetStream (start nats-server with -js, as the repository's compose.yaml does), \
-    JetStream is off for this account, or the server disabled it (its log says why)";
+/// an unknown stream with an error (10059), and an account without JetStream with one too
+/// (10039, "JetStream not enabled for account", nats-server 2.9.10 and 2.15.1 both), so a
+/// request without responders most likely reached a server that runs without JetStream
+/// (started without `-js` or a `jetstream` block); one that disabled JetStream while running
+/// (out of storage, say) logs why.
+pub const NO_JETSTREAM: &str = "nothing answers JetStream's API at this NATS server: most \
+    likely it runs without JetStream (start nats-server with -js, as the repository's \
+    compose.yaml does); a server that disabled JetStream says why in its log";
 
 /// Whether `error` is, or was caused by, a JetStream API request that nothing answered
 /// (async-nats's `RequestErrorKind::NoResponders` of its JetStream context): see
