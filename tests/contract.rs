@@ -1986,7 +1986,19 @@ async fn an_inbox_applies_each_event_once_in_order<B: Consumed>() {
         .delete_consumer("applier")
         .await
         .unwrap();
+    let (logs, turn) = support::Logs::capture().await;
     consume(&env, &config, 1, Applier::<B>::new).await;
+    let text = logs.text();
+    let stream = format!("stream={}", env.stream);
+    assert!(
+        text.lines().any(|line| {
+            line.contains("the durable consumer is new, and this consumer applied events before")
+                && line.contains(&stream)
+                && line.contains("pending=32")
+        }),
+        "the consumer created anew was not reported: {text}"
+    );
+    drop(turn);
     assert_eq!(
         B::applied(&env).await,
         expected,

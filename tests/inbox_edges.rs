@@ -846,7 +846,8 @@ async fn a_waiting_chain_longer_than_max_ack_pending_holds_up_two_instances_only
 /// `Placed` its filter left out); deleted and created again with every subject, it is given
 /// the whole stream: 2 and 3 are duplicates, and the `Placed` it never applied comes before
 /// an event it applied, so it is dead-lettered as late, never applied out of order (what the
-/// refusal of a changed filter says deleting the consumer does).
+/// refusal of a changed filter says deleting the consumer does). The second `connect` warns
+/// that the durable consumer is new to a consumer that applied events before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_created_again_with_wider_filters_dead_letters_what_precedes_its_positions() {
     let producer = TestEnv::new().await;
@@ -859,9 +860,20 @@ async fn a_consumer_created_again_with_wider_filters_dead_letters_what_precedes_
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "widened");
     config.filter_subjects = vec![format!("{}.Order.*.Shipped", producer.prefix)];
+    const NEW_CONSUMER: &str =
+        "the durable consumer is new, and this consumer applied events before";
+    let (logs, _turn) = Logs::capture().await;
     let inbox = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
         .await
         .unwrap();
+    let stream = format!("stream={}", producer.stream);
+    assert!(
+        !logs
+            .text()
+            .lines()
+            .any(|line| line.contains(NEW_CONSUMER) && line.contains(&stream)),
+        "a first start warned"
+    );
     run_until_settled(inbox, "the Shipped events", Duration::from_secs(30)).await;
     let mut conn = consumer.conn().await;
     assert_eq!(
@@ -878,9 +890,17 @@ async fn a_consumer_created_again_with_wider_filters_dead_letters_what_precedes_
         .await
         .unwrap();
     config.filter_subjects.clear();
+    let before = logs.text().len();
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
         .await
         .unwrap();
+    let text = logs.text().split_off(before);
+    assert!(
+        text.lines().any(|line| line.contains(NEW_CONSUMER)
+            && line.contains(&stream)
+            && line.contains("pending=3")),
+        "the consumer created anew was not reported: {text}"
+    );
     run_until_settled(inbox, "the whole stream again", Duration::from_secs(30)).await;
     assert_eq!(
         applied_in_order(&mut conn).await,

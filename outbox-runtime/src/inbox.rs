@@ -83,7 +83,10 @@
 //! `ack_wait`), in a stream created since from its first message. The consumer's positions
 //! hold stream sequences of the stream each event was applied from; before an event is
 //! applied over a gap, the stream must still hold the last applied event at the recorded
-//! sequence, else the predecessor is looked for from the ack floor.
+//! sequence, else the predecessor is looked for from the ack floor. One deleted while no
+//! instance runs (or lost with a server's store) is created by the next `connect`, which
+//! delivers the stream from its first message, and logs a warning when the consumer has
+//! positions in the database (see "Retention" for what that redelivers).
 //!
 //! # Retention
 //! Inbox rows older than `retention` are deleted in batches. An id must stay recorded as
@@ -1074,6 +1077,31 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             Ok(Err(missing)) => return Err(missing.into()),
             Err(Bounded::Failed(error)) => return Err(error.into()),
             Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
+        // A durable consumer that has delivered nothing, of a consumer that applied events
+        // before: JetStream's consumer is new (deleted, or lost with a server's store), and
+        // the stream comes again from its first message.
+        let info = consumer.cached_info();
+        if info.delivered.stream_sequence == 0 && info.num_pending > 0 {
+            let applied_before = database::bounded(
+                config.statement_timeout,
+                &target,
+                "looking for the consumer's positions",
+                conn.has_positions(&config.consumer),
+            )
+            .await?;
+            if applied_before {
+                tracing::warn!(
+                    consumer = %config.consumer,
+                    stream = %config.topology.stream.name,
+                    pending = info.num_pending,
+                    "the durable consumer is new, and this consumer applied events before: \
+                     it delivers the stream again from its first message; what it handled \
+                     within its retention is dropped as a duplicate, an event of an aggregate \
+                     whose later event it applied is dead-lettered as late, and a message \
+                     without an aggregate handled longer ago is handled again"
+                );
+            }
         }
         drop(conn);
 

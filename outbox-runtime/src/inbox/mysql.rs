@@ -291,4 +291,9 @@ impl InboxStore for AsyncMysqlConnection {
         .await?;
         Ok(rows.into_iter().map(|row| row.consumer).collect())
     }
+
+    async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {
+        let row: portable::Settled = portable::has_positions(consumer).get_result(self).await?;
+        Ok(row.settled())
+    }
 }

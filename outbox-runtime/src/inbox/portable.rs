@@ -132,7 +132,21 @@ where
     .bind::<Text, _>(unread_id(stream_sequence))
 }
 
-/// The row of [`settled`].
+/// Whether `consumer` has a position in some aggregate, as a row `settled` of 1 or 0 (read
+/// as [`Settled`]).
+pub(crate) fn has_positions<'a, DB>(consumer: &'a str) -> Statement<'a, DB>
+where
+    DB: Qmark,
+    &'a str: ToSql<Text, DB>,
+{
+    query(
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM outbox_inbox_positions WHERE consumer = ?) \
+         THEN 1 ELSE 0 END AS settled",
+    )
+    .bind::<Text, _>(consumer)
+}
+
+/// The row of [`settled`] and [`has_positions`].
 #[derive(diesel::QueryableByName)]
 pub(crate) struct Settled {
     #[diesel(sql_type = BigInt)]

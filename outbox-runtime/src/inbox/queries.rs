@@ -393,6 +393,21 @@ impl InboxStore for AsyncPgConnection {
     async fn consumers(&mut self) -> QueryResult<Vec<String>> {
         consumers(self).await
     }
+
+    async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {
+        #[derive(QueryableByName)]
+        struct Found {
+            #[diesel(sql_type = Bool)]
+            found: bool,
+        }
+        let row: Found = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM outbox_inbox_positions WHERE consumer = $1) AS found",
+        )
+        .bind::<Text, _>(consumer)
+        .get_result(self)
+        .await?;
+        Ok(row.found)
+    }
 }
 
 #[cfg(test)]

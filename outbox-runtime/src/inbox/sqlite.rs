@@ -311,4 +311,9 @@ impl InboxStore for AsyncSqliteConnection {
                 .await?;
         Ok(rows.into_iter().map(|row| row.consumer).collect())
     }
+
+    async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {
+        let row: portable::Settled = portable::has_positions(consumer).get_result(self).await?;
+        Ok(row.settled())
+    }
 }

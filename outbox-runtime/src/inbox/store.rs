@@ -318,6 +318,12 @@ pub(crate) mod sealed {
 
         /// The consumers with rows in `outbox_inbox`, in byte order.
         fn consumers(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
+
+        /// Whether `consumer` has a position in some aggregate: it applied events before.
+        fn has_positions(
+            &mut self,
+            consumer: &str,
+        ) -> impl Future<Output = QueryResult<bool>> + Send;
     }
 }
 
