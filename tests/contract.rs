@@ -1938,13 +1938,7 @@ async fn an_inbox_applies_each_event_once_in_order<B: Consumed>() {
         "each event once, in order"
     );
 
-    async_nats::jetstream::new(env.nats.clone())
-        .get_stream(&env.stream)
-        .await
-        .unwrap()
-        .delete_consumer("applier")
-        .await
-        .unwrap();
+    support::delete_consumer(&env, "applier").await;
     consume(&env, &config, 1, Applier::<B>::new).await;
     assert_eq!(
         B::applied(&env).await,
@@ -1979,13 +1973,7 @@ async fn an_inbox_applies_each_event_once_in_order<B: Consumed>() {
     // id it forgot from one of its aggregate it never applied (a skipped dead letter retried
     // late, another event numbered the same by a producer whose database was restored), so
     // each is dead-lettered as late, for an operator to discard, rather than dropped.
-    async_nats::jetstream::new(env.nats.clone())
-        .get_stream(&env.stream)
-        .await
-        .unwrap()
-        .delete_consumer("applier")
-        .await
-        .unwrap();
+    support::delete_consumer(&env, "applier").await;
     let (logs, turn) = support::Logs::capture().await;
     consume(&env, &config, 1, Applier::<B>::new).await;
     let text = logs.text();

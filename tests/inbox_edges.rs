@@ -881,14 +881,7 @@ async fn a_consumer_created_again_with_wider_filters_dead_letters_what_precedes_
         [("o-1".to_owned(), 2), ("o-1".to_owned(), 3)]
     );
 
-    producer
-        .jetstream()
-        .get_stream(&producer.stream)
-        .await
-        .unwrap()
-        .delete_consumer("widened")
-        .await
-        .unwrap();
+    support::delete_consumer(&producer, "widened").await;
     config.filter_subjects.clear();
     let before = logs.text().len();
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())

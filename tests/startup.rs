@@ -531,13 +531,7 @@ async fn a_consumer_that_exists_with_other_filters_is_refused_naming_both_and_th
     ] {
         assert!(text.contains(&says), "{says:?} in {text}");
     }
-    env.jetstream()
-        .get_stream(&env.stream)
-        .await
-        .unwrap()
-        .delete_consumer("refiltered")
-        .await
-        .unwrap();
+    support::delete_consumer(&env, "refiltered").await;
     let inbox: Inbox<Nothing> = Inbox::connect(config(second.clone()), env.nats.clone(), Nothing)
         .await
         .unwrap();

@@ -171,6 +171,18 @@ where
     }
 }
 
+/// Deletes the durable consumer `consumer` of `env`'s stream, as an operator's `nats consumer
+/// rm` does.
+pub async fn delete_consumer(env: &TestEnv, consumer: &str) {
+    env.jetstream()
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .delete_consumer(consumer)
+        .await
+        .unwrap_or_else(|e| panic!("delete the consumer {consumer}: {e}"));
+}
+
 /// A nats-server of the test's own, on a free port with a temporary JetStream store, for
 /// tests that stop and restart the broker (they never touch the shared one). The binary is
 /// `NATS_SERVER_BIN`, else `nats-server` on the PATH, else `/usr/sbin/nats-server`.
