@@ -301,6 +301,33 @@ async fn a_nats_server_without_jetstream_is_named_as_such_by_the_relay_and_the_i
     );
 }
 
+/// A NATS URL where something accepts the connection and never speaks (a host that hangs,
+/// a process that is not a NATS server): connecting fails after the connection timeout, and
+/// says that the handshake did not come and what bounded the wait, not only "timed out".
+#[tokio::test]
+async fn a_nats_server_that_never_greets_fails_in_time_naming_the_bound() {
+    use outbox_runtime::nats::CONNECT_TIMEOUT;
+    let hole = BlackHole::start().await;
+    let started = Instant::now();
+    let error =
+        outbox_runtime::nats::connect(&format!("nats://relay:s3cret@127.0.0.1:{}", hole.port))
+            .await
+            .expect_err("a server that never greets is refused");
+    let waited = started.elapsed();
+    assert!(
+        waited >= CONNECT_TIMEOUT && waited < CONNECT_TIMEOUT + Duration::from_secs(5),
+        "{waited:?}"
+    );
+    let text = error.to_string();
+    assert!(
+        text.contains(&format!("nats://127.0.0.1:{}", hole.port))
+            && text
+                .contains("no NATS handshake within 10s, the connection timeout of each attempt"),
+        "{text}"
+    );
+    assert!(!text.contains("s3cret"), "{text}");
+}
+
 #[tokio::test]
 async fn an_empty_source_is_refused() {
     let env = TestEnv::new().await;

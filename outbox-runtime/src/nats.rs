@@ -164,7 +164,13 @@ pub fn options(urls: &str) -> Result<(ConnectOptions, Vec<ServerAddr>), NatsConn
     Ok((options, servers))
 }
 
-/// Connects to `urls` (see [`options`]), within a 10 s connection timeout per attempt; the
+/// How long one attempt to connect to a NATS server may take, the TCP connection and the
+/// protocol's handshake (the server's `INFO`, the client's `CONNECT`, TLS where asked)
+/// together: async-nats's `connection_timeout`, set by [`connect`] and
+/// [`NatsSettings::connect`].
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects to `urls` (see [`options`]), within [`CONNECT_TIMEOUT`] per attempt; the
 /// same as [`NatsSettings::new(urls).connect()`](NatsSettings::connect).
 ///
 /// # Errors
@@ -318,21 +324,30 @@ impl NatsSettings {
         Ok((options, servers))
     }
 
-    /// Connects, within a 10 s connection timeout per attempt.
+    /// Connects, within [`CONNECT_TIMEOUT`] per attempt.
     ///
     /// # Errors
     /// [`NatsConnectError`], naming the servers without credentials: settings that do not
-    /// hold together (see [`options`](Self::options)), credentials the server refuses, or no
-    /// server reachable.
+    /// hold together (see [`options`](Self::options)), credentials the server refuses, no
+    /// server reachable, or one that did not complete the handshake within
+    /// [`CONNECT_TIMEOUT`] (the error says so, and names the bound).
     pub async fn connect(&self) -> Result<async_nats::Client, NatsConnectError> {
         let (options, servers) = self.options().await?;
         options
-            .connection_timeout(Duration::from_secs(10))
+            .connection_timeout(CONNECT_TIMEOUT)
             .connect(servers)
             .await
             .map_err(|e| NatsConnectError {
                 servers: redacted(&self.urls),
-                reason: e.to_string(),
+                reason: if e.kind() == async_nats::ConnectErrorKind::TimedOut {
+                    format!(
+                        "{e}: no NATS handshake within {CONNECT_TIMEOUT:?}, the connection \
+                         timeout of each attempt (the host drops the packets, or what listens \
+                         there does not speak NATS)"
+                    )
+                } else {
+                    e.to_string()
+                },
             })
     }
 }
