@@ -907,6 +907,27 @@ async fn tail_refuses_a_stream_that_is_not_a_stream_name_naming_its_fault() {
     }
 }
 
+/// `outbox tail` of a stream that does not exist yet (no relay has started) says so and how
+/// it comes to exist, rather than JetStream's "stream not found (code 404, error code 10059)".
+#[tokio::test]
+async fn tail_of_a_stream_no_relay_created_yet_says_who_creates_it() {
+    let env = TestEnv::new().await;
+    let refused = refused(
+        &env,
+        &support::nats_url(),
+        &["tail", "--stream", &env.stream],
+    );
+    let output = text(&refused);
+    assert!(!refused.status.success(), "{output}");
+    assert!(
+        output.contains(&format!(
+            "no stream {:?} on this NATS server: a relay creates it when it starts",
+            env.stream
+        )),
+        "{output}"
+    );
+}
+
 /// Against a nats-server without JetStream (started without `-js`), `outbox relay` and
 /// `outbox tail` say so and how to start one, where async-nats's words ("requested JetStream
 /// resource does not exist") read as a missing stream.
