@@ -830,3 +830,47 @@ async fn several_filter_subjects_make_one_consumer_on_a_current_server_and_are_r
         .clone();
     assert_eq!(info.filter_subjects.len(), 2, "{info:?}");
 }
+
+/// Each running instance sets the consumer's backlog gauges from JetStream's own figures
+/// (`num_pending`, `num_ack_pending`): above zero while messages wait, zero once every
+/// message is settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_inbox_reports_its_consumers_backlog_in_gauges() {
+    let counters = Counters::installed();
+    let producer = TestEnv::new().await;
+    for n in 0..20 {
+        place(&producer, &format!("o-{n}"), 0).await;
+    }
+    relay_all(&producer).await;
+    let consumer = support::consumer::consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "backlog");
+    config.max_concurrency = 1;
+    let handler = support::consumer::Recording {
+        delay: Duration::from_millis(150),
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    let (pending, ack_pending) = (
+        "outbox_inbox_pending{consumer=backlog}",
+        "outbox_inbox_ack_pending{consumer=backlog}",
+    );
+    let waiting = wait_until("a backlog reported", Duration::from_secs(10), || async {
+        counters.gauge(pending).filter(|waiting| *waiting > 0.0)
+    })
+    .await;
+    assert!(waiting <= 20.0, "{waiting} undelivered of 20");
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(30)).await;
+    wait_until(
+        "the backlog reported empty",
+        Duration::from_secs(5),
+        || async {
+            (counters.gauge(pending) == Some(0.0) && counters.gauge(ack_pending) == Some(0.0))
+                .then_some(())
+        },
+    )
+    .await;
+    running.shutdown().await.unwrap();
+}

@@ -119,7 +119,10 @@
 //! counts acks, naks and terms that did not reach JetStream, and `outbox_inbox_gaps_total`
 //! the events applied over a gap. Each message is processed in a `tracing` span, `inbox
 //! message`, with its id, type and deliveries. The consumer's backlog is JetStream's own
-//! (`num_pending` and `num_ack_pending` in the consumer's info).
+//! (`num_pending` and `num_ack_pending` in the consumer's info): each running instance reads
+//! it every third of `ack_wait` (with the ack floor) and sets the gauges
+//! `outbox_inbox_pending` and `outbox_inbox_ack_pending` (per `consumer`; the instances of
+//! one consumer report the same figures).
 
 mod dispatch;
 mod letters;
@@ -1912,6 +1915,13 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             (again, Some(stream_info.created.unix_timestamp_nanos()))
         };
         let floor = info.ack_floor.stream_sequence;
+        // The consumer's backlog, as JetStream counts it for the durable consumer (every
+        // instance reports the same figures).
+        let consumer = self.shared.config.consumer.clone();
+        metrics::gauge!("outbox_inbox_pending", "consumer" => consumer.clone())
+            .set(info.num_pending as f64);
+        metrics::gauge!("outbox_inbox_ack_pending", "consumer" => consumer)
+            .set(info.num_ack_pending as f64);
         let mut known = self.lock_ack_floor();
         known.sequence = floor;
         known.read_at = Some(Instant::now());
@@ -2155,7 +2165,7 @@ fn updated_pull_config(info: &jetstream::consumer::Config) -> pull::Config {
 
 /// Describes the inbox's metrics (units and help texts for an exporter).
 fn describe_metrics() {
-    use metrics::{Unit, describe_counter, describe_histogram};
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(
         "outbox_inbox_messages_total",
         "Deliveries processed, by consumer and outcome (handled, duplicate, skipped, retry, held, dead_lettered)"
@@ -2172,6 +2182,14 @@ fn describe_metrics() {
         "outbox_inbox_process_seconds",
         Unit::Seconds,
         "From decoding a delivery to its commit, by consumer"
+    );
+    describe_gauge!(
+        "outbox_inbox_pending",
+        "Messages of the stream the durable consumer has not delivered yet (JetStream's num_pending), by consumer"
+    );
+    describe_gauge!(
+        "outbox_inbox_ack_pending",
+        "Messages delivered and not yet settled (JetStream's num_ack_pending), by consumer"
     );
 }
 

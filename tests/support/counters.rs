@@ -1,4 +1,4 @@
-//! The `metrics` counters and histograms a test binary's code exported, read through
+//! The `metrics` counters, histograms and gauges a test binary's code exported, read through
 //! metrics-util's debugging recorder, installed once per binary. Tests that read it use
 //! names of their own (a consumer name, say), so they can run in parallel.
 
@@ -13,6 +13,7 @@ pub struct Counters {
     snapshotter: Snapshotter,
     totals: Mutex<BTreeMap<String, u64>>,
     histograms: Mutex<BTreeMap<String, Vec<f64>>>,
+    gauges: Mutex<BTreeMap<String, f64>>,
 }
 
 impl Counters {
@@ -29,6 +30,7 @@ impl Counters {
                 snapshotter,
                 totals: Mutex::default(),
                 histograms: Mutex::default(),
+                gauges: Mutex::default(),
             }
         })
     }
@@ -48,10 +50,19 @@ impl Counters {
         histograms.get(key).cloned().unwrap_or_default()
     }
 
-    /// Adds what was recorded since the last snapshot to the totals and the histograms.
+    /// A gauge's last value (`name{label=value,...}`, as [`all`](Self::all) names counters);
+    /// `None` when it was never set.
+    pub fn gauge(&self, key: &str) -> Option<f64> {
+        self.take_snapshot();
+        self.gauges.lock().unwrap().get(key).copied()
+    }
+
+    /// Adds what was recorded since the last snapshot to the totals and the histograms, and
+    /// keeps each gauge's value.
     fn take_snapshot(&self) {
         let mut totals = self.totals.lock().unwrap();
         let mut histograms = self.histograms.lock().unwrap();
+        let mut gauges = self.gauges.lock().unwrap();
         for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
             let key = key.key();
             let labels: Vec<String> = key
@@ -65,7 +76,9 @@ impl Counters {
                     .entry(name)
                     .or_default()
                     .extend(values.into_iter().map(|value| value.into_inner())),
-                DebugValue::Gauge(_) => {}
+                DebugValue::Gauge(value) => {
+                    gauges.insert(name, value.into_inner());
+                }
             }
         }
     }
