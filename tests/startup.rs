@@ -550,7 +550,9 @@ async fn a_consumer_that_exists_with_other_filters_is_refused_naming_both_and_th
     let text = error.to_string();
     for says in [
         format!("filter subjects [{first:?}], not [{second:?}]"),
-        "delete it (`nats consumer rm`)".to_owned(),
+        "delete it (`nats consumer rm`) once every instance with the old filters has stopped \
+         (a running one creates it again with them)"
+            .to_owned(),
         "any other event of an aggregate whose later event it applied, of a newly taken \
          subject too, is dead-lettered as late"
             .to_owned(),

@@ -1029,8 +1029,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             if existing_filters != wanted_filters {
                 return Err(consumer_error(format!(
                     "the consumer exists with filter subjects {existing_filters:?}, not \
-                     {wanted_filters:?}; delete it (`nats consumer rm`) to have the next \
-                     connect deliver the whole stream under the new filters (what the \
+                     {wanted_filters:?}; delete it (`nats consumer rm`) once every instance \
+                     with the old filters has stopped (a running one creates it again with \
+                     them) to have the next connect deliver the whole stream under the new \
+                     filters (what the \
                      consumer handled within its retention is dropped as a duplicate; any \
                      other event of an aggregate whose later event it applied, of a newly \
                      taken subject too, is dead-lettered as late, never applied out of \
