@@ -328,6 +328,27 @@ async fn a_nats_server_that_never_greets_fails_in_time_naming_the_bound() {
     assert!(!text.contains("s3cret"), "{text}");
 }
 
+/// An inbox that connects before any relay created its stream (a service started before its
+/// producer) is refused saying that the producer's relay creates the stream, rather than with
+/// JetStream's "stream not found (code 404, error code 10059)".
+#[tokio::test]
+async fn an_inbox_before_its_stream_exists_is_told_who_creates_it() {
+    let env = TestEnv::new().await;
+    let mut config = InboxConfig::new("early", &env.database_url);
+    config.topology = env.topology();
+    let error = Inbox::connect(config, env.nats.clone(), Nothing)
+        .await
+        .err()
+        .expect("an inbox without its stream is refused");
+    assert!(matches!(error, InboxError::Consumer { .. }), "{error:?}");
+    let text = error.to_string();
+    assert!(
+        text.contains(&format!("{:?}", env.stream))
+            && text.contains("the stream does not exist (yet): the producer's relay creates it"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn an_empty_source_is_refused() {
     let env = TestEnv::new().await;

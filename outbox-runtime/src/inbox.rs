@@ -940,8 +940,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     ///
     /// # Errors
     /// [`InboxError::Config`] (also for a `database_url` of another database than `C`'s, or
-    /// a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing, or an
-    /// existing consumer of that name has other filter subjects), [`InboxError::Connect`],
+    /// a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing:
+    /// the producer's relay creates it when it starts, so an inbox connected before any relay
+    /// ran is refused saying so; no JetStream at the server ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM));
+    /// or an existing consumer of that name has other filter subjects), [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,
@@ -971,7 +973,15 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         let stream = jetstream::new(nats)
             .get_stream(&config.topology.stream.name)
             .await
-            .map_err(|e| consumer_error(crate::nats::jetstream_error_text(&e)))?;
+            .map_err(|e| {
+                consumer_error(if crate::publisher::stream_not_found(&e) {
+                    "the stream does not exist (yet): the producer's relay creates it when it \
+                     starts; start a relay first, or connect again once one runs"
+                        .to_owned()
+                } else {
+                    crate::nats::jetstream_error_text(&e)
+                })
+            })?;
         // Where the filters take every subject of the stream, the consumer has none: the same
         // messages, and far less of an older nats-server's time (see `takes_whole_stream`).
         let stream_config = &stream.cached_info().config;
