@@ -574,8 +574,8 @@ async fn a_consumer_that_exists_with_other_filters_is_refused_naming_both_and_th
         "delete it (`nats consumer rm`) once every instance with the old filters has stopped \
          (a running one creates it again with them)"
             .to_owned(),
-        "any other event of an aggregate whose later event it applied, of a newly taken \
-         subject too, is dead-lettered as late"
+        "any other event of an aggregate up to the position the consumer reached in it, of a \
+         newly taken subject too, is dead-lettered as late"
             .to_owned(),
         "or choose another consumer name, which handles the whole stream as new".to_owned(),
     ] {

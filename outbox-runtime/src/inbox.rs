@@ -96,7 +96,7 @@
 //! any replay of the stream from an earlier position. The default, 7 days, is far above the
 //! first two; a stream replayed from further back needs a longer one. Positions are kept:
 //! one row per aggregate. So a duplicate of an aggregate's event that comes after its id was
-//! purged is not applied again (the aggregate's position is past it), but the inbox cannot
+//! purged is not applied again (the aggregate's position is at or past it), but the inbox cannot
 //! tell it from an event of the aggregate it never applied (a skipped dead letter published
 //! late, or an event numbered the same by a producer whose database was restored): it is
 //! dead-lettered as late, for an operator to check and discard. A message without an
@@ -1044,9 +1044,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                      them) to have the next connect deliver the whole stream under the new \
                      filters (what the \
                      consumer handled within its retention is dropped as a duplicate; any \
-                     other event of an aggregate whose later event it applied, of a newly \
-                     taken subject too, is dead-lettered as late, never applied out of \
-                     order; any other message without an aggregate is handled), or choose \
+                     other event of an aggregate up to the position the consumer reached in \
+                     it, of a newly taken subject too, is dead-lettered as late, never \
+                     applied out of order; any other message without an aggregate is \
+                     handled), or choose \
                      another consumer name, which handles the whole stream as new"
                 )));
             }
@@ -1112,9 +1113,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                     pending = info.num_pending,
                     "the durable consumer is new, and this consumer applied events before: \
                      it delivers the stream again from its first message; what it handled \
-                     within its retention is dropped as a duplicate, an event of an aggregate \
-                     whose later event it applied is dead-lettered as late, and a message \
-                     without an aggregate handled longer ago is handled again"
+                     within its retention is dropped as a duplicate, any other event of an \
+                     aggregate up to the position the consumer reached in it is dead-lettered \
+                     as late, and a message without an aggregate handled longer ago is \
+                     handled again"
                 );
             }
         }
