@@ -96,10 +96,10 @@
 //! any replay of the stream from an earlier position. The default, 7 days, is far above the
 //! first two; a stream replayed from further back needs a longer one. Positions are kept:
 //! one row per aggregate. So a duplicate of an aggregate's event that comes after its id was
-//! purged is not applied again (the aggregate's position is at or past it), but the inbox cannot
-//! tell it from an event of the aggregate it never applied (a skipped dead letter published
-//! late, or an event numbered the same by a producer whose database was restored): it is
-//! dead-lettered as late, for an operator to check and discard. A message without an
+//! purged is not applied again (the aggregate's position is at or past it), but the inbox
+//! cannot tell it from an event of the aggregate it never applied (a skipped dead letter
+//! published late, or an event numbered the same by a producer whose database was restored):
+//! it is dead-lettered as late, for an operator to check and discard. A message without an
 //! aggregate (a foreign producer's) is handled again.
 //!
 //! # Databases
@@ -942,8 +942,9 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// [`InboxError::Config`] (also for a `database_url` of another database than `C`'s, or
     /// a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing:
     /// the producer's relay creates it when it starts, so an inbox connected before any relay
-    /// ran is refused saying so; no JetStream at the server ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM));
-    /// or an existing consumer of that name has other filter subjects), [`InboxError::Connect`],
+    /// ran is refused saying so; no JetStream at the server
+    /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
+    /// has other filter subjects), [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,
