@@ -1129,10 +1129,7 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
         .get_stream(&args.stream)
         .await
         .map_err(|e| {
-            use async_nats::jetstream::{ErrorCode, context::GetStreamErrorKind};
-            if matches!(e.kind(), GetStreamErrorKind::JetStream(ref error)
-                if error.error_code() == ErrorCode::STREAM_NOT_FOUND)
-            {
+            if outbox_runtime::nats::stream_not_found(&e) {
                 return format!(
                     "no stream {:?} on this NATS server: a relay creates it when it starts \
                      (`outbox relay`), or --stream names another",

@@ -47,6 +47,20 @@ fn refused(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
     )
 }
 
+/// `outbox args...` with NATS up and with NATS unreachable: each time it must refuse before
+/// it connects anything (exit 2), its output holding every one of `says`.
+fn refused_before_connecting(env: &TestEnv, args: &[&str], says: &[&str]) {
+    for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
+        let refused = refused(env, &nats_url, args);
+        let output = text(&refused);
+        let context = format!("{args:?} with NATS at {nats_url}: {output}");
+        assert_eq!(refused.status.code(), Some(2), "{context}");
+        for said in says {
+            assert!(output.contains(said), "{said:?} not said by {context}");
+        }
+    }
+}
+
 /// `child`'s output once it exits; when it still runs after 30 s, kills it and panics with
 /// `went_on` and what it wrote.
 fn exited_within_30_s(mut child: std::process::Child, went_on: &str) -> Output {
@@ -803,7 +817,6 @@ async fn left(env: &TestEnv) -> Vec<String> {
 #[tokio::test]
 async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     let env = TestEnv::new().await;
-    let unreachable = "nats://127.0.0.1:1";
     for (flags, says) in [
         (
             &["--poll-interval", "0s"][..],
@@ -835,20 +848,7 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
             args.extend(["--stream", &env.stream]);
         }
         args.extend_from_slice(flags);
-        for nats_url in [support::nats_url(), unreachable.to_owned()] {
-            let refused = refused(&env, &nats_url, &args);
-            assert_eq!(
-                refused.status.code(),
-                Some(2),
-                "{flags:?} with NATS at {nats_url}: {}",
-                text(&refused)
-            );
-            assert!(
-                text(&refused).contains(says),
-                "{flags:?} with NATS at {nats_url}: {}",
-                text(&refused)
-            );
-        }
+        refused_before_connecting(&env, &args, &[says]);
     }
 }
 
@@ -866,18 +866,9 @@ async fn tail_refuses_a_subject_that_is_not_a_filter_naming_its_fault() {
             "token 2 is '>', which stands only as the last token",
         ),
     ] {
-        for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
-            let args = ["tail", "--stream", &env.stream, "--subject", subject];
-            let refused = refused(&env, &nats_url, &args);
-            let output = text(&refused);
-            assert_eq!(refused.status.code(), Some(2), "{subject:?}: {output}");
-            assert!(
-                output.contains(&format!(
-                    "--subject: subject filter {subject:?} is not valid"
-                )) && output.contains(says),
-                "{subject:?} with NATS at {nats_url}: {output}"
-            );
-        }
+        let args = ["tail", "--stream", &env.stream, "--subject", subject];
+        let fault = format!("--subject: subject filter {subject:?} is not valid");
+        refused_before_connecting(&env, &args, &[&fault, says]);
     }
 }
 
@@ -893,17 +884,8 @@ async fn tail_refuses_a_stream_that_is_not_a_stream_name_naming_its_fault() {
         ("ORDERS/V2", "the path separator '/'"),
         ("", "it is empty"),
     ] {
-        for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
-            let refused = refused(&env, &nats_url, &["tail", "--stream", stream]);
-            let output = text(&refused);
-            assert_eq!(refused.status.code(), Some(2), "{stream:?}: {output}");
-            assert!(
-                output.contains(&format!(
-                    "--stream: {stream:?} is not a JetStream stream name"
-                )) && output.contains(says),
-                "{stream:?} with NATS at {nats_url}: {output}"
-            );
-        }
+        let fault = format!("--stream: {stream:?} is not a JetStream stream name");
+        refused_before_connecting(&env, &["tail", "--stream", stream], &[&fault, says]);
     }
 }
 

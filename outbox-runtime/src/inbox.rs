@@ -975,7 +975,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .get_stream(&config.topology.stream.name)
             .await
             .map_err(|e| {
-                consumer_error(if crate::publisher::stream_not_found(&e) {
+                consumer_error(if crate::nats::stream_not_found(&e) {
                     "the stream does not exist (yet): the producer's relay creates it when it \
                      starts; start a relay first, or connect again once one runs"
                         .to_owned()
@@ -1043,13 +1043,12 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                      {wanted_filters:?}; delete it (`nats consumer rm`) once every instance \
                      with the old filters has stopped (a running one creates it again with \
                      them) to have the next connect deliver the whole stream under the new \
-                     filters (what the \
-                     consumer handled within its retention is dropped as a duplicate; any \
-                     other event of an aggregate up to the position the consumer reached in \
-                     it, of a newly taken subject too, is dead-lettered as late, never \
-                     applied out of order; any other message without an aggregate is \
-                     handled), or choose \
-                     another consumer name, which handles the whole stream as new"
+                     filters (what the consumer handled within its retention is dropped as a \
+                     duplicate; any other event of an aggregate up to the position the \
+                     consumer reached in it, of a newly taken subject too, is dead-lettered as \
+                     late, never applied out of order; any other message without an aggregate \
+                     is handled), or choose another consumer name, which handles the whole \
+                     stream as new"
                 )));
             }
         }

@@ -132,6 +132,16 @@ pub fn is_no_jetstream(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Whether a stream lookup failed because JetStream answered that the stream does not exist
+/// (API error 10059, `STREAM_NOT_FOUND`), rather than for want of an answer.
+pub fn stream_not_found(error: &async_nats::jetstream::context::GetStreamError) -> bool {
+    use async_nats::jetstream::{ErrorCode, context::GetStreamErrorKind};
+    matches!(
+        error.kind(),
+        GetStreamErrorKind::JetStream(ref e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 /// The text of a JetStream API call's `error`: [`NO_JETSTREAM`] for a request that nothing
 /// answered (async-nats's own words, "requested JetStream resource does not exist", read as
 /// a missing stream), else the error's own.

@@ -802,16 +802,6 @@ pub enum StreamError {
     },
 }
 
-/// Whether a stream lookup failed because JetStream answered that the stream does not exist
-/// (API error 10059), rather than for want of an answer.
-pub(crate) fn stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
-    matches!(
-        error.kind(),
-        jetstream::context::GetStreamErrorKind::JetStream(ref e)
-            if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-    )
-}
-
 /// Makes sure the stream exists and captures `{prefix}.>`; returns its configuration. Each
 /// JetStream API request waits at most `timeout` (the relay's `ack_timeout`, its JetStream
 /// context's), and an error says so when one did not come back in it.
@@ -840,7 +830,7 @@ pub(crate) async fn ensure_stream(
     let info = match jetstream.get_stream(&settings.name).await {
         Ok(mut stream) => stream.info().await.map_err(|e| failed(&e))?.clone(),
         Err(error) => {
-            if !stream_not_found(&error) {
+            if !crate::nats::stream_not_found(&error) {
                 return Err(failed(&error));
             }
             if !settings.create {

@@ -26,11 +26,12 @@ use uuid::Uuid;
 use super::doorbell::{Doorbell, Rest};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
+use crate::nats::stream_not_found;
 use crate::outbox::OutboxStats;
 #[cfg(feature = "postgres")]
 use crate::outbox::queries;
 use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
-use crate::publisher::{PublishFailure, Publisher, captures, ensure_stream, stream_not_found};
+use crate::publisher::{PublishFailure, Publisher, captures, ensure_stream};
 
 /// What one batch did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
