@@ -90,15 +90,31 @@ pub(crate) enum Ended {
 #[derive(Debug, Args, Clone)]
 pub(crate) struct LogArgs {
     /// `human` lines, or `json` objects, one per event, on standard error. The level comes
-    /// from `RUST_LOG` (default `info`).
+    /// from `RUST_LOG` (default `info`; a value that is not a filter is refused).
     #[arg(long, env = "OUTBOX_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     log_format: String,
 }
 
 impl LogArgs {
-    pub(crate) fn install(&self) {
-        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    /// Installs the subscriber that writes the command's log on standard error.
+    ///
+    /// # Errors
+    ///
+    /// `RUST_LOG` is set and holds a directive that is not a filter (`outbox=verbose`): the
+    /// message names the variable, its value and the parser's complaint. A daemon that
+    /// fell back to `info` instead would hide what its operator asked to see.
+    pub(crate) fn install(&self) -> Result<(), String> {
+        let filter = tracing_subscriber::EnvFilter::builder()
+            .with_default_directive(tracing_subscriber::filter::LevelFilter::INFO.into())
+            .from_env()
+            .map_err(|error| {
+                let value = std::env::var("RUST_LOG").unwrap_or_default();
+                format!(
+                    "RUST_LOG={value:?} is not a log filter: {error} (it takes a level, such as \
+                     `debug`, or target=level directives separated by commas, such as \
+                     `outbox_runtime=debug,info`)"
+                )
+            })?;
         let builder = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -108,6 +124,7 @@ impl LogArgs {
         } else {
             builder.init();
         }
+        Ok(())
     }
 }
 

@@ -197,7 +197,7 @@ impl RelayArgs {
 }
 
 pub(crate) async fn run(database_url: &str, args: RelayArgs) -> Result<Ended, String> {
-    args.log.install();
+    args.log.install()?;
     // Each purge opens a connection of its own: more often than once a second is a
     // connection storm, and zero a loop without a pause.
     if args.purge_older_than.is_some() && *args.purge_interval < MIN_PURGE_INTERVAL {

@@ -852,6 +852,49 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
     }
 }
 
+/// A `RUST_LOG` that is not a log filter is refused, naming the variable, its value and the
+/// fault, before the relay connects anything: it fell back to `info` without a word, so an
+/// operator who asked for `outbox_runtime=degub` saw less than they asked for and no reason.
+/// An empty one is the default, `info`, and a filter is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_refuses_a_log_filter_it_cannot_parse_naming_it() {
+    let env = TestEnv::new().await;
+    for (filter, fault) in [
+        ("outbox_runtime=degub", "error parsing level filter"),
+        ("=info", "invalid filter directive"),
+        ("[{", "invalid filter directive"),
+    ] {
+        for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
+            let child = relay_command(&env, &nats_url)
+                .env("RUST_LOG", filter)
+                .spawn()
+                .expect("run outbox");
+            let refused = exited_within_30_s(child, &format!("RUST_LOG={filter} was taken"));
+            let output = text(&refused);
+            assert_eq!(refused.status.code(), Some(2), "{filter}: {output}");
+            let says = format!("RUST_LOG={filter:?} is not a log filter: {fault}");
+            assert!(output.contains(&says), "{says:?} not said: {output}");
+        }
+    }
+    for (filter, logs_info) in [("", true), ("warn", false)] {
+        let relay = relay_command(&env, &support::nats_url())
+            .env("RUST_LOG", filter)
+            .spawn()
+            .expect("run outbox");
+        let mut order = support::domain::Order::place(&format!("o-{filter}"), "ada", 1);
+        env.commit(&mut order).await;
+        env.until_stream_holds(if logs_info { 1 } else { 2 }, Duration::from_secs(20))
+            .await;
+        let (output, _, code) = stop(relay).await;
+        assert_eq!(code, Some(0), "RUST_LOG={filter:?}: {output}");
+        assert_eq!(
+            output.contains(" INFO ") && output.contains("relaying"),
+            logs_info,
+            "RUST_LOG={filter:?}: {output}"
+        );
+    }
+}
+
 /// `outbox tail --subject` takes a NATS subject filter, and says what is wrong with one that
 /// is not, before it connects: JetStream's answer named no fault ("consumer filter subject is
 /// not a valid subset of the interest subjects"), and an empty filter followed every subject.
