@@ -1109,9 +1109,9 @@ pub(crate) struct TailArgs {
     /// Start from the stream's first message instead of the next one.
     #[arg(long)]
     all: bool,
-    /// Stop after this many events.
-    #[arg(long)]
-    count: Option<usize>,
+    /// Stop after this many events (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    count: Option<u64>,
 }
 
 pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {

@@ -932,6 +932,18 @@ async fn tail_refuses_a_stream_that_is_not_a_stream_name_naming_its_fault() {
     }
 }
 
+/// `outbox tail --count 0` is refused before connecting: it connected, followed the stream
+/// and printed nothing, which reads as an empty stream.
+#[tokio::test]
+async fn tail_refuses_a_count_of_zero() {
+    let env = TestEnv::new().await;
+    refused_before_connecting(
+        &env,
+        &["tail", "--stream", &env.stream, "--count", "0"],
+        &["invalid value '0' for '--count <COUNT>'", "0 is not in 1.."],
+    );
+}
+
 /// `outbox tail` of a stream that does not exist yet (no relay has started) says so and how
 /// it comes to exist, rather than JetStream's "stream not found (code 404, error code 10059)".
 #[tokio::test]
