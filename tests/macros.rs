@@ -215,6 +215,32 @@ fn aggregates_may_be_generic_and_are_usable_through_the_trait() {
     assert_eq!(generic::pending(&ledger), 1);
 }
 
+/// Raw identifiers name an aggregate and find its id without their `r#`, as serde and the
+/// events name them: the aggregate type was `r#Match` (a subject `events.r#Match...`), and a
+/// field `r#id` was no id.
+#[allow(non_camel_case_types)] // a raw identifier: the aggregate type is `match`
+mod raw {
+    use super::*;
+
+    #[aggregate]
+    pub struct r#match {
+        pub r#id: String,
+        pub pending_events: PendingEvents<AccountEvent>,
+    }
+}
+
+#[test]
+fn raw_identifiers_name_an_aggregate_and_its_id_without_their_prefix() {
+    let mut fixture = raw::r#match {
+        r#id: "m-1".into(),
+        pending_events: PendingEvents::new(),
+    };
+    fixture.record(AccountEvent::r#type { kind: "x".into() });
+    assert_eq!(raw::r#match::AGGREGATE_TYPE, "match");
+    assert_eq!(fixture.aggregate_id(), "m-1");
+    assert_eq!(fixture.pending_events()[0].event_type(), "type");
+}
+
 /// A generic event: an event for every type argument that makes it serde-able, `Send` and
 /// `'static`; its type name is the item's, without the arguments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]

@@ -4,6 +4,7 @@
 //! field); everything else is checked in `valid.rs`.
 
 use proc_macro2::TokenStream;
+use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{Data, DeriveInput, Fields, Ident, ItemStruct, LitInt, LitStr, Member, Path, Type};
 
@@ -60,19 +61,8 @@ impl EventType<'_> {
     pub fn name(&self) -> String {
         match (&self.name, &self.serde_name) {
             (Some(name), _) | (None, Some(name)) => name.value(),
-            (None, None) => self.ident.unraw_string(),
+            (None, None) => self.ident.unraw().to_string(),
         }
-    }
-}
-
-trait Unraw {
-    fn unraw_string(&self) -> String;
-}
-
-impl Unraw for Ident {
-    fn unraw_string(&self) -> String {
-        let text = self.to_string();
-        text.strip_prefix("r#").map_or(text.clone(), str::to_owned)
     }
 }
 
@@ -106,7 +96,8 @@ impl<'a> Event<'a> {
                     );
                     event_type.serde_name = renamed.or_else(|| {
                         let rule = rule.as_ref()?;
-                        let name = rename_variant(&rule.value(), &variant.ident.unraw_string())?;
+                        let name =
+                            rename_variant(&rule.value(), &variant.ident.unraw().to_string())?;
                         Some(LitStr::new(&name, rule.span()))
                     });
                     variants.push(event_type);
@@ -295,7 +286,7 @@ impl AggregateInput {
                 let named_id = item
                     .fields
                     .members()
-                    .find(|m| matches!(m, Member::Named(ident) if ident == "id"));
+                    .find(|m| matches!(m, Member::Named(ident) if ident.unraw() == "id"));
                 if named_id.is_none() {
                     errors.push(syn::Error::new_spanned(
                         &item.ident,

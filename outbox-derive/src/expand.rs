@@ -3,6 +3,7 @@
 
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
+use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{DeriveInput, Fields, LitStr, Member};
 
@@ -370,7 +371,8 @@ fn expand_aggregate(input: AggregateInput) -> TokenStream {
     let private = quote!(::outbox_runtime::__private);
     let ident = &item.ident;
     let vis = &item.vis;
-    let name = name.unwrap_or_else(|| LitStr::new(&ident.to_string(), ident.span()));
+    // A raw identifier names the aggregate without its `r#`, as serde names it.
+    let name = name.unwrap_or_else(|| LitStr::new(&ident.unraw().to_string(), ident.span()));
 
     // Other derives on the struct must leave the buffer alone: it is no state of the
     // aggregate, and has no column.
