@@ -293,8 +293,14 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
             shown(lag)
         );
         println!(
-            "dead letters            {} (as many aggregates blocked, {} events waiting behind them)",
-            stats.dead_letters, stats.blocked
+            "dead letters            {} (as many aggregates blocked, {} {} waiting behind them)",
+            stats.dead_letters,
+            stats.blocked,
+            if stats.blocked == 1 {
+                "event"
+            } else {
+                "events"
+            }
         );
         println!("skipped dead letters    {}", stats.skipped_dead_letters);
         if inbox_dead_letters.is_empty() {

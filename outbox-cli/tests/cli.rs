@@ -199,7 +199,7 @@ async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
     let shown = text(&table);
     for line in [
         "queued                  3",
-        "dead letters            1 (as many aggregates blocked, 1 events waiting behind them)",
+        "dead letters            1 (as many aggregates blocked, 1 event waiting behind them)",
         "skipped dead letters    1",
         "lag                     2h",
     ] {
