@@ -61,14 +61,18 @@ struct Env {
     sqlite: Option<sqlite::Database>,
     /// Whether [`Env::outbox`]'s units of work ask for their transaction's id.
     transaction_ids: bool,
+    /// [`Env::outbox`]'s payload bound (`Outbox::with_max_payload`).
+    max_payload: usize,
 }
 
 impl Env {
-    /// The test kit's outbox, reporting transaction ids when `transaction_ids` says so.
+    /// The test kit's outbox, reporting transaction ids when `transaction_ids` says so, and
+    /// bounding payloads at `max_payload`.
     fn outbox(&self) -> outbox_runtime::Outbox {
         self.env
             .outbox()
             .report_transaction_ids(self.transaction_ids)
+            .with_max_payload(self.max_payload)
     }
 }
 
@@ -116,6 +120,7 @@ trait Backend {
                 #[cfg(feature = "sqlite")]
                 sqlite: None,
                 transaction_ids: false,
+                max_payload: outbox_runtime::DEFAULT_MAX_PAYLOAD_BYTES,
             }
         }
     }
@@ -599,6 +604,60 @@ async fn a_rollback_leaves_nothing<B: Backend>() {
     // Nor did it take its dedup key.
     let (_, again) = B::commit(&env, vec![], Some("r-1".into()), End::Ok).await;
     again.unwrap();
+}
+
+/// An event whose payload is over the outbox's bound fails its unit of work at commit,
+/// naming the event, its length and the bound, and nothing is written: the broker would
+/// refuse its message (nats-server holds headers and payload to its `max_payload`, 1 MiB by
+/// default), which the relay retried for minutes and then dead-lettered, the aggregate's later
+/// events waiting behind it. At the bound, the event is written.
+async fn a_payload_over_the_outbox_bound_is_refused_at_commit<B: Backend>() {
+    let mut env = B::setup().await;
+    let big = Order::place("o-big", &"x".repeat(2 * 1024 * 1024), 990);
+    let (orders, result) = B::commit(&env, vec![big], None, End::Ok).await;
+    let error = result.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            UnitOfWorkError::PayloadTooLarge {
+                len: 2_097_185,
+                max: 1_032_192,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().starts_with(
+            "the payload of Order \"o-big\" (event Placed) is 2097185 bytes long, over the \
+             limit of 1032192 bytes this outbox writes"
+        ),
+        "{error}"
+    );
+    assert!(B::rows(&env).await.is_empty(), "no outbox row");
+    assert_eq!(B::business_rows(&env).await, 0, "no business row");
+    assert_eq!(
+        orders[0].pending_events().len(),
+        1,
+        "the event stays pending"
+    );
+
+    let placed = shipped("o-1").pending_events()[0].to_payload().unwrap();
+    env.max_payload = placed.len() - 1;
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
+    assert!(
+        matches!(result, Err(UnitOfWorkError::PayloadTooLarge { len, max, .. })
+            if len == placed.len() && max == placed.len() - 1),
+        "{result:?}"
+    );
+    assert!(B::rows(&env).await.is_empty(), "no outbox row");
+    env.max_payload = placed.len();
+    let (_, result) = B::commit(&env, vec![shipped("o-1")], None, End::Ok).await;
+    result.unwrap();
+    assert_eq!(
+        B::rows(&env).await,
+        [("o-1".to_owned(), 1), ("o-1".to_owned(), 2)]
+    );
 }
 
 /// A COMMIT or ROLLBACK sent by hand inside the closure ends the transaction the events were
@@ -1583,6 +1642,11 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_rollback_leaves_nothing() {
                 super::a_rollback_leaves_nothing::<$backend>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_payload_over_the_outbox_bound_is_refused_at_commit() {
+                super::a_payload_over_the_outbox_bound_is_refused_at_commit::<$backend>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2783,6 +2847,7 @@ mod mysql {
                 #[cfg(feature = "sqlite")]
                 sqlite: None,
                 transaction_ids: false,
+                max_payload: outbox_runtime::DEFAULT_MAX_PAYLOAD_BYTES,
             }
         }
     }
@@ -3866,6 +3931,7 @@ mod sqlite {
                 mysql: None,
                 sqlite: Some(sqlite),
                 transaction_ids: false,
+                max_payload: outbox_runtime::DEFAULT_MAX_PAYLOAD_BYTES,
             }
         }
 

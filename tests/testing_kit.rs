@@ -199,6 +199,29 @@ async fn the_in_memory_outbox_keeps_the_unit_of_works_rules() {
         "{invalid:?}"
     );
     bad.discard_pending_events();
+
+    // And the payload bound: `{"cents":1,"request":null}` is 26 bytes.
+    let bounded = InMemoryOutbox::new().with_max_payload(25);
+    account.deposit(1, None);
+    let over: Result<(), UnitOfWorkError> = bounded
+        .transaction(async |uow| {
+            uow.track(&mut account);
+            Ok(())
+        })
+        .await;
+    assert!(
+        matches!(
+            over,
+            Err(UnitOfWorkError::PayloadTooLarge {
+                len: 26,
+                max: 25,
+                ..
+            })
+        ),
+        "{over:?}"
+    );
+    assert!(bounded.written().is_empty());
+    assert_eq!(account.pending_events().len(), 1, "kept after the failure");
 }
 
 /// Tracking an aggregate again, among many, takes nothing twice; an aggregate value's clone

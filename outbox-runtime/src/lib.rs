@@ -198,9 +198,12 @@ pub use inbox::{
     Handler, Inbox, InboxConfig, InboxConnection, InboxError, InboxHandle, Metadata, Outcome,
     UnknownEvents, Unreadable,
 };
+pub use outbox::{
+    DEFAULT_MAX_PAYLOAD_BYTES, MigrationError, MissingMigrations, Outbox, OutboxStats,
+    PublishedRows,
+};
 #[cfg(feature = "postgres")]
 pub use outbox::{MIGRATIONS, pending_migrations, run_migrations, run_migrations_on};
-pub use outbox::{MigrationError, MissingMigrations, Outbox, OutboxStats, PublishedRows};
 /// `#[derive(DomainEvent)]`: a struct is one event type, an enum one event type per variant.
 ///
 /// The type must also derive serde's `Serialize` and `Deserialize` (a unit struct needs

@@ -52,6 +52,18 @@ pub use queries::PublishedRows;
 #[cfg(feature = "postgres")]
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
+/// The largest payload a unit of work writes by default, in bytes: 1,032,192, nats-server's
+/// default `max_payload` (1 MiB, `MAX_PAYLOAD_SIZE` in the server's `server/const.go`), less
+/// 16 KiB for the headers the relay adds to each message. The server holds a message's
+/// headers and payload together to its `max_payload` (`server/client.go`, `processHeaderPub`);
+/// the relay's headers take about 0.6 KB for short ids and names, and at most about 8.7 KB
+/// (every token, id and the `ce-source` at its longest and percent-encoded, and OpenTelemetry's
+/// `traceparent` and `tracestate`). A larger event is refused at commit
+/// ([`UnitOfWorkError::PayloadTooLarge`](crate::UnitOfWorkError::PayloadTooLarge)) rather than
+/// refused by the broker, retried and dead-lettered; [`Outbox::with_max_payload`] sets another
+/// bound for a server whose `max_payload` is raised.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024 - 16 * 1024;
+
 /// The outbox of one service: where its units of work write events, and under which
 /// [`Topology`] (the subject prefix of their subjects, the stream the relay publishes to).
 ///
@@ -68,6 +80,8 @@ pub struct Outbox {
     registered: Arc<Mutex<Option<Instant>>>,
     /// [`Outbox::report_transaction_ids`].
     transaction_ids: bool,
+    /// [`Outbox::with_max_payload`].
+    max_payload: usize,
 }
 
 impl Outbox {
@@ -85,7 +99,26 @@ impl Outbox {
             #[cfg(feature = "postgres")]
             registered: Arc::new(Mutex::new(None)),
             transaction_ids: false,
+            max_payload: DEFAULT_MAX_PAYLOAD_BYTES,
         }
+    }
+
+    /// Sets the largest payload, in bytes, that a unit of work of this outbox writes: an
+    /// event whose payload JSON is longer fails the unit of work with
+    /// [`UnitOfWorkError::PayloadTooLarge`](crate::UnitOfWorkError::PayloadTooLarge), and
+    /// nothing is written. Default [`DEFAULT_MAX_PAYLOAD_BYTES`], which fits nats-server's
+    /// default `max_payload`; for a server (and stream, `max_msg_size`) that takes larger
+    /// messages, their bound less 16 KiB for the relay's headers. A bound the server does not
+    /// honour leaves the relay to find the message refused: it retries it and, after
+    /// `max_attempts`, dead-letters it, its aggregate's later events waiting behind it.
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
+    }
+
+    /// The largest payload a unit of work writes, in bytes ([`Self::with_max_payload`]).
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
     }
 
     /// Has each unit of work on PostgreSQL ask for its transaction's id when it begins, so

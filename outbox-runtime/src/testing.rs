@@ -385,6 +385,14 @@ impl InMemoryOutbox {
         }
     }
 
+    /// This in-memory outbox with another payload bound, as [`Outbox::with_max_payload`]
+    /// sets it for the real one (default
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`](crate::outbox::DEFAULT_MAX_PAYLOAD_BYTES)).
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.outbox = self.outbox.with_max_payload(bytes);
+        self
+    }
+
     /// Runs `f` as a unit of work: when it returns `Ok`, its events are checked, numbered
     /// and kept, and its tracked aggregates drained, as [`Outbox::transaction`] would commit
     /// them; when it fails, or an event is invalid, nothing is kept and the aggregates keep
@@ -392,8 +400,8 @@ impl InMemoryOutbox {
     ///
     /// # Errors
     /// `f`'s own error, or the [`UnitOfWorkError`] the real unit of work would return for
-    /// the same events (an invalid subject token, a payload that does not serialize, a
-    /// taken dedup key with [`DuplicateEvents::Fail`]).
+    /// the same events (an invalid subject token, a payload that does not serialize or is
+    /// over the outbox's `max_payload`, a taken dedup key with [`DuplicateEvents::Fail`]).
     pub async fn transaction<T, E, F>(&self, f: F) -> Result<T, E>
     where
         F: for<'u, 'o> AsyncFnOnce(&'u mut InMemoryUnitOfWork<'o>) -> Result<T, E>,

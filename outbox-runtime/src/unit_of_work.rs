@@ -88,6 +88,28 @@ pub enum UnitOfWorkError {
         /// The event type of the event.
         event_type: String,
     },
+    /// An event's payload is longer than the outbox's bound ([`Outbox::max_payload`],
+    /// by default [`DEFAULT_MAX_PAYLOAD_BYTES`]): the broker would refuse its message.
+    ///
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`]: crate::outbox::DEFAULT_MAX_PAYLOAD_BYTES
+    #[error(
+        "the payload of {aggregate_type} {aggregate_id:?} (event {event_type}) is {len} bytes \
+         long, over the limit of {max} bytes this outbox writes (Outbox::max_payload: the \
+         NATS server's max_payload less the relay's headers); keep large data elsewhere and \
+         let the event refer to it, or raise the server's max_payload and this bound together"
+    )]
+    PayloadTooLarge {
+        /// The payload's length in bytes (its JSON text).
+        len: usize,
+        /// The bound, [`Outbox::max_payload`].
+        max: usize,
+        /// The aggregate type of the event.
+        aggregate_type: String,
+        /// The aggregate id of the event.
+        aggregate_id: String,
+        /// The event type of the event.
+        event_type: String,
+    },
     /// A correlation or causation id is longer than [`MAX_ID_BYTES`].
     #[error(
         "the {what} is {len} bytes long, over the limit of {MAX_ID_BYTES} bytes an id may hold"
@@ -1467,6 +1489,15 @@ fn prepare<E: DomainEvent>(
             aggregate_id: aggregate_id.to_owned(),
             source,
         })?;
+    if payload.len() > outbox.max_payload() {
+        return Err(UnitOfWorkError::PayloadTooLarge {
+            len: payload.len(),
+            max: outbox.max_payload(),
+            aggregate_type: aggregate_type.to_owned(),
+            aggregate_id: aggregate_id.to_owned(),
+            event_type: event_type.to_owned(),
+        });
+    }
     let partition_key = partition_key.unwrap_or_else(|| aggregate_id.to_owned());
     let subject = event_subject(
         outbox.subject_prefix(),
