@@ -56,9 +56,10 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 /// default `max_payload` (1 MiB, `MAX_PAYLOAD_SIZE` in the server's `server/const.go`), less
 /// 16 KiB for the headers the relay adds to each message. The server holds a message's
 /// headers and payload together to its `max_payload` (`server/client.go`, `processHeaderPub`);
-/// the relay's headers take about 0.6 KB for short ids and names, and at most about 8.7 KB
-/// (every token, id and the `ce-source` at its longest and percent-encoded, and OpenTelemetry's
-/// `traceparent` and `tracestate`). A larger event is refused at commit
+/// the relay's headers take about 0.6 KB for short ids and names, and at most 8,692 bytes
+/// (every token, id and the `ce-source` at its longest and each byte percent-encoded: 8,096;
+/// OpenTelemetry's `traceparent` and `tracestate` at theirs: 596; a unit test of the
+/// publisher counts them). A larger event is refused at commit
 /// ([`UnitOfWorkError::PayloadTooLarge`](crate::UnitOfWorkError::PayloadTooLarge)) rather than
 /// refused by the broker, retried and dead-lettered; [`Outbox::with_max_payload`] sets another
 /// bound for a server whose `max_payload` is raised.

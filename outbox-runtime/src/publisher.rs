@@ -942,6 +942,85 @@ mod tests {
         assert_eq!(headers.get(CE_SOURCE).map(HeaderValue::as_str), Some("c"));
     }
 
+    /// The bytes `headers` take in an `HPUB`'s header block (`NATS/1.0`, a `name: value`
+    /// line for each value, the blank line), which nats-server counts into `max_payload`.
+    fn header_block_bytes(headers: &HeaderMap) -> usize {
+        let lines: usize = headers
+            .iter()
+            .map(|(name, values)| {
+                values
+                    .iter()
+                    .map(|value| AsRef::<str>::as_ref(name).len() + 2 + value.as_str().len() + 2)
+                    .sum::<usize>()
+            })
+            .sum();
+        "NATS/1.0\r\n".len() + lines + "\r\n".len()
+    }
+
+    /// `DEFAULT_MAX_PAYLOAD_BYTES` leaves 16 KiB of nats-server's default 1 MiB for the
+    /// relay's headers: a row whose every token, id and the relay's `ce-source` are at their
+    /// longest and each byte percent-encoded (`é`: 2 bytes, 6 characters), with the
+    /// OpenTelemetry headers at theirs (W3C Trace Context: a 55-character `traceparent`, a
+    /// `tracestate` of at most 512), fits in it.
+    #[tokio::test]
+    async fn the_relays_longest_headers_fit_in_what_the_payload_bound_leaves() {
+        use crate::causality::MAX_ID_BYTES;
+        use crate::subject::MAX_TOKEN_BYTES;
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect("nats://127.0.0.1:1")
+            .await
+            .unwrap();
+        let encoded = |bytes: usize| "é".repeat(bytes / 2);
+        let publisher = Publisher::new(
+            client,
+            "events",
+            &encoded(MAX_ID_BYTES),
+            Duration::from_secs(1),
+            1,
+        )
+        .unwrap();
+        let row = ClaimedEvent {
+            id: uuid::Uuid::now_v7(),
+            aggregate_type: encoded(MAX_TOKEN_BYTES),
+            aggregate_id: encoded(MAX_TOKEN_BYTES),
+            aggregate_seq: i64::MAX,
+            event_type: encoded(MAX_TOKEN_BYTES),
+            event_version: i32::MAX,
+            partition_key: encoded(MAX_TOKEN_BYTES),
+            subject: String::new(),
+            payload: crate::outbox::queries::JsonBytes(bytes::Bytes::from_static(b"{}")),
+            headers: crate::outbox::queries::JsonText(b"{}".to_vec()),
+            occurred_at: time::macros::datetime!(-9999-12-31 23:59:59.999999 UTC),
+            correlation_id: Some(encoded(MAX_ID_BYTES)),
+            causation_id: Some(encoded(MAX_ID_BYTES)),
+            available: true,
+        };
+        let headers = publisher.headers(&row).unwrap();
+        assert!(
+            headers
+                .get(CE_SOURCE)
+                .unwrap()
+                .as_str()
+                .starts_with("%C3%A9"),
+            "percent-encoded"
+        );
+        let block = header_block_bytes(&headers);
+        let trace_context = "traceparent: \r\n".len() + 55 + "tracestate: \r\n".len() + 512;
+        let left = 1024 * 1024 - crate::outbox::DEFAULT_MAX_PAYLOAD_BYTES;
+        assert!(
+            block + trace_context <= left,
+            "{block} + {trace_context} bytes of headers, {left} left by the payload bound"
+        );
+        // Four tokens (type, aggregate type and id, partition key) and three ids (correlation,
+        // causation, source), each byte sent as three characters.
+        let encoded_values = 4 * 3 * MAX_TOKEN_BYTES + 3 * 3 * MAX_ID_BYTES;
+        assert!(
+            block > encoded_values,
+            "{block}: the row is not at its longest"
+        );
+    }
+
     #[test]
     fn ce_time_is_rfc3339_utc_with_microseconds() {
         let time = time::macros::datetime!(2026-11-21 13:04:05.000042 +01:00);
