@@ -1038,10 +1038,11 @@ async fn purge_inbox<C: InboxConnection>(conn: &mut C, args: &PurgeArgs) -> Resu
                 .await
                 .map_err(database_error)?;
             handled += deleted;
-            progress.report(|| format!("outbox_inbox {shown}: {handled} rows deleted"));
             if deleted < args.batch as usize {
                 break;
             }
+            // Progress only for a purge of more than one batch, as for the outbox's rows.
+            progress.report(|| format!("outbox_inbox {shown}: {handled} rows deleted"));
         }
         println!("deleted {handled} inbox rows of {shown}");
     }

@@ -742,6 +742,17 @@ async fn purge_deletes_old_published_and_inbox_rows_and_leaves_the_queue_alone()
         left(&env).await,
         ["a:new", "archived 2", "o-1#2", "o-2#1", "o-3#1"]
     );
+    // Again, with nothing old left: the counts, and no progress line for a purge of one
+    // batch (it said "outbox_inbox a: 0 rows deleted" before "deleted 0 inbox rows of a").
+    let again = outbox(
+        &env,
+        &support::nats_url(),
+        &["purge", "--older-than", "1d", "--batch", "1"],
+    );
+    let shown = text(&again);
+    assert!(again.status.success(), "{shown}");
+    assert!(shown.contains("deleted 0 inbox rows of a"), "{shown}");
+    assert!(!shown.contains("rows deleted"), "{shown}");
 }
 
 /// A purge younger than a message's redeliveries would take the inbox's ids that a
