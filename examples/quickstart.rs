@@ -312,7 +312,11 @@ async fn main() -> ExitCode {
 
 /// Runs the quickstart on the database `database_url` names.
 async fn quickstart(database_url: &str, nats_url: &str) -> Result<(), Box<dyn Error>> {
-    match Kind::of(database_url) {
+    // A typo in the scheme (`postgress://`) is said as such, not taken for a SQLite path.
+    let kind = database_url
+        .parse::<Kind>()
+        .map_err(|error| format!("DATABASE_URL: {error}"))?;
+    match kind {
         Kind::Postgres => run::<Postgres>(database_url, nats_url).await,
         #[cfg(feature = "mysql")]
         Kind::Mysql => run::<Mysql>(database_url, nats_url).await,

@@ -666,3 +666,36 @@ async fn the_postgresql_migrations_given_a_mysql_or_sqlite_url_name_the_module_t
         "{error}"
     );
 }
+
+/// A database URL whose scheme names no database (a typo, `postgress://`; another program's,
+/// `redis://`) is refused as such by the migrations, the relay and the inbox, where it was
+/// taken for a SQLite file's path ("this is a SQLite file: its outbox is
+/// outbox_runtime::sqlite"); the password in it is not shown.
+#[tokio::test]
+async fn a_database_url_of_no_known_scheme_is_refused_naming_its_scheme() {
+    let env = TestEnv::new().await;
+    for (url, scheme) in [
+        ("postgress://app:s3cret@127.0.0.1/orders", "postgress"),
+        ("redis://:s3cret@127.0.0.1:6379", "redis"),
+    ] {
+        let says = format!("a {scheme}:// URL names no database the outbox runs on");
+        let migrations = outbox_runtime::run_migrations(url)
+            .await
+            .unwrap_err()
+            .to_string();
+        let relay = Relay::connect(RelayConfig::new(url), env.nats.clone())
+            .await
+            .err()
+            .expect("the relay refuses the URL")
+            .to_string();
+        let inbox = Inbox::connect(InboxConfig::new("typo", url), env.nats.clone(), Nothing)
+            .await
+            .err()
+            .expect("the inbox refuses the URL")
+            .to_string();
+        for error in [migrations, relay, inbox] {
+            assert!(error.contains(&says), "{says:?} not said: {error}");
+            assert!(!error.contains("s3cret"), "{error}");
+        }
+    }
+}

@@ -142,9 +142,14 @@ fn main() -> ExitCode {
     };
     let outcome = runtime.block_on(async {
         let database_url = || {
-            cli.database_url
+            let url = cli
+                .database_url
                 .clone()
-                .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())
+                .ok_or_else(|| "no database: set DATABASE_URL or --database-url".to_owned())?;
+            // A typo in the scheme (`postgress://`) would be taken for a SQLite file's path.
+            url.parse::<outbox_runtime::database::Kind>()
+                .map_err(|error| format!("DATABASE_URL: {error}"))?;
+            Ok::<_, String>(url)
         };
         match cli.command {
             Command::Migrate => operate::migrate(&database_url()?).await,

@@ -906,6 +906,40 @@ async fn the_relay_refuses_a_log_filter_it_cannot_parse_naming_it() {
     }
 }
 
+/// A `DATABASE_URL` whose scheme names no database (a typo: `postgress://`) is refused by
+/// each command that opens the database, naming the scheme and the ones there are, where it
+/// was taken for a SQLite file's path ("build it with `--features sqlite`"; with that
+/// feature, a file to open); the password in it is not shown.
+#[tokio::test]
+async fn a_database_url_of_no_known_scheme_is_refused_by_each_command() {
+    let env = TestEnv::new().await;
+    let commands: [&[&str]; 5] = [
+        &["migrate"],
+        &["status"],
+        &["relay"],
+        &["dead-letters", "list"],
+        &["purge", "--older-than", "7d"],
+    ];
+    for args in commands {
+        let child = command(&env, &support::nats_url())
+            .env("DATABASE_URL", "postgress://app:s3cret@127.0.0.1/orders")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run outbox");
+        let refused = exited_within_30_s(child, &format!("{args:?} took the URL"));
+        let output = text(&refused);
+        assert_eq!(refused.status.code(), Some(2), "{args:?}: {output}");
+        assert!(
+            output
+                .contains("DATABASE_URL: a postgress:// URL names no database the outbox runs on"),
+            "{args:?}: {output}"
+        );
+        assert!(!output.contains("s3cret"), "{args:?}: {output}");
+    }
+}
+
 /// `outbox tail --subject` takes a NATS subject filter, and says what is wrong with one that
 /// is not, before it connects: JetStream's answer named no fault ("consumer filter subject is
 /// not a valid subset of the interest subjects"), and an empty filter followed every subject.

@@ -148,7 +148,9 @@ fn redacted_postgres(database_url: &str) -> Option<String> {
 /// The database a URL names, by its form: `postgres://` or `postgresql://` (or a PostgreSQL
 /// `key=value` connection string), `mysql://`, or else a SQLite file (a path, `sqlite://` or
 /// a `file:` URI). A service that takes its database from configuration picks its
-/// connection and its relay by it (the quickstart does).
+/// connection and its relay by it (the quickstart does), parsing it (`url.parse::<Kind>()`),
+/// which refuses a URL of another scheme ([`UnknownScheme`]: a typo such as `postgress://`)
+/// where [`Kind::of`] takes it for a SQLite file's path.
 ///
 /// ```
 /// use outbox_runtime::database::Kind;
@@ -184,6 +186,19 @@ impl Kind {
         }
     }
 
+    /// The scheme of `database_url` when it is a URL (`scheme://`, RFC 3986's scheme syntax)
+    /// of no database the outbox runs on, such as a typo (`postgress://`) or another
+    /// program's (`redis://`): [`Kind::of`] would take it for a SQLite file's path.
+    fn unknown_scheme(database_url: &str) -> Option<&str> {
+        let (scheme, _) = database_url.trim_start().split_once("://")?;
+        let mut chars = scheme.chars();
+        let is_scheme = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+            && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+        let known = ["postgres", "postgresql", "mysql", "sqlite", "file"];
+        // Compared as written: tokio-postgres and diesel take the lower-case schemes only.
+        (is_scheme && !known.contains(&scheme)).then_some(scheme)
+    }
+
     /// Refuses a URL of another database than `self`, for `user` (a relay, a command), naming
     /// the relay to use.
     ///
@@ -195,6 +210,9 @@ impl Kind {
             return Err(format!(
                 "database_url is empty: {user} needs its database's URL"
             ));
+        }
+        if let Err(error) = database_url.parse::<Self>() {
+            return Err(format!("database_url: {error}"));
         }
         let (kind, url) = (Self::of(database_url), redacted(database_url));
         if kind == self {
@@ -214,6 +232,41 @@ impl Kind {
             "database_url {url} is {what}, which {user} does not work on: use {right}"
         ))
     }
+}
+
+/// [`Kind::of`], but a URL of a scheme no database of the outbox has (`postgress://`,
+/// `redis://`) is an error rather than a SQLite file's path.
+///
+/// ```
+/// use outbox_runtime::database::Kind;
+/// assert_eq!("postgres://app@db/orders".parse::<Kind>().unwrap(), Kind::Postgres);
+/// assert_eq!("orders.db".parse::<Kind>().unwrap(), Kind::Sqlite);
+/// let error = "postgress://app:s3cret@db/orders".parse::<Kind>().unwrap_err();
+/// assert!(error.to_string().starts_with("a postgress:// URL names no database"));
+/// ```
+impl std::str::FromStr for Kind {
+    type Err = UnknownScheme;
+
+    fn from_str(database_url: &str) -> Result<Self, UnknownScheme> {
+        match Self::unknown_scheme(database_url) {
+            Some(scheme) => Err(UnknownScheme {
+                scheme: scheme.to_owned(),
+            }),
+            None => Ok(Self::of(database_url)),
+        }
+    }
+}
+
+/// A database URL whose scheme names no database the outbox runs on ([`Kind`]'s `FromStr`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a {scheme}:// URL names no database the outbox runs on: postgres:// or postgresql:// \
+     (PostgreSQL, or a key=value connection string), mysql:// (MySQL, MariaDB), or a SQLite \
+     file (its path, sqlite:// or file:)"
+)]
+pub struct UnknownScheme {
+    /// The URL's scheme, as written (without `://`).
+    pub scheme: String,
 }
 
 /// [`redacted`] for what is not PostgreSQL's (or, in a build without the `postgres`
@@ -449,19 +502,26 @@ pub(crate) async fn connect(
     application_name: &str,
     limits: Limits,
 ) -> Result<AsyncPgConnection, ConnectError> {
-    if connector.is_none() && Kind::of(database_url) != Kind::Postgres {
+    if connector.is_none() {
         // The PostgreSQL driver would say only that the string does not parse.
-        let (kind, other) = match Kind::of(database_url) {
-            Kind::Mysql => ("a MySQL URL", "outbox_runtime::mysql (feature `mysql`)"),
-            _ => ("a SQLite file", "outbox_runtime::sqlite (feature `sqlite`)"),
-        };
-        return Err(ConnectError {
+        let kind = database_url.parse::<Kind>().map_err(|error| ConnectError {
             target: redacted(database_url),
-            reason: format!(
-                "{application_name} connects to PostgreSQL, and this is {kind}: its outbox is \
-                 {other}"
-            ),
-        });
+            reason: error.to_string(),
+        })?;
+        let other = match kind {
+            Kind::Postgres => None,
+            Kind::Mysql => Some(("a MySQL URL", "outbox_runtime::mysql (feature `mysql`)")),
+            Kind::Sqlite => Some(("a SQLite file", "outbox_runtime::sqlite (feature `sqlite`)")),
+        };
+        if let Some((kind, other)) = other {
+            return Err(ConnectError {
+                target: redacted(database_url),
+                reason: format!(
+                    "{application_name} connects to PostgreSQL, and this is {kind}: its outbox \
+                     is {other}"
+                ),
+            });
+        }
     }
     let setup = async {
         let mut conn = match connector {
@@ -735,6 +795,40 @@ mod kind_tests {
         assert_eq!(Kind::of("sqlite:///var/o.db"), Kind::Sqlite);
         assert_eq!(Kind::of("file:o.db?mode=rwc"), Kind::Sqlite);
         assert_eq!(Kind::of("mysql://root@h/d?ssl-mode=required"), Kind::Mysql);
+        let refused = [
+            "postgress://a:pw@h/d",
+            " redis://h",
+            "pg://h/d",
+            "MARIADB://h/d",
+            "PostgreSQL://a:pw@h/d",
+        ];
+        for url in refused {
+            let error = url.parse::<Kind>().unwrap_err();
+            assert_eq!(
+                error.scheme,
+                url.trim().split_once("://").unwrap().0,
+                "{url}"
+            );
+            let refused = Kind::Postgres.check(url, "the relay").unwrap_err();
+            assert!(
+                refused.contains("URL names no database the outbox runs on"),
+                "{refused}"
+            );
+            assert!(!refused.contains("pw"), "{refused}");
+        }
+        for url in [
+            "postgres://a@h/d",
+            "postgresql://a@h/d",
+            "mysql://r@h/d",
+            "sqlite:///o.db",
+            "file:///o.db?mode=rwc",
+            "file:o.db",
+            "host=h dbname=d",
+            "orders.db",
+            "./data/a b.db",
+        ] {
+            assert_eq!(url.parse::<Kind>(), Ok(Kind::of(url)), "{url}");
+        }
         assert!(Kind::Postgres.check("postgresql://a@h/d", "Relay").is_ok());
         let error = Kind::Postgres
             .check("mysql://root:s3cret@h/d", "Relay")

@@ -2303,7 +2303,10 @@ fn check_database<C: InboxConnection>(config: &InboxConfig) -> Result<(), InboxE
             ))
         };
     }
-    let kind = Kind::of(&config.database_url);
+    let kind = config
+        .database_url
+        .parse::<Kind>()
+        .map_err(|error| InboxError::Config(format!("database_url: {error}")))?;
     if config.database_url.trim().is_empty() || kind == C::KIND {
         return Ok(());
     }
