@@ -444,6 +444,74 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
     );
 }
 
+/// A relay whose broker takes smaller messages than units of work write by default (the
+/// server's `max_payload`, or the stream's `max_msg_size`, under nats-server's default 1 MiB)
+/// warns, naming the bound and the `Outbox::with_max_payload` that fits it: an event between
+/// the two would commit, and the broker would refuse its message. At the defaults, nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_takes_smaller_messages_than_units_of_work_write_is_reported() {
+    let (logs, _guard) = Logs::capture().await;
+    let small_server = NatsServer::start_with_config("max_payload: 262144").await;
+    let on_small_server = TestEnv::new().await;
+    let client = async_nats::connect(small_server.url()).await.unwrap();
+    let relay = Relay::connect(on_small_server.relay_config(), client)
+        .await
+        .unwrap()
+        .spawn();
+    relay.shutdown().await.unwrap();
+
+    let small_stream = TestEnv::new().await;
+    small_stream
+        .jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: small_stream.stream.clone(),
+            subjects: vec![format!("{}.>", small_stream.prefix)],
+            duplicate_window: Duration::from_secs(120),
+            max_message_size: 65_536,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let relay = Relay::connect(small_stream.relay_config(), small_stream.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    relay.shutdown().await.unwrap();
+
+    let at_defaults = TestEnv::new().await;
+    let relay = Relay::connect(at_defaults.relay_config(), at_defaults.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    relay.shutdown().await.unwrap();
+
+    let text = logs.text();
+    let reports = |env: &TestEnv| -> Vec<String> {
+        text.lines()
+            .filter(|line| line.contains(" WARN ") && line.contains("bytes, under the 1 MiB"))
+            .filter(|line| line.contains(&format!("stream={} ", env.stream)))
+            .map(str::to_owned)
+            .collect()
+    };
+    let server = reports(&on_small_server);
+    assert_eq!(server.len(), 1, "{server:?}");
+    assert!(
+        server[0].contains("the NATS server's max_payload is 262144 bytes")
+            && server[0].contains("Outbox::with_max_payload(245760)"),
+        "{}",
+        server[0]
+    );
+    let stream = reports(&small_stream);
+    assert_eq!(stream.len(), 1, "{stream:?}");
+    assert!(
+        stream[0].contains("the stream's max_msg_size is 65536 bytes")
+            && stream[0].contains("Outbox::with_max_payload(49152)"),
+        "{}",
+        stream[0]
+    );
+    assert!(reports(&at_defaults).is_empty(), "{text}");
+}
+
 /// The warnings `Logs` captured that report a topology mismatch naming `own` and `other`.
 fn mismatch_reports(logs: &support::Captured, own: &str, other: &str) -> Vec<String> {
     logs.text()

@@ -463,6 +463,40 @@ impl From<InvalidSource> for RelayError {
     }
 }
 
+/// Warns when the broker takes smaller messages than units of work write by default: the
+/// server's `max_payload` (from its `INFO`), or the stream's `max_msg_size`, under nats-server's
+/// default of 1 MiB, which [`DEFAULT_MAX_PAYLOAD_BYTES`](crate::DEFAULT_MAX_PAYLOAD_BYTES) and
+/// the relay's headers fill. An event between the two bounds commits, and the broker refuses
+/// its message: it is retried and, after `max_attempts`, dead-lettered, its aggregate's later
+/// events waiting behind it.
+fn warn_if_messages_are_bounded_below_the_default(
+    nats: &async_nats::Client,
+    stream: &async_nats::jetstream::stream::Config,
+) {
+    const SERVER_DEFAULT: usize = 1024 * 1024;
+    let server = nats.server_info().max_payload;
+    let stream_limit = usize::try_from(stream.max_message_size)
+        .ok()
+        .filter(|&n| n > 0);
+    let (limit, what) = match stream_limit {
+        Some(limit) if limit < server => (limit, "the stream's max_msg_size"),
+        _ => (server, "the NATS server's max_payload"),
+    };
+    if limit < SERVER_DEFAULT {
+        let headers = SERVER_DEFAULT - crate::DEFAULT_MAX_PAYLOAD_BYTES;
+        tracing::warn!(
+            stream = %stream.name,
+            limit,
+            "{what} is {limit} bytes, under the 1 MiB that units of work fill by default (a \
+             payload of up to {} bytes and the relay's headers): the broker will refuse the \
+             message of a larger event, which the relay retries and then dead-letters; bound \
+             the units of work with Outbox::with_max_payload({})",
+            crate::DEFAULT_MAX_PAYLOAD_BYTES,
+            limit.saturating_sub(headers)
+        );
+    }
+}
+
 /// What the workers share.
 struct Shared {
     config: RelayConfig,
@@ -509,6 +543,7 @@ impl Shared {
             config.ack_timeout,
         )
         .await?;
+        warn_if_messages_are_bounded_below_the_default(&nats, &stream);
         let horizon = config.redelivery_horizon();
         if stream.duplicate_window < horizon {
             tracing::warn!(
