@@ -474,7 +474,11 @@ fn warn_if_messages_are_bounded_below_the_default(
     stream: &async_nats::jetstream::stream::Config,
 ) {
     const SERVER_DEFAULT: usize = 1024 * 1024;
+    // Zero before the server's INFO arrived: not known, and nothing to say.
     let server = nats.server_info().max_payload;
+    if server == 0 {
+        return;
+    }
     let stream_limit = usize::try_from(stream.max_message_size)
         .ok()
         .filter(|&n| n > 0);
