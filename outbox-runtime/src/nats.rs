@@ -253,7 +253,8 @@ impl NatsSettings {
     /// # Errors
     /// [`NatsConnectError`] when a URL does not parse, when two ways to authenticate are
     /// given, or when a password comes without a user (or a client key without its
-    /// certificate), or the credentials file cannot be read.
+    /// certificate), or the NKey seed does not parse, or the credentials file cannot be
+    /// read.
     pub async fn options(&self) -> Result<(ConnectOptions, Vec<ServerAddr>), NatsConnectError> {
         let error = |reason: String| NatsConnectError {
             servers: redacted(&self.urls),
@@ -300,6 +301,14 @@ impl NatsSettings {
             options = options.token(token.clone());
         }
         if let Some(seed) = &self.nkey_seed {
+            // async-nats reads the seed only to sign the server's nonce, and says then that it
+            // "failed signing nonce"; nkeys' error names what is wrong, never the seed.
+            nkeys::KeyPair::from_seed(seed).map_err(|e| {
+                error(format!(
+                    "the NKey seed does not parse: {e} (a user's seed is 58 characters starting \
+                     with SU, as `nsc` or `nk -gen user` writes it)"
+                ))
+            })?;
             options = options.nkey(seed.clone());
         }
         if let Some(path) = &self.credentials_file {
@@ -425,6 +434,29 @@ mod tests {
         for secret in ["t0k3n", "SUs33d", "pw"] {
             assert!(!shown.contains(secret), "{shown}");
         }
+        // A seed that is none is named as such before connecting, where async-nats said
+        // "failed signing nonce" once the server asked; the seed is not shown.
+        for seed in ["SUs33d", "SUAXXX", ""] {
+            let bad = NatsSettings {
+                nkey_seed: Some(seed.into()),
+                ..NatsSettings::new("nats://n1")
+            };
+            let error = bad.options().await.unwrap_err();
+            assert!(
+                error.reason.starts_with("the NKey seed does not parse: "),
+                "{seed:?}: {error}"
+            );
+            assert!(
+                seed.is_empty() || !error.to_string().contains(seed),
+                "{error}"
+            );
+        }
+        let good = nkeys::KeyPair::new_user().seed().unwrap();
+        let settings = NatsSettings {
+            nkey_seed: Some(good),
+            ..NatsSettings::new("nats://n1")
+        };
+        assert!(settings.options().await.is_ok());
         let half = NatsSettings {
             client_key: Some("key.pem".into()),
             ..NatsSettings::new("nats://n1")
