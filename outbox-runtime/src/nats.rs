@@ -42,6 +42,10 @@ fn parse(urls: &str) -> Result<(Vec<ServerAddr>, Credentials), String> {
     let mut credentials = Credentials::None;
     for url in urls.split(',').map(str::trim).filter(|url| !url.is_empty()) {
         let address = ServerAddr::from_str(url).map_err(|e| e.to_string())?;
+        // `nats://` parses, and its connect failed on a DNS lookup of nothing.
+        if address.host().is_empty() {
+            return Err("a server URL has no host: give it as nats://<host>:4222".to_owned());
+        }
         let decode = |text: &str| percent_decode_str(text).decode_utf8_lossy().into_owned();
         let these = match (address.username(), address.password()) {
             (None, _) => Credentials::None,
@@ -415,6 +419,16 @@ mod tests {
         assert!(!error.to_string().contains("s3cret"), "{error}");
         let error = options("http://a:s3cret@n1").unwrap_err();
         assert!(!error.to_string().contains("s3cret"), "{error}");
+        for url in ["nats://", "nats://a:s3cret@", "nats://n1,nats://:4222"] {
+            // (async-nats refuses an empty host after credentials itself.)
+            let error = options(url).unwrap_err();
+            assert!(
+                error.reason == "a server URL has no host: give it as nats://<host>:4222"
+                    || error.reason.ends_with("empty host"),
+                "{url}: {error}"
+            );
+            assert!(!error.to_string().contains("s3cret"), "{error}");
+        }
         assert_eq!(redacted("nats://a:s3cret@n1:4222"), "nats://n1:4222");
     }
 
