@@ -71,6 +71,34 @@ fn parse(urls: &str) -> Result<(Vec<ServerAddr>, Credentials), String> {
     Ok((servers, credentials))
 }
 
+/// Reads the PEM certificates of `path` (a CA file or a client certificate, `what`), as
+/// async-nats will: the message of a file that cannot be read or holds none.
+fn check_certificates(what: &str, path: &std::path::Path) -> Result<(), String> {
+    use rustls_pki_types::pem::PemObject;
+    let shown = path.display();
+    let certificates = rustls_pki_types::CertificateDer::pem_file_iter(path)
+        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+        .map_err(|e| format!("{what} {shown}: {}", pem_error(e, "certificate")))?;
+    if certificates.is_empty() {
+        return Err(format!(
+            "{what} {shown}: {}",
+            pem_error(rustls_pki_types::pem::Error::NoItemsFound, "certificate")
+        ));
+    }
+    Ok(())
+}
+
+/// A PEM file's error, with "no items found" said as what is missing (`item`).
+fn pem_error(error: rustls_pki_types::pem::Error, item: &str) -> String {
+    match error {
+        rustls_pki_types::pem::Error::NoItemsFound => {
+            format!("it holds no PEM {item} (a -----BEGIN ...----- section)")
+        }
+        rustls_pki_types::pem::Error::Io(error) => error.to_string(),
+        other => format!("it is not PEM: {other}"),
+    }
+}
+
 /// `urls` as they may be shown: each server without its credentials.
 ///
 /// ```
@@ -258,7 +286,8 @@ impl NatsSettings {
     /// [`NatsConnectError`] when a URL does not parse, when two ways to authenticate are
     /// given, or when a password comes without a user (or a client key without its
     /// certificate), or the NKey seed does not parse, or the credentials file cannot be
-    /// read.
+    /// read, or a TLS file (`ca_file`, `client_cert`, `client_key`) cannot be read or holds
+    /// no PEM certificate (key): each named by its path.
     pub async fn options(&self) -> Result<(ConnectOptions, Vec<ServerAddr>), NatsConnectError> {
         let error = |reason: String| NatsConnectError {
             servers: redacted(&self.urls),
@@ -337,6 +366,26 @@ impl NatsSettings {
                     "a client certificate needs its key, and a key its certificate".to_owned(),
                 ));
             }
+        }
+        // async-nats reads these files when it connects, and said "TLS error: No such file or
+        // directory" without the file, and took one without a certificate for no CA at all.
+        for (what, path) in [
+            ("CA file", &self.ca_file),
+            ("client certificate", &self.client_cert),
+        ] {
+            if let Some(path) = path {
+                check_certificates(what, path).map_err(error)?;
+            }
+        }
+        if let Some(path) = &self.client_key {
+            use rustls_pki_types::pem::PemObject;
+            rustls_pki_types::PrivateKeyDer::from_pem_file(path).map_err(|e| {
+                error(format!(
+                    "client key {}: {}",
+                    path.display(),
+                    pem_error(e, "private key")
+                ))
+            })?;
         }
         if tls {
             options = options.require_tls(true);
@@ -471,6 +520,61 @@ mod tests {
             ..NatsSettings::new("nats://n1")
         };
         assert!(settings.options().await.is_ok());
+        // TLS files are read before connecting, each named with its fault.
+        let dir = std::env::temp_dir().join(format!("outbox-tls-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let not_pem = dir.join("notes.txt");
+        std::fs::write(&not_pem, "not a certificate\n").unwrap();
+        let missing = dir.join("missing.pem");
+        // A PEM section of the certificate kind (not a certificate's DER: the read is PEM's).
+        let certificate = dir.join("cert.pem");
+        std::fs::write(
+            &certificate,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        for (settings, says) in [
+            (
+                NatsSettings {
+                    ca_file: Some(missing.clone()),
+                    ..NatsSettings::new("nats://n1")
+                },
+                format!("CA file {}: No such file or directory", missing.display()),
+            ),
+            (
+                NatsSettings {
+                    ca_file: Some(not_pem.clone()),
+                    ..NatsSettings::new("nats://n1")
+                },
+                format!("CA file {}: it holds no PEM certificate", not_pem.display()),
+            ),
+            (
+                NatsSettings {
+                    client_cert: Some(not_pem.clone()),
+                    client_key: Some(not_pem.clone()),
+                    ..NatsSettings::new("nats://n1")
+                },
+                format!(
+                    "client certificate {}: it holds no PEM certificate",
+                    not_pem.display()
+                ),
+            ),
+            (
+                NatsSettings {
+                    client_cert: Some(certificate.clone()),
+                    client_key: Some(not_pem.clone()),
+                    ..NatsSettings::new("nats://n1")
+                },
+                format!(
+                    "client key {}: it holds no PEM private key",
+                    not_pem.display()
+                ),
+            ),
+        ] {
+            let error = settings.options().await.unwrap_err();
+            assert!(error.reason.starts_with(&says), "{says:?}: {error}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
         let half = NatsSettings {
             client_key: Some("key.pem".into()),
             ..NatsSettings::new("nats://n1")
