@@ -512,6 +512,30 @@ async fn a_broker_that_takes_smaller_messages_than_units_of_work_write_is_report
     assert!(reports(&at_defaults).is_empty(), "{text}");
 }
 
+/// TLS asked of a server without TLS (a CA file, `require_tls`, a `tls://` URL) fails saying
+/// that the server answered in plain text and the ways out, where rustls's words were all of
+/// it ("received corrupt message of type InvalidContentType").
+#[tokio::test]
+async fn tls_asked_of_a_server_without_tls_is_named_as_such() {
+    let url = support::nats_url();
+    let tls_url = url.replacen("nats://", "tls://", 1);
+    for settings in [
+        outbox_runtime::nats::NatsSettings {
+            require_tls: true,
+            ..outbox_runtime::nats::NatsSettings::new(&url)
+        },
+        outbox_runtime::nats::NatsSettings::new(&tls_url),
+    ] {
+        let error = settings.connect().await.unwrap_err().to_string();
+        assert!(
+            error.contains(
+                "the server answered the TLS handshake in plain text: it runs without TLS"
+            ),
+            "{error}"
+        );
+    }
+}
+
 /// The warnings `Logs` captured that report a topology mismatch naming `own` and `other`.
 fn mismatch_reports(logs: &support::Captured, own: &str, other: &str) -> Vec<String> {
     logs.text()

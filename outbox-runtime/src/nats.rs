@@ -402,7 +402,8 @@ impl NatsSettings {
     /// [`NatsConnectError`], naming the servers without credentials: settings that do not
     /// hold together (see [`options`](Self::options)), credentials the server refuses, no
     /// server reachable, or one that did not complete the handshake within
-    /// [`CONNECT_TIMEOUT`] (the error says so, and names the bound).
+    /// [`CONNECT_TIMEOUT`] (the error says so, and names the bound), or TLS asked of a server
+    /// that answers in plain text (the error says so).
     pub async fn connect(&self) -> Result<async_nats::Client, NatsConnectError> {
         let (options, servers) = self.options().await?;
         options
@@ -416,6 +417,15 @@ impl NatsSettings {
                         "{e}: no NATS handshake within {CONNECT_TIMEOUT:?}, the connection \
                          timeout of each attempt (the host drops the packets, or what listens \
                          there does not speak NATS)"
+                    )
+                } else if e.to_string().contains("InvalidContentType") {
+                    // rustls's words for a TLS handshake answered in plain text: the server's
+                    // INFO line, where a TLS server hello was due.
+                    format!(
+                        "{e}: the server answered the TLS handshake in plain text: it runs \
+                         without TLS (no tls block in its configuration), or this is not its TLS \
+                         port; connect without TLS (no CA file, client certificate, \
+                         require_tls or tls:// URL), or give the server TLS"
                     )
                 } else {
                     e.to_string()
