@@ -216,7 +216,7 @@ fn aggregates_may_be_generic_and_are_usable_through_the_trait() {
 }
 
 /// Raw identifiers name an aggregate and find its id without their `r#`, as serde and the
-/// events name them: the aggregate type was `r#Match` (a subject `events.r#Match...`), and a
+/// events name them: the aggregate type was `r#match` (a subject `events.r#match...`), and a
 /// field `r#id` was no id.
 #[allow(non_camel_case_types)] // a raw identifier: the aggregate type is `match`
 mod raw {
