@@ -35,16 +35,21 @@ fn outbox(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
 /// exits, or a panic naming `args` when it is still running after 30 s (it took them and
 /// went on: a relay that started, a purge that loops).
 fn refused(env: &TestEnv, nats_url: &str, args: &[&str]) -> Output {
-    let child = command(env, nats_url)
-        .args(args)
+    refused_as(
+        command(env, nats_url).args(args),
+        &format!("outbox {args:?} went on instead of refusing"),
+    )
+}
+
+/// `command`, its output piped, which must refuse what it was given: its output once it
+/// exits, or a panic saying `went_on` when it is still running after 30 s.
+fn refused_as(command: &mut Command, went_on: &str) -> Output {
+    let child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run outbox");
-    exited_within_30_s(
-        child,
-        &format!("outbox {args:?} went on instead of refusing"),
-    )
+    exited_within_30_s(child, went_on)
 }
 
 /// `outbox args...` with NATS up and with NATS unreachable: each time it must refuse before
@@ -876,11 +881,10 @@ async fn the_relay_refuses_a_log_filter_it_cannot_parse_naming_it() {
         ("[{", "invalid filter directive"),
     ] {
         for nats_url in [support::nats_url(), "nats://127.0.0.1:1".to_owned()] {
-            let child = relay_command(&env, &nats_url)
-                .env("RUST_LOG", filter)
-                .spawn()
-                .expect("run outbox");
-            let refused = exited_within_30_s(child, &format!("RUST_LOG={filter} was taken"));
+            let refused = refused_as(
+                relay_command(&env, &nats_url).env("RUST_LOG", filter),
+                &format!("RUST_LOG={filter} was taken"),
+            );
             let output = text(&refused);
             assert_eq!(refused.status.code(), Some(2), "{filter}: {output}");
             let says = format!("RUST_LOG={filter:?} is not a log filter: {fault}");
@@ -921,14 +925,12 @@ async fn a_database_url_of_no_known_scheme_is_refused_by_each_command() {
         &["purge", "--older-than", "7d"],
     ];
     for args in commands {
-        let child = command(&env, &support::nats_url())
-            .env("DATABASE_URL", "postgress://app:s3cret@127.0.0.1/orders")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run outbox");
-        let refused = exited_within_30_s(child, &format!("{args:?} took the URL"));
+        let refused = refused_as(
+            command(&env, &support::nats_url())
+                .env("DATABASE_URL", "postgress://app:s3cret@127.0.0.1/orders")
+                .args(args),
+            &format!("{args:?} took the URL"),
+        );
         let output = text(&refused);
         assert_eq!(refused.status.code(), Some(2), "{args:?}: {output}");
         assert!(

@@ -211,10 +211,10 @@ impl Kind {
                 "database_url is empty: {user} needs its database's URL"
             ));
         }
-        if let Err(error) = database_url.parse::<Self>() {
-            return Err(format!("database_url: {error}"));
-        }
-        let (kind, url) = (Self::of(database_url), redacted(database_url));
+        let kind = database_url
+            .parse::<Self>()
+            .map_err(|error| format!("database_url: {error}"))?;
+        let url = redacted(database_url);
         if kind == self {
             return Ok(());
         }

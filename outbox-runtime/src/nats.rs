@@ -71,32 +71,59 @@ fn parse(urls: &str) -> Result<(Vec<ServerAddr>, Credentials), String> {
     Ok((servers, credentials))
 }
 
-/// Reads the PEM certificates of `path` (a CA file or a client certificate, `what`), as
-/// async-nats will: the message of a file that cannot be read or holds none.
-fn check_certificates(what: &str, path: &std::path::Path) -> Result<(), String> {
+/// How a TLS file is read: [`read_certificates`] or [`read_private_key`].
+type PemRead = fn(&std::path::Path) -> Result<(), rustls_pki_types::pem::Error>;
+
+/// Reads a TLS file as async-nats will when it connects: `Ok` when it holds what `read` looks
+/// for, else the message naming the file (`what` and its path) and its fault, `item` being
+/// what it lacks.
+fn check_pem(what: &str, path: &std::path::Path, item: &str, read: PemRead) -> Result<(), String> {
+    use rustls_pki_types::pem::Error;
+    read(path).map_err(|error| {
+        let fault = match error {
+            Error::NoItemsFound => {
+                format!("it holds no PEM {item} (a -----BEGIN ...----- section)")
+            }
+            Error::Io(error) => error.to_string(),
+            other => format!("it is not PEM: {other}"),
+        };
+        format!("{what} {}: {fault}", path.display())
+    })
+}
+
+/// Every PEM certificate of `path`, as async-nats reads a CA file or a client certificate;
+/// none is [`NoItemsFound`](rustls_pki_types::pem::Error::NoItemsFound).
+fn read_certificates(path: &std::path::Path) -> Result<(), rustls_pki_types::pem::Error> {
     use rustls_pki_types::pem::PemObject;
-    let shown = path.display();
-    let certificates = rustls_pki_types::CertificateDer::pem_file_iter(path)
-        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-        .map_err(|e| format!("{what} {shown}: {}", pem_error(e, "certificate")))?;
+    let certificates: Vec<_> =
+        rustls_pki_types::CertificateDer::pem_file_iter(path)?.collect::<Result<_, _>>()?;
     if certificates.is_empty() {
-        return Err(format!(
-            "{what} {shown}: {}",
-            pem_error(rustls_pki_types::pem::Error::NoItemsFound, "certificate")
-        ));
+        return Err(rustls_pki_types::pem::Error::NoItemsFound);
     }
     Ok(())
 }
 
-/// A PEM file's error, with "no items found" said as what is missing (`item`).
-fn pem_error(error: rustls_pki_types::pem::Error, item: &str) -> String {
-    match error {
-        rustls_pki_types::pem::Error::NoItemsFound => {
-            format!("it holds no PEM {item} (a -----BEGIN ...----- section)")
-        }
-        rustls_pki_types::pem::Error::Io(error) => error.to_string(),
-        other => format!("it is not PEM: {other}"),
-    }
+/// The first PEM private key of `path`, as async-nats reads a client key.
+fn read_private_key(path: &std::path::Path) -> Result<(), rustls_pki_types::pem::Error> {
+    use rustls_pki_types::pem::PemObject;
+    rustls_pki_types::PrivateKeyDer::from_pem_file(path).map(drop)
+}
+
+/// Whether connecting failed because the TLS handshake was answered with something that is
+/// not TLS (rustls's `InvalidMessage::InvalidContentType`, which tokio-rustls hands on inside
+/// an I/O error): a server without TLS sends its plain INFO line where a server hello was due.
+fn answered_in_plain_text(error: &async_nats::ConnectError) -> bool {
+    use async_nats::rustls::{Error, InvalidMessage};
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<std::io::Error>())
+        .and_then(std::io::Error::get_ref)
+        .and_then(|inner| inner.downcast_ref::<Error>())
+        .is_some_and(|error| {
+            matches!(
+                error,
+                Error::InvalidMessage(InvalidMessage::InvalidContentType)
+            )
+        })
 }
 
 /// `urls` as they may be shown: each server without its credentials.
@@ -369,23 +396,30 @@ impl NatsSettings {
         }
         // async-nats reads these files when it connects, and said "TLS error: No such file or
         // directory" without the file, and took one without a certificate for no CA at all.
-        for (what, path) in [
-            ("CA file", &self.ca_file),
-            ("client certificate", &self.client_cert),
-        ] {
+        let files = [
+            (
+                "CA file",
+                &self.ca_file,
+                "certificate",
+                read_certificates as PemRead,
+            ),
+            (
+                "client certificate",
+                &self.client_cert,
+                "certificate",
+                read_certificates,
+            ),
+            (
+                "client key",
+                &self.client_key,
+                "private key",
+                read_private_key,
+            ),
+        ];
+        for (what, path, item, read) in files {
             if let Some(path) = path {
-                check_certificates(what, path).map_err(error)?;
+                check_pem(what, path, item, read).map_err(error)?;
             }
-        }
-        if let Some(path) = &self.client_key {
-            use rustls_pki_types::pem::PemObject;
-            rustls_pki_types::PrivateKeyDer::from_pem_file(path).map_err(|e| {
-                error(format!(
-                    "client key {}: {}",
-                    path.display(),
-                    pem_error(e, "private key")
-                ))
-            })?;
         }
         if tls {
             options = options.require_tls(true);
@@ -418,9 +452,7 @@ impl NatsSettings {
                          timeout of each attempt (the host drops the packets, or what listens \
                          there does not speak NATS)"
                     )
-                } else if e.to_string().contains("InvalidContentType") {
-                    // rustls's words for a TLS handshake answered in plain text: the server's
-                    // INFO line, where a TLS server hello was due.
+                } else if answered_in_plain_text(&e) {
                     format!(
                         "{e}: the server answered the TLS handshake in plain text: it runs \
                          without TLS (no tls block in its configuration), or this is not its TLS \
