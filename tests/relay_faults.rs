@@ -9,13 +9,15 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use diesel::prelude::*;
+use diesel::result::DatabaseErrorKind;
+use diesel::result::Error::DatabaseError;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{
     DeadLetterPolicy, PublishedRows, Relay, RelayConfig, UnitOfWorkError, dead_letter,
 };
 use support::domain::{Order, OrderEvent};
-use support::{NatsServer, TestEnv, sequences, wait_until};
+use support::{Logs, NatsServer, TestEnv, sequences, wait_until};
 
 /// Commits `events` events of aggregate `id` (Placed, then Shipped), one unit of work each.
 async fn commit_events(env: &TestEnv, conn: &mut AsyncPgConnection, id: &str, events: usize) {
@@ -130,6 +132,108 @@ async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_on
         .await
         .unwrap();
     assert_eq!(left, 0, "every row published and deleted");
+}
+
+/// A database whose default isolation is stricter than READ COMMITTED (`ALTER DATABASE ...
+/// SET default_transaction_isolation`, as some shops set it for every session): the relays'
+/// transactions stay READ COMMITTED. Before, three relays racing under REPEATABLE READ failed
+/// claims with "could not serialize access due to concurrent update", and under SERIALIZABLE
+/// with "read/write dependencies among transactions", each time dropping the connection and
+/// reconnecting with backoff. The units of work are the user's transactions and keep the
+/// database's level: under SERIALIZABLE they may abort with a serialization failure, which
+/// the writers here retry as PostgreSQL asks; any other error fails the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_run_read_committed_under_a_stricter_database_default() {
+    const AGGREGATES: usize = 40;
+    const PER_AGGREGATE: usize = 50;
+    const TOTAL: u64 = (AGGREGATES * PER_AGGREGATE) as u64;
+    let (logs, _turn) = Logs::capture().await;
+    for level in ["repeatable read", "serializable"] {
+        let env = TestEnv::new().await;
+        env.conn()
+            .await
+            .batch_execute(&format!(
+                "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET \
+                 default_transaction_isolation = %L', current_database(), '{level}'); END $$"
+            ))
+            .await
+            .unwrap();
+        let mut config = env.relay_config();
+        config.batch_size = 20; // many small batches, so the instances race for heads
+        let mut relays = Vec::new();
+        for _ in 0..3 {
+            let relay = Relay::connect(config.clone(), env.nats.clone()).await;
+            relays.push(relay.unwrap().spawn());
+        }
+        let mut writers = Vec::new();
+        let retries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for writer in 0..4 {
+            let (outbox, url) = (env.outbox(), env.database_url.clone());
+            let retries = retries.clone();
+            writers.push(tokio::spawn(async move {
+                let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+                for i in 0..AGGREGATES / 4 {
+                    let mut order = Order::place(&format!("agg-{writer}-{i}"), "ada", 1);
+                    for n in 0..PER_AGGREGATE {
+                        if n > 0 {
+                            order.record(OrderEvent::Shipped);
+                        }
+                        while let Err(error) = outbox
+                            .transaction(&mut conn, async |uow| {
+                                uow.track(&mut order);
+                                Ok::<_, UnitOfWorkError>(())
+                            })
+                            .await
+                        {
+                            assert!(
+                                matches!(
+                                    error,
+                                    UnitOfWorkError::Database(DatabaseError(
+                                        DatabaseErrorKind::SerializationFailure,
+                                        _
+                                    ))
+                                ),
+                                "{level}: {error}"
+                            );
+                            retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+        for writer in writers {
+            writer.await.unwrap();
+        }
+        // The figure the README gives (`-- --nocapture`).
+        let retries =
+            std::sync::atomic::AtomicUsize::load(&retries, std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "{level}: {retries} of {TOTAL} units of work retried after a serialization failure"
+        );
+        env.until_stream_holds(TOTAL, Duration::from_secs(120))
+            .await;
+        for relay in relays {
+            relay.shutdown().await.unwrap();
+        }
+        let messages = env.stream_messages().await;
+        assert_eq!(
+            messages.len() as u64,
+            TOTAL,
+            "{level}: no event stored twice"
+        );
+        let in_order: Vec<u64> = (1..=PER_AGGREGATE as u64).collect();
+        for (aggregate, seqs) in &sequences(&messages) {
+            assert_eq!(seqs, &in_order, "{level}: aggregate {aggregate} in order");
+        }
+    }
+    let text = logs.text();
+    let relay_failures: Vec<&str> = text
+        .lines()
+        .filter(|line| {
+            line.contains("outbox_runtime::relay") && line.contains("could not serialize")
+        })
+        .collect();
+    assert!(relay_failures.is_empty(), "{relay_failures:#?}");
 }
 
 /// A row the broker refuses: its message is over the server's `max_payload` (1 MiB by

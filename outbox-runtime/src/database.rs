@@ -491,16 +491,35 @@ fn explained(error: &tokio_postgres::Error) -> String {
     }
 }
 
+/// The isolation level of a connection's transactions.
+#[cfg(feature = "postgres")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    /// What the database, the role or the server sets (`default_transaction_isolation`):
+    /// for a connection whose transactions are the user's (an inbox handler's).
+    Default,
+    /// READ COMMITTED whatever the database's default: for the relay, whose claims are
+    /// written for it (`FOR UPDATE SKIP LOCKED` takes the heads committed by the time each
+    /// statement starts). Under REPEATABLE READ a claim of a row another relay just
+    /// released fails with "could not serialize access due to concurrent update"; under
+    /// SERIALIZABLE the relay's reads of `outbox_events` join the writers' predicate locks
+    /// and abort units of work with "read/write dependencies among transactions"
+    /// (PostgreSQL docs, "Transaction Isolation"; a READ COMMITTED transaction takes no
+    /// SIRead locks).
+    ReadCommitted,
+}
+
 /// Opens a connection (with `connector`, or to `database_url`) within
 /// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
-/// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`] and
-/// [`DEAD_PEER_USER_TIMEOUT`].
+/// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`],
+/// [`DEAD_PEER_USER_TIMEOUT`] and, when `isolation` says so, its transactions' isolation.
 #[cfg(feature = "postgres")]
 pub(crate) async fn connect(
     database_url: &str,
     connector: Option<&Connector>,
     application_name: &str,
     limits: Limits,
+    isolation: Isolation,
 ) -> Result<AsyncPgConnection, ConnectError> {
     if connector.is_none() {
         // The PostgreSQL driver would say only that the string does not parse.
@@ -531,11 +550,15 @@ pub(crate) async fn connect(
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
         let (idle, interval, count) = DEAD_PEER_KEEPALIVES;
+        let isolation = match isolation {
+            Isolation::Default => "",
+            Isolation::ReadCommitted => "; SET default_transaction_isolation TO 'read committed'",
+        };
         conn.batch_execute(&format!(
             "SET application_name TO '{application_name}'; \
              SET statement_timeout TO {statement_ms}; \
              SET tcp_keepalives_idle TO {}; SET tcp_keepalives_interval TO {}; \
-             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}",
+             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}{isolation}",
             idle.as_secs(),
             interval.as_secs(),
             DEAD_PEER_USER_TIMEOUT.as_millis()
@@ -888,7 +911,8 @@ mod tests {
                 "at <a database URL that does not parse>: invalid connection string",
             ),
         ] {
-            let Err(error) = connect(url, None, "outbox-test", limits).await else {
+            let Err(error) = connect(url, None, "outbox-test", limits, Isolation::Default).await
+            else {
                 panic!("{url} connected");
             };
             let shown = error.to_string();

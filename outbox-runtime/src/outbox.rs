@@ -243,7 +243,14 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
         // A migration may rewrite a large table: no server-side statement timeout.
         statement_timeout: Duration::ZERO,
     };
-    let connection = database::connect(database_url, None, "outbox-migrations", limits).await?;
+    let connection = database::connect(
+        database_url,
+        None,
+        "outbox-migrations",
+        limits,
+        database::Isolation::ReadCommitted,
+    )
+    .await?;
     run_migrations_on(connection).await
 }
 

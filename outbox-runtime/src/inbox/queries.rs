@@ -312,6 +312,7 @@ impl InboxStore for AsyncPgConnection {
             session.connector.as_ref(),
             "outbox-inbox",
             session.limits,
+            database::Isolation::Default,
         )
         .await
     }

@@ -55,7 +55,8 @@ pub struct BatchReport {
 }
 
 /// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
-/// connect timeout, with its statement timeout.
+/// connect timeout, with its statement timeout, its transactions READ COMMITTED whatever the
+/// database's default ([`database::Isolation::ReadCommitted`]).
 #[cfg(feature = "postgres")]
 pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, database::ConnectError> {
     database::connect(
@@ -63,6 +64,7 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
         shared.config.connector.as_ref(),
         "outbox-relay",
         shared.limits(),
+        database::Isolation::ReadCommitted,
     )
     .await
 }
