@@ -141,9 +141,16 @@ async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_on
 /// with "read/write dependencies among transactions", each time dropping the connection and
 /// reconnecting with backoff. The units of work are the user's transactions and keep the
 /// database's level: under SERIALIZABLE they may abort with a serialization failure, which
-/// the writers here retry as PostgreSQL asks; any other error fails the test.
+/// the writers here retry as PostgreSQL asks; any other error fails the test. Their outbox's
+/// topology is registered all the same, without the warning "cannot register the outbox's
+/// topology" that writers starting together each logged when their registrations met.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_run_read_committed_under_a_stricter_database_default() {
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        count: i64,
+    }
     const AGGREGATES: usize = 40;
     const PER_AGGREGATE: usize = 50;
     const TOTAL: u64 = (AGGREGATES * PER_AGGREGATE) as u64;
@@ -215,6 +222,17 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
         for relay in relays {
             relay.shutdown().await.unwrap();
         }
+        let registered: i64 = diesel::sql_query(
+            "SELECT count(*) AS count FROM outbox_topologies WHERE role = 'outbox'",
+        )
+        .get_result::<Count>(&mut env.conn().await)
+        .await
+        .unwrap()
+        .count;
+        assert_eq!(
+            registered, 1,
+            "{level}: the units of work's topology registered"
+        );
         let messages = env.stream_messages().await;
         assert_eq!(
             messages.len() as u64,
@@ -234,6 +252,10 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
         })
         .collect();
     assert!(relay_failures.is_empty(), "{relay_failures:#?}");
+    assert!(
+        !text.contains("cannot register the outbox's topology"),
+        "{text}"
+    );
 }
 
 /// A row the broker refuses: its message is over the server's `max_payload` (1 MiB by

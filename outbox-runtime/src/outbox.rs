@@ -173,6 +173,29 @@ impl Outbox {
             return;
         }
         if let Err(error) = topology::register(conn, Role::Outbox, &self.topology).await {
+            self.registration_failed(&error);
+        }
+    }
+
+    /// Logs a failed registration. A serialization failure is another process registering
+    /// the same topology at the same moment on a database whose default isolation is
+    /// REPEATABLE READ or SERIALIZABLE (the registration runs at the connection's level,
+    /// outside the unit of work's transaction): not worth a warning; the next unit of work
+    /// registers again.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn registration_failed(&self, error: &diesel::result::Error) {
+        use diesel::result::{DatabaseErrorKind, Error};
+        if matches!(
+            error,
+            Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _)
+        ) {
+            tracing::debug!(
+                %error,
+                "the outbox's topology was registered concurrently; registering again at the \
+                 next unit of work"
+            );
+            *self.registered.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        } else {
             tracing::warn!(%error, "cannot register the outbox's topology in outbox_topologies");
         }
     }

@@ -444,10 +444,7 @@ pub(crate) mod sealed {
                     Ok(others) => {
                         topology::report_mismatches(Role::Outbox, outbox.topology(), &others)
                     }
-                    Err(error) => tracing::warn!(
-                        %error,
-                        "cannot register the outbox's topology in outbox_topologies"
-                    ),
+                    Err(error) => outbox.registration_failed(&error),
                 }
             }
             AnsiTransactionManager::begin_transaction_sql(self, crate::unit_of_work::BEGIN)?;
