@@ -1837,6 +1837,42 @@ async fn never_returns(in_a_query: bool) {
     );
 }
 
+/// A database whose `idle_in_transaction_session_timeout` (an operator's, `ALTER DATABASE
+/// ... SET`) is shorter than a handler that works without the database: the inbox's sessions
+/// wait for their handler up to `handler_timeout` (plus a `statement_timeout`). Before, the
+/// server ended each message's transaction while its handler slept, its commit failed as a
+/// database failure (no attempt counted), and the message was redelivered to fail so again,
+/// for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_slower_than_the_databases_idle_transaction_timeout_commits() {
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 2, 2).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    consumer
+        .conn()
+        .await
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET \
+             idle_in_transaction_session_timeout = %L', current_database(), '300ms'); END $$",
+        )
+        .await
+        .unwrap();
+    let config = consumer_config(&consumer, &producer, "slow");
+    let handler = Recording {
+        delay: Duration::from_millis(700),
+    };
+    let inbox = Inbox::connect(config, producer.nats.clone(), handler)
+        .await
+        .unwrap();
+    run_until_settled(inbox, "every message settled", Duration::from_secs(30)).await;
+    let mut consumer_conn = consumer.conn().await;
+    let applied = applied(&mut consumer_conn).await;
+    assert_eq!(applied.get("o-0"), Some(&vec![1, 2]));
+    assert_eq!(applied.get("o-1"), Some(&vec![1, 2]));
+    assert!(dead_letter_errors(&mut consumer_conn).await.is_empty());
+}
+
 /// An inbox whose `run` future is dropped (a `tokio::select!` whose other branch won) stops
 /// whole: its retention task ends with it, and its pool's connections close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -512,7 +512,10 @@ pub(crate) enum Isolation {
 /// Opens a connection (with `connector`, or to `database_url`) within
 /// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
 /// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`],
-/// [`DEAD_PEER_USER_TIMEOUT`] and, when `isolation` says so, its transactions' isolation.
+/// [`DEAD_PEER_USER_TIMEOUT`], when `isolation` says so its transactions' isolation, and
+/// with `idle_in_transaction` its `idle_in_transaction_session_timeout` (the longest a
+/// transaction may wait for its client; none past `i32::MAX` milliseconds, PostgreSQL's
+/// most), where `None` keeps the database's.
 #[cfg(feature = "postgres")]
 pub(crate) async fn connect(
     database_url: &str,
@@ -520,6 +523,7 @@ pub(crate) async fn connect(
     application_name: &str,
     limits: Limits,
     isolation: Isolation,
+    idle_in_transaction: Option<Duration>,
 ) -> Result<AsyncPgConnection, ConnectError> {
     if connector.is_none() {
         // The PostgreSQL driver would say only that the string does not parse.
@@ -554,11 +558,22 @@ pub(crate) async fn connect(
             Isolation::Default => "",
             Isolation::ReadCommitted => "; SET default_transaction_isolation TO 'read committed'",
         };
+        let idle_limit = match idle_in_transaction {
+            None => String::new(),
+            Some(limit) => {
+                // 0 is no limit, as is anything PostgreSQL's int of milliseconds cannot hold.
+                let ms = u32::try_from(limit.as_millis())
+                    .ok()
+                    .filter(|ms| i32::try_from(*ms).is_ok())
+                    .unwrap_or(0);
+                format!("; SET idle_in_transaction_session_timeout TO {ms}")
+            }
+        };
         conn.batch_execute(&format!(
             "SET application_name TO '{application_name}'; \
              SET statement_timeout TO {statement_ms}; \
              SET tcp_keepalives_idle TO {}; SET tcp_keepalives_interval TO {}; \
-             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}{isolation}",
+             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}{isolation}{idle_limit}",
             idle.as_secs(),
             interval.as_secs(),
             DEAD_PEER_USER_TIMEOUT.as_millis()
@@ -911,7 +926,8 @@ mod tests {
                 "at <a database URL that does not parse>: invalid connection string",
             ),
         ] {
-            let Err(error) = connect(url, None, "outbox-test", limits, Isolation::Default).await
+            let Err(error) =
+                connect(url, None, "outbox-test", limits, Isolation::Default, None).await
             else {
                 panic!("{url} connected");
             };

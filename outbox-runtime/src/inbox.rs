@@ -289,7 +289,10 @@ pub struct InboxConfig {
     /// that never answers) would hold its aggregate, a handler slot and a connection with
     /// an open transaction for ever, kept from redelivery by the inbox's progress acks.
     /// A call is dropped where it awaits: one that blocks its thread without awaiting is not
-    /// cut off (run blocking work with `tokio::task::spawn_blocking`).
+    /// cut off (run blocking work with `tokio::task::spawn_blocking`). On PostgreSQL the
+    /// inbox's sessions set `idle_in_transaction_session_timeout` to `handler_timeout` plus
+    /// `statement_timeout` (none past `i32::MAX` ms), whatever the database's: a handler may
+    /// work that long without a statement and still commit.
     /// Default 5 min; `Duration::MAX` means never.
     pub handler_timeout: Duration,
     /// How long JetStream waits for an ack (or a progress ack) before it gives a message to

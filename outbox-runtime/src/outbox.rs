@@ -272,6 +272,7 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
         "outbox-migrations",
         limits,
         database::Isolation::ReadCommitted,
+        None,
     )
     .await?;
     run_migrations_on(connection).await

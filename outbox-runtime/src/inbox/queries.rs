@@ -313,6 +313,7 @@ impl InboxStore for AsyncPgConnection {
             "outbox-inbox",
             session.limits,
             database::Isolation::Default,
+            Some(session.idle_in_transaction),
         )
         .await
     }

@@ -171,6 +171,15 @@ impl Recorded {
 #[derive(Clone)]
 pub(crate) struct Session {
     pub limits: Limits,
+    /// The longest a message's transaction waits for the inbox: its handler's
+    /// `handler_timeout`, plus a `statement_timeout` for the statements around it. PostgreSQL
+    /// sessions set it as their `idle_in_transaction_session_timeout`, whatever the
+    /// database's, so a handler that works that long without the database can still commit;
+    /// before, under a shorter database setting, such a message failed at its commit (a
+    /// database failure, counting no attempt) at every redelivery. (MySQL's sessions keep
+    /// their 60 s `wait_timeout`: `crate::mysql`.)
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub idle_in_transaction: Duration,
     #[cfg(feature = "postgres")]
     pub connector: Option<crate::database::Connector>,
 }
@@ -182,6 +191,9 @@ impl Session {
                 connect_timeout: config.connect_timeout,
                 statement_timeout: config.statement_timeout,
             },
+            idle_in_transaction: config
+                .handler_timeout
+                .saturating_add(config.statement_timeout),
             #[cfg(feature = "postgres")]
             connector: config.connector.clone(),
         }

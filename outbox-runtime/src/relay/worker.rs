@@ -65,6 +65,7 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
         "outbox-relay",
         shared.limits(),
         database::Isolation::ReadCommitted,
+        None,
     )
     .await
 }
