@@ -498,8 +498,8 @@ pub(crate) enum Isolation {
     /// What the database, the role or the server sets (`default_transaction_isolation`):
     /// for a connection whose transactions are the user's (an inbox handler's).
     Default,
-    /// READ COMMITTED whatever the database's default: for the relay, whose claims are
-    /// written for it (`FOR UPDATE SKIP LOCKED` takes the heads committed by the time each
+    /// READ COMMITTED whatever the database's default: for the migrations, and the relay,
+    /// whose claims are written for it (`FOR UPDATE SKIP LOCKED` takes the heads committed by the time each
     /// statement starts). Under REPEATABLE READ a claim of a row another relay just
     /// released fails with "could not serialize access due to concurrent update"; under
     /// SERIALIZABLE the relay's reads of `outbox_events` join the writers' predicate locks
@@ -554,32 +554,28 @@ pub(crate) async fn connect(
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
         let (idle, interval, count) = DEAD_PEER_KEEPALIVES;
-        let isolation = match isolation {
-            Isolation::Default => "",
-            Isolation::ReadCommitted => "; SET default_transaction_isolation TO 'read committed'",
-        };
-        let idle_limit = match idle_in_transaction {
-            None => String::new(),
-            Some(limit) => {
-                // 0 is no limit, as is anything PostgreSQL's int of milliseconds cannot hold.
-                let ms = u32::try_from(limit.as_millis())
-                    .ok()
-                    .filter(|ms| i32::try_from(*ms).is_ok())
-                    .unwrap_or(0);
-                format!("; SET idle_in_transaction_session_timeout TO {ms}")
-            }
-        };
-        conn.batch_execute(&format!(
+        let mut settings = format!(
             "SET application_name TO '{application_name}'; \
              SET statement_timeout TO {statement_ms}; \
              SET tcp_keepalives_idle TO {}; SET tcp_keepalives_interval TO {}; \
-             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}{isolation}{idle_limit}",
+             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}",
             idle.as_secs(),
             interval.as_secs(),
             DEAD_PEER_USER_TIMEOUT.as_millis()
-        ))
-        .await
-        .map_err(|e| e.to_string())?;
+        );
+        if isolation == Isolation::ReadCommitted {
+            settings.push_str("; SET default_transaction_isolation TO 'read committed'");
+        }
+        if let Some(limit) = idle_in_transaction {
+            // 0 is no limit, as is anything PostgreSQL's int of milliseconds cannot hold.
+            let ms = i32::try_from(limit.as_millis()).unwrap_or(0);
+            settings.push_str(&format!(
+                "; SET idle_in_transaction_session_timeout TO {ms}"
+            ));
+        }
+        conn.batch_execute(&settings)
+            .await
+            .map_err(|e| e.to_string())?;
         Ok(conn)
     };
     within_connect_timeout(database_url, limits.connect_timeout, setup).await
