@@ -211,7 +211,7 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
         for writer in writers {
             writer.await.unwrap();
         }
-        // The figure the README gives (`-- --nocapture`).
+        // The figure GUARANTEES.md gives (promise 9; `-- --nocapture` prints it).
         let retries =
             std::sync::atomic::AtomicUsize::load(&retries, std::sync::atomic::Ordering::Relaxed);
         eprintln!(
