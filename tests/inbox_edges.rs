@@ -1849,15 +1849,7 @@ async fn a_handler_slower_than_the_databases_idle_transaction_timeout_commits() 
     commit_rounds(&producer, 2, 2).await;
     relay_all(&producer).await;
     let consumer = consumer_database().await;
-    consumer
-        .conn()
-        .await
-        .batch_execute(
-            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET \
-             idle_in_transaction_session_timeout = %L', current_database(), '300ms'); END $$",
-        )
-        .await
-        .unwrap();
+    support::set_database_default(&consumer, "idle_in_transaction_session_timeout", "300ms").await;
     let config = consumer_config(&consumer, &producer, "slow");
     let handler = Recording {
         delay: Duration::from_millis(700),

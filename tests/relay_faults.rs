@@ -17,7 +17,7 @@ use outbox_runtime::{
     DeadLetterPolicy, PublishedRows, Relay, RelayConfig, UnitOfWorkError, dead_letter,
 };
 use support::domain::{Order, OrderEvent};
-use support::{Logs, NatsServer, TestEnv, sequences, wait_until};
+use support::{Logs, NatsServer, TestEnv, sequences, set_database_default, wait_until};
 
 /// Commits `events` events of aggregate `id` (Placed, then Shipped), one unit of work each.
 async fn commit_events(env: &TestEnv, conn: &mut AsyncPgConnection, id: &str, events: usize) {
@@ -157,14 +157,7 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
     let (logs, _turn) = Logs::capture().await;
     for level in ["repeatable read", "serializable"] {
         let env = TestEnv::new().await;
-        env.conn()
-            .await
-            .batch_execute(&format!(
-                "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET \
-                 default_transaction_isolation = %L', current_database(), '{level}'); END $$"
-            ))
-            .await
-            .unwrap();
+        set_database_default(&env, "default_transaction_isolation", level).await;
         let mut config = env.relay_config();
         config.batch_size = 20; // many small batches, so the instances race for heads
         let mut relays = Vec::new();

@@ -499,13 +499,13 @@ pub(crate) enum Isolation {
     /// for a connection whose transactions are the user's (an inbox handler's).
     Default,
     /// READ COMMITTED whatever the database's default: for the migrations, and the relay,
-    /// whose claims are written for it (`FOR UPDATE SKIP LOCKED` takes the heads committed by the time each
-    /// statement starts). Under REPEATABLE READ a claim of a row another relay just
-    /// released fails with "could not serialize access due to concurrent update"; under
-    /// SERIALIZABLE the relay's reads of `outbox_events` join the writers' predicate locks
-    /// and abort units of work with "read/write dependencies among transactions"
-    /// (PostgreSQL docs, "Transaction Isolation"; a READ COMMITTED transaction takes no
-    /// SIRead locks).
+    /// whose claims are written for it (`FOR UPDATE SKIP LOCKED` takes the heads committed
+    /// by the time each statement starts). Under REPEATABLE READ a claim of a row another
+    /// relay just released fails with "could not serialize access due to concurrent
+    /// update"; under SERIALIZABLE the relay's reads of `outbox_events` join the writers'
+    /// predicate locks and abort units of work with "read/write dependencies among
+    /// transactions" (PostgreSQL docs, "Transaction Isolation"; a READ COMMITTED
+    /// transaction takes no SIRead locks).
     ReadCommitted,
 }
 

@@ -20,7 +20,7 @@ pub mod postgres;
 
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
 /// The test kit's environment (`outbox_runtime::testing`, which users get too).
 #[allow(unused_imports)] // each test binary uses part of the harness
@@ -99,6 +99,19 @@ pub async fn other_sessions(conn: &mut AsyncPgConnection) -> Vec<(String, String
         .into_iter()
         .map(|session| (session.state, session.application_name))
         .collect()
+}
+
+/// Sets `setting` to `value` for every later session of `env`'s database, as an operator's
+/// `ALTER DATABASE ... SET` does (the connections already open keep theirs).
+pub async fn set_database_default(env: &TestEnv, setting: &str, value: &str) {
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {setting} = %L', \
+             current_database(), '{value}'); END $$"
+        ))
+        .await
+        .unwrap();
 }
 
 /// Whether a connection of an inbox (named `outbox-inbox`) to `env`'s database is inside a
