@@ -449,7 +449,7 @@ type ArmedCut = std::sync::Arc<std::sync::Mutex<Option<(Vec<u8>, Severed)>>>;
 /// Where [`Proxy::cut_at`] severs a connection.
 #[derive(Clone, Copy, Debug)]
 pub enum Severed {
-    /// The server receives the client's bytes, and the client's connection is closed: the
+    /// The client's connection is closed, then the server receives the client's bytes: the
     /// server runs the statement, and its answer is not forwarded (a connection lost with the
     /// statement in flight, which the server then completes; a test waits for its effects).
     AfterForwarding,
@@ -476,9 +476,12 @@ impl Proxy {
                 let (mut client_read, mut client_write) = client.into_split();
                 let (mut server_read, mut server_write) = server.into_split();
                 // Notified when this connection is cut after forwarding: the client's side
-                // closes at once, the server's answer goes nowhere.
+                // closes, and `severed` is notified once it has, before the client's bytes are
+                // forwarded; the server's answer then goes nowhere.
                 let sever = Arc::new(tokio::sync::Notify::new());
-                let (flag_up, armed, sever_up) = (flag.clone(), armed.clone(), sever.clone());
+                let severed = Arc::new(tokio::sync::Notify::new());
+                let (flag_up, armed) = (flag.clone(), armed.clone());
+                let (sever_up, severed_up) = (sever.clone(), severed.clone());
                 tokio::spawn(async move {
                     let mut buffer = vec![0_u8; 16 * 1024];
                     loop {
@@ -504,8 +507,11 @@ impl Proxy {
                         };
                         match cut {
                             Some(Severed::AfterForwarding) => {
-                                let _ = server_write.write_all(chunk).await;
+                                // The client's side first: a server that answers at once
+                                // must not find it still open.
                                 sever_up.notify_one();
+                                severed_up.notified().await;
+                                let _ = server_write.write_all(chunk).await;
                                 // The server's side stays open, unclosed, until the test ends:
                                 // the server runs the statement and answers, and no end of
                                 // its connection can make it stop first.
@@ -533,6 +539,7 @@ impl Proxy {
                                 // a session whose client is gone before its next statement,
                                 // a COMMIT too) and forwarded nowhere.
                                 drop(client_write);
+                                severed.notify_one();
                                 while let Ok(1..) = server_read.read(&mut buffer).await {}
                                 return;
                             }
