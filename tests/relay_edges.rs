@@ -145,6 +145,94 @@ async fn unreadable_subjects_are_dead_lettered_at_once_and_never_cost_the_connec
     assert_eq!(env.stream_len().await, 1);
 }
 
+/// Rows whose `headers` column holds a header that readers would see differently (an empty
+/// name, which nats.go's reader skips and async-nats's keeps; a name that is not an HTTP token,
+/// which an HTTP reader refuses) or that is not field content (a control character in a
+/// value) are dead-lettered at once, naming the key, while a row with token names and a
+/// tab and non-ASCII letters in its value is published with them.
+#[tokio::test]
+async fn headers_that_are_not_http_fields_are_dead_lettered_at_once_naming_the_key() {
+    let env = TestEnv::new().await;
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    let rows = [
+        ("empty-name", r#"{"": "v"}"#, r#"key "": a header name is"#),
+        ("paren", r#"{"a(b": "v"}"#, r#"key "a(b": a header name is"#),
+        ("slash", r#"{"x/y": "v"}"#, r#"key "x/y": a header name is"#),
+        (
+            "at",
+            r#"{"ok": "v", "a@b": "v"}"#,
+            r#"key "a@b": a header name is"#,
+        ),
+        (
+            "soh",
+            r#"{"x": "a\u0001b"}"#,
+            r#"key "x": value "a\u{1}b" contains a control"#,
+        ),
+        (
+            "del",
+            r#"{"x": ["ok", "\u007f"]}"#,
+            r#"key "x": value "\u{7f}" contains a control"#,
+        ),
+        (
+            "fine",
+            r#"{"x.tag_1": "a\tb h\u00e9llo", "A~z": ["1", "2"]}"#,
+            "",
+        ),
+    ];
+    for (aggregate_id, headers, _) in rows {
+        diesel::sql_query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                        partition_key, subject, payload, headers) \
+             VALUES ('Raw', $1, 1, 'Written', $1, $2, '{}', $3::jsonb)",
+        )
+        .bind::<diesel::sql_types::Text, _>(aggregate_id)
+        .bind::<diesel::sql_types::Text, _>(format!("{}.Raw.{aggregate_id}.Written", env.prefix))
+        .bind::<diesel::sql_types::Text, _>(headers)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    let mut order = Order::place("o-1", "ada", 1);
+    env.commit(&mut order).await;
+    let dead = wait_until("six dead letters", Duration::from_secs(10), || async {
+        let dead = dead_letter::list(&mut env.conn().await, 10).await.unwrap();
+        (dead.len() == 6).then_some(dead)
+    })
+    .await;
+    env.until_stream_holds(2, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+
+    for (aggregate_id, _, wanted) in rows.iter().filter(|row| !row.2.is_empty()) {
+        let letter = dead
+            .iter()
+            .find(|letter| letter.aggregate_id == *aggregate_id)
+            .unwrap_or_else(|| panic!("{aggregate_id} is not a dead letter: {dead:?}"));
+        let error = letter.last_error.as_deref().unwrap_or_default();
+        assert!(
+            error.starts_with(&format!("headers column: {wanted}")),
+            "{aggregate_id}: {error}"
+        );
+        assert_eq!(letter.attempts, 1, "{aggregate_id}: no retry");
+    }
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 2, "the order's event and the fine row");
+    let fine = messages
+        .iter()
+        .find(|message| message.header("ce-subject") == "fine")
+        .expect("the fine row was published");
+    assert_eq!(fine.header("x.tag_1"), "a\tb h\u{e9}llo");
+    let values: Vec<&str> = fine
+        .headers
+        .get_all("A~z")
+        .map(|value| value.as_str())
+        .collect();
+    assert_eq!(values, ["1", "2"]);
+}
+
 #[tokio::test]
 async fn data_cannot_switch_off_jetstream_dedup() {
     let env = TestEnv::new().await;

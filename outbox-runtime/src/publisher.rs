@@ -545,7 +545,12 @@ fn template(constant: [(HeaderName, HeaderValue); 4]) -> HeaderMap {
 }
 
 /// The `headers` column (its JSON text) as NATS headers: each key a header, each value a
-/// string or an array of strings. Anything else is an error naming the key. A key that names
+/// string or an array of strings. Anything else is an error naming the key, as is a key that
+/// is not an HTTP token ([`is_token`]) and a value holding a control character other than a
+/// tab (RFC 9110 section 5.5: CR, LF and NUL would end or corrupt the header block, the
+/// others are not field content either). A value's leading and trailing whitespace is sent
+/// as it is, and readers may trim it, as HTTP's does (section 5.5 again; async-nats trims
+/// both ends, nats.go the start). A key that names
 /// one of the [`CONTRACT_HEADERS`] in any case is left out: the relay sets that header, and a
 /// reader that compares names without case (as HTTP's, which the CloudEvents bindings follow,
 /// does) would otherwise see two values, one of them the row's (`CE-Sequence: 999` beside
@@ -575,6 +580,13 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
         {
             continue;
         }
+        if !is_token(name) {
+            return Err(format!(
+                "headers column: key {name:?}: a header name is one or more letters, digits or \
+                 any of !#$%&'*+-.^_`|~ (an HTTP token, RFC 9110 section 5.1; NATS headers are \
+                 HTTP's), or readers see the message differently"
+            ));
+        }
         let header =
             HeaderName::from_str(name).map_err(|e| format!("headers column: key {name:?}: {e}"))?;
         let values = match value {
@@ -599,13 +611,31 @@ fn row_headers(column: &[u8]) -> Result<HeaderMap, String> {
                      nats-server 2.9 would take for the dedup header"
                 ));
             }
-            let value = HeaderValue::from_str(value).map_err(|_| {
-                format!("headers column: key {name:?}: value {value:?} contains CR or LF")
-            })?;
+            if value.chars().any(|c| c.is_ascii_control() && c != '\t') {
+                return Err(format!(
+                    "headers column: key {name:?}: value {value:?} contains a control character \
+                     (CR, LF, NUL, ...), which a header value may not (RFC 9110 section 5.5)"
+                ));
+            }
+            let value = HeaderValue::from_str(value)
+                .map_err(|e| format!("headers column: key {name:?}: value {value:?}: {e}"))?;
             headers.append(header.clone(), value);
         }
     }
     Ok(headers)
+}
+
+/// Whether `name` is an HTTP token (RFC 9110 section 5.1, `field-name = token`; section
+/// 5.6.2, `token = 1*tchar`), what a header name must be: NATS headers are HTTP's (NATS ADR-4,
+/// "NATS Headers"). async-nats takes any visible ASCII but `:`, and the empty name; readers
+/// differ on the rest: nats.go's (and nats-server's) skip a header of empty name where
+/// async-nats's keep it, and an HTTP reader (a gateway, a CloudEvents HTTP binding) refuses a
+/// name that is not a token.
+fn is_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// Where the relay publishes: the JetStream stream that captures `{prefix}.>`, and what an
@@ -1222,9 +1252,29 @@ mod tests {
             err,
             "headers column: key \"x-n\": expected a string or an array of strings, found 1"
         );
-        let err = row_headers(br#"{"x": "a\nb"}"#).unwrap_err();
-        assert!(err.contains("CR or LF"), "{err}");
-        let err = row_headers(br#"{"bad name": "v"}"#).unwrap_err();
-        assert!(err.starts_with("headers column: key \"bad name\""), "{err}");
+        for value in [r"a\nb", r"a\rb", r"a\u0001b", r"\u007f"] {
+            let column = format!(r#"{{"x": "{value}"}}"#);
+            let err = row_headers(column.as_bytes()).unwrap_err();
+            assert!(
+                err.contains("contains a control character"),
+                "{column}: {err}"
+            );
+        }
+        let headers = row_headers("{\"x\": \"a\\tb h\u{e9}llo\"}".as_bytes()).unwrap();
+        assert_eq!(headers.get("x").unwrap().as_str(), "a\tb h\u{e9}llo");
+
+        // A name is an HTTP token: not empty, and of tchar only.
+        for name in [
+            "bad name", "", "a(b", "x/y", "a@b", "q\\\"", "{}", "k=v", "a;b",
+        ] {
+            let column = serde_json::json!({ name: "v" }).to_string();
+            let err = row_headers(column.as_bytes()).unwrap_err();
+            assert!(
+                err.starts_with(&format!("headers column: key {name:?}: a header name is")),
+                "{column}: {err}"
+            );
+        }
+        let column = br#"{"x.tag_1": "v", "A!#$%&'*+-^`|~z": "w"}"#;
+        assert_eq!(row_headers(column).unwrap().len(), 2);
     }
 }
