@@ -233,6 +233,96 @@ async fn headers_that_are_not_http_fields_are_dead_lettered_at_once_naming_the_k
     assert_eq!(values, ["1", "2"]);
 }
 
+/// The length of the header block async-nats sends for `headers` (`NATS/1.0`, a line per
+/// value, the closing blank line).
+fn header_block_len(headers: &async_nats::HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(|v| name.len() + 4 + v.as_str().len())
+                .sum::<usize>()
+        })
+        .sum();
+    10 + lines + 2
+}
+
+/// JetStream refuses a message whose header block is over 65,535 bytes (it stores the length
+/// in 16 bits), which no retry changes: a row whose own headers take its message over is a
+/// dead letter at once, naming the limit, and a row whose message is exactly at the limit is
+/// published. The server's limit is checked first, by publishing blocks of 65,535 and 65,536
+/// bytes to the stream directly.
+#[tokio::test]
+async fn headers_over_jetstreams_limit_are_a_dead_letter_at_once_and_at_the_limit_are_published() {
+    let env = TestEnv::new().await;
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    let jetstream = async_nats::jetstream::new(env.nats.clone());
+    for (value_len, stored) in [(65_514, true), (65_515, false)] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("x-big", "v".repeat(value_len).as_str());
+        assert_eq!(header_block_len(&headers), value_len + 21);
+        let subject = format!("{}.Direct.d-{value_len}.Written", env.prefix);
+        let ack = match jetstream
+            .publish_with_headers(subject, headers, "{}".into())
+            .await
+        {
+            Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(
+            ack.is_ok(),
+            stored,
+            "a block of {} bytes: {ack:?}",
+            value_len + 21
+        );
+        if let Err(error) = ack {
+            assert!(error.contains("10097"), "{error}");
+        }
+    }
+
+    let mut conn = env.conn().await;
+    let insert = |aggregate_id: &'static str, value_len: usize| {
+        diesel::sql_query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                        partition_key, subject, payload, headers) \
+             VALUES ('Raw', $1, 1, 'Written', $1, $2, '{}', jsonb_build_object('x-big', $3))",
+        )
+        .bind::<diesel::sql_types::Text, _>(aggregate_id)
+        .bind::<diesel::sql_types::Text, _>(format!("{}.Raw.{aggregate_id}.Written", env.prefix))
+        .bind::<diesel::sql_types::Text, _>("v".repeat(value_len))
+    };
+    // The relay's own headers for a row of these lengths: those of a row with one byte of its
+    // own, as the server stored them.
+    insert("hdr-a", 1).execute(&mut conn).await.unwrap();
+    assert_eq!(relay.relay_batch().await.unwrap().published, 1);
+    let messages = env.stream_messages().await;
+    let base = header_block_len(&messages.last().unwrap().headers);
+    let at_limit = 1 + 65_535 - base;
+    insert("hdr-c", at_limit).execute(&mut conn).await.unwrap();
+    insert("hdr-d", at_limit + 1)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!((report.claimed, report.published), (2, 1), "{report:?}");
+
+    let (attempts, error, dead) = raw_row(&mut conn, "hdr-d").await;
+    assert!(dead && attempts == 1, "{attempts} {error:?}");
+    let error = error.unwrap();
+    assert!(
+        error.contains("would be 65536 bytes, over JetStream's limit of 65535"),
+        "{error}"
+    );
+    let messages = env.stream_messages().await;
+    let published = messages.last().unwrap();
+    assert_eq!(published.header("ce-subject"), "hdr-c");
+    assert_eq!(header_block_len(&published.headers), 65_535);
+}
+
 #[tokio::test]
 async fn data_cannot_switch_off_jetstream_dedup() {
     let env = TestEnv::new().await;

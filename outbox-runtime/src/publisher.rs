@@ -432,9 +432,42 @@ impl Publisher {
             headers.insert(CE_SOURCE, self.source.clone());
             headers.insert(CE_DATACONTENTTYPE, self.json.clone());
             headers.insert(CONTENT_TYPE, self.json.clone());
+            // The relay's own headers are bounded far below the limit (each value by a
+            // checked length); a row's own can pass it.
+            let block = header_block_len(&headers);
+            if block > MAX_HEADER_BLOCK_BYTES {
+                return Err(PublishFailure::Invalid(format!(
+                    "headers column: the message's headers would be {block} bytes, over \
+                     JetStream's limit of {MAX_HEADER_BLOCK_BYTES} (nats-server stores a \
+                     header block's length in 16 bits and refuses a longer one, error code \
+                     10097)"
+                )));
+            }
         }
         Ok(headers)
     }
+}
+
+/// The most bytes a message's header block may take in a JetStream stream: nats-server
+/// stores its length in 16 bits and refuses a longer block with
+/// `JSStreamHeaderExceedsMaximumErr` (error code 10097; `server/stream.go`, the check on
+/// `len(hdr) > math.MaxUint16`), on 2.9 as on 2.15.
+pub(crate) const MAX_HEADER_BLOCK_BYTES: usize = u16::MAX as usize;
+
+/// The length of the header block async-nats sends for `headers`: `NATS/1.0\r\n`, a
+/// `name: value\r\n` line per value, and a closing `\r\n` (async-nats, `header.rs`).
+fn header_block_len(headers: &HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name = AsRef::<str>::as_ref(name).len();
+            values
+                .iter()
+                .map(|value| name + ": ".len() + value.as_str().len() + "\r\n".len())
+                .sum::<usize>()
+        })
+        .sum();
+    "NATS/1.0\r\n".len() + lines + "\r\n".len()
 }
 
 /// `time` in RFC 3339 (section 5.6), in UTC with microseconds, PostgreSQL's precision:
