@@ -96,8 +96,10 @@ impl Order {
     }
 }
 
+// A table name of its own, so that the quickstart runs on a database that already holds a
+// service's `orders` (which it would otherwise take for its own and fail to write).
 diesel::table! {
-    orders (id) {
+    quickstart_orders (id) {
         id -> Text,
         customer -> Text,
         total_cents -> Int8,
@@ -110,7 +112,7 @@ diesel::table! {
 trait Database {
     type Conn: BackendConnection;
 
-    /// Migrates the outbox tables, creates `orders`, and opens a connection.
+    /// Migrates the outbox tables, creates `quickstart_orders`, and opens a connection.
     async fn open(url: &str) -> Result<Self::Conn, Box<dyn std::error::Error>>;
 
     /// Saves the order's row and hands its events to the unit of work: one transaction.
@@ -136,7 +138,7 @@ impl Database for Postgres {
         outbox_runtime::run_migrations(url).await?;
         let mut conn = AsyncPgConnection::establish(url).await?;
         conn.batch_execute(
-            "CREATE TABLE IF NOT EXISTS orders (
+            "CREATE TABLE IF NOT EXISTS quickstart_orders (
                 id text PRIMARY KEY, customer text NOT NULL,
                 total_cents bigint NOT NULL, status text NOT NULL)",
         )
@@ -146,14 +148,14 @@ impl Database for Postgres {
 
     async fn save(uow: &mut UnitOfWork<'_>, order: &mut Order) -> Result<(), UnitOfWorkError> {
         let row = (
-            orders::id.eq(&order.id),
-            orders::customer.eq(&order.customer),
-            orders::total_cents.eq(order.total_cents),
-            orders::status.eq(order.status),
+            quickstart_orders::id.eq(&order.id),
+            quickstart_orders::customer.eq(&order.customer),
+            quickstart_orders::total_cents.eq(order.total_cents),
+            quickstart_orders::status.eq(order.status),
         );
-        diesel::insert_into(orders::table)
+        diesel::insert_into(quickstart_orders::table)
             .values(row)
-            .on_conflict(orders::id)
+            .on_conflict(quickstart_orders::id)
             .do_update()
             .set(row)
             .execute(uow.conn())
@@ -182,7 +184,7 @@ impl Database for Mysql {
         outbox_runtime::mysql::run_migrations(url).await?;
         let mut conn = diesel_async::AsyncMysqlConnection::establish(url).await?;
         conn.batch_execute(
-            "CREATE TABLE IF NOT EXISTS orders (
+            "CREATE TABLE IF NOT EXISTS quickstart_orders (
                 id VARCHAR(64) PRIMARY KEY, customer TEXT NOT NULL,
                 total_cents BIGINT NOT NULL, status TEXT NOT NULL)",
         )
@@ -195,12 +197,12 @@ impl Database for Mysql {
         order: &mut Order,
     ) -> Result<(), UnitOfWorkError> {
         let row = (
-            orders::id.eq(&order.id),
-            orders::customer.eq(&order.customer),
-            orders::total_cents.eq(order.total_cents),
-            orders::status.eq(order.status),
+            quickstart_orders::id.eq(&order.id),
+            quickstart_orders::customer.eq(&order.customer),
+            quickstart_orders::total_cents.eq(order.total_cents),
+            quickstart_orders::status.eq(order.status),
         );
-        diesel::insert_into(orders::table)
+        diesel::insert_into(quickstart_orders::table)
             .values(row)
             .on_conflict(diesel::dsl::DuplicatedKeys)
             .do_update()
@@ -235,7 +237,7 @@ impl Database for Sqlite {
         outbox_runtime::sqlite::run_migrations(&mut conn)?;
         let mut conn = outbox_runtime::sqlite::AsyncSqliteConnection::new(conn);
         conn.batch_execute(
-            "CREATE TABLE IF NOT EXISTS orders (
+            "CREATE TABLE IF NOT EXISTS quickstart_orders (
                 id TEXT PRIMARY KEY, customer TEXT NOT NULL,
                 total_cents INTEGER NOT NULL, status TEXT NOT NULL)",
         )
@@ -248,14 +250,14 @@ impl Database for Sqlite {
         order: &mut Order,
     ) -> Result<(), UnitOfWorkError> {
         let row = (
-            orders::id.eq(&order.id),
-            orders::customer.eq(&order.customer),
-            orders::total_cents.eq(order.total_cents),
-            orders::status.eq(order.status),
+            quickstart_orders::id.eq(&order.id),
+            quickstart_orders::customer.eq(&order.customer),
+            quickstart_orders::total_cents.eq(order.total_cents),
+            quickstart_orders::status.eq(order.status),
         );
-        diesel::insert_into(orders::table)
+        diesel::insert_into(quickstart_orders::table)
             .values(row)
-            .on_conflict(orders::id)
+            .on_conflict(quickstart_orders::id)
             .do_update()
             .set(row)
             .execute(uow.conn())
