@@ -250,10 +250,10 @@ fn header_block_len(headers: &async_nats::HeaderMap) -> usize {
 }
 
 /// JetStream refuses a message whose header block is over 65,535 bytes (it stores the length
-/// in 16 bits), which no retry changes: a row whose own headers take its message over is a
-/// dead letter at once, naming the limit, and a row whose message is exactly at the limit is
-/// published. The server's limit is checked first, by publishing blocks of 65,535 and 65,536
-/// bytes to the stream directly.
+/// in 16 bits), which no retry changes: a row whose own headers, or whose correlation id
+/// inserted by hand, take its message over is a dead letter at once, naming the limit, and a
+/// row whose message is exactly at the limit is published. The server's limit is checked
+/// first, by publishing blocks of 65,535 and 65,536 bytes to the stream directly.
 #[tokio::test]
 async fn headers_over_jetstreams_limit_are_a_dead_letter_at_once_and_at_the_limit_are_published() {
     let env = TestEnv::new().await;
@@ -321,6 +321,29 @@ async fn headers_over_jetstreams_limit_are_a_dead_letter_at_once_and_at_the_limi
     let published = messages.last().unwrap();
     assert_eq!(published.header("ce-subject"), "hdr-c");
     assert_eq!(header_block_len(&published.headers), 65_535);
+
+    // A row inserted by hand without headers of its own, whose correlation id alone (the
+    // unit of work bounds it to 512 bytes) takes the block over.
+    conn.batch_execute(&format!(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload, correlation_id) \
+         VALUES ('Raw', 'hdr-e', 1, 'Written', 'hdr-e', '{}.Raw.hdr-e.Written', '{{}}', \
+                 repeat('x', 70000))",
+        env.prefix
+    ))
+    .await
+    .unwrap();
+    let report = relay.relay_batch().await.unwrap();
+    assert_eq!((report.claimed, report.published), (1, 0), "{report:?}");
+    let (attempts, error, dead) = raw_row(&mut conn, "hdr-e").await;
+    assert!(dead && attempts == 1, "{attempts} {error:?}");
+    assert!(
+        error
+            .as_deref()
+            .unwrap()
+            .contains("over JetStream's limit of 65535"),
+        "{error:?}"
+    );
 }
 
 #[tokio::test]
