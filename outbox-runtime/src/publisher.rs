@@ -439,8 +439,9 @@ impl Publisher {
         // block is summed when the row has headers of its own or its values could reach
         // the limit, percent-encoded (three bytes for each), beside the rest of the block
         // (under 2 KiB: the names, the constant values, the ids, the time, the numbers, and
-        // the trace context a producer span adds after this, which the sum leaves out: a
-        // block within those bytes of the limit is refused by the server and retried).
+        // the trace context a producer span adds after this check). The exact sum cannot
+        // count that context (at most 55 + 512 bytes, W3C Trace Context): a block within it
+        // of the limit is refused by the server, and retried as any rejection.
         let values = [
             row.aggregate_type.len(),
             row.aggregate_id.len(),
