@@ -29,6 +29,17 @@ async fn raw_row(conn: &mut AsyncPgConnection, aggregate_id: &str) -> (i32, Opti
         .unwrap()
 }
 
+/// The error of the `Raw` row of `aggregate_id`, which must be a dead letter after one
+/// attempt.
+async fn dead_letter_at_once(conn: &mut AsyncPgConnection, aggregate_id: &str) -> String {
+    let (attempts, error, dead) = raw_row(conn, aggregate_id).await;
+    assert!(
+        dead && attempts == 1,
+        "{aggregate_id}: {attempts} {error:?}"
+    );
+    error.unwrap_or_else(|| panic!("{aggregate_id}: a dead letter without its error"))
+}
+
 /// How many times the client has connected. (In a module of its own: with diesel-async's
 /// `RunQueryDsl` in scope, `.load` on the counter resolves to a query.)
 mod client {
@@ -78,9 +89,7 @@ async fn a_row_cannot_publish_to_the_jetstream_api_or_another_stream() {
         "the other stream was neither purged nor written"
     );
     for id in ["purge", "sideways"] {
-        let (attempts, error, dead) = raw_row(&mut conn, id).await;
-        assert!(dead && attempts == 1, "{id}: dead-lettered at once");
-        let error = error.unwrap();
+        let error = dead_letter_at_once(&mut conn, id).await;
         assert!(
             error.contains("does not start with the relay's prefix"),
             "{error}"
@@ -310,9 +319,7 @@ async fn headers_over_jetstreams_limit_are_a_dead_letter_at_once_and_at_the_limi
     let report = relay.relay_batch().await.unwrap();
     assert_eq!((report.claimed, report.published), (2, 1), "{report:?}");
 
-    let (attempts, error, dead) = raw_row(&mut conn, "hdr-d").await;
-    assert!(dead && attempts == 1, "{attempts} {error:?}");
-    let error = error.unwrap();
+    let error = dead_letter_at_once(&mut conn, "hdr-d").await;
     assert!(
         error.contains("would be 65536 bytes, over JetStream's limit of 65535"),
         "{error}"
@@ -335,15 +342,8 @@ async fn headers_over_jetstreams_limit_are_a_dead_letter_at_once_and_at_the_limi
     .unwrap();
     let report = relay.relay_batch().await.unwrap();
     assert_eq!((report.claimed, report.published), (1, 0), "{report:?}");
-    let (attempts, error, dead) = raw_row(&mut conn, "hdr-e").await;
-    assert!(dead && attempts == 1, "{attempts} {error:?}");
-    assert!(
-        error
-            .as_deref()
-            .unwrap()
-            .contains("over JetStream's limit of 65535"),
-        "{error:?}"
-    );
+    let error = dead_letter_at_once(&mut conn, "hdr-e").await;
+    assert!(error.contains("over JetStream's limit of 65535"), "{error}");
 }
 
 #[tokio::test]

@@ -442,16 +442,16 @@ impl Publisher {
         // the trace context a producer span adds after this check). The exact sum cannot
         // count that context (at most 55 + 512 bytes, W3C Trace Context): a block within it
         // of the limit is refused by the server, and retried as any rejection.
-        let values = [
-            row.aggregate_type.len(),
-            row.aggregate_id.len(),
-            row.event_type.len(),
-            row.partition_key.len(),
-            row.correlation_id.as_ref().map_or(0, String::len),
-            row.causation_id.as_ref().map_or(0, String::len),
-        ];
-        let at_most = 3 * values.iter().sum::<usize>() + self.source.as_str().len() + 2048;
-        if own || at_most > MAX_HEADER_BLOCK_BYTES {
+        let could_reach_the_limit = || {
+            let values = row.aggregate_type.len()
+                + row.aggregate_id.len()
+                + row.event_type.len()
+                + row.partition_key.len()
+                + row.correlation_id.as_ref().map_or(0, String::len)
+                + row.causation_id.as_ref().map_or(0, String::len);
+            3 * values + self.source.as_str().len() + 2048 > MAX_HEADER_BLOCK_BYTES
+        };
+        if own || could_reach_the_limit() {
             let block = header_block_len(&headers);
             if block > MAX_HEADER_BLOCK_BYTES {
                 return Err(PublishFailure::Invalid(format!(
