@@ -35,39 +35,76 @@ enum Credentials {
     UserPassword(String, String),
 }
 
+/// One server URL without its credentials, and the credentials.
+fn server(url: &str) -> Result<(ServerAddr, Credentials), String> {
+    let address = ServerAddr::from_str(url).map_err(|e| e.to_string())?;
+    let decode = |text: &str| percent_decode_str(text).decode_utf8_lossy().into_owned();
+    let credentials = match (address.username(), address.password()) {
+        (None, _) => Credentials::None,
+        (Some(user), Some(password)) => Credentials::UserPassword(decode(user), decode(password)),
+        (Some(token), None) => Credentials::Token(decode(token)),
+    };
+    let mut stripped = address.into_inner();
+    let _ = stripped.set_username("");
+    let _ = stripped.set_password(None);
+    Ok((
+        ServerAddr::from_url(stripped).map_err(|e| e.to_string())?,
+        credentials,
+    ))
+}
+
+/// A server as it may be shown: its URL without credentials, and without the `/` of an
+/// empty path.
+fn shown(server: &ServerAddr) -> String {
+    let url = server.clone().into_inner();
+    let text = url.as_str();
+    match text.strip_suffix('/') {
+        Some(shorter) if url.path() == "/" => shorter.to_owned(),
+        _ => text.to_owned(),
+    }
+}
+
+/// The server URLs of `urls`: one URL, or several separated by commas (a cluster).
+fn server_urls(urls: &str) -> impl Iterator<Item = &str> {
+    urls.split(',').map(str::trim).filter(|url| !url.is_empty())
+}
+
 /// The servers of `urls` (one URL, or several separated by commas, for a cluster) without
 /// their credentials, and the credentials, which must be the same in every URL that has some.
+/// An error names the URL at fault by its place in the list, without credentials.
 fn parse(urls: &str) -> Result<(Vec<ServerAddr>, Credentials), String> {
     let mut servers = Vec::new();
-    let mut credentials = Credentials::None;
-    for url in urls.split(',').map(str::trim).filter(|url| !url.is_empty()) {
-        let address = ServerAddr::from_str(url).map_err(|e| e.to_string())?;
+    // The credentials found so far, and the place and server of the URL that gave them.
+    let mut credentials: Option<(Credentials, usize, String)> = None;
+    for (place, url) in server_urls(urls).enumerate().map(|(i, url)| (i + 1, url)) {
+        let (address, these) =
+            server(url).map_err(|error| format!("server URL {place}: {error}"))?;
         // `nats://` parses, and its connect failed on a DNS lookup of nothing.
         if address.host().is_empty() {
-            return Err("a server URL has no host: give it as nats://<host>:4222".to_owned());
+            return Err(format!(
+                "server URL {place} ({}) has no host: give it as nats://<host>:4222",
+                shown(&address)
+            ));
         }
-        let decode = |text: &str| percent_decode_str(text).decode_utf8_lossy().into_owned();
-        let these = match (address.username(), address.password()) {
-            (None, _) => Credentials::None,
-            (Some(user), Some(password)) => {
-                Credentials::UserPassword(decode(user), decode(password))
-            }
-            (Some(token), None) => Credentials::Token(decode(token)),
-        };
         if these != Credentials::None {
-            if credentials != Credentials::None && credentials != these {
-                return Err("the URLs carry different credentials; give one set".to_owned());
+            match &credentials {
+                Some((first, first_place, first_server)) if *first != these => {
+                    return Err(format!(
+                        "server URL {place} ({}) carries other credentials than URL \
+                         {first_place} ({first_server}): give one set",
+                        shown(&address)
+                    ));
+                }
+                Some(_) => {}
+                None => credentials = Some((these, place, shown(&address))),
             }
-            credentials = these;
         }
-        let mut stripped = address.into_inner();
-        let _ = stripped.set_username("");
-        let _ = stripped.set_password(None);
-        servers.push(ServerAddr::from_url(stripped).map_err(|e| e.to_string())?);
+        servers.push(address);
     }
     if servers.is_empty() {
         return Err("no server URL given".to_owned());
     }
+    let credentials = credentials.map_or(Credentials::None, |(credentials, ..)| credentials);
     Ok((servers, credentials))
 }
 
@@ -126,7 +163,8 @@ fn answered_in_plain_text(error: &async_nats::ConnectError) -> bool {
         })
 }
 
-/// `urls` as they may be shown: each server without its credentials.
+/// `urls` as they may be shown: each server without its credentials, one that does not parse
+/// as `<a NATS URL that does not parse>`, none at all as `<no NATS URL>`.
 ///
 /// ```
 /// assert_eq!(
@@ -135,19 +173,17 @@ fn answered_in_plain_text(error: &async_nats::ConnectError) -> bool {
 /// );
 /// ```
 pub fn redacted(urls: &str) -> String {
-    match parse(urls) {
-        Ok((servers, _)) => servers
-            .into_iter()
-            .map(|server| {
-                server
-                    .into_inner()
-                    .to_string()
-                    .trim_end_matches('/')
-                    .to_owned()
-            })
-            .collect::<Vec<_>>()
-            .join(","),
-        Err(_) => "<a NATS URL that does not parse>".to_owned(),
+    let text = server_urls(urls)
+        .map(|url| match server(url) {
+            Ok((server, _)) => shown(&server),
+            Err(_) => "<a NATS URL that does not parse>".to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    if text.is_empty() {
+        "<no NATS URL>".to_owned()
+    } else {
+        text
     }
 }
 
@@ -506,7 +542,7 @@ mod tests {
     #[test]
     fn different_credentials_and_bad_urls_are_refused_without_the_secret() {
         let error = options("nats://a:s3cretA@n1,nats://a:s3cretB@n2").unwrap_err();
-        assert!(error.reason.contains("different credentials"), "{error}");
+        assert!(error.reason.contains("other credentials"), "{error}");
         assert!(!error.to_string().contains("s3cret"), "{error}");
         let error = options("http://a:s3cret@n1").unwrap_err();
         assert!(!error.to_string().contains("s3cret"), "{error}");
@@ -514,13 +550,53 @@ mod tests {
             // (async-nats refuses an empty host after credentials itself.)
             let error = options(url).unwrap_err();
             assert!(
-                error.reason == "a server URL has no host: give it as nats://<host>:4222"
+                error
+                    .reason
+                    .ends_with("has no host: give it as nats://<host>:4222")
                     || error.reason.ends_with("empty host"),
                 "{url}: {error}"
             );
             assert!(!error.to_string().contains("s3cret"), "{error}");
         }
         assert_eq!(redacted("nats://a:s3cret@n1:4222"), "nats://n1:4222");
+    }
+
+    /// A list of server URLs with one at fault is shown with the others as they are (no
+    /// credentials), and the error names the one at fault by its place, where it said only
+    /// "<a NATS URL that does not parse>" of URLs that all parse.
+    #[test]
+    fn an_error_in_a_list_of_urls_names_the_url_at_fault_and_shows_the_others() {
+        let error = options("nats://a:s3cretA@n1:4222, nats://n2:4222,nats://a:s3cretB@n3:4222")
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "cannot connect to NATS at nats://n1:4222,nats://n2:4222,nats://n3:4222: server URL 3 \
+             (nats://n3:4222) carries other credentials than URL 1 (nats://n1:4222): give one set"
+        );
+        let error = options("nats://t0ken@n1:4222,nats://").unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "cannot connect to NATS at nats://n1:4222,nats://: server URL 2 (nats://) has no \
+             host: give it as nats://<host>:4222"
+        );
+        let error = options("nats://n1:4222,http://a:s3cret@n2").unwrap_err();
+        assert!(
+            error.to_string().starts_with(
+                "cannot connect to NATS at nats://n1:4222,<a NATS URL that does not \
+                              parse>: server URL 2: "
+            ),
+            "{error}"
+        );
+        assert!(!error.to_string().contains("s3cret"), "{error}");
+        assert_eq!(
+            options(" , ").unwrap_err().to_string(),
+            "cannot connect to NATS at <no NATS URL>: no server URL given"
+        );
+        // The same credentials in every URL that has some are one set.
+        let (servers, credentials) =
+            parse("nats://u:p@n1:4222,nats://n2:4222,nats://u:p@n3:4222").unwrap();
+        assert_eq!(servers.len(), 3);
+        assert!(credentials == Credentials::UserPassword("u".into(), "p".into()));
     }
 
     #[tokio::test]
