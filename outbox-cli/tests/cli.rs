@@ -942,6 +942,38 @@ async fn a_database_url_of_no_known_scheme_is_refused_by_each_command() {
     }
 }
 
+/// An empty `DATABASE_URL` (a variable set to nothing, or blanks) is refused as empty by each
+/// command that needs the database, where it was taken for a SQLite file's path: "postgres://
+/// names a database this build of outbox does not know: build it with `--features mysql` or
+/// `--features sqlite`".
+#[tokio::test]
+async fn an_empty_database_url_is_refused_as_empty_by_each_command() {
+    let env = TestEnv::new().await;
+    let commands: [&[&str]; 5] = [
+        &["migrate"],
+        &["status"],
+        &["relay"],
+        &["dead-letters", "list"],
+        &["purge", "--older-than", "7d"],
+    ];
+    for url in ["", "  "] {
+        for args in commands {
+            let refused = refused_as(
+                command(&env, &support::nats_url())
+                    .env("DATABASE_URL", url)
+                    .args(args),
+                &format!("{args:?} took the URL {url:?}"),
+            );
+            let output = text(&refused);
+            assert_eq!(refused.status.code(), Some(2), "{url:?} {args:?}: {output}");
+            assert!(
+                output.contains("DATABASE_URL: the database URL is empty"),
+                "{url:?} {args:?}: {output}"
+            );
+        }
+    }
+}
+
 /// `outbox tail --subject` takes a NATS subject filter, and says what is wrong with one that
 /// is not, before it connects: JetStream's answer named no fault ("consumer filter subject is
 /// not a valid subset of the interest subjects"), and an empty filter followed every subject.

@@ -89,7 +89,8 @@ pub struct TimedOut {
 /// `postgres://` URL or of a `key=value` connection string, never the password; the user,
 /// host, port and database of a `mysql://` URL (without its password and parameters); a
 /// SQLite database's path as it is (`sqlite://` URL, `file:` URI without its parameters, or a
-/// plain path). A string that does not parse is not shown at all.
+/// plain path). A string that does not parse is not shown at all; an empty one is shown as
+/// `<an empty database URL>`.
 ///
 /// ```
 /// use outbox_runtime::database::redacted;
@@ -103,8 +104,13 @@ pub struct TimedOut {
 ///     "mysql://app@db.internal:3306/orders"
 /// );
 /// assert_eq!(redacted("/var/lib/orders/outbox.db"), "/var/lib/orders/outbox.db");
+/// assert_eq!(redacted(""), "<an empty database URL>");
 /// ```
 pub fn redacted(database_url: &str) -> String {
+    // tokio-postgres parses the empty string, as a URL of nothing ("postgres://").
+    if database_url.trim().is_empty() {
+        return "<an empty database URL>".to_owned();
+    }
     #[cfg(feature = "postgres")]
     if let Some(text) = redacted_postgres(database_url) {
         return text;
@@ -149,8 +155,8 @@ fn redacted_postgres(database_url: &str) -> Option<String> {
 /// `key=value` connection string), `mysql://`, or else a SQLite file (a path, `sqlite://` or
 /// a `file:` URI). A service that takes its database from configuration picks its
 /// connection and its relay by it (the quickstart does), parsing it (`url.parse::<Kind>()`),
-/// which refuses a URL of another scheme ([`UnknownScheme`]: a typo such as `postgress://`)
-/// where [`Kind::of`] takes it for a SQLite file's path.
+/// which refuses an empty URL and one of another scheme ([`ParseKindError`]: a typo such as
+/// `postgress://`) where [`Kind::of`] takes them for a SQLite file's path.
 ///
 /// ```
 /// use outbox_runtime::database::Kind;
@@ -238,18 +244,22 @@ impl Kind {
 /// `redis://`) is an error rather than a SQLite file's path.
 ///
 /// ```
-/// use outbox_runtime::database::Kind;
+/// use outbox_runtime::database::{Kind, ParseKindError};
 /// assert_eq!("postgres://app@db/orders".parse::<Kind>().unwrap(), Kind::Postgres);
 /// assert_eq!("orders.db".parse::<Kind>().unwrap(), Kind::Sqlite);
 /// let error = "postgress://app:s3cret@db/orders".parse::<Kind>().unwrap_err();
 /// assert!(error.to_string().starts_with("a postgress:// URL names no database"));
+/// assert_eq!("".parse::<Kind>(), Err(ParseKindError::Empty));
 /// ```
 impl std::str::FromStr for Kind {
-    type Err = UnknownScheme;
+    type Err = ParseKindError;
 
-    fn from_str(database_url: &str) -> Result<Self, UnknownScheme> {
+    fn from_str(database_url: &str) -> Result<Self, ParseKindError> {
+        if database_url.trim().is_empty() {
+            return Err(ParseKindError::Empty);
+        }
         match Self::unknown_scheme(database_url) {
-            Some(scheme) => Err(UnknownScheme {
+            Some(scheme) => Err(ParseKindError::UnknownScheme {
                 scheme: scheme.to_owned(),
             }),
             None => Ok(Self::of(database_url)),
@@ -257,16 +267,27 @@ impl std::str::FromStr for Kind {
     }
 }
 
-/// A database URL whose scheme names no database the outbox runs on ([`Kind`]'s `FromStr`).
+/// A database URL that names no database the outbox runs on ([`Kind`]'s `FromStr`).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "a {scheme}:// URL names no database the outbox runs on: postgres:// or postgresql:// \
-     (PostgreSQL, or a key=value connection string), mysql:// (MySQL, MariaDB), or a SQLite \
-     file (its path, sqlite:// or file:)"
-)]
-pub struct UnknownScheme {
-    /// The URL's scheme, as written (without `://`).
-    pub scheme: String,
+pub enum ParseKindError {
+    /// The URL is empty or blank ([`Kind::of`] would take it for a SQLite file's path): an
+    /// environment variable set to nothing, say.
+    #[error(
+        "the database URL is empty: give postgres://... (PostgreSQL), mysql://... (MySQL, \
+         MariaDB) or a SQLite file's path"
+    )]
+    Empty,
+    /// The URL's scheme is none of the outbox's databases: a typo such as `postgress://`, or
+    /// another program's (`redis://`).
+    #[error(
+        "a {scheme}:// URL names no database the outbox runs on: postgres:// or postgresql:// \
+         (PostgreSQL, or a key=value connection string), mysql:// (MySQL, MariaDB), or a SQLite \
+         file (its path, sqlite:// or file:)"
+    )]
+    UnknownScheme {
+        /// The URL's scheme, as written (without `://`).
+        scheme: String,
+    },
 }
 
 /// [`redacted`] for what is not PostgreSQL's (or, in a build without the `postgres`
@@ -818,7 +839,7 @@ mod sealed {
 
 #[cfg(test)]
 mod kind_tests {
-    use super::Kind;
+    use super::{Kind, ParseKindError};
 
     #[test]
     fn a_relay_refuses_another_databases_url_naming_the_relay_to_use() {
@@ -839,8 +860,10 @@ mod kind_tests {
         for url in refused {
             let error = url.parse::<Kind>().unwrap_err();
             assert_eq!(
-                error.scheme,
-                url.trim().split_once("://").unwrap().0,
+                error,
+                ParseKindError::UnknownScheme {
+                    scheme: url.trim().split_once("://").unwrap().0.to_owned()
+                },
                 "{url}"
             );
             let refused = Kind::Postgres.check(url, "the relay").unwrap_err();
@@ -862,6 +885,9 @@ mod kind_tests {
             "./data/a b.db",
         ] {
             assert_eq!(url.parse::<Kind>(), Ok(Kind::of(url)), "{url}");
+        }
+        for url in ["", " ", "\t\n"] {
+            assert_eq!(url.parse::<Kind>(), Err(ParseKindError::Empty), "{url:?}");
         }
         assert!(Kind::Postgres.check("postgresql://a@h/d", "Relay").is_ok());
         let error = Kind::Postgres

@@ -2306,11 +2306,14 @@ fn check_database<C: InboxConnection>(config: &InboxConfig) -> Result<(), InboxE
             ))
         };
     }
+    if config.database_url.trim().is_empty() {
+        return Ok(());
+    }
     let kind = config
         .database_url
         .parse::<Kind>()
         .map_err(|error| InboxError::Config(format!("database_url: {error}")))?;
-    if config.database_url.trim().is_empty() || kind == C::KIND {
+    if kind == C::KIND {
         return Ok(());
     }
     let (what, connection, feature) = match kind {
