@@ -434,10 +434,10 @@ impl InboxConfig {
 
     /// Checks the configuration without connecting anything: what [`Inbox::connect`]
     /// refuses before it asks NATS or the database, so that a service can refuse a bad
-    /// setting at once, whether or not the servers are up. `connect` also refuses a
-    /// `database_url` of another database than the handler's connection type (before it
-    /// connects, knowing that type), and several `filter_subjects` on a server before 2.10
-    /// (from the server's version).
+    /// setting at once, whether or not the servers are up. `connect` also refuses an empty
+    /// `database_url` (without a connector) and one of another database than the handler's
+    /// connection type (before it connects, knowing that type), and several
+    /// `filter_subjects` on a server before 2.10 (from the server's version).
     ///
     /// # Errors
     /// [`InboxError::Config`], naming the setting and its bound: a filter that is not a
@@ -942,8 +942,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// ([`Outcome::Skipped`], acked). An existing consumer with filters must have these.
     ///
     /// # Errors
-    /// [`InboxError::Config`] (also for a `database_url` of another database than `C`'s, or
-    /// a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing:
+    /// [`InboxError::Config`] (also for a `database_url` that is empty without a `connector`
+    /// or names another database than `C`'s, or a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing:
     /// the producer's relay creates it when it starts, so an inbox connected before any relay
     /// ran is refused saying so; no JetStream at the server
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
@@ -2290,8 +2290,8 @@ pub async fn consumers<C: InboxConnection>(conn: &mut C) -> diesel::QueryResult<
     conn.consumers().await
 }
 
-/// Refuses a `database_url` of another database than `C`'s (unless a connector opens
-/// PostgreSQL's connections, when the URL only names the database), and a connector on
+/// Refuses an empty `database_url` or one of another database than `C`'s (unless a connector
+/// opens PostgreSQL's connections, when the URL only names the database), and a connector on
 /// MySQL or SQLite.
 fn check_database<C: InboxConnection>(config: &InboxConfig) -> Result<(), InboxError> {
     #[cfg(feature = "postgres")]
@@ -2307,7 +2307,12 @@ fn check_database<C: InboxConnection>(config: &InboxConfig) -> Result<(), InboxE
         };
     }
     if config.database_url.trim().is_empty() {
-        return Ok(());
+        // SQLite would open a temporary database of its own for the empty path.
+        return Err(InboxError::Config(
+            "database_url is empty: the inbox needs its database's URL (or, on PostgreSQL, a \
+             connector)"
+                .to_owned(),
+        ));
     }
     let kind = config
         .database_url
@@ -2575,6 +2580,38 @@ mod tests {
         );
         let config = InboxConfig::new("c", "mysql://app@db/orders");
         assert!(check_database::<AsyncMysqlConnection>(&config).is_ok());
+    }
+
+    /// An empty `database_url` is refused before anything connects, where the inbox went on
+    /// to connect with it (SQLite opening a temporary database of its own, which then lacked
+    /// the migrations); with a connector, the URL only names the database.
+    #[test]
+    fn an_inbox_without_a_connector_refuses_an_empty_database_url() {
+        fn refused<C: InboxConnection>() {
+            for url in ["", "  "] {
+                let error = check_database::<C>(&InboxConfig::new("c", url))
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    error.contains("database_url is empty: the inbox needs its database's URL"),
+                    "{url:?}: {error}"
+                );
+            }
+        }
+        #[cfg(feature = "postgres")]
+        refused::<AsyncPgConnection>();
+        #[cfg(feature = "mysql")]
+        refused::<diesel_async::AsyncMysqlConnection>();
+        #[cfg(feature = "sqlite")]
+        refused::<crate::sqlite::AsyncSqliteConnection>();
+        #[cfg(feature = "postgres")]
+        {
+            let mut config = InboxConfig::new("c", "");
+            config.connector = Some(Connector::new(|| async {
+                Err::<AsyncPgConnection, _>("unused")
+            }));
+            assert!(check_database::<AsyncPgConnection>(&config).is_ok());
+        }
     }
 
     #[cfg(feature = "sqlite")]
