@@ -943,9 +943,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     ///
     /// # Errors
     /// [`InboxError::Config`] (also for a `database_url` that is empty without a `connector`
-    /// or names another database than `C`'s, or a `connector` on MySQL or SQLite), [`InboxError::Consumer`] (the stream is missing:
-    /// the producer's relay creates it when it starts, so an inbox connected before any relay
-    /// ran is refused saying so; no JetStream at the server
+    /// or names another database than `C`'s, or a `connector` on MySQL or SQLite),
+    /// [`InboxError::Consumer`] (the stream is missing: the producer's relay creates it when
+    /// it starts, so an inbox connected before any relay ran is refused saying so; no
+    /// JetStream at the server
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
     /// has other filter subjects), [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
