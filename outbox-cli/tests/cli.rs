@@ -966,6 +966,23 @@ async fn an_empty_database_url_is_refused_as_empty_by_each_command() {
     }
 }
 
+/// A SQLite URL without a path (`sqlite://`, the path's variable set to nothing) is refused by
+/// each command, naming it, where `outbox migrate` applied the migrations to the temporary
+/// database SQLite opens for an empty path (and reported them applied), and a build without
+/// SQLite said to build it with `--features sqlite`.
+#[tokio::test]
+async fn a_sqlite_url_without_a_path_is_refused_by_each_command() {
+    let env = TestEnv::new().await;
+    for url in ["sqlite://", "file:?mode=rwc"] {
+        refused_by_each_database_command(
+            &env,
+            url,
+            &format!("DATABASE_URL: the SQLite URL {url:?} names no file"),
+            "this build of outbox does not know",
+        );
+    }
+}
+
 /// `outbox tail --subject` takes a NATS subject filter, and says what is wrong with one that
 /// is not, before it connects: JetStream's answer named no fault ("consumer filter subject is
 /// not a valid subset of the interest subjects"), and an empty filter followed every subject.

@@ -258,6 +258,11 @@ impl std::str::FromStr for Kind {
         if database_url.trim().is_empty() {
             return Err(ParseKindError::Empty);
         }
+        if sqlite_path(database_url).is_some_and(|path| path.trim().is_empty()) {
+            return Err(ParseKindError::NoSqlitePath {
+                url: database_url.trim().to_owned(),
+            });
+        }
         match Self::unknown_scheme(database_url) {
             Some(scheme) => Err(ParseKindError::UnknownScheme {
                 scheme: scheme.to_owned(),
@@ -265,6 +270,19 @@ impl std::str::FromStr for Kind {
             None => Ok(Self::of(database_url)),
         }
     }
+}
+
+/// The file path of a `sqlite://` URL or a `file:` URI (without the URI's parameters), as
+/// SQLite is handed it; `None` for any other URL. SQLite opens a temporary database of its
+/// own for an empty path, deleted when the connection closes (SQLite docs, "In-Memory
+/// Databases", section "Temporary Databases").
+pub(crate) fn sqlite_path(database_url: &str) -> Option<&str> {
+    let url = database_url.trim_start();
+    if let Some(path) = url.strip_prefix("sqlite://") {
+        return Some(path);
+    }
+    let uri = url.strip_prefix("file:")?;
+    Some(uri.split(['?', '#']).next().unwrap_or(""))
 }
 
 /// A database URL that names no database the outbox runs on ([`Kind`]'s `FromStr`).
@@ -287,6 +305,19 @@ pub enum ParseKindError {
     UnknownScheme {
         /// The URL's scheme, as written (without `://`).
         scheme: String,
+    },
+    /// A `sqlite://` URL or `file:` URI with no path (`sqlite://`, a variable that held the
+    /// path set to nothing): SQLite would open a temporary database of its own, which no
+    /// other connection sees and which is gone when the connection closes, so migrations
+    /// would be applied to nothing and events written there lost.
+    #[error(
+        "the SQLite URL {url:?} names no file: SQLite would open a temporary database that \
+         vanishes with its connection; give sqlite://path/to/outbox.db, a file: URI with a \
+         path, or the file's path"
+    )]
+    NoSqlitePath {
+        /// The URL, as written (it holds no secret: a SQLite URL has no password).
+        url: String,
     },
 }
 
@@ -888,6 +919,25 @@ mod kind_tests {
         }
         for url in ["", " ", "\t\n"] {
             assert_eq!(url.parse::<Kind>(), Err(ParseKindError::Empty), "{url:?}");
+        }
+        for url in [
+            "sqlite://",
+            " sqlite://  ",
+            "file:",
+            "file:?mode=rwc",
+            "file:#x",
+        ] {
+            let error = url.parse::<Kind>().unwrap_err();
+            assert_eq!(
+                error,
+                ParseKindError::NoSqlitePath {
+                    url: url.trim().to_owned()
+                },
+                "{url:?}"
+            );
+            assert!(error.to_string().contains("names no file"), "{error}");
+            let refused = Kind::Sqlite.check(url, "the relay").unwrap_err();
+            assert!(refused.contains("names no file"), "{refused}");
         }
         assert!(Kind::Postgres.check("postgresql://a@h/d", "Relay").is_ok());
         let error = Kind::Postgres

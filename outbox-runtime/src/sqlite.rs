@@ -102,6 +102,7 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::causality::Causality;
+use crate::database::{ParseKindError, sqlite_path};
 use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
 use crate::outbox::{MigrationError, MissingMigrations, Outbox};
 use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
@@ -135,8 +136,23 @@ const KEYS_PER_STATEMENT: usize = 10_000;
 /// for a writer), and a [`BUSY_TIMEOUT`] for the write lock.
 ///
 /// # Errors
-/// The database's error, when the file cannot be opened or the settings cannot be applied.
+/// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL with no
+/// path (`""`, `sqlite://`, `file:?mode=rwc`), where SQLite would open a temporary database
+/// that no other connection sees and that vanishes with this one; else the database's error,
+/// when the file cannot be opened or the settings cannot be applied.
 pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
+    if sqlite_path(url).unwrap_or(url).trim().is_empty() {
+        let error = if url.trim().is_empty() {
+            ParseKindError::Empty
+        } else {
+            ParseKindError::NoSqlitePath {
+                url: url.trim().to_owned(),
+            }
+        };
+        return Err(diesel::ConnectionError::InvalidConnectionUrl(
+            error.to_string(),
+        ));
+    }
     let path = url.strip_prefix("sqlite://").unwrap_or(url);
     let mut conn = SqliteConnection::establish(path)?;
     conn.batch_execute(&format!(
@@ -521,4 +537,40 @@ fn insert_events(
         insert.execute(conn)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::establish;
+
+    /// A URL with no path is refused, naming it: SQLite would open a temporary database of
+    /// its own, so `outbox migrate` would report migrations applied to a database that
+    /// vanishes, and a unit of work would commit its events there.
+    #[test]
+    fn a_url_without_a_path_is_refused_rather_than_opened_as_a_temporary_database() {
+        for (url, says) in [
+            ("", "the database URL is empty"),
+            ("  ", "the database URL is empty"),
+            ("sqlite://", "the SQLite URL \"sqlite://\" names no file"),
+            ("sqlite://  ", "the SQLite URL \"sqlite://\" names no file"),
+            (
+                "file:?mode=rwc",
+                "the SQLite URL \"file:?mode=rwc\" names no file",
+            ),
+        ] {
+            let Err(diesel::ConnectionError::InvalidConnectionUrl(error)) = establish(url) else {
+                panic!("{url:?} was opened");
+            };
+            assert!(error.contains(says), "{url:?}: {error}");
+        }
+        let dir = std::env::temp_dir().join(format!("outbox-establish-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("o.db");
+        let path = path.to_str().unwrap();
+        for url in [path.to_owned(), format!("sqlite://{path}")] {
+            establish(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+        assert!(std::path::Path::new(path).exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
