@@ -826,3 +826,76 @@ async fn a_relay_whose_run_is_dropped_leaves_no_session_open() {
     );
     support::until_no_session_named(&env, "outbox-relay").await;
 }
+
+/// A stream full by its own limits (`max_msgs`, `max_bytes` with the discard-new policy)
+/// refuses every message until it has room: the relay backs off and retries without counting
+/// attempts, so no row becomes a dead letter, and once the stream has room every event is
+/// published, each aggregate in order. Before, each refusal counted an attempt: after
+/// `max_attempts` (about 8.5 min with the defaults) every aggregate's head was a dead letter
+/// blocking its aggregate, or with the Skip policy skipped, until an operator retried them.
+#[tokio::test]
+async fn a_full_stream_is_waited_for_without_counting_attempts() {
+    use async_nats::jetstream::stream::{Config, DiscardPolicy};
+    let env = TestEnv::new().await;
+    let js = env.jetstream();
+    let config = |max_messages| Config {
+        name: env.stream.clone(),
+        subjects: vec![format!("{}.>", env.prefix)],
+        max_messages,
+        discard: DiscardPolicy::New,
+        ..Default::default()
+    };
+    js.create_stream(config(3)).await.unwrap();
+    let mut relay_config = env.relay_config();
+    // Before the fix, the first refusal made each row a dead letter.
+    relay_config.max_attempts = 1;
+    relay_config.max_backoff = Duration::from_millis(200);
+    let relay = Relay::connect(relay_config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut orders = Vec::new();
+    for i in 0..4 {
+        let mut order = Order::place(&format!("o-{i}"), "ada", i);
+        order.record(OrderEvent::Shipped);
+        env.commit(&mut order).await;
+        orders.push(order);
+    }
+    env.until_stream_holds(3, Duration::from_secs(10)).await;
+    // Several rounds of refusals.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut conn = env.conn().await;
+    let rows: Vec<(i32, Option<String>, bool)> = outbox_events::table
+        .select((
+            outbox_events::attempts,
+            outbox_events::last_error,
+            outbox_events::dead_lettered_at.is_not_null(),
+        ))
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 5, "8 events, 3 stored: {rows:?}");
+    assert!(
+        rows.iter().all(|row| *row == (0, None, false)),
+        "refusals of a full stream counted attempts: {rows:?}"
+    );
+    assert_eq!(env.stream_len().await, 3);
+
+    // Room again: everything flows, in order.
+    js.update_stream(config(-1)).await.unwrap();
+    let lifted = Instant::now();
+    env.until_stream_holds(8, Duration::from_secs(10)).await;
+    eprintln!(
+        "the 5 waiting events were published {:?} after the limit was lifted",
+        lifted.elapsed()
+    );
+    let messages = env.stream_messages().await;
+    assert_eq!(messages.len(), 8);
+    let sequences = sequences(&messages);
+    assert_eq!(sequences.len(), 4);
+    assert!(
+        sequences.values().all(|seqs| seqs == &[1, 2]),
+        "{sequences:?}"
+    );
+    relay.shutdown().await.unwrap();
+}

@@ -59,14 +59,15 @@ pub(crate) enum PublishFailure {
     /// that would steer the server (a `Nats-` name). Never sent; dead-lettered at once, for
     /// an operator to fix and retry.
     Invalid(String),
-    /// The broker refused the message (over its `max_payload`, a stream limit, a reply that
-    /// is not a publish ack): counts an attempt. `kind` labels the rejection in metrics:
-    /// `refused`, `not_an_ack` or `no_ack`.
+    /// The broker refused the message (over its `max_payload`, its subject's limit of
+    /// messages, a reply that is not a publish ack): counts an attempt. `kind` labels the
+    /// rejection in metrics: `refused`, `not_an_ack` or `no_ack`.
     Rejected { kind: &'static str, error: String },
-    /// The broker could not be reached, or JetStream did not answer (stopping, no stream
-    /// leader, the stream missing): nothing is known to be wrong with the message. Retried
-    /// without counting an attempt. `kind` labels it in metrics: `disconnected`,
-    /// `no_responders`, `unavailable` or `no_ack`.
+    /// The broker could not be reached, JetStream did not answer (stopping, no stream
+    /// leader, the stream missing), or the stream or its account is full (see [`FULL`]):
+    /// nothing is known to be wrong with the message. Retried without counting an attempt.
+    /// `kind` labels it in metrics: `disconnected`, `no_responders`, `unavailable`,
+    /// `stream_full` or `no_ack`.
     Transport { kind: &'static str, error: String },
     /// No ack within the ack timeout while the connection stayed up. Either the broker is
     /// slow or stopping (transport), or it dropped the message on purpose (a publish
@@ -96,6 +97,39 @@ const UNAVAILABLE: &[jetstream::ErrorCode] = &[
     jetstream::ErrorCode::STREAM_NOT_FOUND,
     jetstream::ErrorCode::TEMP_STORAGE_FAILED,
 ];
+
+/// JetStream API errors that say the stream or its account is at its limits and refuses
+/// every new message until it has room (a stream with the discard-new policy at its
+/// `max_msgs` or `max_bytes`, an account at its JetStream storage or memory limit): nothing
+/// is wrong with the message, and every row of the stream meets the same refusal, so the
+/// relay waits for room as for a broker that is away, rather than count attempts that would
+/// make every aggregate's head a dead letter. A subject at its own limit (`max_msgs_per_subject`
+/// with `discard_new_per_subject`, "maximum messages per subject exceeded") concerns that
+/// subject's rows only, and stays a rejection. The store's errors are nats-server's
+/// `ErrMaxMsgs` and `ErrMaxBytes` (`server/store.go`), sent as error code 10077 with their
+/// text as the description; the codes are `server/errors.json`'s.
+const FULL: &[jetstream::ErrorCode] = &[
+    jetstream::ErrorCode::ACCOUNT_RESOURCES_EXCEEDED,
+    jetstream::ErrorCode::MEMORY_RESOURCES_EXCEEDED,
+    jetstream::ErrorCode::STORAGE_RESOURCES_EXCEEDED,
+];
+
+/// The descriptions of [`FULL`]'s store errors under error code 10077.
+const STORE_FULL: [&str; 2] = ["maximum messages exceeded", "maximum bytes exceeded"];
+
+/// Whether `error` says the stream or its account is full (see [`FULL`]).
+fn is_full(error: &jetstream::Error) -> bool {
+    let code = error.error_code();
+    // The description is private: async-nats shows it first in its `Display`.
+    FULL.contains(&code)
+        || (code == jetstream::ErrorCode::STREAM_STORE_FAILED && {
+            let text = error.to_string();
+            STORE_FULL.iter().any(|full| {
+                text.strip_prefix(full)
+                    .is_some_and(|rest| rest.starts_with(" ("))
+            })
+        })
+}
 
 impl PublishFailure {
     /// Classifies a failed publish request; `connects` is the client's connect count when
@@ -141,6 +175,15 @@ impl PublishFailure {
             Self::Transport {
                 kind: "unavailable",
                 error: text,
+            }
+        } else if is_full(&error) {
+            Self::Transport {
+                kind: "stream_full",
+                error: format!(
+                    "{text}: the stream or its account is full and refuses new messages; the \
+                     relay retries without counting attempts until it has room (raise the \
+                     limit, purge the stream, or let max_age remove old messages)"
+                ),
             }
         } else {
             Self::Rejected {
@@ -1226,16 +1269,44 @@ mod tests {
             read_publish_reply(br#"{"stream":"EVENTS","domain":"hub","seq":7,"duplicate":false}"#),
             Ok(false)
         );
-        // A store that failed: the message is not stored, whatever else the reply holds.
-        let refused = read_publish_reply(
-            br#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"},"stream":"CAPTURE","seq":0}"#,
-        )
-        .unwrap_err();
-        assert!(
-            matches!(&refused, PublishFailure::Rejected { kind: "refused", error }
-                if error.contains("maximum messages exceeded") && error.contains("10077")),
-            "{refused:?}"
-        );
+        // A store that failed: the message is not stored, whatever else the reply holds. A
+        // stream or an account at its limits refuses every message until it has room: a
+        // transport failure; a subject at its own limit, or another store failure, refuses
+        // this message: a rejection.
+        for (code, description) in [
+            (10077, "maximum messages exceeded"),
+            (10077, "maximum bytes exceeded"),
+            (10002, "resource limits exceeded for account"),
+            (10028, "insufficient memory resources available"),
+            (10047, "insufficient storage resources available"),
+        ] {
+            let reply = format!(
+                r#"{{"error":{{"code":503,"err_code":{code},"description":"{description}"}},"stream":"CAPTURE","seq":0}}"#
+            );
+            let full = read_publish_reply(reply.as_bytes()).unwrap_err();
+            assert!(
+                matches!(&full, PublishFailure::Transport { kind: "stream_full", error }
+                    if error.contains(description) && error.contains(&code.to_string())
+                        && error.contains("retries without counting attempts")),
+                "{full:?}"
+            );
+        }
+        for (code, description) in [
+            (10077, "maximum messages per subject exceeded"),
+            (10077, "message to large"),
+            (10077, "maximum messages exceeded, and more"),
+            (10054, "maximum messages exceeded"),
+        ] {
+            let reply = format!(
+                r#"{{"error":{{"code":503,"err_code":{code},"description":"{description}"}},"stream":"CAPTURE","seq":0}}"#
+            );
+            let refused = read_publish_reply(reply.as_bytes()).unwrap_err();
+            assert!(
+                matches!(&refused, PublishFailure::Rejected { kind: "refused", error }
+                    if error.contains(description) && error.contains(&code.to_string())),
+                "{refused:?}"
+            );
+        }
         let unavailable = read_publish_reply(
             br#"{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#,
         )

@@ -637,8 +637,8 @@ impl Health {
         if let Some(repeat) = self.transport.failed() {
             tracing::warn!(
                 %error, failing_for = ?repeat,
-                "publishes fail in transport (broker unreachable, slow or stopping); the \
-                 relay backs off and retries without counting attempts"
+                "publishes fail in transport (broker unreachable, slow or stopping, or its \
+                 stream full); the relay backs off and retries without counting attempts"
             );
         }
     }
