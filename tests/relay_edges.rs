@@ -29,6 +29,19 @@ async fn raw_row(conn: &mut AsyncPgConnection, aggregate_id: &str) -> (i32, Opti
         .unwrap()
 }
 
+/// The `attempts`, `last_error` and dead-letter state of every row.
+async fn all_rows(conn: &mut AsyncPgConnection) -> Vec<(i32, Option<String>, bool)> {
+    outbox_events::table
+        .select((
+            outbox_events::attempts,
+            outbox_events::last_error,
+            outbox_events::dead_lettered_at.is_not_null(),
+        ))
+        .load(conn)
+        .await
+        .unwrap()
+}
+
 /// The error of the `Raw` row of `aggregate_id`, which must be a dead letter after one
 /// attempt.
 async fn dead_letter_at_once(conn: &mut AsyncPgConnection, aggregate_id: &str) -> String {
@@ -865,15 +878,7 @@ async fn a_full_stream_is_waited_for_without_counting_attempts() {
     // Several rounds of refusals.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut conn = env.conn().await;
-    let rows: Vec<(i32, Option<String>, bool)> = outbox_events::table
-        .select((
-            outbox_events::attempts,
-            outbox_events::last_error,
-            outbox_events::dead_lettered_at.is_not_null(),
-        ))
-        .load(&mut conn)
-        .await
-        .unwrap();
+    let rows = all_rows(&mut conn).await;
     assert_eq!(rows.len(), 5, "8 events, 3 stored: {rows:?}");
     assert!(
         rows.iter().all(|row| *row == (0, None, false)),
@@ -897,5 +902,98 @@ async fn a_full_stream_is_waited_for_without_counting_attempts() {
         sequences.values().all(|seqs| seqs == &[1, 2]),
         "{sequences:?}"
     );
+    relay.shutdown().await.unwrap();
+}
+
+/// A stream that does not acknowledge publishes (`no_ack`) or refuses them all (`sealed`) is
+/// refused when the relay connects, naming the stream and the setting. Before, a relay on a
+/// `no_ack` stream waited out `ack_timeout` for every event, counted each as a rejection
+/// though the stream had stored it, and after `max_attempts` made it a dead letter blocking
+/// its aggregate; on a sealed stream every event became a dead letter.
+#[tokio::test]
+async fn a_stream_that_cannot_acknowledge_publishes_is_refused_at_connect() {
+    use async_nats::jetstream::stream::Config;
+    for (setting, says) in [
+        ("no_ack", "does not acknowledge publishes (no_ack)"),
+        ("sealed", "is sealed"),
+    ] {
+        let env = TestEnv::new().await;
+        let js = env.jetstream();
+        let mut config = Config {
+            name: env.stream.clone(),
+            subjects: vec![format!("{}.>", env.prefix)],
+            no_ack: setting == "no_ack",
+            ..Default::default()
+        };
+        js.create_stream(config.clone()).await.unwrap();
+        if setting == "sealed" {
+            // A stream is sealed by an update, not at its creation.
+            config.sealed = true;
+            js.update_stream(config).await.unwrap();
+        }
+        let mut relay_config = env.relay_config();
+        relay_config.ack_timeout = Duration::from_secs(1);
+        relay_config.max_attempts = 1;
+        let error = match Relay::connect(relay_config, env.nats.clone()).await {
+            Ok(relay) => {
+                // What such a relay did: the event is in the stream, and its row a dead
+                // letter.
+                let relay = relay.spawn();
+                let mut order = Order::place("o-1", "ada", 1);
+                env.commit(&mut order).await;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                let mut conn = env.conn().await;
+                let rows = all_rows(&mut conn).await;
+                let stored = env.stream_len().await;
+                let _ = relay.shutdown().await;
+                panic!("{setting}: the relay connected; the stream holds {stored}, rows {rows:?}");
+            }
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            error.contains(&env.stream) && error.contains(says),
+            "{setting}: {error}"
+        );
+    }
+}
+
+/// A stream sealed under a running relay refuses every publish for good ("invalid operation
+/// on sealed stream", error code 10109): the rows wait in order, without counting attempts,
+/// for the relay to be pointed at another stream, where each became a dead letter.
+#[tokio::test]
+async fn a_stream_sealed_under_a_running_relay_leaves_the_rows_waiting() {
+    let env = TestEnv::new().await;
+    let mut relay_config = env.relay_config();
+    relay_config.max_attempts = 1;
+    relay_config.max_backoff = Duration::from_millis(200);
+    let relay = Relay::connect(relay_config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let js = env.jetstream();
+    let mut config = js
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    config.sealed = true;
+    js.update_stream(config).await.unwrap();
+    let mut order = Order::place("o-1", "ada", 1);
+    order.record(OrderEvent::Shipped);
+    env.commit(&mut order).await;
+    // Several rounds of refusals.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut conn = env.conn().await;
+    let rows = all_rows(&mut conn).await;
+    assert_eq!(
+        rows,
+        vec![(0, None, false); 2],
+        "the sealed stream's refusals counted attempts"
+    );
+    assert_eq!(env.stream_len().await, 0);
     relay.shutdown().await.unwrap();
 }

@@ -95,6 +95,10 @@ const UNAVAILABLE: &[jetstream::ErrorCode] = &[
     jetstream::ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
     jetstream::ErrorCode::RAFT_GENERAL,
     jetstream::ErrorCode::STREAM_NOT_FOUND,
+    // A stream sealed under a running relay refuses every message for good: the rows wait,
+    // in order, for the relay to be pointed at another stream (at connect, a sealed stream
+    // is refused: `StreamError::Sealed`), rather than become dead letters one by one.
+    jetstream::ErrorCode::STREAM_SEALED,
     jetstream::ErrorCode::TEMP_STORAGE_FAILED,
 ];
 
@@ -916,6 +920,27 @@ pub enum StreamError {
         /// The subject prefix it should capture.
         prefix: String,
     },
+    /// The stream does not acknowledge publishes (its `no_ack` setting): the relay could
+    /// never learn that an event was stored, and would count each as refused.
+    #[error(
+        "JetStream stream {stream:?} does not acknowledge publishes (no_ack): the relay \
+         deletes an event only once the stream acks it; create the stream without no_ack, or \
+         point the relay at another stream"
+    )]
+    NoAck {
+        /// The stream name.
+        stream: String,
+    },
+    /// The stream is sealed: it refuses every publish, and a stream cannot be unsealed
+    /// (nats-server, "Stream configuration": `sealed`).
+    #[error(
+        "JetStream stream {stream:?} is sealed and refuses every publish; point the relay at \
+         another stream"
+    )]
+    Sealed {
+        /// The stream name.
+        stream: String,
+    },
     /// A JetStream API call failed.
     #[error("JetStream stream {stream:?}: {message}")]
     Api {
@@ -985,6 +1010,16 @@ pub(crate) async fn ensure_stream(
             stream: settings.name.clone(),
             subjects: info.config.subjects.clone(),
             prefix: prefix.to_owned(),
+        });
+    }
+    if info.config.no_ack {
+        return Err(StreamError::NoAck {
+            stream: settings.name.clone(),
+        });
+    }
+    if info.config.sealed {
+        return Err(StreamError::Sealed {
+            stream: settings.name.clone(),
         });
     }
     for (setting, actual, wanted) in settings.differences(&info.config) {
@@ -1307,20 +1342,22 @@ mod tests {
                 "{refused:?}"
             );
         }
-        let unavailable = read_publish_reply(
-            br#"{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#,
-        )
-        .unwrap_err();
-        assert!(
-            matches!(
-                unavailable,
-                PublishFailure::Transport {
-                    kind: "unavailable",
-                    ..
-                }
-            ),
-            "{unavailable:?}"
-        );
+        for reply in [
+            &br#"{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#[..],
+            br#"{"error":{"code":400,"err_code":10109,"description":"invalid operation on sealed stream"}}"#,
+        ] {
+            let unavailable = read_publish_reply(reply).unwrap_err();
+            assert!(
+                matches!(
+                    unavailable,
+                    PublishFailure::Transport {
+                        kind: "unavailable",
+                        ..
+                    }
+                ),
+                "{unavailable:?}"
+            );
+        }
         for reply in [
             &b""[..],
             b"+OK",
