@@ -1416,8 +1416,10 @@ impl Bench {
         )
         .await?;
         // The run's stream holds the "Inbox" messages only, so that a consumer of them takes
-        // the whole stream, as one with the inbox's default filter does; the one-key messages
-        // go to a stream of their own.
+        // the whole stream, as one with the inbox's default filter does: what the figures
+        // before left in it goes first (a full run's consumers took figure 1's messages, and
+        // failed to decode them). The one-key messages go to a stream of their own.
+        js.get_stream(&self.place.stream).await?.purge().await?;
         let hot = Topology::new(
             format!("{}hot", self.place.prefix).parse()?,
             StreamSettings {
