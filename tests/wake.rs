@@ -431,3 +431,36 @@ async fn a_relay_that_cannot_publish_lets_another_take_the_doorbell() {
     a.shutdown().await.unwrap();
     assert_eq!(env.stream_messages().await.len(), 1);
 }
+
+/// A transaction that inserted into the outbox while no relay waited holds the doorbell's
+/// lock in shared mode until it ends (a hand insert in a long transaction; any commit that
+/// the disk holds up longer than an arming attempt waits), so an idle relay cannot arm the
+/// doorbell meanwhile. The commits of other writers in that time must still wake it: before,
+/// none did, and each waited for the relay's poll (here a minute; 500 ms by default).
+#[tokio::test]
+async fn commits_beside_an_open_insert_wake_the_relay_that_cannot_arm() {
+    let env = TestEnv::new().await;
+    let mut writer = env.conn().await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    insert_raw(
+        &mut writer,
+        "r-1",
+        &format!("{}.Raw.r-1.Written", env.prefix),
+    )
+    .await;
+    let relay = spawned(polling_once_a_minute(&env, 2), &env.nats).await;
+    // The relay starts, finds nothing and tries to arm the doorbell, in vain.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut slowest = Duration::ZERO;
+    for i in 0..5 {
+        let started = std::time::Instant::now();
+        env.commit(&mut Order::place(&format!("o-{i}"), "ada", 100))
+            .await;
+        env.until_stream_holds(i + 1, Duration::from_secs(3)).await;
+        slowest = slowest.max(started.elapsed());
+    }
+    println!("slowest commit to the stream beside the open insert: {slowest:?}");
+    writer.batch_execute("COMMIT").await.unwrap();
+    env.until_stream_holds(6, Duration::from_secs(3)).await;
+    relay.shutdown().await.unwrap();
+}

@@ -78,6 +78,12 @@ pub(super) const IDLE: &str = "SELECT pg_advisory_unlock_shared(1869968482, 2)";
 pub(super) const NO_ONE_BUSY: &str = "SELECT CASE WHEN pg_try_advisory_lock(1869968482, 2) \
      THEN pg_advisory_unlock(1869968482, 2) ELSE false END AS granted";
 
+/// Whether no relay holds the doorbell or waits for it (its lock taken in shared mode,
+/// without waiting, and released at once): after an attempt to arm timed out, `true` means
+/// that inserting transactions held it up, not another relay.
+pub(super) const NO_OTHER_RELAY: &str = "SELECT CASE WHEN pg_try_advisory_lock_shared(1869968482, 1) \
+     THEN pg_advisory_unlock_shared(1869968482, 1) ELSE false END AS granted";
+
 /// How long one attempt to arm waits for the lock ([`ARM`]): the inserting transactions it
 /// waits for hold it from their outbox insert to their COMMIT, well under a millisecond for
 /// a unit of work. The listener reads no notification while it waits.
@@ -86,8 +92,11 @@ pub(super) const ARM_ATTEMPT: Duration = Duration::from_millis(10);
 /// How long the listener listens before it tries again to arm, after an attempt timed out:
 /// another relay holds the doorbell (inserts notify it, and this relay too), or a transaction
 /// holds the lock in shared mode for long (a plain `INSERT` into the outbox early in a long
-/// transaction). In the second case, rows committed meanwhile by other transactions wait for
-/// the next attempt: up to this long, instead of the poll interval.
+/// transaction, or commits the disk holds up). In the second case the other transactions'
+/// inserts meanwhile take the lock in shared mode too and notify no one, so after each
+/// attempt that timed out a worker claims ([`NO_OTHER_RELAY`]): rows committed meanwhile wait
+/// up to this long and an attempt, instead of the poll interval, for as long as the lock is
+/// held.
 pub(super) const ARM_RETRY: Duration = Duration::from_millis(40);
 
 /// Batches in a row that claimed rows before a worker releases the doorbell

@@ -66,8 +66,10 @@ pub(super) async fn run(
                 };
                 loop {
                     let want = *wanted.borrow_and_update();
-                    if let Err(error) =
-                        follow(shared, &mut conn, doorbell, want, &mut locks, &mut epoch).await
+                    if let Err(error) = follow(
+                        shared, &mut conn, doorbell, &wakers, want, &mut locks, &mut epoch,
+                    )
+                    .await
                     {
                         tracing::warn!(%error, "the relay's LISTEN connection failed; polling until it is back");
                         break;
@@ -140,7 +142,9 @@ struct Locks {
 /// - [`Want::Doorbell`]: the busy lock goes; the doorbell is taken unless another relay is
 ///   busy (it claims what commits, and a doorbell rung for this relay would only make every
 ///   commit notify) or holds it, in which case the attempt is made again after
-///   [`doorbell::ARM_RETRY`];
+///   [`doorbell::ARM_RETRY`]; when inserting transactions held the attempt up rather than
+///   another relay, one of `wakers` claims meanwhile, since the commits of that time
+///   notified no one;
 /// - [`Want::Busy`]: the doorbell goes, the busy lock is taken (shared with other busy
 ///   relays; a relay probing it holds it exclusively for an instant, then the attempt is
 ///   made again);
@@ -149,6 +153,7 @@ async fn follow(
     shared: &Shared,
     conn: &mut AsyncPgConnection,
     doorbell: &Doorbell,
+    wakers: &[Arc<Notify>],
     want: Want,
     locks: &mut Locks,
     epoch: &mut u64,
@@ -201,6 +206,22 @@ async fn follow(
                 metrics::counter!("outbox_relay_doorbell_armed_total").increment(1);
             } else {
                 locks.attempt_at = now + doorbell::ARM_RETRY;
+                // When no other relay holds the doorbell, transactions that took its lock in
+                // shared mode held the attempt up, and the inserts committed meanwhile
+                // notified no one: a worker claims them now, rather than at its poll. (A
+                // relay that holds the doorbell is woken by them; claiming beside it would
+                // find nothing.)
+                if granted(
+                    shared,
+                    conn,
+                    "probing for another relay's doorbell",
+                    doorbell::NO_OTHER_RELAY,
+                )
+                .await?
+                    && let Some(waker) = wakers.first()
+                {
+                    waker.notify_one();
+                }
             }
         }
         Want::Busy if !locks.busy => {
