@@ -64,7 +64,7 @@ pub(crate) enum PublishFailure {
     /// rejection in metrics: `refused`, `not_an_ack` or `no_ack`.
     Rejected { kind: &'static str, error: String },
     /// The broker could not be reached, JetStream did not answer (stopping, no stream
-    /// leader, the stream missing), or the stream or its account is full (see [`FULL`]):
+    /// leader, the stream missing), or the stream or its account is full ([`is_full`]):
     /// nothing is known to be wrong with the message. Retried without counting an attempt.
     /// `kind` labels it in metrics: `disconnected`, `no_responders`, `unavailable`,
     /// `stream_full` or `no_ack`.
@@ -102,33 +102,33 @@ const UNAVAILABLE: &[jetstream::ErrorCode] = &[
     jetstream::ErrorCode::TEMP_STORAGE_FAILED,
 ];
 
-/// JetStream API errors that say the stream or its account is at its limits and refuses
-/// every new message until it has room (a stream with the discard-new policy at its
-/// `max_msgs` or `max_bytes`, an account at its JetStream storage or memory limit): nothing
-/// is wrong with the message, and every row of the stream meets the same refusal, so the
-/// relay waits for room as for a broker that is away, rather than count attempts that would
-/// make every aggregate's head a dead letter. A subject at its own limit (`max_msgs_per_subject`
-/// with `discard_new_per_subject`, "maximum messages per subject exceeded") concerns that
-/// subject's rows only, and stays a rejection. The store's errors are nats-server's
-/// `ErrMaxMsgs` and `ErrMaxBytes` (`server/store.go`), sent as error code 10077 with their
-/// text as the description; the codes are `server/errors.json`'s.
-const FULL: &[jetstream::ErrorCode] = &[
+/// JetStream API errors that say the account is at its JetStream limits (storage or memory)
+/// and stores no new message until it has room (nats-server `server/errors.json`).
+const ACCOUNT_FULL: &[jetstream::ErrorCode] = &[
     jetstream::ErrorCode::ACCOUNT_RESOURCES_EXCEEDED,
     jetstream::ErrorCode::MEMORY_RESOURCES_EXCEEDED,
     jetstream::ErrorCode::STORAGE_RESOURCES_EXCEEDED,
 ];
 
-/// The descriptions of [`FULL`]'s store errors under error code 10077.
-const STORE_FULL: [&str; 2] = ["maximum messages exceeded", "maximum bytes exceeded"];
+/// What a stream with the discard-new policy at its `max_msgs` or `max_bytes` answers, as
+/// the description of error code 10077 (`STREAM_STORE_FAILED`): nats-server's `ErrMaxMsgs`
+/// and `ErrMaxBytes` (`server/store.go`).
+const STREAM_FULL: [&str; 2] = ["maximum messages exceeded", "maximum bytes exceeded"];
 
-/// Whether `error` says the stream or its account is full (see [`FULL`]).
+/// Whether `error` says the stream ([`STREAM_FULL`]) or its account ([`ACCOUNT_FULL`]) is
+/// full. Such a stream refuses every new message until it has room: nothing is wrong with the
+/// message, and every row meets the same refusal, so the relay waits for room as for a broker
+/// that is away, rather than count attempts that would make every aggregate's head a dead
+/// letter. A subject at its own limit (`max_msgs_per_subject` with `discard_new_per_subject`,
+/// "maximum messages per subject exceeded") concerns that subject's rows only, and stays a
+/// rejection.
 fn is_full(error: &jetstream::Error) -> bool {
     let code = error.error_code();
     // The description is private: async-nats shows it first in its `Display`.
-    FULL.contains(&code)
+    ACCOUNT_FULL.contains(&code)
         || (code == jetstream::ErrorCode::STREAM_STORE_FAILED && {
             let text = error.to_string();
-            STORE_FULL.iter().any(|full| {
+            STREAM_FULL.iter().any(|full| {
                 text.strip_prefix(full)
                     .is_some_and(|rest| rest.starts_with(" ("))
             })
