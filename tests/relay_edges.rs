@@ -15,31 +15,30 @@ use outbox_runtime::{PublishedRows, Relay, UnitOfWorkError, dead_letter};
 use support::domain::{Order, OrderEvent};
 use support::{Logs, NatsServer, TestEnv, insert_raw, sequences, wait_until};
 
-/// The `last_error` and dead-letter state of the `Raw` row of `aggregate_id`.
-async fn raw_row(conn: &mut AsyncPgConnection, aggregate_id: &str) -> (i32, Option<String>, bool) {
-    outbox_events::table
-        .filter(outbox_events::aggregate_id.eq(aggregate_id))
+/// The `attempts`, `last_error` and dead-letter state of the rows of `aggregate_id`, or of
+/// every row.
+async fn rows(
+    conn: &mut AsyncPgConnection,
+    aggregate_id: Option<&str>,
+) -> Vec<(i32, Option<String>, bool)> {
+    let mut rows = outbox_events::table
         .select((
             outbox_events::attempts,
             outbox_events::last_error,
             outbox_events::dead_lettered_at.is_not_null(),
         ))
-        .first(conn)
-        .await
-        .unwrap()
+        .into_boxed();
+    if let Some(aggregate_id) = aggregate_id {
+        rows = rows.filter(outbox_events::aggregate_id.eq(aggregate_id));
+    }
+    rows.load(conn).await.unwrap()
 }
 
-/// The `attempts`, `last_error` and dead-letter state of every row.
-async fn all_rows(conn: &mut AsyncPgConnection) -> Vec<(i32, Option<String>, bool)> {
-    outbox_events::table
-        .select((
-            outbox_events::attempts,
-            outbox_events::last_error,
-            outbox_events::dead_lettered_at.is_not_null(),
-        ))
-        .load(conn)
-        .await
-        .unwrap()
+/// The state ([`rows`]) of the `Raw` row of `aggregate_id`.
+async fn raw_row(conn: &mut AsyncPgConnection, aggregate_id: &str) -> (i32, Option<String>, bool) {
+    let mut rows = rows(conn, Some(aggregate_id)).await;
+    assert_eq!(rows.len(), 1, "{aggregate_id}: {rows:?}");
+    rows.remove(0)
 }
 
 /// The error of the `Raw` row of `aggregate_id`, which must be a dead letter after one
@@ -878,7 +877,7 @@ async fn a_full_stream_is_waited_for_without_counting_attempts() {
     // Several rounds of refusals.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut conn = env.conn().await;
-    let rows = all_rows(&mut conn).await;
+    let rows = rows(&mut conn, None).await;
     assert_eq!(rows.len(), 5, "8 events, 3 stored: {rows:?}");
     assert!(
         rows.iter().all(|row| *row == (0, None, false)),
@@ -943,7 +942,7 @@ async fn a_stream_that_cannot_acknowledge_publishes_is_refused_at_connect() {
                 env.commit(&mut order).await;
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 let mut conn = env.conn().await;
-                let rows = all_rows(&mut conn).await;
+                let rows = rows(&mut conn, None).await;
                 let stored = env.stream_len().await;
                 let _ = relay.shutdown().await;
                 panic!("{setting}: the relay connected; the stream holds {stored}, rows {rows:?}");
@@ -970,25 +969,16 @@ async fn a_stream_sealed_under_a_running_relay_leaves_the_rows_waiting() {
         .await
         .unwrap()
         .spawn();
-    let js = env.jetstream();
-    let mut config = js
-        .get_stream(&env.stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
+    let mut config = support::stream_config(&env).await;
     config.sealed = true;
-    js.update_stream(config).await.unwrap();
+    env.jetstream().update_stream(config).await.unwrap();
     let mut order = Order::place("o-1", "ada", 1);
     order.record(OrderEvent::Shipped);
     env.commit(&mut order).await;
     // Several rounds of refusals.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut conn = env.conn().await;
-    let rows = all_rows(&mut conn).await;
+    let rows = rows(&mut conn, None).await;
     assert_eq!(
         rows,
         vec![(0, None, false); 2],

@@ -381,16 +381,7 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
     Relay::connect(config.clone(), env.nats.clone())
         .await
         .unwrap();
-    let created = env
-        .jetstream()
-        .get_stream(&env.stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
+    let created = support::stream_config(&env).await;
     assert_eq!(
         (
             created.duplicate_window,

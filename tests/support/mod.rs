@@ -61,6 +61,19 @@ pub fn assert_each_once_in_order(messages: &[Received], aggregates: usize, event
     }
 }
 
+/// The configuration of `env`'s stream, as JetStream reports it.
+pub async fn stream_config(env: &TestEnv) -> async_nats::jetstream::stream::Config {
+    env.jetstream()
+        .get_stream(&env.stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone()
+}
+
 /// Inserts a row by plain SQL, as another writer would: aggregate `Raw`, sequence 1.
 pub async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subject: &str) {
     use diesel_async::RunQueryDsl;
