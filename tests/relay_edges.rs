@@ -839,6 +839,19 @@ async fn a_relay_whose_run_is_dropped_leaves_no_session_open() {
     support::until_no_session_named(&env, "outbox-relay").await;
 }
 
+/// A relay that makes a row a dead letter at its first rejection and backs off at most
+/// 200 ms after a transport failure: a refusal that counted an attempt shows at once, and
+/// one that did not is retried several times a second.
+async fn dead_letter_at_first_rejection(env: &TestEnv) -> outbox_runtime::RelayHandle {
+    let mut config = env.relay_config();
+    config.max_attempts = 1;
+    config.max_backoff = Duration::from_millis(200);
+    Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn()
+}
+
 /// A stream full by its own limits (`max_msgs`, `max_bytes` with the discard-new policy)
 /// refuses every message until it has room: the relay backs off and retries without counting
 /// attempts, so no row becomes a dead letter, and once the stream has room every event is
@@ -858,14 +871,7 @@ async fn a_full_stream_is_waited_for_without_counting_attempts() {
         ..Default::default()
     };
     js.create_stream(config(3)).await.unwrap();
-    let mut relay_config = env.relay_config();
-    // Before the fix, the first refusal made each row a dead letter.
-    relay_config.max_attempts = 1;
-    relay_config.max_backoff = Duration::from_millis(200);
-    let relay = Relay::connect(relay_config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let relay = dead_letter_at_first_rejection(&env).await;
     let mut orders = Vec::new();
     for i in 0..4 {
         let mut order = Order::place(&format!("o-{i}"), "ada", i);
@@ -962,13 +968,7 @@ async fn a_stream_that_cannot_acknowledge_publishes_is_refused_at_connect() {
 #[tokio::test]
 async fn a_stream_sealed_under_a_running_relay_leaves_the_rows_waiting() {
     let env = TestEnv::new().await;
-    let mut relay_config = env.relay_config();
-    relay_config.max_attempts = 1;
-    relay_config.max_backoff = Duration::from_millis(200);
-    let relay = Relay::connect(relay_config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
+    let relay = dead_letter_at_first_rejection(&env).await;
     let mut config = support::stream_config(&env).await;
     config.sealed = true;
     env.jetstream().update_stream(config).await.unwrap();

@@ -1308,6 +1308,12 @@ mod tests {
         // stream or an account at its limits refuses every message until it has room: a
         // transport failure; a subject at its own limit, or another store failure, refuses
         // this message: a rejection.
+        let refusal = |code: u64, description: &str| {
+            let reply = format!(
+                r#"{{"error":{{"code":503,"err_code":{code},"description":"{description}"}},"stream":"CAPTURE","seq":0}}"#
+            );
+            read_publish_reply(reply.as_bytes()).unwrap_err()
+        };
         for (code, description) in [
             (10077, "maximum messages exceeded"),
             (10077, "maximum bytes exceeded"),
@@ -1315,10 +1321,7 @@ mod tests {
             (10028, "insufficient memory resources available"),
             (10047, "insufficient storage resources available"),
         ] {
-            let reply = format!(
-                r#"{{"error":{{"code":503,"err_code":{code},"description":"{description}"}},"stream":"CAPTURE","seq":0}}"#
-            );
-            let full = read_publish_reply(reply.as_bytes()).unwrap_err();
+            let full = refusal(code, description);
             assert!(
                 matches!(&full, PublishFailure::Transport { kind: "stream_full", error }
                     if error.contains(description) && error.contains(&code.to_string())
@@ -1332,10 +1335,7 @@ mod tests {
             (10077, "maximum messages exceeded, and more"),
             (10054, "maximum messages exceeded"),
         ] {
-            let reply = format!(
-                r#"{{"error":{{"code":503,"err_code":{code},"description":"{description}"}},"stream":"CAPTURE","seq":0}}"#
-            );
-            let refused = read_publish_reply(reply.as_bytes()).unwrap_err();
+            let refused = refusal(code, description);
             assert!(
                 matches!(&refused, PublishFailure::Rejected { kind: "refused", error }
                     if error.contains(description) && error.contains(&code.to_string())),
