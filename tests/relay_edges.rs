@@ -872,12 +872,10 @@ async fn a_full_stream_is_waited_for_without_counting_attempts() {
     };
     js.create_stream(config(3)).await.unwrap();
     let relay = dead_letter_at_first_rejection(&env).await;
-    let mut orders = Vec::new();
     for i in 0..4 {
         let mut order = Order::place(&format!("o-{i}"), "ada", i);
         order.record(OrderEvent::Shipped);
         env.commit(&mut order).await;
-        orders.push(order);
     }
     env.until_stream_holds(3, Duration::from_secs(10)).await;
     // Several rounds of refusals.

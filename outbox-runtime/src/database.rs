@@ -255,13 +255,8 @@ impl std::str::FromStr for Kind {
     type Err = ParseKindError;
 
     fn from_str(database_url: &str) -> Result<Self, ParseKindError> {
-        if database_url.trim().is_empty() {
-            return Err(ParseKindError::Empty);
-        }
-        if sqlite_path(database_url).is_some_and(|path| path.trim().is_empty()) {
-            return Err(ParseKindError::NoSqlitePath {
-                url: database_url.trim().to_owned(),
-            });
+        if let Some(error) = names_no_file(database_url) {
+            return Err(error);
         }
         match Self::unknown_scheme(database_url) {
             Some(scheme) => Err(ParseKindError::UnknownScheme {
@@ -272,17 +267,25 @@ impl std::str::FromStr for Kind {
     }
 }
 
-/// The file path of a `sqlite://` URL or a `file:` URI (without the URI's parameters), as
-/// SQLite is handed it; `None` for any other URL. SQLite opens a temporary database of its
-/// own for an empty path, deleted when the connection closes (SQLite docs, "In-Memory
+/// Why `database_url` names no database at all: it is empty or blank
+/// ([`ParseKindError::Empty`]), or a `sqlite://` URL or `file:` URI whose path (without the
+/// URI's parameters) is ([`ParseKindError::NoSqlitePath`]). SQLite opens a temporary database
+/// of its own for an empty path, deleted when the connection closes (SQLite docs, "In-Memory
 /// Databases", section "Temporary Databases").
-pub(crate) fn sqlite_path(database_url: &str) -> Option<&str> {
-    let url = database_url.trim_start();
-    if let Some(path) = url.strip_prefix("sqlite://") {
-        return Some(path);
+pub(crate) fn names_no_file(database_url: &str) -> Option<ParseKindError> {
+    let url = database_url.trim();
+    if url.is_empty() {
+        return Some(ParseKindError::Empty);
     }
-    let uri = url.strip_prefix("file:")?;
-    Some(uri.split(['?', '#']).next().unwrap_or(""))
+    let path = match url.strip_prefix("sqlite://") {
+        Some(path) => path,
+        None => url.strip_prefix("file:")?.split(['?', '#']).next()?,
+    };
+    path.trim()
+        .is_empty()
+        .then(|| ParseKindError::NoSqlitePath {
+            url: url.to_owned(),
+        })
 }
 
 /// A database URL that names no database the outbox runs on ([`Kind`]'s `FromStr`).

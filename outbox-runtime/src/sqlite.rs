@@ -102,7 +102,6 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::causality::Causality;
-use crate::database::{ParseKindError, sqlite_path};
 use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
 use crate::outbox::{MigrationError, MissingMigrations, Outbox};
 use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
@@ -141,14 +140,7 @@ const KEYS_PER_STATEMENT: usize = 10_000;
 /// that no other connection sees and that vanishes with this one; else the database's error,
 /// when the file cannot be opened or the settings cannot be applied.
 pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
-    if sqlite_path(url).unwrap_or(url).trim().is_empty() {
-        let error = if url.trim().is_empty() {
-            ParseKindError::Empty
-        } else {
-            ParseKindError::NoSqlitePath {
-                url: url.trim().to_owned(),
-            }
-        };
+    if let Some(error) = crate::database::names_no_file(url) {
         return Err(diesel::ConnectionError::InvalidConnectionUrl(
             error.to_string(),
         ));
