@@ -985,3 +985,68 @@ async fn a_stream_sealed_under_a_running_relay_leaves_the_rows_waiting() {
     assert_eq!(env.stream_len().await, 0);
     relay.shutdown().await.unwrap();
 }
+
+/// A stream edited to `no_ack` under a running relay stores each publish and answers none:
+/// the rows wait, without counting attempts, and once acks are back each is published once
+/// (its republish a duplicate the stream acks), each aggregate in order. That holds also
+/// for the publishes sent while `no_ack` was set whose ack timeout ends after it was lifted:
+/// the stream then answers with acks on, but holds their messages. Before, every missing
+/// ack was counted as a message the server dropped, so with `max_attempts` 1 each event the
+/// stream held became a dead letter at once, blocking its aggregate.
+#[tokio::test]
+async fn a_stream_edited_to_no_ack_under_a_running_relay_leaves_the_rows_waiting() {
+    // How long the stream keeps no_ack once it holds the heads: lifted while their acks
+    // are awaited, or after several ack timeouts.
+    for no_ack_for in [Duration::ZERO, Duration::from_secs(3)] {
+        let env = TestEnv::new().await;
+        let mut config = env.relay_config();
+        config.max_attempts = 1;
+        config.max_backoff = Duration::from_millis(200);
+        config.ack_timeout = Duration::from_secs(1);
+        let relay = Relay::connect(config, env.nats.clone())
+            .await
+            .unwrap()
+            .spawn();
+        let mut stream = support::stream_config(&env).await;
+        stream.no_ack = true;
+        env.jetstream().update_stream(stream.clone()).await.unwrap();
+        for i in 0..3 {
+            let mut order = Order::place(&format!("o-{i}"), "ada", i);
+            order.record(OrderEvent::Shipped);
+            env.commit(&mut order).await;
+        }
+        env.until_stream_holds(3, Duration::from_secs(10)).await;
+        tokio::time::sleep(no_ack_for).await;
+        let mut conn = env.conn().await;
+        let waiting = rows(&mut conn, None).await;
+        assert_eq!(waiting.len(), 6, "{no_ack_for:?}: {waiting:?}");
+        assert!(
+            waiting.iter().all(|row| *row == (0, None, false)),
+            "{no_ack_for:?}: missing acks of a no_ack stream counted attempts: {waiting:?}"
+        );
+
+        // Acks again: everything flows, once each, in order.
+        stream.no_ack = false;
+        env.jetstream().update_stream(stream).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left = rows(&mut conn, None).await;
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{no_ack_for:?}: rows left after acks came back: {left:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let messages = env.stream_messages().await;
+        assert_eq!(messages.len(), 6, "{no_ack_for:?}");
+        let sequences = sequences(&messages);
+        assert!(
+            sequences.values().all(|seqs| seqs == &[1, 2]),
+            "{no_ack_for:?}: {sequences:?}"
+        );
+        relay.shutdown().await.unwrap();
+    }
+}

@@ -72,7 +72,9 @@ pub(crate) enum PublishFailure {
     /// No ack within the ack timeout while the connection stayed up. Either the broker is
     /// slow or stopping (transport), or it dropped the message on purpose (a publish
     /// permission that denies the subject: the server tells only the connection's error
-    /// callback). The relay asks the stream whether it answers, and decides.
+    /// callback), or the stream took it without acking (`no_ack` set on it since the relay
+    /// connected, or the ack lost). The relay asks the stream whether it answers, with which
+    /// setting, and whether it holds the message, and decides.
     Unacknowledged {
         /// What async-nats reported.
         error: String,

@@ -471,8 +471,9 @@ async fn batch<C: RelayStore>(
     }
 
     // A missing ack while the connection stayed up: ask the stream, once per batch, whether
-    // it answers. If it does, the server dropped that message on purpose.
-    let mut stream_answers = None;
+    // it answers. If it does, and acknowledges publishes, the server dropped that message on
+    // purpose.
+    let mut stream_answer = None;
     let mut transport_error = None;
     let mut no_responders = false;
     let mut published: Vec<Uuid> = Vec::with_capacity(report.claimed);
@@ -495,25 +496,44 @@ async fn batch<C: RelayStore>(
         };
         let failure = match failure {
             PublishFailure::Unacknowledged { error, connects } => {
-                let answers = match stream_answers {
-                    Some(answers) => answers,
-                    None => *stream_answers.insert(stream_answers_now(shared, connects).await),
-                };
-                if answers {
-                    PublishFailure::Rejected {
-                        kind: "no_ack",
-                        error: format!(
-                            "{error}: no publish ack within {:?} while the stream {:?} answered; \
-                             the server dropped the message (a publish permission that denies \
-                             the subject is the usual cause; see the server's log)",
-                            config.ack_timeout, config.topology.stream.name
-                        ),
-                    }
-                } else {
-                    PublishFailure::Transport {
+                if stream_answer.is_none() {
+                    stream_answer = Some(stream_answer_now(shared, connects).await);
+                }
+                let stream = &config.topology.stream.name;
+                match stream_answer.as_ref().expect("asked above") {
+                    StreamAnswer::Silent => PublishFailure::Transport {
                         kind: "no_ack",
                         error,
+                    },
+                    // The stream stored the message (its republish will be a duplicate it
+                    // acks once acks are back): nothing is wrong with the message.
+                    StreamAnswer::WithoutAcks => PublishFailure::Transport {
+                        kind: "no_ack",
+                        error: format!(
+                            "{error}: the stream {stream:?} does not acknowledge publishes \
+                             (no_ack was set on it); the events wait in the outbox until it \
+                             acknowledges them again"
+                        ),
+                    },
+                    // Its ack was lost, or the stream took it before an edit that lifted
+                    // no_ack: its republish will be a duplicate the stream acks.
+                    StreamAnswer::Answers(answering) if holds(answering, row, config).await => {
+                        PublishFailure::Transport {
+                            kind: "no_ack",
+                            error: format!(
+                                "{error}, though the stream {stream:?} holds the message: its \
+                                 ack was lost"
+                            ),
+                        }
                     }
+                    StreamAnswer::Answers(_) => PublishFailure::Rejected {
+                        kind: "no_ack",
+                        error: format!(
+                            "{error} while the stream {stream:?} answered, and it does not \
+                             hold the message; the server dropped it (a publish permission \
+                             that denies the subject is the usual cause; see the server's log)"
+                        ),
+                    },
                 }
             }
             other => other,
@@ -579,21 +599,57 @@ async fn batch<C: RelayStore>(
     ))
 }
 
-/// Whether the relay's stream answers now, on the connection that sent a publish when the
-/// client had connected `connects` times: no reconnect since, and a stream info request
-/// answered within the ack timeout.
-async fn stream_answers_now(shared: &Shared, connects: u64) -> bool {
+/// What the relay's stream says, asked after a publish went unacknowledged.
+enum StreamAnswer {
+    /// No answer within the ack timeout, or the client reconnected since the publish: the
+    /// missing ack says nothing of the message.
+    Silent,
+    /// It answered, and acknowledges publishes: the server dropped a message it does not
+    /// hold ([`holds`]).
+    Answers(Box<async_nats::jetstream::stream::Stream>),
+    /// It answered with `no_ack` set (an operator's edit since the relay connected, where
+    /// such a stream is refused): it stores publishes and acknowledges none.
+    WithoutAcks,
+}
+
+/// What the relay's stream says now ([`StreamAnswer`]), on the connection that sent a
+/// publish when the client had connected `connects` times: no reconnect since, and a stream
+/// info request answered within the ack timeout.
+async fn stream_answer_now(shared: &Shared, connects: u64) -> StreamAnswer {
     let publisher = &shared.publisher;
     if publisher.connects() != connects || shared.nats.connection_state() != State::Connected {
-        return false;
+        return StreamAnswer::Silent;
     }
     let info = publisher
         .jetstream()
         .get_stream(&shared.config.topology.stream.name);
-    matches!(
-        tokio::time::timeout(shared.config.ack_timeout, info).await,
-        Ok(Ok(_))
-    )
+    match tokio::time::timeout(shared.config.ack_timeout, info).await {
+        Ok(Ok(stream)) if stream.cached_info().config.no_ack => StreamAnswer::WithoutAcks,
+        Ok(Ok(stream)) => StreamAnswer::Answers(Box::new(stream)),
+        _ => StreamAnswer::Silent,
+    }
+}
+
+/// Whether `stream` holds `row`'s unacknowledged message: the last message on the row's
+/// subject carries the row's `Nats-Msg-Id`. The relay is the only publisher of an
+/// aggregate's subjects while it holds the aggregate's head, and a chain stops at its first
+/// failure, so a stored message is that last one; where other messages share the subject
+/// the answer is "no", and the row is counted as dropped, as without the look.
+async fn holds(
+    stream: &async_nats::jetstream::stream::Stream,
+    row: &ClaimedEvent,
+    config: &crate::RelayConfig,
+) -> bool {
+    let last = stream.get_last_raw_message_by_subject(&row.subject);
+    let Ok(Ok(message)) = tokio::time::timeout(config.ack_timeout, last).await else {
+        return false;
+    };
+    let mut id = [0_u8; uuid::fmt::Hyphenated::LENGTH];
+    let id = row.id.hyphenated().encode_lower(&mut id);
+    message
+        .headers
+        .get(async_nats::header::NATS_MESSAGE_ID)
+        .is_some_and(|stored| stored.as_str() == id)
 }
 
 /// The aggregates each worker of a relay holds (claimed heads, until its transaction ends),
