@@ -500,14 +500,23 @@ async fn batch<C: RelayStore>(
                     stream_answer = Some(stream_answer_now(shared, connects).await);
                 }
                 let stream = &config.topology.stream.name;
-                match stream_answer.as_ref().expect("asked above") {
-                    StreamAnswer::Silent => PublishFailure::Transport {
+                let held = match stream_answer.as_ref().expect("asked above") {
+                    StreamAnswer::Answers(answering) => holds(answering, row, config).await,
+                    _ => None,
+                };
+                if held.is_none() && matches!(stream_answer, Some(StreamAnswer::Answers(_))) {
+                    // The stream stopped answering: for the rest of the batch, as if it had
+                    // not answered at all (each look waits up to the ack timeout).
+                    stream_answer = Some(StreamAnswer::Silent);
+                }
+                match (stream_answer.as_ref().expect("asked above"), held) {
+                    (StreamAnswer::Silent, _) => PublishFailure::Transport {
                         kind: "no_ack",
                         error,
                     },
                     // The stream stored the message (its republish will be a duplicate it
                     // acks once acks are back): nothing is wrong with the message.
-                    StreamAnswer::WithoutAcks => PublishFailure::Transport {
+                    (StreamAnswer::WithoutAcks, _) => PublishFailure::Transport {
                         kind: "no_ack",
                         error: format!(
                             "{error}: the stream {stream:?} does not acknowledge publishes \
@@ -517,16 +526,14 @@ async fn batch<C: RelayStore>(
                     },
                     // Its ack was lost, or the stream took it before an edit that lifted
                     // no_ack: its republish will be a duplicate the stream acks.
-                    StreamAnswer::Answers(answering) if holds(answering, row, config).await => {
-                        PublishFailure::Transport {
-                            kind: "no_ack",
-                            error: format!(
-                                "{error}, though the stream {stream:?} holds the message: its \
-                                 ack was lost"
-                            ),
-                        }
-                    }
-                    StreamAnswer::Answers(_) => PublishFailure::Rejected {
+                    (StreamAnswer::Answers(_), Some(true)) => PublishFailure::Transport {
+                        kind: "no_ack",
+                        error: format!(
+                            "{error}, though the stream {stream:?} holds the message: its ack \
+                             was lost"
+                        ),
+                    },
+                    (StreamAnswer::Answers(_), _) => PublishFailure::Rejected {
                         kind: "no_ack",
                         error: format!(
                             "{error} while the stream {stream:?} answered, and it does not \
@@ -631,25 +638,33 @@ async fn stream_answer_now(shared: &Shared, connects: u64) -> StreamAnswer {
 }
 
 /// Whether `stream` holds `row`'s unacknowledged message: the last message on the row's
-/// subject carries the row's `Nats-Msg-Id`. The relay is the only publisher of an
-/// aggregate's subjects while it holds the aggregate's head, and a chain stops at its first
-/// failure, so a stored message is that last one; where other messages share the subject
-/// the answer is "no", and the row is counted as dropped, as without the look.
+/// subject carries the row's `Nats-Msg-Id`. `None` when the stream did not answer the look
+/// within the ack timeout. The relay is the only publisher of an aggregate's subjects while
+/// it holds the aggregate's head, and a chain stops at its first failure, so a stored
+/// message is that last one; where other messages share the subject the answer is "no", and
+/// the row is counted as dropped, as without the look.
 async fn holds(
     stream: &async_nats::jetstream::stream::Stream,
     row: &ClaimedEvent,
     config: &crate::RelayConfig,
-) -> bool {
+) -> Option<bool> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
     let last = stream.get_last_raw_message_by_subject(&row.subject);
-    let Ok(Ok(message)) = tokio::time::timeout(config.ack_timeout, last).await else {
-        return false;
+    let message = match tokio::time::timeout(config.ack_timeout, last).await {
+        Ok(Ok(message)) => message,
+        Ok(Err(error)) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+            return Some(false);
+        }
+        _ => return None,
     };
     let mut id = [0_u8; uuid::fmt::Hyphenated::LENGTH];
     let id = row.id.hyphenated().encode_lower(&mut id);
-    message
-        .headers
-        .get(async_nats::header::NATS_MESSAGE_ID)
-        .is_some_and(|stored| stored.as_str() == id)
+    Some(
+        message
+            .headers
+            .get(async_nats::header::NATS_MESSAGE_ID)
+            .is_some_and(|stored| stored.as_str() == id),
+    )
 }
 
 /// The aggregates each worker of a relay holds (claimed heads, until its transaction ends),
