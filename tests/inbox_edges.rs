@@ -1928,3 +1928,70 @@ async fn an_inbox_whose_run_is_dropped_mid_message_leaves_no_transaction_open() 
     assert_applied_in_order(&applied(&mut consumer.conn().await).await, 2, 2);
     drop(kept);
 }
+
+/// A durable consumer created under the inbox's name (by an operator, another tool) that
+/// acks other than each message explicitly, or delivers headers only, cannot give
+/// exactly-once effects: with no acks JetStream never delivers again a message whose handler
+/// failed or whose instance died, with acks of "all" the ack of one message settles every
+/// message before it that other handlers have not committed, and without payloads no event
+/// can be decoded. Such a consumer is refused at connect, naming it and the setting. Before,
+/// the inbox ran on it: under no acks an aggregate whose first event failed once had nothing
+/// applied, then or ever; under headers only every event was dead-lettered as undecodable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_without_explicit_acks_or_payloads_is_refused_at_connect() {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    for (setting, says, ack_policy, headers_only) in [
+        ("no acks", "acks none", AckPolicy::None, false),
+        ("acks of all", "acks all", AckPolicy::All, false),
+        (
+            "headers only",
+            "delivers headers only",
+            AckPolicy::Explicit,
+            true,
+        ),
+    ] {
+        let producer = TestEnv::new().await;
+        commit_rounds(&producer, 1, 2).await;
+        relay_all(&producer).await;
+        producer
+            .jetstream()
+            .get_stream(&producer.stream)
+            .await
+            .unwrap()
+            .create_consumer(pull::Config {
+                durable_name: Some("operators".to_owned()),
+                ack_policy,
+                headers_only,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let consumer = consumer_database().await;
+        let handler = FailingFirst {
+            aggregate: "o-0",
+            failures: 1,
+            calls: Arc::default(),
+        };
+        let config = consumer_config(&consumer, &producer, "operators");
+        match Inbox::connect(config, producer.nats.clone(), handler).await {
+            Ok(inbox) => {
+                let running = inbox.spawn();
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                running.shutdown().await.unwrap();
+                let applied = applied(&mut consumer.conn().await).await;
+                let dead = dead_letter_errors(&mut consumer.conn().await).await;
+                panic!(
+                    "{setting}: the inbox connected; after 3 s it had applied {applied:?}, \
+                     dead letters {dead:?}"
+                );
+            }
+            Err(error) => {
+                let error = error.to_string();
+                assert!(
+                    error.contains("operators") && error.contains(says),
+                    "{setting}: {error}"
+                );
+            }
+        }
+    }
+}

@@ -948,7 +948,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// it starts, so an inbox connected before any relay ran is refused saying so; no
     /// JetStream at the server
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
-    /// has other filter subjects), [`InboxError::Connect`],
+    /// has other filter subjects, acks other than explicitly, or delivers headers only),
+    /// [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,
@@ -1016,6 +1017,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .map_err(|e| consumer_error(e.to_string()))?
             .config
             .clone();
+        unfit_consumer(&existing).map_err(consumer_error)?;
         // A consumer without a filter, created so, takes what the filters take and whatever
         // subjects the stream captured since: the inbox skips those (`process_held`). One with
         // filters must have these.
@@ -2150,6 +2152,42 @@ fn takes_whole_stream(config: &jetstream::stream::Config, filters: &[String]) ->
             .subjects
             .iter()
             .all(|subject| filters.iter().any(|filter| order::covers(filter, subject)))
+}
+
+/// Why a durable consumer that exists under the inbox's name (created by an operator or
+/// another tool) cannot give exactly-once effects, if it cannot. JetStream changes neither
+/// setting on an existing consumer (nats-server's consumer update checks), so the error says
+/// to delete it or choose another name.
+/// - Acks other than explicit: with `none` JetStream never delivers again a message whose
+///   handler failed or whose instance died; with `all` the ack of one message settles every
+///   message before it, which other handlers may not have committed.
+/// - `headers_only`: no payload, so no event can be decoded.
+fn unfit_consumer(existing: &jetstream::consumer::Config) -> Result<(), String> {
+    use jetstream::consumer::AckPolicy;
+    let why = match existing.ack_policy {
+        AckPolicy::Explicit if existing.headers_only => {
+            "delivers headers only (headers_only), without the events' payloads"
+        }
+        AckPolicy::Explicit => return Ok(()),
+        AckPolicy::None => {
+            "acks none (ack_policy none): JetStream would never deliver again a message whose \
+             handler failed or whose instance died"
+        }
+        AckPolicy::All => {
+            "acks all (ack_policy all): the ack of one message would settle the messages \
+             before it that other handlers have not committed"
+        }
+        // A server-managed sourcing consumer's policy (nats-server 2.14), acked by flow
+        // control rather than by its client.
+        #[allow(unreachable_patterns)]
+        _ => "is acked by the server, not by its client (ack_policy flow_control)",
+    };
+    Err(format!(
+        "the consumer exists and {why}; the inbox acks each message explicitly once its \
+         transaction commits. JetStream does not change this on an existing consumer: delete \
+         it (`nats consumer rm`) to have the next connect create it, or choose another \
+         consumer name"
+    ))
 }
 
 /// A consumer's settings on the server, as a pull consumer's configuration for an update.
