@@ -128,6 +128,24 @@ impl LogArgs {
     }
 }
 
+/// Whether `url` names an in-memory SQLite database: `:memory:` (also as `sqlite://:memory:`)
+/// or a `file:` URI of `:memory:` or with `mode=memory` (SQLite docs, "In-Memory Databases"
+/// and "URI Filenames", section 3.3). A library may keep one inside its process; an operator
+/// command's would hold nothing of anyone's.
+fn sqlite_in_memory(url: &str) -> bool {
+    let url = url.trim();
+    let path = url.strip_prefix("sqlite://").unwrap_or(url);
+    if path == ":memory:" {
+        return true;
+    }
+    let Some(uri) = path.strip_prefix("file:") else {
+        return false;
+    };
+    let uri = uri.split('#').next().unwrap_or_default();
+    let (path, query) = uri.split_once('?').unwrap_or((uri, ""));
+    path == ":memory:" || query.split('&').any(|parameter| parameter == "mode=memory")
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -149,6 +167,14 @@ fn main() -> ExitCode {
             // A typo in the scheme (`postgress://`) would be taken for a SQLite file's path.
             url.parse::<outbox_runtime::database::Kind>()
                 .map_err(|error| format!("DATABASE_URL: {error}"))?;
+            if sqlite_in_memory(&url) {
+                return Err(format!(
+                    "DATABASE_URL: the SQLite database {url:?} is in memory: it lives in one \
+                     connection of this process, where no other process (the service that \
+                     writes the outbox, its relay) sees it, and is gone when the command ends; \
+                     give the database file's path"
+                ));
+            }
             Ok::<_, String>(url)
         };
         match cli.command {

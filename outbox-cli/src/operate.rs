@@ -126,7 +126,7 @@ fn open_sqlite(
 #[cfg(feature = "sqlite")]
 pub(crate) fn sqlite_file_exists(url: &str) -> Result<(), String> {
     let path = url.trim().strip_prefix("sqlite://").unwrap_or(url.trim());
-    if path.starts_with("file:") || path == ":memory:" || std::path::Path::new(path).exists() {
+    if path.starts_with("file:") || std::path::Path::new(path).exists() {
         return Ok(());
     }
     Err(format!(

@@ -983,6 +983,29 @@ async fn a_sqlite_url_without_a_path_is_refused_by_each_command() {
     }
 }
 
+/// An in-memory SQLite database (`:memory:`, a `file:` URI of it or with `mode=memory`) is
+/// refused by each command that opens the database: it would live in the command's own
+/// connection, where no other process sees it. Before, it was taken for a file this build
+/// does not open ("this build of outbox does not know"), and with `--features sqlite`
+/// `outbox migrate` applied the migrations to it and reported them applied.
+#[tokio::test]
+async fn an_in_memory_sqlite_database_is_refused_by_each_command() {
+    let env = TestEnv::new().await;
+    for url in [
+        ":memory:",
+        "sqlite://:memory:",
+        "file::memory:?cache=shared",
+        "file:orders?mode=memory&cache=shared",
+    ] {
+        refused_by_each_database_command(
+            &env,
+            url,
+            &format!("DATABASE_URL: the SQLite database {url:?} is in memory"),
+            "this build of outbox does not know",
+        );
+    }
+}
+
 /// `outbox tail --subject` takes a NATS subject filter, and says what is wrong with one that
 /// is not, before it connects: JetStream's answer named no fault ("consumer filter subject is
 /// not a valid subset of the interest subjects"), and an empty filter followed every subject.
