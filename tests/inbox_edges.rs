@@ -1392,27 +1392,40 @@ async fn a_subject_its_stream_captured_since_is_skipped_by_an_inbox_without_a_fi
     );
 }
 
+/// Creates the durable consumer `config` on the producer's stream, as an operator, another
+/// tool or an earlier version did before the inbox connected.
+async fn created_beforehand(
+    producer: &TestEnv,
+    config: async_nats::jetstream::consumer::pull::Config,
+) {
+    producer
+        .jetstream()
+        .get_stream(&producer.stream)
+        .await
+        .unwrap()
+        .create_consumer(config)
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_created_with_limited_deliveries_is_updated_to_count_failures_itself() {
     let producer = TestEnv::new().await;
     commit_rounds(&producer, 1, 1).await;
     relay_all(&producer).await;
     // A durable consumer as an earlier version (or an operator) created it.
-    producer
-        .jetstream()
-        .get_stream(&producer.stream)
-        .await
-        .unwrap()
-        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+    created_beforehand(
+        &producer,
+        async_nats::jetstream::consumer::pull::Config {
             durable_name: Some("upgraded".to_owned()),
             filter_subject: format!("{}.>", producer.prefix),
             ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
             ack_wait: Duration::from_secs(30),
             max_deliver: 5,
             ..Default::default()
-        })
-        .await
-        .unwrap();
+        },
+    )
+    .await;
     let consumer = consumer_database().await;
     let inbox = Inbox::connect(
         consumer_config(&consumer, &producer, "upgraded"),
@@ -1953,19 +1966,13 @@ async fn a_consumer_created_without_explicit_acks_or_payloads_is_refused_at_conn
         let producer = TestEnv::new().await;
         commit_rounds(&producer, 1, 2).await;
         relay_all(&producer).await;
-        producer
-            .jetstream()
-            .get_stream(&producer.stream)
-            .await
-            .unwrap()
-            .create_consumer(pull::Config {
-                durable_name: Some("operators".to_owned()),
-                ack_policy,
-                headers_only,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let config = pull::Config {
+            durable_name: Some("operators".to_owned()),
+            ack_policy,
+            headers_only,
+            ..Default::default()
+        };
+        created_beforehand(&producer, config).await;
         let consumer = consumer_database().await;
         let handler = FailingFirst {
             aggregate: "o-0",

@@ -841,11 +841,15 @@ async fn a_relay_whose_run_is_dropped_leaves_no_session_open() {
 
 /// A relay that makes a row a dead letter at its first rejection and backs off at most
 /// 200 ms after a transport failure: a refusal that counted an attempt shows at once, and
-/// one that did not is retried several times a second.
-async fn dead_letter_at_first_rejection(env: &TestEnv) -> outbox_runtime::RelayHandle {
+/// one that did not is retried several times a second. `ack_timeout` as the test needs it.
+async fn dead_letter_at_first_rejection(
+    env: &TestEnv,
+    ack_timeout: Duration,
+) -> outbox_runtime::RelayHandle {
     let mut config = env.relay_config();
     config.max_attempts = 1;
     config.max_backoff = Duration::from_millis(200);
+    config.ack_timeout = ack_timeout;
     Relay::connect(config, env.nats.clone())
         .await
         .unwrap()
@@ -871,7 +875,7 @@ async fn a_full_stream_is_waited_for_without_counting_attempts() {
         ..Default::default()
     };
     js.create_stream(config(3)).await.unwrap();
-    let relay = dead_letter_at_first_rejection(&env).await;
+    let relay = dead_letter_at_first_rejection(&env, env.relay_config().ack_timeout).await;
     for i in 0..4 {
         let mut order = Order::place(&format!("o-{i}"), "ada", i);
         order.record(OrderEvent::Shipped);
@@ -966,7 +970,7 @@ async fn a_stream_that_cannot_acknowledge_publishes_is_refused_at_connect() {
 #[tokio::test]
 async fn a_stream_sealed_under_a_running_relay_leaves_the_rows_waiting() {
     let env = TestEnv::new().await;
-    let relay = dead_letter_at_first_rejection(&env).await;
+    let relay = dead_letter_at_first_rejection(&env, env.relay_config().ack_timeout).await;
     let mut config = support::stream_config(&env).await;
     config.sealed = true;
     env.jetstream().update_stream(config).await.unwrap();
@@ -999,14 +1003,7 @@ async fn a_stream_edited_to_no_ack_under_a_running_relay_leaves_the_rows_waiting
     // are awaited, or after several ack timeouts.
     for no_ack_for in [Duration::ZERO, Duration::from_secs(3)] {
         let env = TestEnv::new().await;
-        let mut config = env.relay_config();
-        config.max_attempts = 1;
-        config.max_backoff = Duration::from_millis(200);
-        config.ack_timeout = Duration::from_secs(1);
-        let relay = Relay::connect(config, env.nats.clone())
-            .await
-            .unwrap()
-            .spawn();
+        let relay = dead_letter_at_first_rejection(&env, Duration::from_secs(1)).await;
         let mut stream = support::stream_config(&env).await;
         stream.no_ack = true;
         env.jetstream().update_stream(stream.clone()).await.unwrap();
