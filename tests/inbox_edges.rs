@@ -2002,3 +2002,64 @@ async fn a_consumer_created_without_explicit_acks_or_payloads_is_refused_at_conn
         }
     }
 }
+
+/// A durable consumer created beforehand with pull request limits under the inbox's pulls
+/// (`max_batch` under the messages it asks for, `max_expires` under how long it waits) is
+/// updated at connect to have none, as the inbox creates it: JetStream refused every pull
+/// request over them (409 "Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires"), and the
+/// inbox, retrying, applied nothing, ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_with_pull_limits_is_updated_to_take_the_inboxs_pulls() {
+    use async_nats::jetstream::consumer::pull;
+    let limited = |name: &str| pull::Config {
+        durable_name: Some(name.to_owned()),
+        ..Default::default()
+    };
+    for (setting, config) in [
+        (
+            "max_batch",
+            pull::Config {
+                max_batch: 1,
+                ..limited("batches")
+            },
+        ),
+        (
+            "max_expires",
+            pull::Config {
+                max_expires: Duration::from_millis(100),
+                ..limited("expires")
+            },
+        ),
+    ] {
+        let producer = TestEnv::new().await;
+        commit_rounds(&producer, 3, 3).await;
+        relay_all(&producer).await;
+        let name = config.durable_name.clone().unwrap();
+        created_beforehand(&producer, config).await;
+        let consumer = consumer_database().await;
+        let inbox = Inbox::connect(
+            consumer_config(&consumer, &producer, &name),
+            producer.nats.clone(),
+            Recording::default(),
+        )
+        .await
+        .unwrap();
+        let probe = inbox.clone();
+        let settled = format!("{setting}: every message settled");
+        run_until_settled(inbox, &settled, Duration::from_secs(10)).await;
+        assert_applied_in_order(&applied(&mut consumer.conn().await).await, 3, 3);
+        let info = probe
+            .consumer()
+            .clone()
+            .info()
+            .await
+            .unwrap()
+            .config
+            .clone();
+        assert_eq!(
+            (info.max_batch, info.max_expires),
+            (0, Duration::ZERO),
+            "{setting}: the limits lifted"
+        );
+    }
+}

@@ -928,9 +928,10 @@ impl<H: Handler<C>, C: InboxConnection> Clone for Inbox<H, C> {
 impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// Checks the configuration, gets or creates the durable pull consumer (explicit acks,
     /// `ack_wait`, `max_ack_pending`, the filter subjects, unlimited deliveries: the inbox
-    /// counts handler failures itself; an existing consumer's filter is checked, and its
-    /// other settings are updated to these), opens the database pool and checks that the
-    /// inbox tables are migrated.
+    /// counts handler failures itself; no pull request limits, `max_batch` and
+    /// `max_expires`; an existing consumer's filter and acks are checked, and these other
+    /// settings updated to the inbox's), opens the database pool and checks that the inbox
+    /// tables are migrated.
     ///
     /// Where the filters take every subject the stream captures (the default, `{prefix}.>`,
     /// on the topology's stream), the consumer is created without a filter: it gets the same
@@ -1058,14 +1059,21 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 )));
             }
         }
+        // Pull request limits (`max_batch`, `max_expires`; none on a consumer the inbox
+        // creates) under what the inbox asks for make JetStream refuse each of its pulls
+        // ("Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires"): lifted like the rest.
         let outdated = existing.ack_wait != wanted.ack_wait
             || existing.max_deliver != wanted.max_deliver
-            || existing.max_ack_pending != wanted.max_ack_pending;
+            || existing.max_ack_pending != wanted.max_ack_pending
+            || existing.max_batch != wanted.max_batch
+            || existing.max_expires != wanted.max_expires;
         if outdated {
             let mut updated = existing.clone();
             updated.ack_wait = wanted.ack_wait;
             updated.max_deliver = wanted.max_deliver;
             updated.max_ack_pending = wanted.max_ack_pending;
+            updated.max_batch = wanted.max_batch;
+            updated.max_expires = wanted.max_expires;
             consumer = stream
                 .update_consumer(updated_pull_config(&updated))
                 .await
