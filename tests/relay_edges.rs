@@ -414,20 +414,37 @@ async fn data_cannot_switch_off_jetstream_dedup() {
     assert_eq!(first.header("Nats-Msg-Id"), first.header("ce-id"));
 }
 
-/// A nats-server whose user `relay` may publish the test's events except `Secret` ones.
-async fn server_denying_secrets(prefix: &str) -> NatsServer {
+/// A nats-server whose user `relay` may publish the test's events except `Secret` ones, and
+/// with `deny_lookups` may not get a stream's messages either.
+async fn server_denying_secrets(prefix: &str, deny_lookups: bool) -> NatsServer {
+    let lookups = if deny_lookups {
+        ", \"$JS.API.STREAM.MSG.GET.>\", \"$JS.API.DIRECT.GET.>\""
+    } else {
+        ""
+    };
     NatsServer::start_with_config(&format!(
         "authorization {{\n  users = [\n    {{ user: relay, password: relay-pw, permissions: {{\n      \
-         publish: {{ allow: [\"$JS.API.>\", \"_INBOX.>\", \"{prefix}.>\"], deny: [\"{prefix}.Secret.>\"] }}\n      \
+         publish: {{ allow: [\"$JS.API.>\", \"_INBOX.>\", \"{prefix}.>\"], deny: [\"{prefix}.Secret.>\"{lookups}] }}\n      \
          subscribe: {{ allow: [\">\"] }}\n    }} }}\n  ]\n}}\n"
     ))
     .await
 }
 
+/// A publish the server's permissions deny goes unacknowledged while the stream answers and
+/// does not hold the message: a rejection, with its error. So it is also for a relay's user
+/// not permitted to look the message up: the look goes unanswered, and the relay decides as
+/// without it (before, it took that for a stream that stopped answering, and the denied row
+/// waited, its attempts never counted, for ever).
 #[tokio::test]
 async fn a_publish_the_servers_permissions_deny_is_a_rejection_with_its_error() {
+    for deny_lookups in [false, true] {
+        a_denied_publish_is_rejected(deny_lookups).await;
+    }
+}
+
+async fn a_denied_publish_is_rejected(deny_lookups: bool) {
     let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    let server = server_denying_secrets(&prefix).await;
+    let server = server_denying_secrets(&prefix, deny_lookups).await;
     let url = format!("nats://relay:relay-pw@127.0.0.1:{}", server.port);
     let env = TestEnv::with_nats(&url).await;
     let nats = env.nats.clone();
@@ -451,7 +468,7 @@ async fn a_publish_the_servers_permissions_deny_is_a_rejection_with_its_error() 
     assert_eq!(
         (report.published, report.rejected, report.transport_failures),
         (1, 1, 0),
-        "{report:?}"
+        "deny_lookups {deny_lookups}: {report:?}"
     );
     let (attempts, error, dead) = raw_row(&mut conn, "s-1").await;
     assert_eq!(
@@ -461,6 +478,11 @@ async fn a_publish_the_servers_permissions_deny_is_a_rejection_with_its_error() 
     );
     let error = error.unwrap();
     assert!(error.contains("publish permission"), "{error}");
+    assert_eq!(
+        error.contains("does not hold the message"),
+        !deny_lookups,
+        "{error}"
+    );
     assert_eq!(connects(&nats), 1);
 }
 

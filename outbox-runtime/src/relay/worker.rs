@@ -500,15 +500,23 @@ async fn batch<C: RelayStore>(
                     stream_answer = Some(stream_answer_now(shared, connects).await);
                 }
                 let stream = &config.topology.stream.name;
-                let held = match stream_answer.as_ref().expect("asked above") {
-                    StreamAnswer::Answers(answering) => holds(answering, row, config).await,
+                // Whether the stream holds the message: unknown where it cannot be looked up.
+                let held = match &mut stream_answer {
+                    Some(StreamAnswer::Answers(lookups)) => match lookups.as_deref() {
+                        Some(answering) => {
+                            let held = holds(answering, row, config).await;
+                            if held.is_none() {
+                                // No answer to the look (a user not permitted to get
+                                // messages gets none): for the rest of the batch, decide
+                                // as without it, rather than wait for each.
+                                *lookups = None;
+                            }
+                            held
+                        }
+                        None => None,
+                    },
                     _ => None,
                 };
-                if held.is_none() && matches!(stream_answer, Some(StreamAnswer::Answers(_))) {
-                    // The stream stopped answering: for the rest of the batch, as if it had
-                    // not answered at all (each look waits up to the ack timeout).
-                    stream_answer = Some(StreamAnswer::Silent);
-                }
                 match (stream_answer.as_ref().expect("asked above"), held) {
                     (StreamAnswer::Silent, _) => PublishFailure::Transport {
                         kind: "no_ack",
@@ -533,12 +541,17 @@ async fn batch<C: RelayStore>(
                              was lost"
                         ),
                     },
-                    (StreamAnswer::Answers(_), _) => PublishFailure::Rejected {
+                    (StreamAnswer::Answers(_), held) => PublishFailure::Rejected {
                         kind: "no_ack",
                         error: format!(
-                            "{error} while the stream {stream:?} answered, and it does not \
-                             hold the message; the server dropped it (a publish permission \
-                             that denies the subject is the usual cause; see the server's log)"
+                            "{error} while the stream {stream:?} answered{}; the server dropped \
+                             the message (a publish permission that denies the subject is the \
+                             usual cause; see the server's log)",
+                            if held.is_some() {
+                                ", and it does not hold the message"
+                            } else {
+                                ""
+                            }
                         ),
                     },
                 }
@@ -612,8 +625,8 @@ enum StreamAnswer {
     /// missing ack says nothing of the message.
     Silent,
     /// It answered, and acknowledges publishes: the server dropped a message it does not
-    /// hold ([`holds`]).
-    Answers(Box<async_nats::jetstream::stream::Stream>),
+    /// hold ([`holds`]), looked up through the stream while it answers such looks.
+    Answers(Option<Box<async_nats::jetstream::stream::Stream>>),
     /// It answered with `no_ack` set (an operator's edit since the relay connected, where
     /// such a stream is refused): it stores publishes and acknowledges none.
     WithoutAcks,
@@ -632,14 +645,15 @@ async fn stream_answer_now(shared: &Shared, connects: u64) -> StreamAnswer {
         .get_stream(&shared.config.topology.stream.name);
     match tokio::time::timeout(shared.config.ack_timeout, info).await {
         Ok(Ok(stream)) if stream.cached_info().config.no_ack => StreamAnswer::WithoutAcks,
-        Ok(Ok(stream)) => StreamAnswer::Answers(Box::new(stream)),
+        Ok(Ok(stream)) => StreamAnswer::Answers(Some(Box::new(stream))),
         _ => StreamAnswer::Silent,
     }
 }
 
 /// Whether `stream` holds `row`'s unacknowledged message: the last message on the row's
 /// subject carries the row's `Nats-Msg-Id`. `None` when the stream did not answer the look
-/// within the ack timeout. The relay is the only publisher of an aggregate's subjects while
+/// within the ack timeout (nor does it answer a user whose permissions deny
+/// `$JS.API.STREAM.MSG.GET.<stream>`). The relay is the only publisher of an aggregate's subjects while
 /// it holds the aggregate's head, and a chain stops at its first failure, so a stored
 /// message is that last one; where other messages share the subject the answer is "no", and
 /// the row is counted as dropped, as without the look.
