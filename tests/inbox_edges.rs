@@ -1943,25 +1943,19 @@ async fn an_inbox_whose_run_is_dropped_mid_message_leaves_no_transaction_open() 
 }
 
 /// A durable consumer created under the inbox's name (by an operator, another tool) that
-/// acks other than each message explicitly, or delivers headers only, cannot give
-/// exactly-once effects: with no acks JetStream never delivers again a message whose handler
-/// failed or whose instance died, with acks of "all" the ack of one message settles every
-/// message before it that other handlers have not committed, and without payloads no event
-/// can be decoded. Such a consumer is refused at connect, naming it and the setting. Before,
-/// the inbox ran on it: under no acks an aggregate whose first event failed once had nothing
-/// applied, then or ever; under headers only every event was dead-lettered as undecodable.
+/// acks other than each message explicitly cannot give exactly-once effects: with no acks
+/// JetStream never delivers again a message whose handler failed or whose instance died,
+/// with acks of "all" the ack of one message settles every message before it that other
+/// handlers have not committed. JetStream does not change a consumer's ack policy, so such a
+/// consumer is refused at connect, naming it and the setting. Before, the inbox ran on it:
+/// under no acks an aggregate whose first event failed once had nothing applied, then or
+/// ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_created_without_explicit_acks_or_payloads_is_refused_at_connect() {
+async fn a_consumer_created_without_explicit_acks_is_refused_at_connect() {
     use async_nats::jetstream::consumer::{AckPolicy, pull};
-    for (setting, says, ack_policy, headers_only) in [
-        ("no acks", "acks none", AckPolicy::None, false),
-        ("acks of all", "acks all", AckPolicy::All, false),
-        (
-            "headers only",
-            "delivers headers only",
-            AckPolicy::Explicit,
-            true,
-        ),
+    for (setting, says, ack_policy) in [
+        ("no acks", "acks none", AckPolicy::None),
+        ("acks of all", "acks all", AckPolicy::All),
     ] {
         let producer = TestEnv::new().await;
         commit_rounds(&producer, 1, 2).await;
@@ -1969,7 +1963,6 @@ async fn a_consumer_created_without_explicit_acks_or_payloads_is_refused_at_conn
         let config = pull::Config {
             durable_name: Some("operators".to_owned()),
             ack_policy,
-            headers_only,
             ..Default::default()
         };
         created_beforehand(&producer, config).await;
@@ -2004,12 +1997,13 @@ async fn a_consumer_created_without_explicit_acks_or_payloads_is_refused_at_conn
 }
 
 /// A durable consumer created beforehand with pull request limits under the inbox's pulls
-/// (`max_batch` under the messages it asks for, `max_expires` under how long it waits) is
-/// updated at connect to have none, as the inbox creates it: JetStream refused every pull
-/// request over them (409 "Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires"), and the
-/// inbox, retrying, applied nothing, ever.
+/// (`max_batch` under the messages it asks for, `max_expires` under how long it waits), or
+/// delivering headers only, is updated at connect to have no limits and whole messages, as
+/// the inbox creates it. Before, JetStream refused every pull request over the limits (409
+/// "Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires"), and the inbox, retrying,
+/// applied nothing, ever; under headers only it dead-lettered every event as undecodable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_created_with_pull_limits_is_updated_to_take_the_inboxs_pulls() {
+async fn a_consumer_created_with_pull_limits_or_headers_only_is_updated_to_the_inboxs() {
     use async_nats::jetstream::consumer::pull;
     let limited = |name: &str| pull::Config {
         durable_name: Some(name.to_owned()),
@@ -2028,6 +2022,13 @@ async fn a_consumer_created_with_pull_limits_is_updated_to_take_the_inboxs_pulls
             pull::Config {
                 max_expires: Duration::from_millis(100),
                 ..limited("expires")
+            },
+        ),
+        (
+            "headers_only",
+            pull::Config {
+                headers_only: true,
+                ..limited("headers")
             },
         ),
     ] {
@@ -2057,9 +2058,9 @@ async fn a_consumer_created_with_pull_limits_is_updated_to_take_the_inboxs_pulls
             .config
             .clone();
         assert_eq!(
-            (info.max_batch, info.max_expires),
-            (0, Duration::ZERO),
-            "{setting}: the limits lifted"
+            (info.max_batch, info.max_expires, info.headers_only),
+            (0, Duration::ZERO, false),
+            "{setting}: the limits lifted, whole messages"
         );
     }
 }

@@ -929,9 +929,9 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// Checks the configuration, gets or creates the durable pull consumer (explicit acks,
     /// `ack_wait`, `max_ack_pending`, the filter subjects, unlimited deliveries: the inbox
     /// counts handler failures itself; no pull request limits, `max_batch` and
-    /// `max_expires`; an existing consumer's filter and acks are checked, and these other
-    /// settings updated to the inbox's), opens the database pool and checks that the inbox
-    /// tables are migrated.
+    /// `max_expires`; whole messages, not headers only; an existing consumer's filter and
+    /// acks are checked, and these other settings updated to the inbox's), opens the database
+    /// pool and checks that the inbox tables are migrated.
     ///
     /// Where the filters take every subject the stream captures (the default, `{prefix}.>`,
     /// on the topology's stream), the consumer is created without a filter: it gets the same
@@ -949,7 +949,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// it starts, so an inbox connected before any relay ran is refused saying so; no
     /// JetStream at the server
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
-    /// has other filter subjects, acks other than explicitly, or delivers headers only),
+    /// has other filter subjects, or acks other than explicitly),
     /// [`InboxError::Connect`],
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
@@ -1061,12 +1061,14 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         }
         // Pull request limits (`max_batch`, `max_expires`; none on a consumer the inbox
         // creates) under what the inbox asks for make JetStream refuse each of its pulls
-        // ("Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires"): lifted like the rest.
+        // ("Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires"), and headers only leave
+        // no event to decode: set to the inbox's like the rest.
         let outdated = existing.ack_wait != wanted.ack_wait
             || existing.max_deliver != wanted.max_deliver
             || existing.max_ack_pending != wanted.max_ack_pending
             || existing.max_batch != wanted.max_batch
-            || existing.max_expires != wanted.max_expires;
+            || existing.max_expires != wanted.max_expires
+            || existing.headers_only != wanted.headers_only;
         if outdated {
             let mut updated = existing.clone();
             updated.ack_wait = wanted.ack_wait;
@@ -1074,6 +1076,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             updated.max_ack_pending = wanted.max_ack_pending;
             updated.max_batch = wanted.max_batch;
             updated.max_expires = wanted.max_expires;
+            updated.headers_only = wanted.headers_only;
             consumer = stream
                 .update_consumer(updated_pull_config(&updated))
                 .await
@@ -2163,19 +2166,15 @@ fn takes_whole_stream(config: &jetstream::stream::Config, filters: &[String]) ->
 }
 
 /// Why a durable consumer that exists under the inbox's name (created by an operator or
-/// another tool) cannot give exactly-once effects, if it cannot. JetStream changes neither
-/// setting on an existing consumer (nats-server's consumer update checks), so the error says
-/// to delete it or choose another name.
-/// - Acks other than explicit: with `none` JetStream never delivers again a message whose
-///   handler failed or whose instance died; with `all` the ack of one message settles every
-///   message before it, which other handlers may not have committed.
-/// - `headers_only`: no payload, so no event can be decoded.
+/// another tool) cannot give exactly-once effects, if it cannot: it acks other than
+/// explicitly. With `none` JetStream never delivers again a message whose handler failed or
+/// whose instance died; with `all` the ack of one message settles every message before it,
+/// which other handlers may not have committed. JetStream does not change a consumer's ack
+/// policy ("ack policy can not be updated", error code 10012, on 2.9.10 and 2.15.1), so the
+/// error says to delete it or choose another name.
 fn unfit_consumer(existing: &jetstream::consumer::Config) -> Result<(), String> {
     use jetstream::consumer::AckPolicy;
     let why = match existing.ack_policy {
-        AckPolicy::Explicit if existing.headers_only => {
-            "delivers headers only (headers_only), without the events' payloads"
-        }
         AckPolicy::Explicit => return Ok(()),
         AckPolicy::None => {
             "acks none (ack_policy none): JetStream would never deliver again a message whose \
