@@ -1282,9 +1282,14 @@ async fn a_consumer_of_some_event_types_applies_them_without_waiting_for_the_oth
 
 /// The consumer's filters on the server: `filter_subject`, or `filter_subjects`.
 async fn server_filters(inbox: &Inbox<impl Handler>) -> (String, Vec<String>) {
-    let mut consumer = inbox.consumer().clone();
-    let config = consumer.info().await.unwrap().config.clone();
+    let config = server_config(inbox).await;
     (config.filter_subject, config.filter_subjects)
+}
+
+/// The inbox's durable consumer's settings as the server holds them now.
+async fn server_config(inbox: &Inbox<impl Handler>) -> async_nats::jetstream::consumer::Config {
+    let mut consumer = inbox.consumer().clone();
+    consumer.info().await.unwrap().config.clone()
 }
 
 /// An inbox that takes every subject of its stream (the default, `{prefix}.>` on the
@@ -1434,14 +1439,7 @@ async fn a_consumer_created_with_limited_deliveries_is_updated_to_count_failures
     )
     .await
     .unwrap();
-    let info = inbox
-        .consumer()
-        .clone()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
+    let info = server_config(&inbox).await;
     assert_eq!(
         (info.max_deliver, info.ack_wait),
         (-1, Duration::from_secs(1)),
@@ -2049,14 +2047,7 @@ async fn a_consumer_created_with_pull_limits_or_headers_only_is_updated_to_the_i
         let settled = format!("{setting}: every message settled");
         run_until_settled(inbox, &settled, Duration::from_secs(10)).await;
         assert_applied_in_order(&applied(&mut consumer.conn().await).await, 3, 3);
-        let info = probe
-            .consumer()
-            .clone()
-            .info()
-            .await
-            .unwrap()
-            .config
-            .clone();
+        let info = server_config(&probe).await;
         assert_eq!(
             (info.max_batch, info.max_expires, info.headers_only),
             (0, Duration::ZERO, false),
