@@ -500,24 +500,9 @@ async fn batch<C: RelayStore>(
                     stream_answer = Some(stream_answer_now(shared, connects).await);
                 }
                 let stream = &config.topology.stream.name;
-                // Whether the stream holds the message: unknown where it cannot be looked up.
-                let held = match &mut stream_answer {
-                    Some(StreamAnswer::Answers(lookups)) => match lookups.as_deref() {
-                        Some(answering) => {
-                            let held = holds(answering, row, config).await;
-                            if held.is_none() {
-                                // No answer to the look (a user not permitted to get
-                                // messages gets none): for the rest of the batch, decide
-                                // as without it, rather than wait for each.
-                                *lookups = None;
-                            }
-                            held
-                        }
-                        None => None,
-                    },
-                    _ => None,
-                };
-                match (stream_answer.as_ref().expect("asked above"), held) {
+                let answer = stream_answer.as_mut().expect("asked above");
+                let held = answer.holds(row, config).await;
+                match (answer, held) {
                     (StreamAnswer::Silent, _) => PublishFailure::Transport {
                         kind: "no_ack",
                         error,
@@ -632,6 +617,23 @@ enum StreamAnswer {
     WithoutAcks,
 }
 
+impl StreamAnswer {
+    /// Whether the answering stream holds `row`'s message ([`holds`]); `None` where that is
+    /// unknown: the stream did not answer, or did not answer a look before. A look left
+    /// unanswered (a user not permitted to get messages gets no answer) is not made again:
+    /// for the rest of the batch the relay decides as without it, rather than wait for each.
+    async fn holds(&mut self, row: &ClaimedEvent, config: &crate::RelayConfig) -> Option<bool> {
+        let Self::Answers(lookups) = self else {
+            return None;
+        };
+        let held = holds(lookups.as_deref()?, row, config).await;
+        if held.is_none() {
+            *lookups = None;
+        }
+        held
+    }
+}
+
 /// What the relay's stream says now ([`StreamAnswer`]), on the connection that sent a
 /// publish when the client had connected `connects` times: no reconnect since, and a stream
 /// info request answered within the ack timeout.
@@ -653,10 +655,10 @@ async fn stream_answer_now(shared: &Shared, connects: u64) -> StreamAnswer {
 /// Whether `stream` holds `row`'s unacknowledged message: the last message on the row's
 /// subject carries the row's `Nats-Msg-Id`. `None` when the stream did not answer the look
 /// within the ack timeout (nor does it answer a user whose permissions deny
-/// `$JS.API.STREAM.MSG.GET.<stream>`). The relay is the only publisher of an aggregate's subjects while
-/// it holds the aggregate's head, and a chain stops at its first failure, so a stored
-/// message is that last one; where other messages share the subject the answer is "no", and
-/// the row is counted as dropped, as without the look.
+/// `$JS.API.STREAM.MSG.GET.<stream>`). The relay is the only publisher of an aggregate's
+/// subjects while it holds the aggregate's head, and a chain stops at its first failure, so a
+/// stored message is that last one; where other messages share the subject the answer is
+/// "no", and the row is counted as dropped, as without the look.
 async fn holds(
     stream: &async_nats::jetstream::stream::Stream,
     row: &ClaimedEvent,
