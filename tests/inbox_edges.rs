@@ -2055,3 +2055,183 @@ async fn a_consumer_created_with_pull_limits_or_headers_only_is_updated_to_the_i
         );
     }
 }
+
+/// The producer's next release: `Placed` at version 2 (a currency added), reading version 1
+/// by an upcast, on the same aggregate type.
+mod next_release {
+    use outbox_runtime::{DomainEvent, PendingEvents, UpcastError, aggregate};
+    use serde::{Deserialize, Serialize};
+    use serde_json::{Value, json};
+
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, DomainEvent)]
+    pub enum OrderEvent {
+        #[event(version = 2, upcast(from = 1, json = in_euros))]
+        Placed {
+            customer: String,
+            total_cents: i64,
+            currency: String,
+        },
+        #[event(name = "LineAdded", version = 2)]
+        ItemAdded {
+            sku: String,
+            quantity: u32,
+        },
+        Shipped,
+    }
+
+    fn in_euros(v1: Value) -> Result<Value, UpcastError> {
+        Ok(json!({
+            "customer": v1["customer"],
+            "total_cents": v1["total_cents"],
+            "currency": "EUR",
+        }))
+    }
+
+    #[aggregate]
+    pub struct Order {
+        pub id: String,
+        pub pending_events: PendingEvents<OrderEvent>,
+    }
+}
+
+/// [`Recording`] on the next release's events.
+#[derive(Clone)]
+struct RecordingNextRelease;
+
+impl Handler for RecordingNextRelease {
+    type Event = next_release::OrderEvent;
+    type Error = diesel::result::Error;
+
+    async fn handle(
+        &self,
+        _event: next_release::OrderEvent,
+        message: &Metadata,
+        uow: &mut UnitOfWork<'_>,
+    ) -> Result<(), Self::Error> {
+        support::consumer::record_applied(message, uow).await
+    }
+}
+
+/// A rolling deploy in which the producer goes first: its events of a newer version reach
+/// consumer instances still on the release before. Such an instance cannot read them, and
+/// must leave them for an instance that can (before: it acked them as an unknown event
+/// type, and the new instance never saw them), with the later events of their aggregates
+/// waiting behind them, while it goes on applying what it reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_newer_than_an_instance_reads_is_left_for_an_instance_that_reads_it() {
+    const NEW: usize = 3;
+    let producer = TestEnv::new().await;
+    let consumer = consumer_database().await;
+    let config = consumer_config(&consumer, &producer, "rolling");
+    // An order of the release before: both its events are read by both releases.
+    let mut old = Order::place("o-old", "ada", 100);
+    old.record(OrderEvent::Shipped);
+    producer.commit(&mut old).await;
+    // Orders of the next release: `Placed` v2, then `Shipped`, in two units of work.
+    for i in 0..NEW {
+        let mut order = next_release::Order {
+            id: format!("o-new-{i}"),
+            pending_events: outbox_runtime::PendingEvents::new(),
+        };
+        order.record(next_release::OrderEvent::Placed {
+            customer: "grace".into(),
+            total_cents: 200,
+            currency: "CHF".into(),
+        });
+        producer.commit(&mut order).await;
+        order.record(next_release::OrderEvent::Shipped);
+        producer.commit(&mut order).await;
+    }
+    relay_all(&producer).await;
+
+    let before = Inbox::connect(config.clone(), producer.nats.clone(), Recording::default())
+        .await
+        .unwrap()
+        .spawn();
+    wait_until("the old order applied", Duration::from_secs(20), || async {
+        (applied(&mut consumer.conn().await).await.get("o-old") == Some(&vec![1, 2])).then_some(())
+    })
+    .await;
+    // Room for the release before to receive the new events, and to go wrong with them.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut conn = consumer.conn().await;
+    let taken: i64 = outbox_runtime::outbox::schema::outbox_inbox::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        (applied(&mut conn).await.len(), taken),
+        (1, 2),
+        "the release before applied or recorded an event it cannot read: {:?}",
+        applied(&mut conn).await
+    );
+
+    let next = Inbox::connect(config, producer.nats.clone(), RecordingNextRelease)
+        .await
+        .unwrap();
+    let probe = next.clone();
+    let next = next.spawn();
+    wait_until("every event applied", Duration::from_secs(30), || async {
+        (applied_count(&mut consumer.conn().await).await == 2 + 2 * NEW).then_some(())
+    })
+    .await;
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(10)).await;
+    before.shutdown().await.unwrap();
+    next.shutdown().await.unwrap();
+    assert_applied_in_order(&applied(&mut conn).await, 1 + NEW, 2);
+    let letters: i64 = outbox_inbox_dead_letters::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    let gaps: i64 = outbox_inbox_gaps::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!((letters, gaps), (0, 0), "dead letters and gaps");
+}
+
+/// With `NewerVersions::DeadLetter`, such an event is dead-lettered, naming the versions, and
+/// its aggregate moves on: for an operator who cannot deploy the consumer's release yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_newer_than_the_consumer_reads_can_be_dead_lettered_instead() {
+    let producer = TestEnv::new().await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "newer-dead-lettered");
+    config.newer_versions = outbox_runtime::NewerVersions::DeadLetter;
+    let mut order = next_release::Order {
+        id: "o-new".into(),
+        pending_events: outbox_runtime::PendingEvents::new(),
+    };
+    order.record(next_release::OrderEvent::Placed {
+        customer: "grace".into(),
+        total_cents: 200,
+        currency: "CHF".into(),
+    });
+    order.record(next_release::OrderEvent::Shipped);
+    producer.commit(&mut order).await;
+    relay_all(&producer).await;
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "both settled", Duration::from_secs(20)).await;
+    let mut conn = consumer.conn().await;
+    assert_eq!(
+        applied(&mut conn).await.get("o-new"),
+        Some(&vec![2]),
+        "the aggregate moved on"
+    );
+    let letters: Vec<String> = outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(
+        letters[0].contains("version 2 is newer than 1, the newest this consumer reads"),
+        "{}",
+        letters[0]
+    );
+}

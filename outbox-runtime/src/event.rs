@@ -239,6 +239,42 @@ impl PayloadError {
         }
     }
 
+    /// For an [`UnknownEventType`](Self::UnknownEventType) whose type the Rust type does
+    /// carry, at a version newer than every one it reads: that newest version. Such a
+    /// payload was written by a later release of the producer; a release of the consumer
+    /// that reads it can. `None` for any other error, and for an event type the Rust type
+    /// does not carry at all, or a version at or below one it reads.
+    ///
+    /// ```
+    /// use outbox_runtime::{DomainEvent, EventSet};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Debug, Serialize, Deserialize, DomainEvent)]
+    /// enum OrderEvent { Placed { customer: String }, Shipped }
+    ///
+    /// let newer = OrderEvent::decode("Placed", 2, b"{}").unwrap_err();
+    /// assert_eq!(newer.newest_version_read(), Some(1));
+    /// let unknown = OrderEvent::decode("Refunded", 2, b"{}").unwrap_err();
+    /// assert_eq!(unknown.newest_version_read(), None);
+    /// ```
+    pub fn newest_version_read(&self) -> Option<i32> {
+        let Self::UnknownEventType {
+            event_type,
+            event_version,
+            known,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        known
+            .iter()
+            .filter(|known| known.name == event_type)
+            .map(|known| known.version)
+            .max()
+            .filter(|newest| newest < event_version)
+    }
+
     pub(crate) fn json<T>(event_type: &str, event_version: i32, source: serde_json::Error) -> Self {
         Self::Json {
             rust_type: std::any::type_name::<T>(),

@@ -47,9 +47,12 @@
 //! unlimited, so a consumer that crashes, restarts or loses its database never uses up a
 //! message's attempts. A message the consumer cannot use follows a policy, never a crash or
 //! a silent loss:
-//! - an event type or version the handler's event type does not carry:
-//!   [`UnknownEvents`], skipped with a warning by default (filter the consumer's subject to
-//!   the types it handles), or dead-lettered;
+//! - an event type the handler's event type does not carry: [`UnknownEvents`], skipped
+//!   with a warning by default (filter the consumer's subject to the types it handles), or
+//!   dead-lettered;
+//! - a type it carries at a version newer than it reads (a producer released before the
+//!   consumer): [`NewerVersions`], left by default for an instance that reads it (nak'd,
+//!   counting no failure, its aggregate's later events waiting behind it), or dead-lettered;
 //! - a message without `ce-id`/`Nats-Msg-Id` or `ce-type`, with an invalid header or an
 //!   identity header over [`MAX_ID_BYTES`](crate::causality::MAX_ID_BYTES), or whose payload does not decode:
 //!   [`Unreadable`], dead-lettered by default, or skipped with a warning.
@@ -138,6 +141,7 @@ mod queries;
 mod sqlite;
 mod store;
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -227,7 +231,9 @@ handler_trait!(= AsyncPgConnection);
 #[cfg(not(feature = "postgres"))]
 handler_trait!();
 
-/// What the inbox does with an event type or version the handler's event type does not carry.
+/// What the inbox does with an event type the handler's event type does not carry, or a
+/// version of one that it neither reads nor precedes (one below all it reads). A version
+/// newer than every one it reads follows [`NewerVersions`] instead.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum UnknownEvents {
     /// Ack it and log a warning. The default: a consumer's subject filter may catch types
@@ -235,6 +241,31 @@ pub enum UnknownEvents {
     #[default]
     Skip,
     /// Dead-letter it.
+    DeadLetter,
+}
+
+/// What the inbox does with an event of a type the handler's event type carries, at a
+/// version newer than every one it reads ([`PayloadError::newest_version_read`]): a
+/// producer released before its consumer, as in a rolling deploy that starts with the
+/// producer. Never skipped: the consumer takes the type, and an event of it acked unread
+/// would be lost to it, its aggregate's later events applied without it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NewerVersions {
+    /// Leave it for an instance of the consumer that reads it: nak it, counting no
+    /// failure, with the handler's delays (`retry_delay` doubling with each delivery, up to
+    /// `max_retry_delay`), and warn (once per instance and event type and version). Its
+    /// aggregate's later events wait behind it as behind any unapplied predecessor, up to
+    /// `gap_timeout`; after that they are applied over it (the gap recorded) and it is
+    /// dead-lettered as late when an instance that reads it takes it. The instance goes on
+    /// applying the other aggregates' events. The default: deploy the consumer's release
+    /// that reads the version, and every such event is applied, in order. Each such event
+    /// stays pending on the consumer until then, with the later events kept aside behind
+    /// it: `max_ack_pending` of them in all stop the consumer's deliveries, which is where a
+    /// consumer that is never released stalls, visibly, rather than lose them.
+    #[default]
+    Wait,
+    /// Dead-letter it, and its aggregate moves on: for an operator to replay
+    /// ([`Inbox::replay_dead_letter`]) once a release that reads it runs, or to discard.
     DeadLetter,
 }
 
@@ -333,6 +364,9 @@ pub struct InboxConfig {
     pub gap_timeout: Duration,
     /// Event types the handler does not carry. Default [`UnknownEvents::Skip`].
     pub unknown_events: UnknownEvents,
+    /// Events of a type the handler carries at a version newer than it reads. Default
+    /// [`NewerVersions::Wait`].
+    pub newer_versions: NewerVersions,
     /// Messages that cannot be read. Default [`Unreadable::DeadLetter`].
     pub unreadable: Unreadable,
     /// How long a handled message's id is kept. Default 7 days (see the module
@@ -378,6 +412,7 @@ impl fmt::Debug for InboxConfig {
             .field("max_ack_pending", &self.max_ack_pending)
             .field("gap_timeout", &self.gap_timeout)
             .field("unknown_events", &self.unknown_events)
+            .field("newer_versions", &self.newer_versions)
             .field("unreadable", &self.unreadable)
             .field("retention", &self.retention)
             .field("purge_interval", &self.purge_interval)
@@ -412,6 +447,7 @@ impl InboxConfig {
             max_ack_pending: 1000,
             gap_timeout: Duration::from_secs(300),
             unknown_events: UnknownEvents::Skip,
+            newer_versions: NewerVersions::Wait,
             unreadable: Unreadable::DeadLetter,
             retention: Duration::from_secs(7 * 24 * 3600),
             purge_interval: Duration::from_secs(60),
@@ -764,6 +800,8 @@ enum Body<E> {
     Handle(E),
     Skip(String),
     DeadLetter(String),
+    /// At a version newer than the handler reads, left for an instance that reads it.
+    Newer(String),
 }
 
 /// How long an event waits in place for its predecessor while the aggregate's position
@@ -785,6 +823,9 @@ enum Failure {
     Gap { last_seq: i64, stream_sequence: i64 },
     /// A later event of the aggregate was applied already.
     Late { last_seq: i64 },
+    /// The event is at a version newer than the handler reads: left for an instance that
+    /// reads it, counting no failure.
+    Newer(String),
     /// A test's crash point.
     #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     Crash,
@@ -837,6 +878,7 @@ impl fmt::Display for Failure {
                 "it arrived after event {last_seq} of its aggregate was applied; applying it \
                  now would break the aggregate's order"
             ),
+            Self::Newer(reason) => f.write_str(reason),
             Self::Crash => f.write_str("simulated crash (a test's crash point)"),
         }
     }
@@ -871,6 +913,8 @@ struct Shared<H, C: InboxConnection> {
     unfiltered: bool,
     /// Whether a message outside the filters was skipped (and warned of) yet.
     skipped_outside: AtomicBool,
+    /// The event types and versions newer than the handler reads that were warned of.
+    warned_newer: Mutex<HashSet<(String, i32)>>,
     /// The database URL without its password.
     target: String,
     handler: H,
@@ -1144,6 +1188,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 filters,
                 unfiltered,
                 skipped_outside: AtomicBool::new(false),
+                warned_newer: Mutex::default(),
                 config,
                 target,
                 handler,
@@ -1269,20 +1314,53 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             &message.payload,
         ) {
             Ok(event) => Body::Handle(event),
-            Err(error @ PayloadError::UnknownEventType { .. }) => {
-                if config.unknown_events == UnknownEvents::Skip {
+            Err(error) => {
+                if let Some(newest) = error.newest_version_read() {
+                    let reason = format!(
+                        "{error}; version {} is newer than {newest}, the newest this \
+                         consumer reads: left for a release of the consumer that reads it",
+                        metadata.event_version
+                    );
+                    return match config.newer_versions {
+                        NewerVersions::Wait => Body::Newer(reason),
+                        NewerVersions::DeadLetter => Body::DeadLetter(reason),
+                    };
+                }
+                let skip = match error {
+                    PayloadError::UnknownEventType { .. } => {
+                        config.unknown_events == UnknownEvents::Skip
+                    }
+                    PayloadError::Json { .. } | PayloadError::Upcast { .. } => {
+                        config.unreadable == Unreadable::Skip
+                    }
+                };
+                if skip {
                     Body::Skip(error.to_string())
                 } else {
                     Body::DeadLetter(error.to_string())
                 }
             }
-            Err(error @ (PayloadError::Json { .. } | PayloadError::Upcast { .. })) => {
-                if config.unreadable == Unreadable::Skip {
-                    Body::Skip(error.to_string())
-                } else {
-                    Body::DeadLetter(error.to_string())
-                }
-            }
+        }
+    }
+
+    /// Warns that an event at a version newer than the handler reads was left for another
+    /// instance: once per instance and event type and version (each such message comes
+    /// back with its nak delay, for as long as no instance reads it), at debug level after.
+    fn warn_newer(&self, metadata: &Metadata, reason: &str, delay: Duration) {
+        let first = self
+            .shared
+            .warned_newer
+            .lock()
+            .expect("never poisoned: no code panics holding it")
+            .insert((metadata.event_type.clone(), metadata.event_version));
+        if first {
+            tracing::warn!(
+                %reason, ?delay,
+                "an event newer than this consumer reads waits for a release that reads it; \
+                 the next ones of this type and version without a warning"
+            );
+        } else {
+            tracing::debug!(%reason, ?delay, "an event newer than this consumer reads waits");
         }
     }
 
@@ -1363,6 +1441,15 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 reason: failure.to_string(),
             }
             .into(),
+            Failure::Newer(reason) => {
+                let delay = config.nak_delay(metadata.deliveries);
+                self.warn_newer(metadata, &reason, delay);
+                Outcome::Retry {
+                    delay,
+                    error: reason,
+                }
+                .into()
+            }
             failure if failure.is_handlers() => self
                 .handler_failed(message, metadata, failure.to_string())
                 .await
@@ -1609,6 +1696,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                         tracing::warn!(%reason, "skipping a message by policy");
                         Ok(Outcome::Skipped { reason })
                     }
+                    // Not recorded: the rollback undoes the record and the position's move.
+                    Body::Newer(reason) => Err(Failure::Newer(reason)),
                     Body::DeadLetter(error) => {
                         let headers = message::headers_json(message);
                         let subject = message::storable_text(&message.subject);

@@ -195,8 +195,8 @@ pub use database::{ConnectError, Pooled, TimedOut};
 pub use event::{DomainEvent, EventSet, EventType, PayloadError, UpcastError};
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use inbox::{
-    Handler, Inbox, InboxConfig, InboxConnection, InboxError, InboxHandle, Metadata, Outcome,
-    UnknownEvents, Unreadable,
+    Handler, Inbox, InboxConfig, InboxConnection, InboxError, InboxHandle, Metadata, NewerVersions,
+    Outcome, UnknownEvents, Unreadable,
 };
 pub use outbox::{
     DEFAULT_MAX_PAYLOAD_BYTES, MigrationError, MissingMigrations, Outbox, OutboxStats,

@@ -109,17 +109,25 @@ impl Handler for Recording {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
-        diesel::sql_query(
-            "INSERT INTO applied (aggregate, seq, message_id, deliveries) VALUES ($1, $2, $3, $4)",
-        )
-        .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_str())
-        .bind::<diesel::sql_types::Int8, _>(message.sequence)
-        .bind::<diesel::sql_types::Text, _>(&message.id)
-        .bind::<diesel::sql_types::Int8, _>(i64::try_from(message.deliveries).unwrap())
-        .execute(uow.conn())
-        .await?;
-        Ok(())
+        record_applied(message, uow).await
     }
+}
+
+/// Writes the event of `message` into `applied`, in the handler's transaction `uow`.
+pub async fn record_applied(
+    message: &Metadata,
+    uow: &mut UnitOfWork<'_>,
+) -> Result<(), diesel::result::Error> {
+    diesel::sql_query(
+        "INSERT INTO applied (aggregate, seq, message_id, deliveries) VALUES ($1, $2, $3, $4)",
+    )
+    .bind::<diesel::sql_types::Text, _>(message.aggregate_id.as_str())
+    .bind::<diesel::sql_types::Int8, _>(message.sequence)
+    .bind::<diesel::sql_types::Text, _>(&message.id)
+    .bind::<diesel::sql_types::Int8, _>(i64::try_from(message.deliveries).unwrap())
+    .execute(uow.conn())
+    .await?;
+    Ok(())
 }
 
 /// Every applied event, `(aggregate, seq)`, in the order they were applied.
