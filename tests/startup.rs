@@ -349,6 +349,39 @@ async fn an_inbox_before_its_stream_exists_is_told_who_creates_it() {
     );
 }
 
+/// Each handler of an inbox holds a database connection, and its pool is sized for them:
+/// a `max_concurrency` beyond what a database serves is refused at `connect`, naming it
+/// (before: `usize::MAX` panicked with "capacity overflow" in the pool, a million allocated
+/// room for as many connections).
+#[tokio::test]
+async fn an_inbox_asked_for_more_handlers_than_a_database_serves_is_refused_naming_it() {
+    let env = TestEnv::new().await;
+    support::consumer::relay_all(&env).await; // creates the stream
+    let config = |max_concurrency| {
+        let mut config = InboxConfig::new("many", &env.database_url);
+        config.topology = env.topology();
+        config.max_concurrency = max_concurrency;
+        config
+    };
+    let most = outbox_runtime::inbox::MAX_CONCURRENCY;
+    for refused in [most + 1, 1_000_000, usize::MAX] {
+        let error = Inbox::connect(config(refused), env.nats.clone(), Nothing)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("max_concurrency {refused} taken"));
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "inbox configuration: max_concurrency {refused} is more than an inbox runs \
+                 ({most}): each handler holds a database connection, its transaction open"
+            )
+        );
+    }
+    Inbox::connect(config(most), env.nats.clone(), Nothing)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn an_empty_source_is_refused() {
     let env = TestEnv::new().await;

@@ -231,6 +231,13 @@ handler_trait!(= AsyncPgConnection);
 #[cfg(not(feature = "postgres"))]
 handler_trait!();
 
+/// The most handlers an inbox instance runs at once ([`InboxConfig::max_concurrency`]):
+/// each holds a database connection with its transaction open, and the connection pool
+/// sets room aside for as many. Ten times PostgreSQL's default `max_connections` (100;
+/// PostgreSQL 15 documentation, 20.3 "Connections and Authentication"), and MySQL's (151):
+/// a consumer needing more runs more instances.
+pub const MAX_CONCURRENCY: usize = 1024;
+
 /// What the inbox does with an event type the handler's event type does not carry, or a
 /// version of one that it neither reads nor precedes (one below all it reads). A version
 /// newer than every one it reads follows [`NewerVersions`] instead.
@@ -340,7 +347,7 @@ pub struct InboxConfig {
     /// Messages handled at once (different aggregates), and database connections. An
     /// instance also holds up to four times this many messages it has not started, beyond
     /// those it keeps aside behind a retry or a parked event (see `max_ack_pending`).
-    /// Default 16.
+    /// Default 16; 1 to [`MAX_CONCURRENCY`] (1,024).
     pub max_concurrency: usize,
     /// Messages JetStream delivers, across the consumer's instances, before it waits for
     /// acks: the consumer's `max_ack_pending`. Default 1,000, the NATS server's own default
@@ -480,8 +487,9 @@ impl InboxConfig {
     /// subject filter ([`validate_filter`](crate::subject::validate_filter)) or lies outside
     /// the topology's prefix, a stream or consumer name NATS refuses (the consumer's at most 255
     /// bytes), a count of zero (`max_attempts`, `max_concurrency`, `max_ack_pending`),
-    /// `max_attempts` over `i32::MAX`, `ack_wait` under 100 ms, a timeout under 1 ms, a
-    /// `purge_interval` under [`MIN_INTERVAL`](crate::relay::MIN_INTERVAL), a duration over
+    /// `max_concurrency` over [`MAX_CONCURRENCY`], `max_attempts` over `i32::MAX`,
+    /// `ack_wait` under 100 ms, a timeout under 1 ms, a `purge_interval` under
+    /// [`MIN_INTERVAL`](crate::relay::MIN_INTERVAL), a duration over
     /// [`MAX_DURATION`](crate::relay::MAX_DURATION), `retry_delay` over `max_retry_delay`, or a
     /// `retention` shorter than [`own_redelivery_time`](Self::own_redelivery_time).
     pub fn validate(&self) -> Result<(), InboxError> {
@@ -525,6 +533,13 @@ impl InboxConfig {
             if value == 0 {
                 return Err(InboxError::Config(format!("{name} must be at least 1")));
             }
+        }
+        if self.max_concurrency > MAX_CONCURRENCY {
+            return Err(InboxError::Config(format!(
+                "max_concurrency {} is more than an inbox runs ({MAX_CONCURRENCY}): each \
+                 handler holds a database connection, its transaction open",
+                self.max_concurrency
+            )));
         }
         if i32::try_from(self.max_attempts).is_err() {
             return Err(InboxError::Config(format!(
