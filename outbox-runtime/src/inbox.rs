@@ -740,7 +740,8 @@ pub enum Outcome {
         /// Why.
         reason: String,
     },
-    /// The handler failed, or the database did: nak, redelivered after `delay`.
+    /// The handler failed, or the database did, or the event is at a version newer than
+    /// the handler reads ([`NewerVersions::Wait`]): nak, redelivered after `delay`.
     Retry {
         /// The nak delay.
         delay: Duration,
@@ -1247,7 +1248,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     ///
     /// # Errors
     /// None for a failure of the handler or the database: those are [`Outcome::Retry`] (or
-    /// [`Outcome::DeadLettered`] at the last attempt).
+    /// [`Outcome::DeadLettered`] at the last attempt), as is an event at a version newer
+    /// than the handler reads.
     pub async fn process(&self, message: &jetstream::Message) -> Result<Outcome, InboxError> {
         Ok(self
             .process_held(message, Duration::ZERO, &CancellationToken::new())
