@@ -2235,3 +2235,60 @@ async fn an_event_newer_than_the_consumer_reads_can_be_dead_lettered_instead() {
         letters[0]
     );
 }
+
+/// A consumer whose release lags its producer's: the event it cannot read waits for
+/// `gap_timeout` (its naks counted from its deliveries), then is dead-lettered, naming the
+/// versions and the wait, and its aggregate moves on, rather than wait pending for as long as
+/// the lag, where enough such events stop the consumer's deliveries (`max_ack_pending`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_no_release_reads_within_gap_timeout_is_dead_lettered_and_its_aggregate_moves_on()
+{
+    let producer = TestEnv::new().await;
+    let consumer = consumer_database().await;
+    let mut config = consumer_config(&consumer, &producer, "lagging");
+    config.gap_timeout = Duration::from_secs(1);
+    let mut order = next_release::Order {
+        id: "o-new".into(),
+        pending_events: outbox_runtime::PendingEvents::new(),
+    };
+    order.record(next_release::OrderEvent::Placed {
+        customer: "grace".into(),
+        total_cents: 200,
+        currency: "CHF".into(),
+    });
+    order.record(next_release::OrderEvent::Shipped);
+    producer.commit(&mut order).await;
+    relay_all(&producer).await;
+    let started = Instant::now();
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "both settled", Duration::from_secs(20)).await;
+    let took = started.elapsed();
+    let mut conn = consumer.conn().await;
+    assert_eq!(applied(&mut conn).await.get("o-new"), Some(&vec![2]));
+    let letters: Vec<String> = outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(
+        letters[0].contains(
+            "version 2 is newer than 1, the newest this consumer reads, and no \
+             release that reads it took it within gap_timeout (1s)"
+        ),
+        "{}",
+        letters[0]
+    );
+    let gaps: i64 = outbox_inbox_gaps::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(gaps, 0, "the dead letter moved the position: no gap");
+    assert!(
+        took >= Duration::from_secs(1),
+        "dead-lettered before gap_timeout: {took:?}"
+    );
+}

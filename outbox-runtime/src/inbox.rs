@@ -52,7 +52,8 @@
 //!   dead-lettered;
 //! - a type it carries at a version newer than it reads (a producer released before the
 //!   consumer): [`NewerVersions`], left by default for an instance that reads it (nak'd,
-//!   counting no failure, its aggregate's later events waiting behind it), or dead-lettered;
+//!   counting no failure, its aggregate's later events waiting behind it) up to
+//!   `gap_timeout`, then dead-lettered; or dead-lettered at once;
 //! - a message without `ce-id`/`Nats-Msg-Id` or `ce-type`, with an invalid header or an
 //!   identity header over [`MAX_ID_BYTES`](crate::causality::MAX_ID_BYTES), or whose payload does not decode:
 //!   [`Unreadable`], dead-lettered by default, or skipped with a warning.
@@ -258,17 +259,19 @@ pub enum UnknownEvents {
 /// would be lost to it, its aggregate's later events applied without it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum NewerVersions {
-    /// Leave it for an instance of the consumer that reads it: nak it, counting no
-    /// failure, with the handler's delays (`retry_delay` doubling with each delivery, up to
-    /// `max_retry_delay`), and warn (once per instance and event type and version). Its
-    /// aggregate's later events wait behind it as behind any unapplied predecessor, up to
-    /// `gap_timeout`; after that they are applied over it (the gap recorded) and it is
-    /// dead-lettered as late when an instance that reads it takes it. The instance goes on
-    /// applying the other aggregates' events. The default: deploy the consumer's release
-    /// that reads the version, and every such event is applied, in order. Each such event
-    /// stays pending on the consumer until then, with the later events kept aside behind
-    /// it: `max_ack_pending` of them in all stop the consumer's deliveries, which is where a
-    /// consumer that is never released stalls, visibly, rather than lose them.
+    /// Leave it for an instance of the consumer that reads it, for up to `gap_timeout`
+    /// (5 min by default): nak it, counting no failure, with the handler's delays
+    /// (`retry_delay` doubling with each delivery, up to `max_retry_delay`), and warn (once
+    /// per instance and event type and version). Its aggregate's later events wait behind
+    /// it, as behind any unapplied predecessor; the instance goes on applying the other
+    /// aggregates' events. The default: in a rolling deploy the consumer's next release
+    /// takes it, and the aggregate's events are applied in order. Once its naks add up to
+    /// `gap_timeout` (counted from its deliveries, so across instances and restarts) it is
+    /// dead-lettered, naming the versions and the wait, and its aggregate moves on: the
+    /// aggregate's later events would be applied over it then anyway, and a consumer that
+    /// lags its producer by days would otherwise hold such events pending by the hundred,
+    /// up to `max_ack_pending`, where JetStream stops delivering it anything. Replay the dead
+    /// letters once the release that reads them runs ([`Inbox::replay_dead_letters`]).
     #[default]
     Wait,
     /// Dead-letter it, and its aggregate moves on: for an operator to replay
@@ -607,17 +610,23 @@ impl InboxConfig {
     /// could be handled again by a redelivery (see the module documentation's "Retention",
     /// which also names the producer relay's horizon and replays).
     pub fn own_redelivery_time(&self) -> Duration {
-        let failures = u64::from(self.max_attempts.saturating_sub(1));
-        // The delays double up to failure `NAK_DOUBLINGS + 1`; the rest repeat the last.
-        let doubling = failures.min(NAK_DOUBLINGS + 1);
-        let naks = (1..=doubling).fold(Duration::ZERO, |sum, n| {
-            sum.saturating_add(self.nak_delay(n))
-        });
-        let repeated = u32::try_from(failures - doubling).unwrap_or(u32::MAX);
         self.ack_wait
             .saturating_mul(self.max_attempts)
-            .saturating_add(naks)
-            .saturating_add(self.nak_delay(doubling).saturating_mul(repeated))
+            .saturating_add(self.naks_before(u64::from(self.max_attempts)))
+    }
+
+    /// The nak delays a message has waited through before its `deliveries`th delivery when
+    /// each earlier one was nak'd with [`nak_delay`](Self::nak_delay) (`Duration::MAX` where
+    /// the sum overflows).
+    fn naks_before(&self, deliveries: u64) -> Duration {
+        let naks = deliveries.saturating_sub(1);
+        // The delays double up to nak `NAK_DOUBLINGS + 1`; the rest repeat the last.
+        let doubling = naks.min(NAK_DOUBLINGS + 1);
+        let doubled = (1..=doubling).fold(Duration::ZERO, |sum, n| {
+            sum.saturating_add(self.nak_delay(n))
+        });
+        let repeated = u32::try_from(naks - doubling).unwrap_or(u32::MAX);
+        doubled.saturating_add(self.nak_delay(doubling).saturating_mul(repeated))
     }
 
     /// The nak delay after `failures` handler failures: `retry_delay * 2^(failures - 1)`,
@@ -819,6 +828,10 @@ enum Body<E> {
     /// At a version newer than the handler reads, left for an instance that reads it.
     Newer(String),
 }
+
+/// The most event types and versions newer than the handler reads that an instance warns
+/// of ([`Inbox::warn_newer`]); it logs the others at debug level.
+const MAX_WARNED_NEWER: usize = 64;
 
 /// How long an event waits in place for its predecessor while the aggregate's position
 /// does not move, before it is parked or nak'd (see [`Inbox::wait_for_predecessor`]).
@@ -1335,11 +1348,20 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 if let Some(newest) = error.newest_version_read() {
                     let reason = format!(
                         "{error}; version {} is newer than {newest}, the newest this \
-                         consumer reads: left for a release of the consumer that reads it",
+                         consumer reads",
                         metadata.event_version
                     );
+                    // Its naks so far, wherever they were: each instance naks it so.
+                    let waited = config.naks_before(metadata.deliveries);
                     return match config.newer_versions {
-                        NewerVersions::Wait => Body::Newer(reason),
+                        NewerVersions::Wait if waited < config.gap_timeout => Body::Newer(format!(
+                            "{reason}: left for a release of the consumer that reads it"
+                        )),
+                        NewerVersions::Wait => Body::DeadLetter(format!(
+                            "{reason}, and no release that reads it took it within gap_timeout \
+                             ({:?})",
+                            config.gap_timeout
+                        )),
                         NewerVersions::DeadLetter => Body::DeadLetter(reason),
                     };
                 }
@@ -1363,18 +1385,23 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// Warns that an event at a version newer than the handler reads was left for another
     /// instance: once per instance and event type and version (each such message comes
     /// back with its nak delay, for as long as no instance reads it), at debug level after.
+    /// Remembers at most [`MAX_WARNED_NEWER`] of them: messages of made-up versions grow
+    /// no set.
     fn warn_newer(&self, metadata: &Metadata, reason: &str, delay: Duration) {
-        let first = self
-            .shared
-            .warned_newer
-            .lock()
-            .expect("never poisoned: no code panics holding it")
-            .insert((metadata.event_type.clone(), metadata.event_version));
+        let first = {
+            let mut warned = self
+                .shared
+                .warned_newer
+                .lock()
+                .expect("never poisoned: no code panics holding it");
+            warned.len() < MAX_WARNED_NEWER
+                && warned.insert((metadata.event_type.clone(), metadata.event_version))
+        };
         if first {
             tracing::warn!(
                 %reason, ?delay,
-                "an event newer than this consumer reads waits for a release that reads it; \
-                 the next ones of this type and version without a warning"
+                "an event newer than this consumer reads waits for a release that reads it, \
+                 up to gap_timeout; the next ones of this type and version without a warning"
             );
         } else {
             tracing::debug!(%reason, ?delay, "an event newer than this consumer reads waits");
@@ -2575,6 +2602,24 @@ mod tests {
         let shown = format!("{config:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(shown.contains("postgres://inbox@db/orders"), "{shown}");
+    }
+
+    #[test]
+    fn the_naks_before_a_delivery_add_up_its_earlier_delays() {
+        let mut config = InboxConfig::new("c", "postgres://");
+        config.retry_delay = Duration::from_millis(100);
+        config.max_retry_delay = Duration::from_millis(350);
+        let waited: Vec<u128> = (0..=6).map(|d| config.naks_before(d).as_millis()).collect();
+        // Before the first delivery and the first nak, nothing; then 100, 200, 350, 350.
+        assert_eq!(waited, [0, 0, 100, 300, 650, 1000, 1350]);
+        // Beyond u32::MAX naks, no more are counted: decades past any gap_timeout but "never".
+        assert_eq!(
+            config.naks_before(u64::MAX),
+            config.naks_before(u64::from(u32::MAX) + 23)
+        );
+        config.max_retry_delay = Duration::MAX;
+        config.retry_delay = Duration::MAX;
+        assert_eq!(config.naks_before(3), Duration::MAX);
     }
 
     #[test]
