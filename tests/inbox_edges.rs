@@ -2092,6 +2092,50 @@ mod next_release {
         pub id: String,
         pub pending_events: PendingEvents<OrderEvent>,
     }
+
+    impl Order {
+        /// An order `id`, its `Placed` (version 2) recorded.
+        pub fn placed(id: &str) -> Self {
+            let mut order = Order {
+                id: id.to_owned(),
+                pending_events: PendingEvents::new(),
+            };
+            order.record(OrderEvent::Placed {
+                customer: "grace".into(),
+                total_cents: 200,
+                currency: "CHF".into(),
+            });
+            order
+        }
+    }
+}
+
+/// Commits an order of the next release, `Placed` (version 2) then `Shipped` in one unit of
+/// work, relays it, and runs an inbox of the release before (`config`) until both messages
+/// are settled; returns what it applied of the order, each dead letter's error, and how long
+/// the inbox ran.
+async fn the_release_before_on_a_next_release_order(
+    producer: &TestEnv,
+    consumer: &TestEnv,
+    config: outbox_runtime::InboxConfig,
+) -> (Option<Vec<i64>>, Vec<String>, Duration) {
+    let mut order = next_release::Order::placed("o-new");
+    order.record(next_release::OrderEvent::Shipped);
+    producer.commit(&mut order).await;
+    relay_all(producer).await;
+    let started = Instant::now();
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    run_until_settled(inbox, "both settled", Duration::from_secs(20)).await;
+    let ran = started.elapsed();
+    let mut conn = consumer.conn().await;
+    let letters = outbox_inbox_dead_letters::table
+        .select(outbox_inbox_dead_letters::error)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    (applied(&mut conn).await.remove("o-new"), letters, ran)
 }
 
 /// [`Recording`] on the next release's events.
@@ -2129,15 +2173,7 @@ async fn an_event_newer_than_an_instance_reads_is_left_for_an_instance_that_read
     producer.commit(&mut old).await;
     // Orders of the next release: `Placed` v2, then `Shipped`, in two units of work.
     for i in 0..NEW {
-        let mut order = next_release::Order {
-            id: format!("o-new-{i}"),
-            pending_events: outbox_runtime::PendingEvents::new(),
-        };
-        order.record(next_release::OrderEvent::Placed {
-            customer: "grace".into(),
-            total_cents: 200,
-            currency: "CHF".into(),
-        });
+        let mut order = next_release::Order::placed(&format!("o-new-{i}"));
         producer.commit(&mut order).await;
         order.record(next_release::OrderEvent::Shipped);
         producer.commit(&mut order).await;
@@ -2201,33 +2237,9 @@ async fn an_event_newer_than_the_consumer_reads_can_be_dead_lettered_instead() {
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "newer-dead-lettered");
     config.newer_versions = outbox_runtime::NewerVersions::DeadLetter;
-    let mut order = next_release::Order {
-        id: "o-new".into(),
-        pending_events: outbox_runtime::PendingEvents::new(),
-    };
-    order.record(next_release::OrderEvent::Placed {
-        customer: "grace".into(),
-        total_cents: 200,
-        currency: "CHF".into(),
-    });
-    order.record(next_release::OrderEvent::Shipped);
-    producer.commit(&mut order).await;
-    relay_all(&producer).await;
-    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
-        .await
-        .unwrap();
-    run_until_settled(inbox, "both settled", Duration::from_secs(20)).await;
-    let mut conn = consumer.conn().await;
-    assert_eq!(
-        applied(&mut conn).await.get("o-new"),
-        Some(&vec![2]),
-        "the aggregate moved on"
-    );
-    let letters: Vec<String> = outbox_inbox_dead_letters::table
-        .select(outbox_inbox_dead_letters::error)
-        .load(&mut conn)
-        .await
-        .unwrap();
+    let (applied, letters, _) =
+        the_release_before_on_a_next_release_order(&producer, &consumer, config).await;
+    assert_eq!(applied, Some(vec![2]), "the aggregate moved on");
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert!(
         letters[0].contains("version 2 is newer than 1, the newest this consumer reads"),
@@ -2247,31 +2259,9 @@ async fn an_event_no_release_reads_within_gap_timeout_is_dead_lettered_and_its_a
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "lagging");
     config.gap_timeout = Duration::from_secs(1);
-    let mut order = next_release::Order {
-        id: "o-new".into(),
-        pending_events: outbox_runtime::PendingEvents::new(),
-    };
-    order.record(next_release::OrderEvent::Placed {
-        customer: "grace".into(),
-        total_cents: 200,
-        currency: "CHF".into(),
-    });
-    order.record(next_release::OrderEvent::Shipped);
-    producer.commit(&mut order).await;
-    relay_all(&producer).await;
-    let started = Instant::now();
-    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
-        .await
-        .unwrap();
-    run_until_settled(inbox, "both settled", Duration::from_secs(20)).await;
-    let took = started.elapsed();
-    let mut conn = consumer.conn().await;
-    assert_eq!(applied(&mut conn).await.get("o-new"), Some(&vec![2]));
-    let letters: Vec<String> = outbox_inbox_dead_letters::table
-        .select(outbox_inbox_dead_letters::error)
-        .load(&mut conn)
-        .await
-        .unwrap();
+    let (applied, letters, took) =
+        the_release_before_on_a_next_release_order(&producer, &consumer, config).await;
+    assert_eq!(applied, Some(vec![2]), "the aggregate moved on");
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert!(
         letters[0].contains(
@@ -2283,7 +2273,7 @@ async fn an_event_no_release_reads_within_gap_timeout_is_dead_lettered_and_its_a
     );
     let gaps: i64 = outbox_inbox_gaps::table
         .count()
-        .get_result(&mut conn)
+        .get_result(&mut consumer.conn().await)
         .await
         .unwrap();
     assert_eq!(gaps, 0, "the dead letter moved the position: no gap");
