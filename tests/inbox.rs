@@ -540,6 +540,17 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
         b"not json",
     )
     .await;
+    // A version below 1 (the contract's versions start at 1): unreadable, not unknown.
+    publish(
+        format!("{p}.Order.o-4.Placed"),
+        headers(&[
+            ("ce-id", "m-version-0"),
+            ("ce-type", "Placed"),
+            ("ce-eventversion", "0"),
+        ]),
+        br#"{"customer":"ada","total_cents":1}"#,
+    )
+    .await;
 
     let consumer = consumer_database().await;
     let handler = Counting::default();
@@ -550,7 +561,7 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
     )
     .await
     .unwrap();
-    run_until_settled(inbox, "all three settled", Duration::from_secs(10)).await;
+    run_until_settled(inbox, "all four settled", Duration::from_secs(10)).await;
 
     assert_eq!(calls(&handler.calls), 0);
     let mut conn = consumer.conn().await;
@@ -563,7 +574,7 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
         .load(&mut conn)
         .await
         .unwrap();
-    assert_eq!(letters.len(), 2, "{letters:?}");
+    assert_eq!(letters.len(), 3, "{letters:?}");
     assert_eq!(letters[0].0, "stream-sequence-2");
     assert!(
         letters[0].1.contains("has no ce-type header"),
@@ -572,6 +583,17 @@ async fn unknown_types_are_skipped_unreadable_messages_dead_lettered_and_old_ids
     );
     assert_eq!(letters[1].0, "m-bad-json");
     assert!(letters[1].1.contains("expected ident"), "{}", letters[1].1);
+    assert_eq!(
+        letters[2].0, "stream-sequence-4",
+        "unread: keyed by its place"
+    );
+    assert!(
+        letters[2]
+            .1
+            .contains("header ce-eventversion is invalid: \"0\""),
+        "{}",
+        letters[2].1
+    );
 
     // Retention: ids older than the cut are deleted, newer ones kept.
     conn.batch_execute(

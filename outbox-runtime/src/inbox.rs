@@ -239,9 +239,9 @@ handler_trait!();
 /// a consumer needing more runs more instances.
 pub const MAX_CONCURRENCY: usize = 1024;
 
-/// What the inbox does with an event type the handler's event type does not carry, or a
-/// version of one that it neither reads nor precedes (one below all it reads). A version
-/// newer than every one it reads follows [`NewerVersions`] instead.
+/// What the inbox does with an event type the handler's event type does not carry. A type
+/// it carries, at a version newer than every one it reads, follows [`NewerVersions`]; a
+/// version below 1 makes the message unreadable ([`Unreadable`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum UnknownEvents {
     /// Ack it and log a warning. The default: a consumer's subject filter may catch types

@@ -20,7 +20,8 @@ pub struct Metadata {
     pub source: Option<String>,
     /// `ce-type`.
     pub event_type: String,
-    /// `ce-eventversion`; 1 when absent.
+    /// `ce-eventversion`, 1 or more; 1 when absent (a value below 1 makes the message
+    /// unreadable).
     pub event_version: i32,
     /// `ce-aggregatetype`: the aggregate type. Every message of the relay has one; a foreign
     /// message without the header gets the empty string.
@@ -191,8 +192,11 @@ impl Metadata {
                 .transpose()
         };
         let event_version = number("ce-eventversion", text("ce-eventversion")?)?.unwrap_or(1);
-        let event_version =
-            i32::try_from(event_version).map_err(|_| UnreadableMessage::InvalidHeader {
+        // A version is 1 or more (`EventType::version`; the outbox's column is checked so).
+        let event_version = i32::try_from(event_version)
+            .ok()
+            .filter(|version| *version >= 1)
+            .ok_or_else(|| UnreadableMessage::InvalidHeader {
                 subject: subject.clone(),
                 header: "ce-eventversion",
                 value: event_version.to_string(),
