@@ -234,9 +234,9 @@ handler_trait!();
 
 /// The most handlers an inbox instance runs at once ([`InboxConfig::max_concurrency`]):
 /// each holds a database connection with its transaction open, and the connection pool
-/// sets room aside for as many. Ten times PostgreSQL's default `max_connections` (100;
-/// PostgreSQL 15 documentation, 20.3 "Connections and Authentication"), and MySQL's (151):
-/// a consumer needing more runs more instances.
+/// sets room aside for as many. About ten times PostgreSQL's default `max_connections`
+/// (100; PostgreSQL 15 documentation, 20.3 "Connections and Authentication") and seven times
+/// MySQL's (151): a consumer needing more runs more instances.
 pub const MAX_CONCURRENCY: usize = 1024;
 
 /// What the inbox does with an event type the handler's event type does not carry. A type
