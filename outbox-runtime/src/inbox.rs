@@ -2612,10 +2612,13 @@ mod tests {
         let waited: Vec<u128> = (0..=6).map(|d| config.naks_before(d).as_millis()).collect();
         // Before the first delivery and the first nak, nothing; then 100, 200, 350, 350.
         assert_eq!(waited, [0, 0, 100, 300, 650, 1000, 1350]);
-        // Beyond u32::MAX naks, no more are counted: decades past any gap_timeout but "never".
+        // Past the doubling naks, at most u32::MAX repeats of the last are counted: decades
+        // past any gap_timeout but "never". The first delivery beyond them counts no more.
+        let last_counted = 1 + (NAK_DOUBLINGS + 1) + u64::from(u32::MAX);
+        assert!(config.naks_before(last_counted) > config.naks_before(last_counted - 1));
         assert_eq!(
             config.naks_before(u64::MAX),
-            config.naks_before(u64::from(u32::MAX) + 23)
+            config.naks_before(last_counted)
         );
         config.max_retry_delay = Duration::MAX;
         config.retry_delay = Duration::MAX;
