@@ -1,6 +1,6 @@
 //! The relay at its edges, against the real PostgreSQL and NATS: hostile rows (subjects
 //! outside the prefix, subjects the server cannot read, data that would switch JetStream's
-//! dedup off), a publish the server's permissions deny, a broker that stops gracefully or
+//! dedup off, times `ce-time` cannot carry), a publish the server's permissions deny, a broker that stops gracefully or
 //! stays away, a stream deleted under a running relay, and the warnings an operator sees
 //! meanwhile.
 
@@ -164,6 +164,165 @@ async fn unreadable_subjects_are_dead_lettered_at_once_and_never_cost_the_connec
         "the other aggregate flowed at once: {flowed_after:?}"
     );
     assert_eq!(env.stream_len().await, 1);
+}
+
+/// Inserts by hand the row of the `Raw` aggregate `aggregate_id`, under `prefix`, with this
+/// `occurred_at` (the text of a `timestamptz`) and, when given, this id.
+async fn insert_occurred_at(
+    conn: &mut AsyncPgConnection,
+    prefix: &str,
+    id: Option<&str>,
+    aggregate_id: &str,
+    occurred_at: &str,
+) -> QueryResult<usize> {
+    diesel::sql_query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                                    partition_key, subject, payload, occurred_at) \
+         VALUES (coalesce($1::uuid, gen_random_uuid()), 'Raw', $2, 1, 'Written', $2, \
+                 $3 || '.Raw.' || $2 || '.Written', '{}', $4::timestamptz)",
+    )
+    .bind::<diesel::sql_types::Nullable<diesel::sql_types::Text>, _>(id)
+    .bind::<diesel::sql_types::Text, _>(aggregate_id)
+    .bind::<diesel::sql_types::Text, _>(prefix)
+    .bind::<diesel::sql_types::Text, _>(occurred_at)
+    .execute(conn)
+    .await
+}
+
+/// Times `ce-time` cannot carry: RFC 3339's years are 0000 to 9999 (section 5.6), and the
+/// relay could not read the infinities or a year past 9999 at all (one such row failed every
+/// batch's claim, "Tried to deserialize a timestamp that is too large for Time").
+const OUT_OF_RFC_3339: [&str; 4] = [
+    "infinity",
+    "-infinity",
+    "10000-01-01 00:00:00+00",
+    "0002-12-31 23:59:59.999999+00 BC",
+];
+
+/// An `occurred_at` that `ce-time` cannot carry is refused where it is written, naming the
+/// constraint, and the first and last instants it can carry are published as RFC 3339 writes
+/// them.
+#[tokio::test]
+async fn an_occurred_at_ce_time_cannot_carry_is_refused_where_it_is_written() {
+    let env = TestEnv::new().await;
+    let mut conn = env.conn().await;
+    for (n, occurred_at) in OUT_OF_RFC_3339.iter().enumerate() {
+        let written = insert_occurred_at(
+            &mut conn,
+            &env.prefix,
+            None,
+            &format!("out-{n}"),
+            occurred_at,
+        )
+        .await;
+        let error = written.expect_err(occurred_at).to_string();
+        assert!(
+            error.contains("outbox_events_occurred_at_rfc3339"),
+            "{occurred_at}: {error}"
+        );
+    }
+    for (aggregate_id, occurred_at) in [
+        ("first", "0001-01-01 00:00:00+00 BC"),
+        ("last", "9999-12-31 23:59:59.999999+00"),
+    ] {
+        insert_occurred_at(&mut conn, &env.prefix, None, aggregate_id, occurred_at)
+            .await
+            .unwrap();
+    }
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    env.until_stream_holds(2, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    let mut times: Vec<(String, String)> = env
+        .stream_messages()
+        .await
+        .iter()
+        .map(|message| (message.header("ce-subject"), message.header("ce-time")))
+        .collect();
+    times.sort();
+    assert_eq!(
+        times,
+        [
+            ("first".to_owned(), "0000-01-01T00:00:00.000000Z".to_owned()),
+            ("last".to_owned(), "9999-12-31T23:59:59.999999Z".to_owned()),
+        ]
+    );
+}
+
+/// Reverts the database's last outbox migration, as diesel's harness does, and returns its
+/// version.
+async fn revert_last_migration(env: &TestEnv) -> String {
+    let conn = env.conn().await;
+    tokio::task::spawn_blocking(move || {
+        use diesel_migrations::MigrationHarness as _;
+        let mut conn = diesel_async::async_connection_wrapper::AsyncConnectionWrapper::<
+            AsyncPgConnection,
+        >::from(conn);
+        conn.revert_last_migration(outbox_runtime::MIGRATIONS)
+            .unwrap()
+            .to_string()
+    })
+    .await
+    .unwrap()
+}
+
+/// A database that already holds rows `ce-time` cannot carry is upgraded as far as it can be:
+/// the migration that bounds `occurred_at` names one of them and how to mend it, fails, and
+/// leaves new rows checked; once they are mended it runs, and the relay publishes them.
+#[tokio::test]
+async fn an_upgrade_over_rows_ce_time_cannot_carry_names_one_and_completes_once_they_are_mended() {
+    let env = TestEnv::new().await;
+    assert_eq!(revert_last_migration(&env).await, "20261203000013");
+    let mut conn = env.conn().await;
+    for (n, occurred_at) in OUT_OF_RFC_3339.iter().enumerate() {
+        let id = format!("00000000-0000-4000-8000-00000000000{n}");
+        insert_occurred_at(
+            &mut conn,
+            &env.prefix,
+            Some(&id),
+            &format!("out-{n}"),
+            occurred_at,
+        )
+        .await
+        .unwrap();
+    }
+    let refused = outbox_runtime::run_migrations(&env.database_url)
+        .await
+        .expect_err("rows out of range")
+        .to_string();
+    assert!(
+        refused.contains(
+            "the outbox_events row 00000000-0000-4000-8000-000000000000 has occurred_at infinity, \
+             outside the years 0000 to 9999"
+        ) && refused.contains("set its occurred_at to when the event happened, or delete it")
+            && refused.contains("(rows out of range: 4)"),
+        "{refused}"
+    );
+    let meanwhile = insert_occurred_at(&mut conn, &env.prefix, None, "meanwhile", "infinity")
+        .await
+        .expect_err("checked from the failed run on")
+        .to_string();
+    assert!(
+        meanwhile.contains("outbox_events_occurred_at_rfc3339"),
+        "{meanwhile}"
+    );
+
+    conn.batch_execute("UPDATE outbox_events SET occurred_at = now()")
+        .await
+        .unwrap();
+    let applied = outbox_runtime::run_migrations(&env.database_url)
+        .await
+        .unwrap();
+    assert_eq!(applied, ["20261203000013"]);
+    let relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    env.until_stream_holds(OUT_OF_RFC_3339.len() as u64, Duration::from_secs(10))
+        .await;
+    relay.shutdown().await.unwrap();
 }
 
 /// Rows whose `headers` column holds a header that readers would see differently (an empty
