@@ -191,6 +191,17 @@ pub(crate) struct StatusArgs {
 /// How many of the newest rows `status` reads for "published in the last minute".
 const RECENT_WINDOW: i64 = 50_000;
 
+/// A time in RFC 3339 (section 5.6), in UTC: `2026-12-03T23:22:20.498158Z`, what a script
+/// reading the `--json` forms parses (Python's `datetime.fromisoformat`, JavaScript's `Date`,
+/// PostgreSQL's `timestamptz`), where time's own text (`2026-12-03 23:22:20.498158 +00:00:00`)
+/// is none of theirs. The outbox's tables keep their times in RFC 3339's years 0000 to 9999;
+/// one outside them is shown in time's text rather than not at all.
+fn rfc3339(at: time::OffsetDateTime) -> String {
+    at.to_offset(time::UtcOffset::UTC)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| at.to_string())
+}
+
 /// A duration to the tenth of a second under a minute, to the second above.
 fn shown(duration: Duration) -> String {
     if duration < Duration::from_secs(60) {
@@ -270,7 +281,7 @@ pub(crate) async fn status(database_url: &str, args: StatusArgs) -> Result<Ended
         let report = json!({
             "queued": stats.queued,
             "lag_seconds": lag.as_secs_f64(),
-            "oldest_queued_at": stats.oldest_queued_at.map(|t| t.to_string()),
+            "oldest_queued_at": stats.oldest_queued_at.map(rfc3339),
             "dead_letters": stats.dead_letters,
             "blocked_aggregates": stats.dead_letters,
             "blocked_events": stats.blocked,
@@ -403,8 +414,8 @@ fn letter_json(letter: &dead_letter::DeadLetter) -> serde_json::Value {
         "subject": letter.subject,
         "attempts": letter.attempts,
         "last_error": letter.last_error,
-        "dead_lettered_at": letter.dead_lettered_at.to_string(),
-        "skipped_at": letter.skipped_at.map(|t| t.to_string()),
+        "dead_lettered_at": rfc3339(letter.dead_lettered_at),
+        "skipped_at": letter.skipped_at.map(rfc3339),
         "waiting": letter.waiting,
     })
 }
@@ -618,7 +629,7 @@ async fn dead_letters<C: OperatorConnection>(
             let mut value = letter_json(&detail.letter);
             value["event_version"] = json!(detail.event_version);
             value["partition_key"] = json!(detail.partition_key);
-            value["occurred_at"] = json!(detail.occurred_at.to_string());
+            value["occurred_at"] = json!(rfc3339(detail.occurred_at));
             value["correlation_id"] = json!(detail.correlation_id);
             value["payload"] =
                 serde_json::from_str(&detail.payload).unwrap_or(json!(detail.payload));
@@ -725,7 +736,7 @@ fn inbox_letter_json(letter: &inbox::DeadLetter) -> serde_json::Value {
         "error": letter.error,
         "deliveries": letter.deliveries,
         "stream_sequence": letter.stream_sequence,
-        "dead_lettered_at": letter.dead_lettered_at.to_string(),
+        "dead_lettered_at": rfc3339(letter.dead_lettered_at),
     })
 }
 
@@ -754,7 +765,7 @@ async fn inbox_dead_letters<C: InboxConnection>(
             print_list(&letters, json, none, inbox_letter_json, |letter| {
                 format!(
                     "{}  {}  {}  {}  deliveries {}  {}",
-                    letter.dead_lettered_at,
+                    rfc3339(letter.dead_lettered_at),
                     one_line(&letter.consumer),
                     one_line(&letter.message_id),
                     one_line(&letter.subject),

@@ -89,6 +89,23 @@ fn text(output: &Output) -> String {
     )
 }
 
+/// A time a `--json` form printed, which must be RFC 3339 in UTC (`...Z`), what scripts parse:
+/// they printed time's own text, `2026-12-03 23:22:20.498158 +00:00:00`.
+#[track_caller]
+fn rfc3339(value: &serde_json::Value) -> time::OffsetDateTime {
+    let text = value
+        .as_str()
+        .unwrap_or_else(|| panic!("a time, not {value}"));
+    assert!(text.ends_with('Z'), "{text}: in UTC");
+    time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|e| panic!("{text} is not RFC 3339: {e}"))
+}
+
+/// How long ago `at` was.
+fn age(at: time::OffsetDateTime) -> time::Duration {
+    time::OffsetDateTime::now_utc() - at
+}
+
 /// Inserts a row by plain SQL; `state` is SQL for the columns that make it queued, a dead
 /// letter, skipped or published.
 async fn insert(env: &TestEnv, aggregate: &str, seq: i64, event: &str, state: &str) {
@@ -237,6 +254,11 @@ async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
     assert_eq!(report["skipped_dead_letters"], 1);
     assert_eq!(report["lag_over_max"], true);
     assert!(report["lag_seconds"].as_f64().unwrap() > 7000.0);
+    let oldest = age(rfc3339(&report["oldest_queued_at"]));
+    assert!(
+        oldest > time::Duration::hours(2) && oldest < time::Duration::minutes(125),
+        "{oldest}"
+    );
     assert_eq!(report["by_type"].as_array().unwrap().len(), 2);
 
     let healthy = outbox(&env, &support::nats_url(), &["status", "--max-lag", "3h"]);
@@ -268,6 +290,13 @@ async fn dead_letters_are_listed_shown_retried_and_skipped() {
         .map(|line| serde_json::from_str(line).unwrap())
         .collect();
     assert_eq!(letters.len(), 3);
+    for letter in &letters {
+        assert!(age(rfc3339(&letter["dead_lettered_at"])) < time::Duration::minutes(5));
+        match &letter["skipped_at"] {
+            serde_json::Value::Null => assert_ne!(letter["aggregate_id"], "o-3"),
+            skipped => assert!(age(rfc3339(skipped)) < time::Duration::minutes(5)),
+        }
+    }
     let id = |aggregate: &str| {
         letters
             .iter()
@@ -281,6 +310,7 @@ async fn dead_letters_are_listed_shown_retried_and_skipped() {
     let detail: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
     assert_eq!(detail["payload"], serde_json::json!({"n": 1}));
     assert_eq!(detail["last_error"], "max payload exceeded");
+    assert!(age(rfc3339(&detail["occurred_at"])) < time::Duration::minutes(5));
 
     let retried = outbox(&env, &nats, &["retry", &id("o-1")]);
     assert!(
@@ -378,6 +408,11 @@ async fn inbox_dead_letters_are_counted_listed_shown_and_discarded() {
     let ids: Vec<_> = all.iter().map(|l| l["message_id"].clone()).collect();
     assert_eq!(ids.len(), 4, "{all:?}");
     assert_eq!(ids[..2], ["m-1", "m-2"], "the oldest first: {all:?}");
+    let first = age(rfc3339(&all[0]["dead_lettered_at"]));
+    assert!(
+        first > time::Duration::minutes(2) && first < time::Duration::minutes(7),
+        "{first}"
+    );
     assert_eq!(all[0]["error"], "handler failed 5 times: no account");
     assert_eq!(
         (&all[0]["deliveries"], &all[0]["stream_sequence"]),
