@@ -649,7 +649,10 @@ impl Health {
         }
     }
 
-    fn database_failed(&self, error: &str) {
+    /// Counts a failure of the relay's database, `kind` `connect` (no connection) or `batch`
+    /// (a batch's statement failed or timed out), and logs it as a run of failures.
+    fn database_failed(&self, kind: &'static str, error: &str) {
+        metrics::counter!("outbox_relay_database_failures_total", "kind" => kind).increment(1);
         if let Some(repeat) = self.database.failed() {
             tracing::warn!(
                 %error, failing_for = ?repeat,
@@ -985,6 +988,10 @@ fn describe_metrics() {
     describe_counter!(
         "outbox_relay_broker_unavailable_total",
         "Times a relay worker found the NATS client disconnected (once per 100 ms while it is)"
+    );
+    describe_counter!(
+        "outbox_relay_database_failures_total",
+        "Failures of a relay worker's database, by kind (connect: no connection; batch: a batch's statement failed or timed out); the worker reconnects with backoff, nothing is claimed meanwhile"
     );
     describe_counter!(
         "outbox_relay_claims_total",
