@@ -1,8 +1,8 @@
 //! The relay at its edges, against the real PostgreSQL and NATS: hostile rows (subjects
 //! outside the prefix, subjects the server cannot read, data that would switch JetStream's
-//! dedup off, times `ce-time` cannot carry), a publish the server's permissions deny, a broker that stops gracefully or
-//! stays away, a stream deleted under a running relay, and the warnings an operator sees
-//! meanwhile.
+//! dedup off, times RFC 3339 cannot write), a publish the server's permissions deny, a broker
+//! that stops gracefully or stays away, a stream deleted under a running relay, and the
+//! warnings an operator sees meanwhile.
 
 mod support;
 
@@ -166,32 +166,34 @@ async fn unreadable_subjects_are_dead_lettered_at_once_and_never_cost_the_connec
     assert_eq!(env.stream_len().await, 1);
 }
 
-/// Inserts by hand the row of the `Raw` aggregate `aggregate_id`, under `prefix`, with this
-/// `occurred_at` (the text of a `timestamptz`) and, when given, this id.
-async fn insert_occurred_at(
+/// Inserts by hand the row of the `Raw` aggregate `aggregate_id`, under `prefix`, with its
+/// `column` (a time column of `outbox_events`) at `at` (the text of a `timestamptz`) and, when
+/// given, this id.
+async fn insert_at(
     conn: &mut AsyncPgConnection,
     prefix: &str,
     id: Option<&str>,
     aggregate_id: &str,
-    occurred_at: &str,
+    (column, at): (&str, &str),
 ) -> QueryResult<usize> {
-    diesel::sql_query(
+    diesel::sql_query(format!(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
-                                    partition_key, subject, payload, occurred_at) \
+                                    partition_key, subject, payload, {column}) \
          VALUES (coalesce($1::uuid, gen_random_uuid()), 'Raw', $2, 1, 'Written', $2, \
-                 $3 || '.Raw.' || $2 || '.Written', '{}', $4::timestamptz)",
-    )
+                 $3 || '.Raw.' || $2 || '.Written', '{{}}', $4::timestamptz)"
+    ))
     .bind::<diesel::sql_types::Nullable<diesel::sql_types::Text>, _>(id)
     .bind::<diesel::sql_types::Text, _>(aggregate_id)
     .bind::<diesel::sql_types::Text, _>(prefix)
-    .bind::<diesel::sql_types::Text, _>(occurred_at)
+    .bind::<diesel::sql_types::Text, _>(at)
     .execute(conn)
     .await
 }
 
-/// Times `ce-time` cannot carry: RFC 3339's years are 0000 to 9999 (section 5.6), and the
-/// relay could not read the infinities or a year past 9999 at all (one such row failed every
-/// batch's claim, "Tried to deserialize a timestamp that is too large for Time").
+/// Times RFC 3339 cannot write, and the toolkit could not read back: its years are 0000 to
+/// 9999 (section 5.6). One row with such an `occurred_at` failed every relay batch's claim
+/// ("Tried to deserialize a timestamp that is too large for Time"); one with such a
+/// `dead_lettered_at` failed `outbox dead-letters list` ("cannot convert infinity to bigint").
 const OUT_OF_RFC_3339: [&str; 4] = [
     "infinity",
     "-infinity",
@@ -199,35 +201,46 @@ const OUT_OF_RFC_3339: [&str; 4] = [
     "0002-12-31 23:59:59.999999+00 BC",
 ];
 
-/// An `occurred_at` that `ce-time` cannot carry is refused where it is written, naming the
-/// constraint, and the first and last instants it can carry are published as RFC 3339 writes
-/// them.
+/// The time columns of `outbox_events` the toolkit reads back (`available_at` is only compared,
+/// and `'infinity'` there parks a row).
+const READ_BACK: [&str; 4] = [
+    "occurred_at",
+    "published_at",
+    "dead_lettered_at",
+    "skipped_at",
+];
+
+/// A time RFC 3339 cannot write is refused where it is written, in each column the toolkit
+/// reads back, naming the column's constraint; the first and last instants `ce-time` can
+/// carry are published as RFC 3339 writes them.
 #[tokio::test]
-async fn an_occurred_at_ce_time_cannot_carry_is_refused_where_it_is_written() {
+async fn a_time_rfc_3339_cannot_write_is_refused_where_it_is_written() {
     let env = TestEnv::new().await;
     let mut conn = env.conn().await;
-    for (n, occurred_at) in OUT_OF_RFC_3339.iter().enumerate() {
-        let written = insert_occurred_at(
-            &mut conn,
-            &env.prefix,
-            None,
-            &format!("out-{n}"),
-            occurred_at,
-        )
-        .await;
-        let error = written.expect_err(occurred_at).to_string();
-        assert!(
-            error.contains("outbox_events_occurred_at_rfc3339"),
-            "{occurred_at}: {error}"
-        );
+    for column in READ_BACK {
+        for (n, at) in OUT_OF_RFC_3339.iter().enumerate() {
+            let aggregate_id = format!("out-{n}");
+            let written = insert_at(&mut conn, &env.prefix, None, &aggregate_id, (column, at));
+            let error = written.await.expect_err(at).to_string();
+            assert!(
+                error.contains(&format!("outbox_events_{column}_rfc3339")),
+                "{column} {at}: {error}"
+            );
+        }
     }
-    for (aggregate_id, occurred_at) in [
+    for (aggregate_id, at) in [
         ("first", "0001-01-01 00:00:00+00 BC"),
         ("last", "9999-12-31 23:59:59.999999+00"),
     ] {
-        insert_occurred_at(&mut conn, &env.prefix, None, aggregate_id, occurred_at)
-            .await
-            .unwrap();
+        insert_at(
+            &mut conn,
+            &env.prefix,
+            None,
+            aggregate_id,
+            ("occurred_at", at),
+        )
+        .await
+        .unwrap();
     }
     let relay = Relay::connect(env.relay_config(), env.nats.clone())
         .await
@@ -268,54 +281,80 @@ async fn revert_last_migration(env: &TestEnv) -> String {
     .unwrap()
 }
 
-/// A database that already holds rows `ce-time` cannot carry is upgraded as far as it can be:
-/// the migration that bounds `occurred_at` names one of them and how to mend it, fails, and
-/// leaves new rows checked; once they are mended it runs, and the relay publishes them.
-#[tokio::test]
-async fn an_upgrade_over_rows_ce_time_cannot_carry_names_one_and_completes_once_they_are_mended() {
-    let env = TestEnv::new().await;
-    assert_eq!(revert_last_migration(&env).await, "20261203000013");
-    let mut conn = env.conn().await;
-    for (n, occurred_at) in OUT_OF_RFC_3339.iter().enumerate() {
-        let id = format!("00000000-0000-4000-8000-00000000000{n}");
-        insert_occurred_at(
-            &mut conn,
-            &env.prefix,
-            Some(&id),
-            &format!("out-{n}"),
-            occurred_at,
-        )
-        .await
-        .unwrap();
-    }
+/// The outbox migrations on `env`'s database, which must fail naming the row `id`, its
+/// `column` and the value `at`, and how many rows hold such a value.
+async fn migrations_refused_over(env: &TestEnv, id: &str, (column, at): (&str, &str), rows: usize) {
     let refused = outbox_runtime::run_migrations(&env.database_url)
         .await
         .expect_err("rows out of range")
         .to_string();
     assert!(
-        refused.contains(
-            "the outbox_events row 00000000-0000-4000-8000-000000000000 has occurred_at infinity, \
-             outside the years 0000 to 9999"
-        ) && refused.contains("set its occurred_at to when the event happened, or delete it")
-            && refused.contains("(rows out of range: 4)"),
+        refused.contains(&format!(
+            "the outbox_events row {id} has {column} {at}, outside the years 0000 to 9999 of \
+             RFC 3339"
+        )) && refused.contains("set it to a time within them, or delete the row")
+            && refused.contains(&format!("(rows with such a {column}: {rows})")),
         "{refused}"
     );
-    let meanwhile = insert_occurred_at(&mut conn, &env.prefix, None, "meanwhile", "infinity")
+}
+
+/// A database that already holds times the toolkit cannot read is upgraded as far as it can
+/// be: the migration that bounds them names a row, its column and how to mend it, fails, and
+/// leaves new rows checked; once the rows are mended it runs, and the relay publishes them.
+#[tokio::test]
+async fn an_upgrade_over_unreadable_times_names_a_row_and_completes_once_they_are_mended() {
+    let env = TestEnv::new().await;
+    assert_eq!(revert_last_migration(&env).await, "20261203000013");
+    let mut conn = env.conn().await;
+    let id = |n: usize| format!("00000000-0000-4000-8000-00000000000{n}");
+    for (n, at) in OUT_OF_RFC_3339.iter().enumerate() {
+        insert_at(
+            &mut conn,
+            &env.prefix,
+            Some(&id(n)),
+            &format!("out-{n}"),
+            ("occurred_at", at),
+        )
+        .await
+        .unwrap();
+    }
+    let dead = ("dead_lettered_at", "infinity");
+    insert_at(&mut conn, &env.prefix, Some(&id(9)), "dead", dead)
+        .await
+        .unwrap();
+
+    migrations_refused_over(
+        &env,
+        &id(0),
+        ("occurred_at", "infinity"),
+        OUT_OF_RFC_3339.len(),
+    )
+    .await;
+    let meanwhile = insert_at(&mut conn, &env.prefix, None, "meanwhile", dead)
         .await
         .expect_err("checked from the failed run on")
         .to_string();
     assert!(
-        meanwhile.contains("outbox_events_occurred_at_rfc3339"),
+        meanwhile.contains("outbox_events_dead_lettered_at_rfc3339"),
         "{meanwhile}"
     );
-
-    conn.batch_execute("UPDATE outbox_events SET occurred_at = now()")
+    // A NOT VALID constraint checks the rows an update writes: each is mended whole.
+    conn.batch_execute("UPDATE outbox_events SET occurred_at = now() WHERE aggregate_id <> 'dead'")
         .await
         .unwrap();
+    migrations_refused_over(&env, &id(9), dead, 1).await;
+    conn.batch_execute(
+        "UPDATE outbox_events SET dead_lettered_at = now() WHERE dead_lettered_at IS NOT NULL",
+    )
+    .await
+    .unwrap();
     let applied = outbox_runtime::run_migrations(&env.database_url)
         .await
         .unwrap();
     assert_eq!(applied, ["20261203000013"]);
+    let listed = dead_letter::list(&mut conn, 10).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+
     let relay = Relay::connect(env.relay_config(), env.nats.clone())
         .await
         .unwrap()

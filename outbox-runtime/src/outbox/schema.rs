@@ -27,8 +27,9 @@ diesel::table! {
         payload -> Json,
         /// Extra message headers: a JSON object of name to string or array of strings.
         headers -> Jsonb,
-        /// When the unit of work recorded it: `ce-time`. Checked to lie in the years 0000 to
-        /// 9999 that RFC 3339 writes (`outbox_events_occurred_at_rfc3339`, migration 000013).
+        /// When the unit of work recorded it: `ce-time`. Like every time of this table but
+        /// `available_at`, checked to lie in RFC 3339's years 0000 to 9999
+        /// (`outbox_events_occurred_at_rfc3339`, migration 000013).
         occurred_at -> Timestamptz,
         /// Not published before this time: the relay's retry backoff moves it forward.
         available_at -> Timestamptz,

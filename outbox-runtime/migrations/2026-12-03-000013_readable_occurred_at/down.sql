@@ -1,1 +1,0 @@
-ALTER TABLE outbox_events DROP CONSTRAINT outbox_events_occurred_at_rfc3339;
