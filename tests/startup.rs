@@ -468,6 +468,41 @@ async fn a_created_stream_gets_the_settings_and_an_existing_one_that_differs_is_
     );
 }
 
+/// A relay that would create its stream where another stream already captures some of its
+/// subjects names that stream, what it captures and the ways out, where it said only
+/// "subjects overlap with an existing stream" (JetStream's 10065: a subject is stored by one
+/// stream of an account), which leaves a newcomer to find the other stream.
+#[tokio::test]
+async fn a_stream_whose_subjects_another_stream_captures_is_refused_naming_that_stream() {
+    let env = TestEnv::new().await;
+    // The other stream is `owner`'s by name, so that its cleanup deletes it.
+    let owner = TestEnv::new().await;
+    let captured = format!("{}.Order.>", env.prefix);
+    env.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: owner.stream.clone(),
+            subjects: vec![captured.clone()],
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let refused = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .err()
+        .expect("the stream cannot be created")
+        .to_string();
+    assert!(
+        refused.contains(&format!(
+            "JetStream stream \"{}\" cannot be created to capture \"{}.>\": the stream \"{}\" \
+             captures [\"{captured}\"], which overlap it",
+            env.stream, env.prefix, owner.stream
+        )) && refused.contains(&format!("point the relay at \"{}\"", owner.stream))
+            && refused.contains("or give this topology another prefix"),
+        "{refused}"
+    );
+}
+
 /// A relay whose broker takes smaller messages than units of work write by default (the
 /// server's `max_payload`, or the stream's `max_msg_size`, under nats-server's default 1 MiB)
 /// warns, naming the bound and the `Outbox::with_max_payload` that fits it: an event between

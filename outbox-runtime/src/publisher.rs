@@ -943,6 +943,25 @@ pub enum StreamError {
         /// The stream name.
         stream: String,
     },
+    /// The stream does not exist, and creating it failed because another stream captures
+    /// some of its subjects: a subject belongs to one stream of an account (JetStream's error
+    /// 10065, "subjects overlap with an existing stream").
+    #[error(
+        "JetStream stream {stream:?} cannot be created to capture \"{prefix}.>\": the stream \
+         {other:?} captures {other_subjects:?}, which overlap it, and a subject is stored by one \
+         stream only; point the relay at {other:?} (StreamSettings::name, outbox relay \
+         --stream) if it is this outbox's, or give this topology another prefix"
+    )]
+    Overlaps {
+        /// The stream name.
+        stream: String,
+        /// The subject prefix it should capture.
+        prefix: String,
+        /// A stream that captures some of the prefix's subjects.
+        other: String,
+        /// What that stream captures.
+        other_subjects: Vec<String>,
+    },
     /// A JetStream API call failed.
     #[error("JetStream stream {stream:?}: {message}")]
     Api {
@@ -990,7 +1009,7 @@ pub(crate) async fn ensure_stream(
                     prefix: prefix.to_owned(),
                 });
             }
-            jetstream
+            let created = jetstream
                 .create_stream(stream::Config {
                     name: settings.name.clone(),
                     subjects: vec![wanted.clone()],
@@ -1001,10 +1020,21 @@ pub(crate) async fn ensure_stream(
                     max_bytes: settings.max_bytes,
                     ..Default::default()
                 })
-                .await
-                .map_err(|e| failed(&e))?
-                .cached_info()
-                .clone()
+                .await;
+            match created {
+                Ok(stream) => stream.cached_info().clone(),
+                Err(error) => {
+                    return Err(match overlapping(jetstream, &error, &wanted).await {
+                        Some((other, other_subjects)) => StreamError::Overlaps {
+                            stream: settings.name.clone(),
+                            prefix: prefix.to_owned(),
+                            other,
+                            other_subjects,
+                        },
+                        None => failed(&error),
+                    });
+                }
+            }
         }
     };
     if !captures(&info.config.subjects, prefix) {
@@ -1035,6 +1065,29 @@ pub(crate) async fn ensure_stream(
         );
     }
     Ok(info.config)
+}
+
+/// When a stream's creation failed because another stream captures some of `subjects`
+/// (10065), that stream's name and subjects, as JetStream's stream list filtered by
+/// `subjects` gives them (it lists the streams whose subjects collide with the filter:
+/// checked on nats-server 2.9.10 and 2.15.1); `None` for another failure, or when the look
+/// up fails too.
+async fn overlapping(
+    jetstream: &jetstream::Context,
+    error: &jetstream::context::CreateStreamError,
+    subjects: &str,
+) -> Option<(String, Vec<String>)> {
+    use jetstream::context::CreateStreamErrorKind;
+    let CreateStreamErrorKind::JetStream(error) = error.kind() else {
+        return None;
+    };
+    if error.error_code() != jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP {
+        return None;
+    }
+    let other = jetstream.stream_by_subject(subjects).await.ok()?;
+    let mut stream = jetstream.get_stream(&other).await.ok()?;
+    let other_subjects = stream.info().await.ok()?.config.subjects.clone();
+    Some((other, other_subjects))
 }
 
 /// Whether `error` is, or was caused by, a JetStream API request that timed out (a stream
