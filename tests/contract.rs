@@ -998,8 +998,10 @@ async fn an_idle_relay_is_woken_by_each_commit_of_its_process<B: Backend>() {
 
 /// A row the relay could not read (its id not a UUID, its payload not JSON, its headers not
 /// a JSON object, its time not a time, its sequence not a number) is refused where it is
-/// written: met by the relay's
-/// claim, it would stop every batch. A row that passes is relayed.
+/// written: met by the relay's claim, it would stop every batch. So is a row whose
+/// `published_at`, `dead_lettered_at` or `skipped_at` the toolkit could not read back (before:
+/// `'infinity'` on PostgreSQL, a zero date on MariaDB and text on SQLite were written, and one
+/// such dead letter failed every listing of the dead letters). A row that passes is relayed.
 async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written<B: Backend>() {
     let env = B::setup().await;
     let row = |id: &str, payload: &str, headers: &str, occurred_at: &str| {
@@ -1030,6 +1032,28 @@ async fn a_row_the_relay_could_not_read_is_refused_where_it_is_written<B: Backen
             B::try_execute(&env, &statement).await.is_err(),
             "{what} was written"
         );
+    }
+    // Refused on every backend: PostgreSQL parses none of them but 'infinity', which its
+    // CHECK refuses; MariaDB in strict mode parses only the zero date, which its CHECK
+    // refuses; SQLite's triggers refuse each.
+    let state_row = |column: &str, at: &str| {
+        format!(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                 partition_key, subject, payload, {column}) \
+             VALUES ('Raw', 's-{column}', 1, 'Written', 's-{column}', \
+                     '{{prefix}}.Raw.s-{column}.Written', '{{}}', '{at}')"
+        )
+    };
+    for column in ["published_at", "dead_lettered_at", "skipped_at"] {
+        for at in ["infinity", "0000-00-00 00:00:00", "not a time"] {
+            assert!(
+                B::try_execute(&env, &state_row(column, at)).await.is_err(),
+                "{column} {at} was written"
+            );
+        }
+        // The same statement with a time in it is written (and never relayed: published,
+        // a dead letter, or skipped).
+        B::execute(&env, &state_row(column, now)).await;
     }
     B::execute(&env, &row(id, r#"{"ok": true}"#, "{}", now)).await;
     B::relay_all(&env).await;

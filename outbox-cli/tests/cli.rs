@@ -1668,13 +1668,13 @@ async fn the_operators_commands_work_on_mysql() {
     assert!(
         said.contains(
             "lacks migrations of this outbox: 20261124000001, 20261125000002, \
-                       20261126000003, 20261127000004; run `outbox migrate`"
+                       20261126000003, 20261127000004, 20261203000005; run `outbox migrate`"
         ),
         "{said}"
     );
     let (code, said) = command(&["migrate"]);
     assert_eq!(code, Some(0), "{said}");
-    assert!(said.contains("applied 4"), "{said}");
+    assert!(said.contains("applied 5"), "{said}");
     let id = uuid::Uuid::now_v7().to_string();
     AsyncMysqlConnection::establish(&url)
         .await
@@ -1817,7 +1817,7 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     assert!(!std::path::Path::new(&path).exists(), "no file made");
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
-    assert!(text(&migrated).contains("applied 5"), "{}", text(&migrated));
+    assert!(text(&migrated).contains("applied 6"), "{}", text(&migrated));
     outbox_runtime::sqlite::establish(&path)
         .unwrap()
         .batch_execute(

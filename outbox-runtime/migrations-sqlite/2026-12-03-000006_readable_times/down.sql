@@ -1,0 +1,2 @@
+DROP TRIGGER outbox_events_states_are_times_on_insert;
+DROP TRIGGER outbox_events_states_are_times_on_update;
