@@ -1085,8 +1085,8 @@ async fn overlapping(
         return None;
     }
     let other = jetstream.stream_by_subject(subjects).await.ok()?;
-    let mut stream = jetstream.get_stream(&other).await.ok()?;
-    let other_subjects = stream.info().await.ok()?.config.subjects.clone();
+    let stream = jetstream.get_stream(&other).await.ok()?;
+    let other_subjects = stream.cached_info().config.subjects.clone();
     Some((other, other_subjects))
 }
 

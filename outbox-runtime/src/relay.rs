@@ -649,10 +649,16 @@ impl Health {
         }
     }
 
-    /// Counts a failure of the relay's database, `kind` `connect` (no connection) or `batch`
-    /// (a batch's statement failed or timed out), and logs it as a run of failures.
-    fn database_failed(&self, kind: &'static str, error: &str) {
-        metrics::counter!("outbox_relay_database_failures_total", "kind" => kind).increment(1);
+    /// Counts a failure of the database of the relay of `stream`, `kind` `connect` (no
+    /// connection) or `batch` (a batch's statement failed or timed out), and logs it as a run
+    /// of failures.
+    fn database_failed(&self, stream: &str, kind: &'static str, error: &str) {
+        metrics::counter!(
+            "outbox_relay_database_failures_total",
+            "stream" => stream.to_owned(),
+            "kind" => kind,
+        )
+        .increment(1);
         if let Some(repeat) = self.database.failed() {
             tracing::warn!(
                 %error, failing_for = ?repeat,
@@ -991,7 +997,7 @@ fn describe_metrics() {
     );
     describe_counter!(
         "outbox_relay_database_failures_total",
-        "Failures of a relay worker's database, by kind (connect: no connection; batch: a batch's statement failed or timed out); the worker reconnects with backoff, nothing is claimed meanwhile"
+        "Failures of a relay worker's database, by stream and kind (connect: no connection; batch: a batch's statement failed or timed out); the worker reconnects with backoff, nothing is claimed meanwhile"
     );
     describe_counter!(
         "outbox_relay_claims_total",

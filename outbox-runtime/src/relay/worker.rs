@@ -210,7 +210,10 @@ async fn step<C: RelayStore>(
         match C::connect(shared).await {
             Ok(conn) => *conn_slot = Some(conn),
             Err(error) => {
-                shared.health.database_failed("connect", &error.to_string());
+                let stream = &shared.config.topology.stream.name;
+                shared
+                    .health
+                    .database_failed(stream, "connect", &error.to_string());
                 return Step::Failed { connects };
             }
         }
@@ -242,7 +245,10 @@ async fn step<C: RelayStore>(
             }
         }
         Err(error) => {
-            shared.health.database_failed("batch", &error.to_string());
+            let stream = &shared.config.topology.stream.name;
+            shared
+                .health
+                .database_failed(stream, "batch", &error.to_string());
             // The transaction's state is unknown (a timeout) or failed: a new connection
             // starts clean, and PostgreSQL rolls back what this one left.
             *conn_slot = None;
