@@ -293,7 +293,7 @@ async fn migrations_refused_over(env: &TestEnv, id: &str, (column, at): (&str, &
             "the outbox_events row {id} has {column} {at}, outside the years 0000 to 9999 of \
              RFC 3339"
         )) && refused.contains("set it to a time within them, or delete the row")
-            && refused.contains(&format!("(rows with such a {column}: {rows})")),
+            && refused.contains(&format!("(rows out of range in {column}: {rows})")),
         "{refused}"
     );
 }

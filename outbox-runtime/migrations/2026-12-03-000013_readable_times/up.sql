@@ -55,7 +55,7 @@ BEGIN
             EXECUTE format('SELECT id, %I::text FROM outbox_events WHERE %s ORDER BY id LIMIT 1',
                            col, out_of_range)
                 INTO first_id, first_at;
-            RAISE EXCEPTION 'outbox: the outbox_events row % has % %, outside the years 0000 to 9999 of RFC 3339, which the relay and the outbox command cannot read; set it to a time within them, or delete the row, then run the migrations again (rows with such a %: %)',
+            RAISE EXCEPTION 'outbox: the outbox_events row % has % %, outside the years 0000 to 9999 of RFC 3339, which the relay and the outbox command cannot read; set it to a time within them, or delete the row, then run the migrations again (rows out of range in %: %)',
                 first_id, col, first_at, col, found
                 USING ERRCODE = 'check_violation';
         END;
