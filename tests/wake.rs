@@ -8,17 +8,47 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
-use outbox_runtime::relay::{BUSY_LOCK, DOORBELL_LOCK};
+use outbox_runtime::relay::{busy_lock, doorbell_lock, notification_channel};
 use outbox_runtime::{Relay, RelayConfig, RelayHandle, UnitOfWorkError};
 use support::counters::Counters;
 use support::domain::Order;
-use support::{TestEnv, insert_raw};
+use support::{TestEnv, insert_raw, wait_until};
 
-/// A connection listening on the relay's channel.
-async fn listening(env: &TestEnv) -> AsyncPgConnection {
-    let mut conn = env.conn().await;
-    conn.batch_execute("LISTEN outbox_events").await.unwrap();
+/// The oid of the outbox table a connection to `url` finds, which keys its doorbell and
+/// names its channel.
+async fn outbox_table(url: &str) -> u32 {
+    #[derive(diesel::QueryableByName)]
+    struct Table {
+        #[diesel(sql_type = diesel::sql_types::Oid)]
+        oid: u32,
+    }
+    let mut conn = AsyncPgConnection::establish(url).await.unwrap();
+    diesel::sql_query("SELECT 'outbox_events'::regclass::oid AS oid")
+        .get_result::<Table>(&mut conn)
+        .await
+        .unwrap()
+        .oid
+}
+
+/// The env's outbox table's doorbell and busy lock.
+async fn locks(env: &TestEnv) -> ((i32, i32), (i32, i32)) {
+    let table = outbox_table(&env.database_url).await;
+    (doorbell_lock(table), busy_lock(table))
+}
+
+/// A connection to `url` listening on the channel of the outbox table it finds.
+async fn listening_at(url: &str) -> AsyncPgConnection {
+    let channel = notification_channel(outbox_table(url).await);
+    let mut conn = AsyncPgConnection::establish(url).await.unwrap();
+    conn.batch_execute(&format!("LISTEN {channel}"))
+        .await
+        .unwrap();
     conn
+}
+
+/// A connection listening on the env's relay channel.
+async fn listening(env: &TestEnv) -> AsyncPgConnection {
+    listening_at(&env.database_url).await
 }
 
 /// Whether a notification reaches `conn` within `within`.
@@ -29,22 +59,18 @@ async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> bool {
         .is_ok()
 }
 
-/// `SELECT function(key)` of an advisory lock: `pg_advisory_lock` of [`DOORBELL_LOCK`] takes
-/// the doorbell as an idle relay does, `pg_advisory_lock_shared` of [`BUSY_LOCK`] the busy
-/// lock as a busy relay does; the `_unlock` functions release them.
+/// `SELECT function(key)` of an advisory lock: `pg_advisory_lock` of the doorbell takes it
+/// as an idle relay does, `pg_advisory_lock_shared` of the busy lock takes that as a busy
+/// relay does; the `_unlock` functions release them.
 fn lock_sql(function: &str, key: (i32, i32)) -> String {
     format!("SELECT {function}({}, {})", key.0, key.1)
 }
 
-/// [`lock_sql`] of the doorbell.
-fn doorbell_sql(function: &str) -> String {
-    lock_sql(function, DOORBELL_LOCK)
-}
-
 /// Takes the doorbell's lock as an idle relay does, on a connection of its own.
 async fn hold_doorbell(env: &TestEnv) -> AsyncPgConnection {
+    let (doorbell, _) = locks(env).await;
     let mut conn = env.conn().await;
-    diesel::sql_query(doorbell_sql("pg_advisory_lock"))
+    diesel::sql_query(lock_sql("pg_advisory_lock", doorbell))
         .execute(&mut conn)
         .await
         .unwrap();
@@ -78,7 +104,7 @@ async fn a_unit_of_work_notifies_only_while_a_relay_waits_for_rows() {
     );
 
     // The relay went back to work: it released the doorbell.
-    diesel::sql_query(doorbell_sql("pg_advisory_unlock"))
+    diesel::sql_query(lock_sql("pg_advisory_unlock", locks(&env).await.0))
         .execute(&mut relay)
         .await
         .unwrap();
@@ -99,7 +125,7 @@ async fn a_relay_arming_the_doorbell_waits_for_the_commits_that_did_not_notify()
     // A relay going to sleep cannot take the doorbell until that transaction ends.
     let mut relay = env.conn().await;
     relay.batch_execute("SET lock_timeout = 200").await.unwrap();
-    let arm = doorbell_sql("pg_advisory_lock");
+    let arm = lock_sql("pg_advisory_lock", locks(&env).await.0);
     let error = diesel::sql_query(&arm)
         .execute(&mut relay)
         .await
@@ -306,9 +332,10 @@ async fn holds(conn: &mut AsyncPgConnection, key: (i32, i32), mode: &str) -> boo
 
 /// Waits until a relay holds the doorbell (its lock granted in the env's database).
 async fn until_a_relay_holds_the_doorbell(env: &TestEnv) {
+    let (doorbell, _) = locks(env).await;
     let mut conn = env.conn().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !holds(&mut conn, DOORBELL_LOCK, "ExclusiveLock").await {
+    while !holds(&mut conn, doorbell, "ExclusiveLock").await {
         assert!(
             std::time::Instant::now() < deadline,
             "no relay took the doorbell"
@@ -324,8 +351,9 @@ async fn until_a_relay_holds_the_doorbell(env: &TestEnv) {
 #[tokio::test]
 async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
     let env = TestEnv::new().await;
+    let (doorbell, busy_lock) = locks(&env).await;
     let mut busy = env.conn().await;
-    diesel::sql_query(lock_sql("pg_advisory_lock_shared", BUSY_LOCK))
+    diesel::sql_query(lock_sql("pg_advisory_lock_shared", busy_lock))
         .execute(&mut busy)
         .await
         .unwrap();
@@ -334,7 +362,7 @@ async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut conn = env.conn().await;
     assert!(
-        !holds(&mut conn, DOORBELL_LOCK, "ExclusiveLock").await,
+        !holds(&mut conn, doorbell, "ExclusiveLock").await,
         "an idle relay took the doorbell while another relay was busy"
     );
     env.commit(&mut Order::place("o-1", "ada", 100)).await;
@@ -343,7 +371,7 @@ async fn an_idle_relay_leaves_the_doorbell_while_another_is_busy() {
         "a unit of work notified while the only idle relay left the doorbell"
     );
 
-    diesel::sql_query(lock_sql("pg_advisory_unlock_shared", BUSY_LOCK))
+    diesel::sql_query(lock_sql("pg_advisory_unlock_shared", busy_lock))
         .execute(&mut busy)
         .await
         .unwrap();
@@ -372,6 +400,7 @@ async fn a_busy_relay_holds_the_busy_lock_until_it_is_idle() {
         })
         .await
         .unwrap();
+    let (_, busy_lock) = locks(&env).await;
     let mut config = polling_once_a_minute(&env, env.relay_config().workers);
     config.batch_size = 5;
     let relay = spawned(config, &env.nats).await;
@@ -382,10 +411,10 @@ async fn a_busy_relay_holds_the_busy_lock_until_it_is_idle() {
             std::time::Instant::now() < deadline,
             "the drain did not end"
         );
-        seen_busy |= holds(&mut conn, BUSY_LOCK, "ShareLock").await;
+        seen_busy |= holds(&mut conn, busy_lock, "ShareLock").await;
     }
     until_a_relay_holds_the_doorbell(&env).await;
-    let busy_after = holds(&mut conn, BUSY_LOCK, "ShareLock").await;
+    let busy_after = holds(&mut conn, busy_lock, "ShareLock").await;
     relay.shutdown().await.unwrap();
     assert!(
         seen_busy,
@@ -463,4 +492,147 @@ async fn commits_beside_an_open_insert_wake_the_relay_that_cannot_arm() {
     writer.batch_execute("COMMIT").await.unwrap();
     env.until_stream_holds(6, Duration::from_secs(3)).await;
     relay.shutdown().await.unwrap();
+}
+
+/// Commits `order`'s events through `outbox` on `conn`.
+async fn commit_on(
+    outbox: &outbox_runtime::Outbox,
+    conn: &mut AsyncPgConnection,
+    order: &mut Order,
+) {
+    outbox
+        .transaction(conn, async |uow| {
+            uow.track(order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+}
+
+/// Two services keep their outboxes in one database, each in a schema of its own (here
+/// `public` and `second`, chosen by `search_path`), each with its relay. Each relay holds its
+/// own outbox's doorbell and is woken by its own outbox's commits alone, whichever relay is
+/// idle or busy. The doorbell, the busy lock and the channel were the database's, not the
+/// table's: the second relay waited for its poll (here a minute; 500 ms by default) while the
+/// first held the doorbell or was busy, and the first was woken by the second's commits (16
+/// claims that found nothing for its 8 commits).
+#[tokio::test]
+async fn two_outboxes_in_one_database_each_wake_their_own_relay() {
+    const COMMITS: u64 = 8;
+    let counters = Counters::installed();
+    let first = TestEnv::new().await;
+    // The second service's prefix and stream; its outbox lives in the first one's database.
+    let second = TestEnv::unmigrated(first.nats_url()).await;
+    first
+        .conn()
+        .await
+        .batch_execute("CREATE SCHEMA second")
+        .await
+        .unwrap();
+    let second_url = format!("{}?options=-csearch_path%3Dsecond", first.database_url);
+    outbox_runtime::run_migrations(&second_url).await.unwrap();
+
+    let mut first_config = polling_once_a_minute(&first, 1);
+    first_config.batch_size = 10;
+    let mut second_config = polling_once_a_minute(&second, 1);
+    second_config.database_url.clone_from(&second_url);
+    let relays = [
+        spawned(first_config, &first.nats).await,
+        spawned(second_config, &second.nats).await,
+    ];
+    let claims =
+        |env: &TestEnv, found: &str| counters.get(&Counters::claims_key(&env.stream, found));
+    println!(
+        "first stream {}, second stream {}",
+        first.stream, second.stream
+    );
+    let mut first_conn = first.conn().await;
+    let mut second_conn = AsyncPgConnection::establish(&second_url).await.unwrap();
+    // Both idle, each holds the doorbell of its own outbox.
+    let doorbells = [
+        locks(&first).await.0,
+        doorbell_lock(outbox_table(&second_url).await),
+    ];
+    assert_ne!(doorbells[0], doorbells[1]);
+    wait_until(
+        "both relays hold their doorbells",
+        Duration::from_secs(10),
+        || async {
+            let mut conn = first.conn().await;
+            (holds(&mut conn, doorbells[0], "ExclusiveLock").await
+                && holds(&mut conn, doorbells[1], "ExclusiveLock").await)
+                .then_some(())
+        },
+    )
+    .await;
+
+    // Both idle: commits to each, in turn, each waited for in its stream.
+    let nothing_before = [claims(&first, "nothing"), claims(&second, "nothing")];
+    let mut slowest = Duration::ZERO;
+    for n in 0..COMMITS {
+        for (env, conn) in [(&first, &mut first_conn), (&second, &mut second_conn)] {
+            let started = std::time::Instant::now();
+            commit_on(
+                &env.outbox(),
+                conn,
+                &mut Order::place(&format!("o-{n}"), "ada", 100),
+            )
+            .await;
+            env.until_stream_holds(n + 1, Duration::from_secs(3)).await;
+            slowest = slowest.max(started.elapsed());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let woken_for_nothing = [
+        claims(&first, "nothing") - nothing_before[0],
+        claims(&second, "nothing") - nothing_before[1],
+    ];
+    println!(
+        "idle: slowest commit to its stream {slowest:?}; claims that found nothing {woken_for_nothing:?}"
+    );
+    for (relay, nothing) in ["first", "second"].iter().zip(woken_for_nothing) {
+        assert!(
+            nothing <= COMMITS + 1,
+            "the {relay} relay claimed {nothing} times for nothing over {COMMITS} commits of \
+             its own: it was woken by the other outbox's"
+        );
+    }
+
+    // The first relay busy with a burst (claiming batch after batch): the second one's
+    // commits still wake it.
+    let mut burst = Order::place("burst", "ada", 100);
+    for _ in 0..1_999 {
+        burst.record(support::domain::OrderEvent::Shipped);
+    }
+    commit_on(&first.outbox(), &mut first_conn, &mut burst).await;
+    let first_busy = locks(&first).await.1;
+    wait_until("the first relay busy", Duration::from_secs(10), || async {
+        holds(&mut first.conn().await, first_busy, "ShareLock")
+            .await
+            .then_some(())
+    })
+    .await;
+    let mut slowest = Duration::ZERO;
+    for n in COMMITS..COMMITS + 5 {
+        let started = std::time::Instant::now();
+        commit_on(
+            &second.outbox(),
+            &mut second_conn,
+            &mut Order::place(&format!("o-{n}"), "ada", 100),
+        )
+        .await;
+        second
+            .until_stream_holds(n + 1, Duration::from_secs(3))
+            .await;
+        slowest = slowest.max(started.elapsed());
+    }
+    println!("beside a busy relay: slowest commit to its stream {slowest:?}");
+    first
+        .until_stream_holds(COMMITS + 2_000, Duration::from_secs(60))
+        .await;
+    for relay in relays {
+        relay.shutdown().await.unwrap();
+    }
+    assert_eq!(first.stream_messages().await.len() as u64, COMMITS + 2_000);
+    assert_eq!(second.stream_messages().await.len() as u64, COMMITS + 5);
 }

@@ -18,11 +18,17 @@ use outbox_runtime::{Outbox, PendingEvents, Relay, UnitOfWorkError};
 use crate::place::{BoxError, Place};
 use crate::{Probe, Ticked};
 
-/// `outbox_events_notify()` before the doorbell, and with it.
-const EVERY_INSERT_NOTIFIES: &str =
-    include_str!("../../outbox-runtime/migrations/2026-11-24-000009_relay_doorbell/down.sql");
+/// `outbox_events_notify()` as before the doorbell (every insert notifies, on the table's
+/// channel of today), and with it.
+const EVERY_INSERT_NOTIFIES: &str = "\
+    CREATE OR REPLACE FUNCTION outbox_events_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_notify('outbox_events_' || TG_RELID, '');
+        RETURN NULL;
+    END
+    $$";
 const DOORBELL: &str =
-    include_str!("../../outbox-runtime/migrations/2026-11-24-000009_relay_doorbell/up.sql");
+    include_str!("../../outbox-runtime/migrations/2026-12-04-000014_doorbell_per_table/up.sql");
 
 /// The writer counts of the figure.
 pub const WRITERS: [usize; 4] = [1, 8, 32, 64];
@@ -99,8 +105,8 @@ pub async fn run(
             "CREATE TABLE IF NOT EXISTS bench_writes (id bigint PRIMARY KEY, total_cents bigint NOT NULL)",
         )
         .await?;
-    // The trigger as it was before the doorbell (the doorbell migration's down.sql): every
-    // insert notifies. Put back after the run (its up.sql).
+    // The trigger as it was before the doorbell: every insert notifies. Put back after the
+    // run (the latest doorbell migration's up.sql).
     if way == Way::EveryCommitNotifies {
         admin.batch_execute(EVERY_INSERT_NOTIFIES).await?;
     }
@@ -126,7 +132,16 @@ pub async fn run(
     // hold the doorbell, so it makes no one notify).
     let notifications = Arc::new(AtomicU64::new(0));
     let mut listener = AsyncPgConnection::establish(&place.database_url).await?;
-    listener.batch_execute("LISTEN outbox_events").await?;
+    #[derive(diesel::QueryableByName)]
+    struct Table {
+        #[diesel(sql_type = diesel::sql_types::Oid)]
+        oid: u32,
+    }
+    let table = diesel::sql_query("SELECT 'outbox_events'::regclass::oid AS oid")
+        .get_result::<Table>(&mut listener)
+        .await?;
+    let channel = outbox_runtime::relay::notification_channel(table.oid);
+    listener.batch_execute(&format!("LISTEN {channel}")).await?;
     let listening = {
         let notifications = Arc::clone(&notifications);
         tokio::spawn(async move {

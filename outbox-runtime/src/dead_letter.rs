@@ -145,7 +145,9 @@ pub async fn retry_all<C: OperatorConnection>(
 /// In SQL (PostgreSQL's; MySQL's and SQLite's use their own `now`): `UPDATE outbox_events
 /// SET dead_lettered_at = NULL, skipped_at = NULL, attempts = 0, available_at = now() WHERE
 /// id = ..`, then `available_at = now()` for the aggregate's later queued rows,
-/// `blocked_until = NULL` in `outbox_aggregates`, and on PostgreSQL `NOTIFY outbox_events`.
+/// `blocked_until = NULL` in `outbox_aggregates`, and on PostgreSQL a notification on the
+/// outbox table's channel (`SELECT pg_notify('outbox_events_' || 'outbox_events'::regclass::oid,
+/// '')`: [`crate::relay::notification_channel`]).
 ///
 /// # Errors
 /// The database's error; then nothing changed.
@@ -467,7 +469,8 @@ mod postgres {
                     WHERE a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id \
                 ) \
                 SELECT (SELECT count(*) FROM released) AS count \
-                FROM (SELECT pg_notify('outbox_events', '')) AS woken"
+                FROM (SELECT pg_notify('outbox_events_' || 'outbox_events'::regclass::oid, '')) \
+                    AS woken"
             ))
             .bind::<SqlUuid, _>(id)
             .get_result(self)

@@ -39,50 +39,99 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-/// The advisory lock of the relay's doorbell, as `pg_advisory_lock(DOORBELL_LOCK.0,
-/// DOORBELL_LOCK.1)`: `'outb'` as a big-endian `int4`, and 1. The outbox's insert trigger
-/// (`outbox_events_notify()`, migration `2026-11-24-000009_relay_doorbell`) tries it in
-/// shared mode; an idle relay holds it exclusively on its `LISTEN` connection. Advisory
-/// locks are one key space per database: an application must not take this pair itself (a
-/// transaction holding it in shared mode delays an idle relay's wake-up by up to 50 ms per
-/// attempt; holding it exclusively makes every insert notify).
-pub const DOORBELL_LOCK: (i32, i32) = (1_869_968_482, 1);
+/// The first key of the relay's doorbell, an advisory lock of two `int4` keys: `'outb'` as a
+/// big-endian `int4`. The second is the outbox table's oid as an `int4` ([`doorbell_lock`]),
+/// so that the outboxes of several schemas in one database (advisory locks are one key space
+/// per database: PostgreSQL docs, "Advisory Locks") each have their own. The outbox's insert
+/// trigger (`outbox_events_notify()`, migration `2026-12-04-000014_doorbell_per_table`)
+/// tries it in shared mode; an idle relay holds it exclusively on its `LISTEN` connection.
+/// An application must not take these pairs itself (a transaction holding one in shared
+/// mode delays an idle relay's wake-up by up to 50 ms per attempt; holding it exclusively
+/// makes every insert notify).
+pub const DOORBELL_LOCK: i32 = i32::from_be_bytes(*b"outb");
 
-/// The statement that arms the doorbell. It waits for the transactions that took the lock in
-/// shared mode, up to the listener connection's `lock_timeout`.
-pub(super) const ARM: &str = "SELECT pg_advisory_lock(1869968482, 1)";
-
-/// The statement that disarms it.
-pub(super) const DISARM: &str = "SELECT pg_advisory_unlock(1869968482, 1)";
-
-/// The busy lock, as `pg_advisory_lock_shared(BUSY_LOCK.0, BUSY_LOCK.1)`: a relay whose
-/// workers claim batch after batch holds it in shared mode on its `LISTEN` connection, and
-/// an idle relay takes the doorbell only while no relay holds it. A busy relay claims what
+/// The first key of the busy lock, `'outB'` as a big-endian `int4`; the second is the outbox
+/// table's oid as [`DOORBELL_LOCK`]'s ([`busy_lock`]). A relay whose workers claim batch
+/// after batch holds it in shared mode on its `LISTEN` connection, and an idle relay of the
+/// same outbox takes the doorbell only while no relay holds it. A busy relay claims what
 /// commits (its workers claim again at once after each batch, and take the doorbell
 /// themselves once they find nothing), so another relay's doorbell would only make every
 /// commit notify, and wake that relay to claim beside the busy one: two relay instances at
 /// one writer's pace notified at 0.65-0.98 of the commits without it (`relay_bench` figure
 /// 11), as the idle instance took the doorbell whenever the busy one let it go. The same
-/// reservation as [`DOORBELL_LOCK`]: an application must not take this pair.
-pub const BUSY_LOCK: (i32, i32) = (1_869_968_482, 2);
+/// reservation as [`DOORBELL_LOCK`]: an application must not take these pairs.
+pub const BUSY_LOCK: i32 = i32::from_be_bytes(*b"outB");
 
-/// Takes the busy lock in shared mode without waiting: `false` while a relay probes it
-/// ([`NO_ONE_BUSY`]).
-pub(super) const BUSY: &str = "SELECT pg_try_advisory_lock_shared(1869968482, 2) AS granted";
+/// The doorbell of the outbox table whose oid is `table` (`'outbox_events'::regclass`, the
+/// insert trigger's `TG_RELID`), as the keys of `pg_advisory_lock(int4, int4)`:
+/// ([`DOORBELL_LOCK`], the oid's 32 bits as an `int4`, as PostgreSQL's `oid::int4` casts it).
+pub fn doorbell_lock(table: u32) -> (i32, i32) {
+    (DOORBELL_LOCK, i32::from_ne_bytes(table.to_ne_bytes()))
+}
 
-/// Releases the busy lock.
-pub(super) const IDLE: &str = "SELECT pg_advisory_unlock_shared(1869968482, 2)";
+/// The busy lock of the outbox table whose oid is `table`, as [`doorbell_lock`].
+pub fn busy_lock(table: u32) -> (i32, i32) {
+    (BUSY_LOCK, i32::from_ne_bytes(table.to_ne_bytes()))
+}
 
-/// Whether no relay is busy: the busy lock taken exclusively, without waiting, and released
-/// at once (`CASE` evaluates in order: PostgreSQL docs, "Expression Evaluation Rules").
-pub(super) const NO_ONE_BUSY: &str = "SELECT CASE WHEN pg_try_advisory_lock(1869968482, 2) \
-     THEN pg_advisory_unlock(1869968482, 2) ELSE false END AS granted";
+/// The channel the insert trigger of the outbox table whose oid is `table` notifies while
+/// its doorbell is armed: `outbox_events_` and the oid in decimal (`outbox_events_16392`),
+/// at most 24 bytes, within PostgreSQL's 63 for an identifier. One per table, so that a
+/// relay is not woken by another schema's outbox.
+pub fn notification_channel(table: u32) -> String {
+    format!("outbox_events_{table}")
+}
 
-/// Whether no relay holds the doorbell or waits for it (its lock taken in shared mode,
-/// without waiting, and released at once): after an attempt to arm timed out, `true` means
-/// that inserting transactions held it up, not another relay.
-pub(super) const NO_OTHER_RELAY: &str = "SELECT CASE WHEN pg_try_advisory_lock_shared(1869968482, 1) \
-     THEN pg_advisory_unlock_shared(1869968482, 1) ELSE false END AS granted";
+/// The doorbell's statements for one outbox table, its oid in each of them.
+pub(super) struct Statements {
+    /// Listens on the table's [`notification_channel`], with the connection's `lock_timeout`
+    /// set to [`ARM_ATTEMPT`].
+    pub(super) listen: String,
+    /// Arms the doorbell. It waits for the transactions that took the lock in shared mode,
+    /// up to the listener connection's `lock_timeout`.
+    pub(super) arm: String,
+    /// Disarms it.
+    pub(super) disarm: String,
+    /// Takes the busy lock in shared mode without waiting: `false` while a relay probes it
+    /// (`no_one_busy`).
+    pub(super) busy: String,
+    /// Releases the busy lock.
+    pub(super) idle: String,
+    /// Whether no relay is busy: the busy lock taken exclusively, without waiting, and
+    /// released at once (`CASE` evaluates in order: PostgreSQL docs, "Expression Evaluation
+    /// Rules").
+    pub(super) no_one_busy: String,
+    /// Whether no relay holds the doorbell or waits for it (its lock taken in shared mode,
+    /// without waiting, and released at once): after an attempt to arm timed out, `true`
+    /// means that inserting transactions held it up, not another relay.
+    pub(super) no_other_relay: String,
+}
+
+impl Statements {
+    pub(super) fn new(table: u32) -> Self {
+        let (bell, key) = doorbell_lock(table);
+        let (busy, _) = busy_lock(table);
+        Self {
+            listen: format!(
+                "SET lock_timeout = {}; LISTEN {}",
+                ARM_ATTEMPT.as_millis(),
+                notification_channel(table)
+            ),
+            arm: format!("SELECT pg_advisory_lock({bell}, {key})"),
+            disarm: format!("SELECT pg_advisory_unlock({bell}, {key})"),
+            busy: format!("SELECT pg_try_advisory_lock_shared({busy}, {key}) AS granted"),
+            idle: format!("SELECT pg_advisory_unlock_shared({busy}, {key})"),
+            no_one_busy: format!(
+                "SELECT CASE WHEN pg_try_advisory_lock({busy}, {key}) \
+                 THEN pg_advisory_unlock({busy}, {key}) ELSE false END AS granted"
+            ),
+            no_other_relay: format!(
+                "SELECT CASE WHEN pg_try_advisory_lock_shared({bell}, {key}) \
+                 THEN pg_advisory_unlock_shared({bell}, {key}) ELSE false END AS granted"
+            ),
+        }
+    }
+}
 
 /// How long one attempt to arm waits for the lock ([`ARM`]): the inserting transactions it
 /// waits for hold it from their outbox insert to their COMMIT, well under a millisecond for
@@ -262,35 +311,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_migration_names_the_same_key() {
-        let sql = include_str!("../../migrations/2026-11-24-000009_relay_doorbell/up.sql");
-        let call = format!(
-            "pg_try_advisory_xact_lock_shared({}, {})",
-            DOORBELL_LOCK.0, DOORBELL_LOCK.1
-        );
+    fn the_migration_names_the_same_keys_and_channel() {
+        let sql = include_str!("../../migrations/2026-12-04-000014_doorbell_per_table/up.sql");
+        let call = format!("pg_try_advisory_xact_lock_shared({DOORBELL_LOCK}, TG_RELID::int4)");
         assert!(sql.contains(&call), "{call} not in the migration");
-        assert_eq!(
-            ARM,
-            format!(
-                "SELECT pg_advisory_lock({}, {})",
-                DOORBELL_LOCK.0, DOORBELL_LOCK.1
-            )
+        let notify = "pg_notify('outbox_events_' || TG_RELID, '')";
+        assert!(sql.contains(notify), "{notify} not in the migration");
+        assert_eq!(notification_channel(16_392), "outbox_events_16392");
+        assert_eq!(DOORBELL_LOCK, 1_869_968_482);
+        assert_ne!(BUSY_LOCK, DOORBELL_LOCK);
+    }
+
+    #[test]
+    fn each_statement_names_its_tables_keys() {
+        // An oid past i32::MAX, as PostgreSQL's `4000000000::oid::int4` gives it.
+        let statements = Statements::new(4_000_000_000);
+        assert_eq!(doorbell_lock(4_000_000_000), (DOORBELL_LOCK, -294_967_296));
+        let bell = format!("({DOORBELL_LOCK}, -294967296)");
+        let busy = format!("({BUSY_LOCK}, -294967296)");
+        assert!(
+            statements
+                .listen
+                .ends_with("LISTEN outbox_events_4000000000")
         );
+        assert_eq!(statements.arm, format!("SELECT pg_advisory_lock{bell}"));
         assert_eq!(
-            DISARM,
-            format!(
-                "SELECT pg_advisory_unlock({}, {})",
-                DOORBELL_LOCK.0, DOORBELL_LOCK.1
-            )
+            statements.disarm,
+            format!("SELECT pg_advisory_unlock{bell}")
         );
-        assert_eq!(DOORBELL_LOCK.0, i32::from_be_bytes(*b"outb"));
-        let busy = format!("({}, {})", BUSY_LOCK.0, BUSY_LOCK.1);
-        for sql in [BUSY, IDLE] {
+        for sql in [&statements.busy, &statements.idle] {
             assert!(sql.contains(&busy), "{sql} does not name {busy}");
         }
-        assert_eq!(NO_ONE_BUSY.matches(&busy).count(), 2, "{NO_ONE_BUSY}");
-        assert_eq!(BUSY_LOCK.0, DOORBELL_LOCK.0);
-        assert_ne!(BUSY_LOCK.1, DOORBELL_LOCK.1);
+        assert_eq!(statements.no_one_busy.matches(&busy).count(), 2);
+        assert_eq!(statements.no_other_relay.matches(&bell).count(), 2);
     }
 
     #[test]

@@ -1,14 +1,16 @@
-//! The relay's wake-up: a dedicated connection that `LISTEN`s on `outbox_events` and rings
-//! the [doorbell](super::doorbell).
+//! The relay's wake-up: a dedicated connection that `LISTEN`s on its outbox table's channel
+//! and rings the [doorbell](super::doorbell).
 //!
-//! The outbox's insert trigger calls `pg_notify('outbox_events', '')` while the doorbell is
-//! armed; PostgreSQL delivers the notification when the inserting transaction commits and
-//! drops it when it rolls back (PostgreSQL docs, NOTIFY), so a notification means committed
-//! rows. While the relay holds the doorbell, each one wakes every worker; a worker woken
-//! while busy keeps the wake-up for its next wait, so none is lost between a notification
-//! and the worker's next claim. A relay that does not hold it ignores notifications: they
-//! ring for the relay that does (every listener receives every notification), and a relay
-//! that waits for the doorbell, or is busy and claims anyway, would only claim beside the
+//! The outbox's insert trigger calls `pg_notify('outbox_events_' || TG_RELID, '')` while the
+//! doorbell is armed (the [channel](doorbell::notification_channel) and the doorbell's locks
+//! are keyed by the table's oid: several schemas of a database may each hold an outbox);
+//! PostgreSQL delivers the notification when the inserting transaction commits and drops it
+//! when it rolls back (PostgreSQL docs, NOTIFY), so a notification means committed rows.
+//! While the relay holds the doorbell, each one wakes every worker; a worker woken while busy
+//! keeps the wake-up for its next wait, so none is lost between a notification and the
+//! worker's next claim. A relay that does not hold it ignores notifications: they ring for
+//! the relay that does (every listener of the channel receives every notification), and a
+//! relay that waits for the doorbell, or is busy and claims anyway, would only claim beside the
 //! holder and find nothing.
 //!
 //! The same connection holds the doorbell's advisory lock, taken and released as the
@@ -32,12 +34,9 @@ use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::doorbell::{self, Doorbell, Want};
+use super::doorbell::{self, Doorbell, Statements, Want};
 use super::{Backoff, Shared};
 use crate::database::{self, Bounded};
-
-/// The channel the outbox's insert trigger notifies.
-pub(crate) const CHANNEL: &str = "outbox_events";
 
 pub(super) async fn run(
     shared: &Shared,
@@ -52,7 +51,7 @@ pub(super) async fn run(
     let mut listened = false;
     while !stop.is_cancelled() {
         match listen(shared).await {
-            Ok(mut conn) => {
+            Ok((mut conn, statements)) => {
                 backoff.reset();
                 if listened {
                     wake_all();
@@ -67,7 +66,13 @@ pub(super) async fn run(
                 loop {
                     let want = *wanted.borrow_and_update();
                     if let Err(error) = follow(
-                        shared, &mut conn, doorbell, &wakers, want, &mut locks, &mut epoch,
+                        shared,
+                        (&mut conn, &statements),
+                        doorbell,
+                        &wakers,
+                        want,
+                        &mut locks,
+                        &mut epoch,
                     )
                     .await
                     {
@@ -151,7 +156,7 @@ struct Locks {
 /// - [`Want::Nothing`]: both go, so another relay takes the doorbell.
 async fn follow(
     shared: &Shared,
-    conn: &mut AsyncPgConnection,
+    (conn, statements): (&mut AsyncPgConnection, &Statements),
     doorbell: &Doorbell,
     wakers: &[Arc<Notify>],
     want: Want,
@@ -165,7 +170,7 @@ async fn follow(
             shared,
             conn,
             "disarming the relay's doorbell",
-            doorbell::DISARM,
+            &statements.disarm,
         )
         .await?;
     }
@@ -175,7 +180,7 @@ async fn follow(
             shared,
             conn,
             "releasing the relay's busy lock",
-            doorbell::IDLE,
+            &statements.idle,
         )
         .await?;
     }
@@ -194,12 +199,12 @@ async fn follow(
                 shared,
                 conn,
                 "probing for busy relays",
-                doorbell::NO_ONE_BUSY,
+                &statements.no_one_busy,
             )
             .await?
             {
                 locks.attempt_at = now + doorbell::ARM_RETRY;
-            } else if arm(shared, conn).await? {
+            } else if arm(shared, conn, &statements.arm).await? {
                 locks.doorbell = true;
                 *epoch += 1;
                 doorbell.set_armed(*epoch);
@@ -215,7 +220,7 @@ async fn follow(
                     shared,
                     conn,
                     "probing for another relay's doorbell",
-                    doorbell::NO_OTHER_RELAY,
+                    &statements.no_other_relay,
                 )
                 .await?
                     && let Some(waker) = wakers.first()
@@ -225,7 +230,14 @@ async fn follow(
             }
         }
         Want::Busy if !locks.busy => {
-            if granted(shared, conn, "taking the relay's busy lock", doorbell::BUSY).await? {
+            if granted(
+                shared,
+                conn,
+                "taking the relay's busy lock",
+                &statements.busy,
+            )
+            .await?
+            {
                 locks.busy = true;
             } else {
                 locks.attempt_at = now + doorbell::ARM_RETRY;
@@ -241,7 +253,7 @@ async fn granted(
     shared: &Shared,
     conn: &mut AsyncPgConnection,
     operation: &'static str,
-    sql: &'static str,
+    sql: &str,
 ) -> Result<bool, LockError> {
     #[derive(diesel::QueryableByName)]
     struct Granted {
@@ -258,31 +270,47 @@ async fn granted(
     .map(|row| row.granted)
 }
 
-async fn listen(shared: &Shared) -> Result<AsyncPgConnection, String> {
+/// Opens the listener connection, finds the oid of the outbox table it sees (its
+/// `search_path` chooses the schema, as for the relay's claims), and listens on that table's
+/// channel with the statements of its doorbell.
+async fn listen(shared: &Shared) -> Result<(AsyncPgConnection, Statements), String> {
+    #[derive(diesel::QueryableByName)]
+    struct Table {
+        #[diesel(sql_type = diesel::sql_types::Oid)]
+        oid: u32,
+    }
     let mut conn = super::worker::connect(shared)
         .await
         .map_err(|e| e.to_string())?;
-    // One attempt to arm the doorbell waits at most ARM_ATTEMPT for its lock.
-    let setup = format!(
-        "SET lock_timeout = {}; LISTEN {CHANNEL}",
-        doorbell::ARM_ATTEMPT.as_millis()
-    );
+    let table = database::bounded(
+        shared.config.statement_timeout,
+        &shared.target,
+        "finding the outbox table's oid",
+        diesel::sql_query(TABLE_OID).get_result::<Table>(&mut conn),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let statements = Statements::new(table.oid);
     database::bounded(
         shared.config.statement_timeout,
         &shared.target,
         "the relay's LISTEN",
-        conn.batch_execute(&setup),
+        conn.batch_execute(&statements.listen),
     )
     .await
     .map_err(|e| e.to_string())?;
-    Ok(conn)
+    Ok((conn, statements))
 }
+
+/// The oid of the `outbox_events` table the connection's `search_path` finds: the key of its
+/// doorbell and its channel ([`doorbell::doorbell_lock`]).
+const TABLE_OID: &str = "SELECT 'outbox_events'::regclass::oid AS oid";
 
 /// One attempt to take the doorbell's lock: `Ok(false)` when the server refused it this time
 /// (its `lock_timeout`: transactions hold the lock in shared mode, or another relay holds
 /// it); an error when the connection failed or did not answer.
-async fn arm(shared: &Shared, conn: &mut AsyncPgConnection) -> Result<bool, LockError> {
-    match lock_statement(shared, conn, "arming the relay's doorbell", doorbell::ARM).await {
+async fn arm(shared: &Shared, conn: &mut AsyncPgConnection, sql: &str) -> Result<bool, LockError> {
+    match lock_statement(shared, conn, "arming the relay's doorbell", sql).await {
         Ok(()) => Ok(true),
         // The server answered, so the connection stands. Told by kind, not by the message
         // text, which the server's `lc_messages` may translate.
@@ -302,7 +330,7 @@ async fn lock_statement(
     shared: &Shared,
     conn: &mut AsyncPgConnection,
     operation: &'static str,
-    sql: &'static str,
+    sql: &str,
 ) -> Result<(), LockError> {
     database::bounded(
         shared.config.statement_timeout,
