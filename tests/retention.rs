@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Text};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::{PublishedRows, Relay, outbox};
 use support::TestEnv;
 use support::domain::{Order, OrderEvent};
@@ -407,4 +407,78 @@ async fn purge_published_deletes_in_batches_every_old_row_and_nothing_else() {
             .map(|s| s.aggregate_seq)
             .collect();
     assert_eq!(left, (31..=37).collect::<Vec<_>>());
+}
+
+/// Two services keep their outboxes in schemas of one database, the second with a
+/// `search_path` of `second, public` (to reach extensions in `public`, say). The second
+/// outbox's archive must go to its own daily partitions: they were looked up by name along
+/// the `search_path`, so the first outbox's partitions in `public` were taken for the
+/// second's, none was created in `second` (by the migrations, the relay's start or its
+/// archive), and every archive failed with no partition of `outbox_published` for its rows.
+#[tokio::test]
+async fn an_outbox_in_a_second_schema_archives_into_its_own_partitions() {
+    let first = TestEnv::new().await;
+    // The second service's prefix and stream; its outbox lives in the first one's database.
+    let second = TestEnv::unmigrated(first.nats_url()).await;
+    let mut conn = first.conn().await;
+    conn.batch_execute("CREATE SCHEMA second").await.unwrap();
+    let second_url = format!(
+        "{}?options=-csearch_path%3Dsecond%2Cpublic",
+        first.database_url
+    );
+    outbox_runtime::run_migrations(&second_url).await.unwrap();
+    let mut second_conn = AsyncPgConnection::establish(&second_url).await.unwrap();
+    let today = day_name(&mut conn, 0).await;
+    for schema in ["public", "second"] {
+        assert_eq!(
+            count(
+                &mut conn,
+                &format!(
+                    "SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                     WHERE i.inhparent = '{schema}.outbox_published'::regclass \
+                       AND c.relname = '{today}' \
+                       AND c.relnamespace = '{schema}'::regnamespace"
+                )
+            )
+            .await,
+            1,
+            "today's partition of {schema}.outbox_published, in {schema}"
+        );
+    }
+
+    let mut config = second.relay_config();
+    config.database_url.clone_from(&second_url);
+    config.published = PublishedRows::Archive;
+    let mut relay = Relay::connect(config, second.nats.clone()).await.unwrap();
+    second
+        .outbox()
+        .transaction(&mut second_conn, async |uow| {
+            uow.track(&mut Order::place("o-1", "ada", 1));
+            Ok::<_, outbox_runtime::UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(relay.relay_batch().await.unwrap().published, 1);
+    assert_eq!(
+        count(&mut conn, &format!("SELECT count(*) FROM second.{today}")).await,
+        1
+    );
+    assert_eq!(
+        count(&mut conn, "SELECT count(*) FROM public.outbox_published").await,
+        0
+    );
+    assert_eq!(second.stream_messages().await.len(), 1);
+
+    // Retention drops the second outbox's past days, not the first one's of the same name.
+    let old = archived_day(&mut conn, 3, 4).await;
+    assert_eq!(archived_day(&mut second_conn, 3, 5).await, old);
+    let dropped = outbox::drop_archived(&mut second_conn, Duration::from_secs(86_400))
+        .await
+        .unwrap();
+    assert_eq!(dropped.partitions, [(old.clone(), 5)]);
+    assert_eq!(
+        count(&mut conn, &format!("SELECT count(*) FROM public.{old}")).await,
+        4
+    );
+    assert!(partitions(&mut conn).await.contains(&(old, false)));
 }

@@ -180,7 +180,7 @@ async fn migrate_applies_then_says_up_to_date() {
         );
         assert!(
             text(&refused).contains("lacks migrations of this outbox: 20261121000001, ")
-                && text(&refused).contains("20261204000014; run `outbox migrate`"),
+                && text(&refused).contains("20261204000015; run `outbox migrate`"),
             "{args:?}: {}",
             text(&refused)
         );
@@ -188,8 +188,8 @@ async fn migrate_applies_then_says_up_to_date() {
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
-        text(&first).contains("applied 14: 20261121000001")
-            && text(&first).contains("20261204000014"),
+        text(&first).contains("applied 15: 20261121000001")
+            && text(&first).contains("20261204000015"),
         "{}",
         text(&first)
     );

@@ -461,7 +461,9 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<OutboxStats> {
 }
 
 /// Creates the daily partitions of `outbox_published` (for [`PublishedRows::Archive`]) from
-/// today to `days_ahead` days after, when missing; returns how many it created. A relay in
+/// today to `days_ahead` days after, when missing, in the schema of the `outbox_published`
+/// that the connection's `search_path` finds (another schema's outbox, whose partitions bear
+/// the same names, is not looked at); returns how many it created. A relay in
 /// Archive mode does this at start and every hour, two days ahead.
 ///
 /// # Errors
