@@ -1876,6 +1876,50 @@ async fn a_handler_slower_than_the_databases_idle_transaction_timeout_commits() 
     assert!(dead_letter_errors(&mut consumer_conn).await.is_empty());
 }
 
+/// A database whose `idle_session_timeout` (PostgreSQL 14+, an operator's) is shorter than a
+/// quiet spell of the stream: the inbox's pooled sessions wait for messages by design, so
+/// they opt out of it and are there when the next message comes. Before, the server ended
+/// each while it waited, and the pool opened them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inboxs_idle_sessions_outlive_the_databases_idle_session_timeout() {
+    let (logs, _turn) = Logs::capture().await;
+    let producer = TestEnv::new().await;
+    commit_rounds(&producer, 2, 1).await;
+    relay_all(&producer).await;
+    let consumer = consumer_database().await;
+    support::set_database_default(&consumer, "idle_session_timeout", "300ms").await;
+    let inbox = Inbox::connect(
+        consumer_config(&consumer, &producer, "quiet"),
+        producer.nats.clone(),
+        Recording::default(),
+    )
+    .await
+    .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_settled(&probe, "the first round settled", Duration::from_secs(30)).await;
+    let sessions = support::sessions_named(&consumer, "outbox-inbox").await;
+    assert!(!sessions.is_empty());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        support::sessions_named(&consumer, "outbox-inbox").await,
+        sessions,
+        "the inbox's sessions were ended while idle"
+    );
+    commit_rounds(&producer, 2, 1).await;
+    relay_all(&producer).await;
+    wait_until_settled(&probe, "the second round settled", Duration::from_secs(30)).await;
+    running.shutdown().await.unwrap();
+    let applied = applied(&mut consumer.conn().await).await;
+    assert_eq!(
+        applied.values().map(Vec::len).sum::<usize>(),
+        4,
+        "{applied:?}"
+    );
+    let logged = logs.text();
+    assert!(!logged.contains("idle-session timeout"), "{logged}");
+}
+
 /// An inbox whose `run` future is dropped (a `tokio::select!` whose other branch won) stops
 /// whole: its retention task ends with it, and its pool's connections close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

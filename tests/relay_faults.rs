@@ -145,6 +145,47 @@ async fn three_relays_racing_over_10000_events_of_100_aggregates_publish_each_on
 /// the writers here retry as PostgreSQL asks; any other error fails the test. Their outbox's
 /// topology is registered all the same, without the warning "cannot register the outbox's
 /// topology" that writers starting together each logged when their registrations met.
+/// A database whose `idle_session_timeout` (PostgreSQL 14+; an operator's `ALTER DATABASE ...
+/// SET`, to end sessions an application forgot) is shorter than the relay's quiet spells. The
+/// relay's sessions are idle by design, its `LISTEN` connection waiting for notifications and
+/// its workers for their poll, so they opt out of it. Before, the server ended the `LISTEN`
+/// connection at every timeout (a warning each time, the doorbell lost and taken again) and
+/// an idle worker's connection before its next claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relays_idle_sessions_outlive_the_databases_idle_session_timeout() {
+    let (logs, _turn) = Logs::capture().await;
+    let env = TestEnv::new().await;
+    set_database_default(&env, "idle_session_timeout", "300ms").await;
+    let mut config = env.relay_config();
+    config.poll_interval = Duration::from_secs(60);
+    config.workers = 1;
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    // A worker and the listener.
+    let sessions = wait_until(
+        "the relay's two sessions",
+        Duration::from_secs(10),
+        || async {
+            let sessions = support::sessions_named(&env, "outbox-relay").await;
+            (sessions.len() == 2).then_some(sessions)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        support::sessions_named(&env, "outbox-relay").await,
+        sessions,
+        "the relay's sessions were ended while idle"
+    );
+    env.commit(&mut Order::place("o-1", "ada", 100)).await;
+    env.until_stream_holds(1, Duration::from_secs(3)).await;
+    relay.shutdown().await.unwrap();
+    let logged = logs.text();
+    assert!(!logged.contains("idle-session timeout"), "{logged}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_run_read_committed_under_a_stricter_database_default() {
     #[derive(QueryableByName)]

@@ -483,6 +483,18 @@ const DEAD_PEER_KEEPALIVES: (Duration, Duration, u32) =
 #[cfg(feature = "postgres")]
 const DEAD_PEER_USER_TIMEOUT: Duration = Duration::from_secs(25);
 
+/// Takes a session out of the server's `idle_session_timeout` (PostgreSQL 14+, docs section
+/// 20.11.1, "Statement Behavior": the server ends a session idle outside a transaction for
+/// longer), which an operator may set on the database or role to end the sessions an
+/// application forgot. The toolkit's sessions are idle by design: a relay's `LISTEN`
+/// connection waits for notifications, its workers for their poll, an inbox's pooled sessions
+/// for messages; ended, the relay lost its doorbell and logged a warning at every timeout, and
+/// each session was opened again. Dead peers are found by [`DEAD_PEER_KEEPALIVES`] instead.
+/// Through `pg_settings`, so that before 14, without the setting, it changes nothing.
+#[cfg(feature = "postgres")]
+const NO_IDLE_SESSION_TIMEOUT: &str =
+    "SELECT set_config(name, '0', false) FROM pg_settings WHERE name = 'idle_session_timeout'";
+
 /// How the toolkit opens and bounds a connection.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
@@ -567,10 +579,10 @@ pub(crate) enum Isolation {
 /// Opens a connection (with `connector`, or to `database_url`) within
 /// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
 /// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`],
-/// [`DEAD_PEER_USER_TIMEOUT`], when `isolation` says so its transactions' isolation, and
-/// with `idle_in_transaction` its `idle_in_transaction_session_timeout` (the longest a
-/// transaction may wait for its client; none past `i32::MAX` milliseconds, PostgreSQL's
-/// most), where `None` keeps the database's.
+/// [`DEAD_PEER_USER_TIMEOUT`], [`NO_IDLE_SESSION_TIMEOUT`], when `isolation` says so its
+/// transactions' isolation, and with `idle_in_transaction` its
+/// `idle_in_transaction_session_timeout` (the longest a transaction may wait for its client;
+/// none past `i32::MAX` milliseconds, PostgreSQL's most), where `None` keeps the database's.
 #[cfg(feature = "postgres")]
 pub(crate) async fn connect(
     database_url: &str,
@@ -613,7 +625,8 @@ pub(crate) async fn connect(
             "SET application_name TO '{application_name}'; \
              SET statement_timeout TO {statement_ms}; \
              SET tcp_keepalives_idle TO {}; SET tcp_keepalives_interval TO {}; \
-             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}",
+             SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}; \
+             {NO_IDLE_SESSION_TIMEOUT}",
             idle.as_secs(),
             interval.as_secs(),
             DEAD_PEER_USER_TIMEOUT.as_millis()

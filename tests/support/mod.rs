@@ -114,6 +114,26 @@ pub async fn other_sessions(conn: &mut AsyncPgConnection) -> Vec<(String, String
         .collect()
 }
 
+/// The backend pids of the sessions of `env`'s database named `application_name`, sorted,
+/// read on a connection of its own (which a short `idle_session_timeout` cannot end).
+pub async fn sessions_named(env: &TestEnv, application_name: &str) -> Vec<i32> {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Session {
+        #[diesel(sql_type = diesel::sql_types::Int4)]
+        pid: i32,
+    }
+    let sessions: Vec<Session> = diesel::sql_query(
+        "SELECT pid FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = $1 ORDER BY pid",
+    )
+    .bind::<diesel::sql_types::Text, _>(application_name)
+    .load(&mut env.conn().await)
+    .await
+    .unwrap();
+    sessions.into_iter().map(|session| session.pid).collect()
+}
+
 /// Sets `setting` to `value` for every later session of `env`'s database, as an operator's
 /// `ALTER DATABASE ... SET` does (the connections already open keep theirs).
 pub async fn set_database_default(env: &TestEnv, setting: &str, value: &str) {
