@@ -186,6 +186,42 @@ async fn a_relays_idle_sessions_outlive_the_databases_idle_session_timeout() {
     assert!(!logged.contains("idle-session timeout"), "{logged}");
 }
 
+/// A database whose `idle_in_transaction_session_timeout` (an operator's) is shorter than a
+/// relay batch's publishes: the batch's transaction sends nothing while it waits for its acks
+/// (here one aggregate's chain of 1,500 events, published one after another, each after the
+/// previous ack). A live relay's batch must not be cut for it. Before, the server ended the
+/// session mid-batch, the batch's mark failed, and every batch after it was cut the same way:
+/// the stream held the events, and the outbox kept them all, republished for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_slower_than_the_databases_idle_transaction_timeout_commits() {
+    const EVENTS: u64 = 1_500;
+    let env = TestEnv::new().await;
+    set_database_default(&env, "idle_in_transaction_session_timeout", "200ms").await;
+    let mut order = Order::place("o-1", "ada", 100);
+    for _ in 1..EVENTS {
+        order.record(OrderEvent::Shipped);
+    }
+    env.commit(&mut order).await;
+    let mut config = env.relay_config();
+    config.batch_size = EVENTS as usize;
+    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
+    let started = std::time::Instant::now();
+    let outcome = relay.relay_batch().await.unwrap();
+    let took = started.elapsed();
+    println!("one batch of {EVENTS} events of one aggregate: {took:?}");
+    assert!(
+        took > Duration::from_millis(200),
+        "the batch took {took:?}, within the timeout: it proves nothing"
+    );
+    assert_eq!(outcome.published, EVENTS as usize);
+    assert_eq!(env.stream_len().await, EVENTS);
+    let queued = outbox_runtime::outbox::stats(&mut env.conn().await)
+        .await
+        .unwrap()
+        .queued;
+    assert_eq!(queued, 0, "the batch's published rows are still queued");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_run_read_committed_under_a_stricter_database_default() {
     #[derive(QueryableByName)]

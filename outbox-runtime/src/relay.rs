@@ -518,6 +518,11 @@ struct Shared {
     /// Held by the worker that looks whether the stream is gone (after publishes found no
     /// responder), so that the relay looks, and creates it again, once at a time.
     stream_check: tokio::sync::Mutex<()>,
+    /// The `idle_in_transaction_session_timeout` of the relay's PostgreSQL sessions in
+    /// milliseconds, 0 for none, as its latest connection read it: a batch keeps its session
+    /// alive within it while it publishes.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    idle_in_transaction_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -569,6 +574,7 @@ impl Shared {
             health: Health::new(),
             instance: uuid::Uuid::now_v7(),
             stream_check: tokio::sync::Mutex::new(()),
+            idle_in_transaction_ms: std::sync::atomic::AtomicU64::new(0),
         });
         Ok((shared, stream.duplicate_window))
     }

@@ -56,10 +56,18 @@ pub struct BatchReport {
 
 /// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
 /// connect timeout, with its statement timeout, its transactions READ COMMITTED whatever the
-/// database's default ([`database::Isolation::ReadCommitted`]).
+/// database's default ([`database::Isolation::ReadCommitted`]). Reads the session's
+/// `idle_in_transaction_session_timeout`, which a batch's keep-alive follows
+/// ([`RelayStore::keep_alive_every`]).
 #[cfg(feature = "postgres")]
 pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, database::ConnectError> {
-    database::connect(
+    #[derive(diesel::QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        ms: i64,
+    }
+    use diesel_async::RunQueryDsl as _;
+    let mut conn = database::connect(
         &shared.config.database_url,
         shared.config.connector.as_ref(),
         "outbox-relay",
@@ -67,8 +75,30 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
         database::Isolation::ReadCommitted,
         None,
     )
+    .await?;
+    let setting = database::bounded(
+        shared.config.statement_timeout,
+        &shared.target,
+        "reading idle_in_transaction_session_timeout",
+        diesel::sql_query(IDLE_IN_TRANSACTION).get_result::<Setting>(&mut conn),
+    )
     .await
+    .map_err(|error| database::ConnectError {
+        target: shared.target.clone(),
+        reason: error.to_string(),
+    })?;
+    shared.idle_in_transaction_ms.store(
+        u64::try_from(setting.ms).unwrap_or(0),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    Ok(conn)
 }
+
+/// The session's `idle_in_transaction_session_timeout` in milliseconds (0: none), as
+/// `pg_settings` gives it: the database's, the role's or the server's.
+#[cfg(feature = "postgres")]
+const IDLE_IN_TRANSACTION: &str = "SELECT setting::int8 AS ms FROM pg_settings \
+     WHERE name = 'idle_in_transaction_session_timeout'";
 
 /// The worker loop: batches until `stop`, then returns after the batch in progress.
 ///
@@ -900,6 +930,28 @@ pub(super) trait RelayStore: Send + Sized + 'static {
 impl RelayStore for AsyncPgConnection {
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         connect(shared).await
+    }
+
+    /// A third of the session's `idle_in_transaction_session_timeout`, when it has one (an
+    /// operator's, on the database or the role, to end the transactions of clients that
+    /// stopped): the server ends a session idle in a transaction for longer (PostgreSQL docs,
+    /// section 20.11.1, "Statement Behavior"), and a batch's transaction sends nothing while
+    /// it waits for its acks, which one aggregate's chain, published one after another,
+    /// makes as long as the chain. A live relay's batch is never cut; a relay that stopped
+    /// still is, at the operator's timeout.
+    fn keep_alive_every(shared: &Shared) -> Option<Duration> {
+        match shared
+            .idle_in_transaction_ms
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => None,
+            ms => Some(Duration::from_millis(ms) / 3),
+        }
+    }
+
+    async fn keep_alive(&mut self) -> QueryResult<()> {
+        use diesel_async::RunQueryDsl as _;
+        diesel::sql_query("SELECT 1").execute(self).await.map(drop)
     }
 
     async fn begin(&mut self) -> QueryResult<()> {
