@@ -3280,6 +3280,56 @@ mod mysql {
         );
     }
 
+    /// MariaDB's `idle_transaction_timeout` (an operator's, global; 2 s here, on a server of
+    /// the test's own) shorter than a batch's publishes (a broker slow to ack: 4 s): the
+    /// relay sends its session a statement within it, and the batch commits what was acked.
+    /// Before, its keep-alive came every third of its `wait_timeout` only (7 s), the server
+    /// closed the session mid-batch, and the batch failed, as every batch after it would.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_slower_than_mariadbs_idle_transaction_timeout_keeps_its_session() {
+        let server = support::mariadb::MariadbServer::start().await;
+        AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap()
+            .batch_execute("SET GLOBAL idle_transaction_timeout = 2")
+            .await
+            .unwrap();
+        let nats = support::NatsServer::start().await;
+        let mysql = Database::create_on(server.url("mysql")).await;
+        let env = AsyncMysql::setup_with(&nats.url(), mysql).await;
+        AsyncMysql::commit(&env, vec![shipped("o-1")], None, End::Ok)
+            .await
+            .1
+            .unwrap();
+        let proxy = support::Proxy::start(([127, 0, 0, 1], nats.port).into()).await;
+        let slow = outbox_runtime::nats::connect(&format!("nats://127.0.0.1:{}", proxy.port))
+            .await
+            .unwrap();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.ack_timeout = Duration::from_secs(60);
+        let mut relay = MysqlRelay::connect(config, slow).await.unwrap();
+        proxy.freeze(true);
+        let thaw = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            proxy.freeze(false);
+            proxy
+        });
+        let started = std::time::Instant::now();
+        let report = relay.relay_batch().await.unwrap();
+        let took = started.elapsed();
+        let _proxy = thaw.await.unwrap();
+        assert!(
+            took > Duration::from_secs(3),
+            "the publishes waited: {took:?}"
+        );
+        assert_eq!((report.claimed, report.published), (2, 2), "{report:?}");
+        assert_eq!(
+            AsyncMysql::stats(&env).await.queued,
+            0,
+            "the batch committed"
+        );
+    }
+
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in
     /// which the server closed the idle session, a MySQL relay opens a new connection quietly
     /// rather than fail a batch on the closed one and warn of a database failure; so does a

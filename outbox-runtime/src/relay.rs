@@ -518,10 +518,11 @@ struct Shared {
     /// Held by the worker that looks whether the stream is gone (after publishes found no
     /// responder), so that the relay looks, and creates it again, once at a time.
     stream_check: tokio::sync::Mutex<()>,
-    /// The `idle_in_transaction_session_timeout` of the relay's PostgreSQL sessions in
-    /// milliseconds, 0 for none, as its latest connection read it: a batch keeps its session
-    /// alive within it while it publishes.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    /// How long the server lets the relay's sessions sit idle in a transaction, in
+    /// milliseconds, 0 for no limit, as its latest connection read it (PostgreSQL's
+    /// `idle_in_transaction_session_timeout`, MariaDB's `idle_transaction_timeout` and its
+    /// kin): a batch keeps its session alive within it while it publishes.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     idle_in_transaction_ms: std::sync::atomic::AtomicU64,
 }
 
