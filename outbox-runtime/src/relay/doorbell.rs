@@ -7,7 +7,7 @@
 //! their throughput (the benchmark's figure 11). Only a relay with nothing to do needs a
 //! notification, so the
 //! outbox's insert trigger notifies only while one waits, told by an advisory lock
-//! ([`DOORBELL_LOCK`]):
+//! ([`doorbell_lock`], keyed by the outbox table so that each schema's outbox has its own):
 //!
 //! - the relay *arms* the doorbell when all its workers found nothing to claim: its `LISTEN`
 //!   connection takes the lock exclusively (`pg_advisory_lock`), then a worker claims once
@@ -21,7 +21,7 @@
 //! - a relay under load *disarms* the doorbell (the lock is released, the trigger stops
 //!   notifying): a worker claimed rows in two batches in a row ([`Doorbell::busy`]);
 //!   workers claim again at once after each batch, and a batch that claimed rows wakes the
-//!   others. It holds the *busy lock* ([`BUSY_LOCK`]) in shared mode meanwhile, and another
+//!   others. It holds the *busy lock* ([`busy_lock`]) in shared mode meanwhile, and another
 //!   relay arms the doorbell only while no relay holds that: the busy relay claims what
 //!   commits, and takes the doorbell itself when it finds nothing;
 //! - a relay whose workers all back off (broker away, failures) releases both, so another
@@ -66,12 +66,12 @@ pub const BUSY_LOCK: i32 = i32::from_be_bytes(*b"outB");
 /// insert trigger's `TG_RELID`), as the keys of `pg_advisory_lock(int4, int4)`:
 /// ([`DOORBELL_LOCK`], the oid's 32 bits as an `int4`, as PostgreSQL's `oid::int4` casts it).
 pub fn doorbell_lock(table: u32) -> (i32, i32) {
-    (DOORBELL_LOCK, i32::from_ne_bytes(table.to_ne_bytes()))
+    (DOORBELL_LOCK, table.cast_signed())
 }
 
 /// The busy lock of the outbox table whose oid is `table`, as [`doorbell_lock`].
 pub fn busy_lock(table: u32) -> (i32, i32) {
-    (BUSY_LOCK, i32::from_ne_bytes(table.to_ne_bytes()))
+    (BUSY_LOCK, table.cast_signed())
 }
 
 /// The channel the insert trigger of the outbox table whose oid is `table` notifies while
@@ -133,9 +133,9 @@ impl Statements {
     }
 }
 
-/// How long one attempt to arm waits for the lock ([`ARM`]): the inserting transactions it
-/// waits for hold it from their outbox insert to their COMMIT, well under a millisecond for
-/// a unit of work. The listener reads no notification while it waits.
+/// How long one attempt to arm waits for the lock ([`Statements::arm`]): the inserting
+/// transactions it waits for hold it from their outbox insert to their COMMIT, well under a
+/// millisecond for a unit of work. The listener reads no notification while it waits.
 pub(super) const ARM_ATTEMPT: Duration = Duration::from_millis(10);
 
 /// How long the listener listens before it tries again to arm, after an attempt timed out:
@@ -143,9 +143,9 @@ pub(super) const ARM_ATTEMPT: Duration = Duration::from_millis(10);
 /// holds the lock in shared mode for long (a plain `INSERT` into the outbox early in a long
 /// transaction, or commits the disk holds up). In the second case the other transactions'
 /// inserts meanwhile take the lock in shared mode too and notify no one, so after each
-/// attempt that timed out a worker claims ([`NO_OTHER_RELAY`]): rows committed meanwhile wait
-/// up to this long and an attempt, instead of the poll interval, for as long as the lock is
-/// held.
+/// attempt that timed out a worker claims ([`Statements::no_other_relay`]): rows committed
+/// meanwhile wait up to this long and an attempt, instead of the poll interval, for as long
+/// as the lock is held.
 pub(super) const ARM_RETRY: Duration = Duration::from_millis(40);
 
 /// Batches in a row that claimed rows before a worker releases the doorbell
