@@ -3307,6 +3307,38 @@ mod mysql {
         one_batch_through_a_frozen_broker(&env, nats.port, Duration::from_secs(4)).await;
     }
 
+    /// MariaDB's `idle_transaction_timeout` (an operator's, global; 1 s here, on a server of
+    /// the test's own) shorter than a handler that works without the database (2 s on each
+    /// aggregate's first event): the inbox's sessions turn it off for themselves, and the
+    /// message commits. Before, the server closed the session while the handler worked, and
+    /// the message, redelivered, failed so again, for ever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_slower_than_mariadbs_idle_transaction_timeout_commits() {
+        let server = support::mariadb::MariadbServer::start().await;
+        AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap()
+            .batch_execute("SET GLOBAL idle_transaction_timeout = 1")
+            .await
+            .unwrap();
+        let mysql = Database::create_on(server.url("mysql")).await;
+        let env = AsyncMysql::setup_with(&support::nats_url(), mysql).await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        super::four_events_each::<AsyncMysql>(&env, &["o-1", "o-2"]).await;
+        let config = super::inbox_config::<AsyncMysql>(&env, "slow");
+        super::consume(&env, &config, 1, || super::Applier::<AsyncMysql> {
+            slow_first: Duration::from_secs(2),
+            ..super::Applier::new()
+        })
+        .await;
+        let expected: BTreeMap<String, Vec<i64>> = ["o-1", "o-2"]
+            .into_iter()
+            .map(|id| (id.to_owned(), vec![1, 2, 3, 4]))
+            .collect();
+        assert_eq!(AsyncMysql::applied(&env).await, expected);
+        assert!(AsyncMysql::inbox_dead_letters(&env).await.is_empty());
+    }
+
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in
     /// which the server closed the idle session, a MySQL relay opens a new connection quietly
     /// rather than fail a batch on the closed one and warn of a database failure; so does a

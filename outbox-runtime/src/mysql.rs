@@ -226,6 +226,45 @@ pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResu
         .collect())
 }
 
+/// MariaDB's limits on a session left idle inside a transaction (MariaDB docs, "Server
+/// System Variables": `idle_transaction_timeout`, `idle_readonly_transaction_timeout`,
+/// `idle_write_transaction_timeout`, 10.3+, whole seconds, 0 for none), as an operator sets
+/// them globally: the server closes a session idle in a transaction for longer. MySQL has
+/// none of them.
+pub(crate) const IDLE_TRANSACTION_TIMEOUTS: [&str; 3] = [
+    "idle_transaction_timeout",
+    "idle_readonly_transaction_timeout",
+    "idle_write_transaction_timeout",
+];
+
+/// Each of [`IDLE_TRANSACTION_TIMEOUTS`] that the session has set, with its seconds: none on
+/// MySQL, whose `SHOW VARIABLES` lists no such row.
+pub(crate) async fn idle_transaction_timeouts(
+    conn: &mut AsyncMysqlConnection,
+) -> diesel::QueryResult<Vec<(&'static str, u64)>> {
+    #[derive(QueryableByName)]
+    struct Variable {
+        #[diesel(sql_type = Text, column_name = "Variable_name")]
+        name: String,
+        #[diesel(sql_type = Text, column_name = "Value")]
+        value: String,
+    }
+    let variables: Vec<Variable> =
+        diesel::sql_query("SHOW SESSION VARIABLES LIKE 'idle%transaction_timeout'")
+            .load(conn)
+            .await?;
+    Ok(variables
+        .iter()
+        .filter_map(|variable| {
+            let name = IDLE_TRANSACTION_TIMEOUTS
+                .into_iter()
+                .find(|known| variable.name.eq_ignore_ascii_case(known))?;
+            let seconds = variable.value.trim().parse::<u64>().ok()?;
+            (seconds > 0).then_some((name, seconds))
+        })
+        .collect())
+}
+
 // The trait is crate-private in effect (see `unit_of_work::sealed`).
 #[allow(private_interfaces)]
 impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {

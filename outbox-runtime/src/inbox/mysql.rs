@@ -118,8 +118,36 @@ impl InboxStore for AsyncMysqlConnection {
 
     const KIND: Kind = Kind::Mysql;
 
+    /// Opens a session ([`SESSION_WAIT_TIMEOUT`]) and turns MariaDB's idle transaction
+    /// timeouts off for it ([`IDLE_TRANSACTION_TIMEOUTS`]), which an operator may set
+    /// shorter than a handler that works without the database: the inbox cannot send its
+    /// session a statement while the handler holds it, and the server would close it mid-
+    /// message, every time the message is redelivered. Its `wait_timeout` bounds such a
+    /// session instead.
+    ///
+    /// [`IDLE_TRANSACTION_TIMEOUTS`]: crate::mysql::IDLE_TRANSACTION_TIMEOUTS
     async fn connect(database_url: &str, session: &Session) -> Result<Self, ConnectError> {
-        database::connect_mysql(database_url, session.limits, SESSION_WAIT_TIMEOUT).await
+        let mut conn =
+            database::connect_mysql(database_url, session.limits, SESSION_WAIT_TIMEOUT).await?;
+        let off = async {
+            for (name, _) in crate::mysql::idle_transaction_timeouts(&mut conn).await? {
+                conn.batch_execute(&format!("SET SESSION {name} = 0"))
+                    .await?;
+            }
+            Ok::<_, Error>(())
+        };
+        database::bounded(
+            session.limits.statement_timeout,
+            &database::redacted(database_url),
+            "turning idle_transaction_timeout off",
+            off,
+        )
+        .await
+        .map_err(|error| ConnectError {
+            target: database::redacted(database_url),
+            reason: error.to_string(),
+        })?;
+        Ok(conn)
     }
 
     async fn record(

@@ -208,35 +208,10 @@ pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
     Duration::from_secs(idle.as_secs() + u64::from(idle.subsec_nanos() > 0))
 }
 
-/// MariaDB's limits on a transaction left idle (MariaDB docs, "Server System Variables":
-/// `idle_transaction_timeout`, `idle_readonly_transaction_timeout`,
-/// `idle_write_transaction_timeout`, 10.3+, in seconds, 0 for none), as an operator sets
-/// them globally: the server closes a session idle in a transaction for longer. MySQL has
-/// none of them, and this lists no row there.
-const IDLE_TRANSACTION_TIMEOUTS: &str = "SHOW SESSION VARIABLES LIKE 'idle%transaction_timeout'";
-
-/// The shortest of [`IDLE_TRANSACTION_TIMEOUTS`] that is set, in milliseconds; 0 for none.
-async fn idle_transaction_timeout(conn: &mut AsyncMysqlConnection) -> QueryResult<u64> {
-    #[derive(QueryableByName)]
-    struct Variable {
-        #[diesel(sql_type = Text, column_name = "Value")]
-        value: String,
-    }
-    let variables: Vec<Variable> = diesel::sql_query(IDLE_TRANSACTION_TIMEOUTS)
-        .load(conn)
-        .await?;
-    Ok(variables
-        .iter()
-        .filter_map(|variable| variable.value.trim().parse::<u64>().ok())
-        .filter(|&seconds| seconds > 0)
-        .min()
-        .map_or(0, |seconds| seconds.saturating_mul(1_000)))
-}
-
 impl RelayStore for AsyncMysqlConnection {
     /// Opens a session ([`session_wait_timeout`]), and reads MariaDB's idle transaction
-    /// timeouts ([`IDLE_TRANSACTION_TIMEOUTS`]), which
-    /// [`keep_alive_every`](RelayStore::keep_alive_every) follows.
+    /// timeouts ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)),
+    /// the shortest of which [`keep_alive_every`](RelayStore::keep_alive_every) follows.
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         let mut conn = database::connect_mysql(
             &shared.config.database_url,
@@ -248,16 +223,18 @@ impl RelayStore for AsyncMysqlConnection {
             shared.config.statement_timeout,
             &shared.target,
             "reading idle_transaction_timeout",
-            idle_transaction_timeout(&mut conn),
+            crate::mysql::idle_transaction_timeouts(&mut conn),
         )
         .await
         .map_err(|error| database::ConnectError {
             target: shared.target.clone(),
             reason: error.to_string(),
         })?;
-        shared
-            .idle_in_transaction_ms
-            .store(idle, std::sync::atomic::Ordering::Relaxed);
+        let shortest = idle.iter().map(|&(_, seconds)| seconds).min().unwrap_or(0);
+        shared.idle_in_transaction_ms.store(
+            shortest.saturating_mul(1_000),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Ok(conn)
     }
 
@@ -267,7 +244,8 @@ impl RelayStore for AsyncMysqlConnection {
     }
 
     /// A third of [`session_wait_timeout`], or of MariaDB's idle transaction timeout
-    /// ([`IDLE_TRANSACTION_TIMEOUTS`]) when one is set and shorter: a batch's transaction
+    /// ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)) when one is
+    /// set and shorter: a batch's transaction
     /// sends nothing while it waits for its acks, for as long as one aggregate's chain takes
     /// to publish; a live relay's batch is never cut.
     fn keep_alive_every(shared: &Shared) -> Option<Duration> {
