@@ -51,8 +51,17 @@ AS $$
 DECLARE
     moved bigint;
 BEGIN
-    IF to_regclass(outbox_published_schema() || '.outbox_published_p'
-                   || to_char((now() AT TIME ZONE 'UTC')::date, 'YYYYMMDD')) IS NULL THEN
+    -- Today's partition of this outbox_published, not a table of its name in another
+    -- schema, by a query whose plan plpgsql keeps. A call of this function that archives
+    -- one row took 0.15-0.20 ms with it and 0.13-0.16 ms with the bare to_regclass before it
+    -- (pgbench, one call a transaction, interleaved runs); with outbox_published_schema()
+    -- and to_regclass of the qualified name, 0.30-0.38 ms.
+    IF NOT EXISTS (
+        SELECT FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = 'outbox_published'::regclass
+          AND c.relname = 'outbox_published_p'
+                          || to_char((now() AT TIME ZONE 'UTC')::date, 'YYYYMMDD')
+    ) THEN
         PERFORM outbox_published_partitions(1);
     END IF;
     WITH gone AS (
