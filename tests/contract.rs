@@ -3287,6 +3287,24 @@ mod mysql {
         one_batch_through_a_frozen_broker(&env, server.port, Duration::from_secs(25)).await;
     }
 
+    /// A MariaDB server of the test's own (dropped, it stops: after the environment, so
+    /// bind it first) whose operator set `idle_transaction_timeout` globally to `seconds`,
+    /// and an environment on it, with NATS at `nats_url`.
+    async fn idle_transactions_cut_after(
+        seconds: u32,
+        nats_url: &str,
+    ) -> (support::mariadb::MariadbServer, Env) {
+        let server = support::mariadb::MariadbServer::start().await;
+        AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap()
+            .batch_execute(&format!("SET GLOBAL idle_transaction_timeout = {seconds}"))
+            .await
+            .unwrap();
+        let mysql = Database::create_on(server.url("mysql")).await;
+        (server, AsyncMysql::setup_with(nats_url, mysql).await)
+    }
+
     /// MariaDB's `idle_transaction_timeout` (an operator's, global; 2 s here, on a server of
     /// the test's own) shorter than a batch's publishes (a broker slow to ack: 4 s): the
     /// relay sends its session a statement within it, and the batch commits what was acked.
@@ -3294,16 +3312,8 @@ mod mysql {
     /// closed the session mid-batch, and the batch failed, as every batch after it would.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_slower_than_mariadbs_idle_transaction_timeout_keeps_its_session() {
-        let server = support::mariadb::MariadbServer::start().await;
-        AsyncMysqlConnection::establish(&server.url("mysql"))
-            .await
-            .unwrap()
-            .batch_execute("SET GLOBAL idle_transaction_timeout = 2")
-            .await
-            .unwrap();
         let nats = support::NatsServer::start().await;
-        let mysql = Database::create_on(server.url("mysql")).await;
-        let env = AsyncMysql::setup_with(&nats.url(), mysql).await;
+        let (_server, env) = idle_transactions_cut_after(2, &nats.url()).await;
         one_batch_through_a_frozen_broker(&env, nats.port, Duration::from_secs(4)).await;
     }
 
@@ -3314,15 +3324,7 @@ mod mysql {
     /// the message, redelivered, failed so again, for ever.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_handler_slower_than_mariadbs_idle_transaction_timeout_commits() {
-        let server = support::mariadb::MariadbServer::start().await;
-        AsyncMysqlConnection::establish(&server.url("mysql"))
-            .await
-            .unwrap()
-            .batch_execute("SET GLOBAL idle_transaction_timeout = 1")
-            .await
-            .unwrap();
-        let mysql = Database::create_on(server.url("mysql")).await;
-        let env = AsyncMysql::setup_with(&support::nats_url(), mysql).await;
+        let (_server, env) = idle_transactions_cut_after(1, &support::nats_url()).await;
         <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
         super::four_events_each::<AsyncMysql>(&env, &["o-1", "o-2"]).await;
         let config = super::inbox_config::<AsyncMysql>(&env, "slow");
