@@ -736,6 +736,26 @@ pub(crate) async fn bounded<T, E>(
     }
 }
 
+/// [`bounded`], for a statement that sets up a connection just opened: its failure is a
+/// [`ConnectError`] naming `target` and `operation` (which a timeout names already).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+pub(crate) async fn bounded_setup<T, E: fmt::Display>(
+    limit: Duration,
+    target: &str,
+    operation: &'static str,
+    query: impl Future<Output = Result<T, E>>,
+) -> Result<T, ConnectError> {
+    bounded(limit, target, operation, query)
+        .await
+        .map_err(|error| ConnectError {
+            target: target.to_owned(),
+            reason: match error {
+                Bounded::Failed(error) => format!("{operation}: {error}"),
+                Bounded::TimedOut(timed_out) => timed_out.to_string(),
+            },
+        })
+}
+
 /// A bounded query's failure.
 #[derive(Debug)]
 pub(crate) enum Bounded<E> {

@@ -11,10 +11,11 @@
 //!   a claim never reads heads its own relay has locked; several relay processes on one
 //!   outbox behave like more workers, except that they do not know what the others hold.
 //! - the listener holds a dedicated connection that `LISTEN`s on its outbox table's channel
-//!   ([`notification_channel`]) and wakes the workers at each notification. The outbox's insert trigger notifies only while a
-//!   relay waits for rows: when all its workers found nothing to claim, the listener takes
-//!   the *doorbell*, an advisory lock each inserting transaction tries in shared mode (see
-//!   [`doorbell_lock`]), and a worker claims once more before they sleep. A notifying
+//!   ([`notification_channel`]) and wakes the workers at each notification. The outbox's
+//!   insert trigger notifies only while a relay waits for rows: when all its workers found
+//!   nothing to claim, the listener takes the *doorbell*, an advisory lock each inserting
+//!   transaction tries in shared mode (see [`doorbell_lock`]), and a worker claims once more
+//!   before they sleep. A notifying
 //!   transaction serialises its COMMIT with every other notifying one, so under load, when
 //!   the relay is busy, units of work do not notify. Workers also poll every
 //!   [`poll_interval`](RelayConfig::poll_interval), so a lost notification or a dropped

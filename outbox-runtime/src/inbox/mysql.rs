@@ -136,17 +136,13 @@ impl InboxStore for AsyncMysqlConnection {
             }
             Ok::<_, Error>(())
         };
-        database::bounded(
+        database::bounded_setup(
             session.limits.statement_timeout,
             &database::redacted(database_url),
             "turning idle_transaction_timeout off",
             off,
         )
-        .await
-        .map_err(|error| ConnectError {
-            target: database::redacted(database_url),
-            reason: error.to_string(),
-        })?;
+        .await?;
         Ok(conn)
     }
 

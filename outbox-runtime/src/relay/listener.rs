@@ -282,7 +282,7 @@ async fn listen(shared: &Shared) -> Result<(AsyncPgConnection, Statements), Stri
     let mut conn = super::worker::connect(shared)
         .await
         .map_err(|e| e.to_string())?;
-    let table = database::bounded(
+    let table = database::bounded_setup(
         shared.config.statement_timeout,
         &shared.target,
         "finding the outbox table's oid",

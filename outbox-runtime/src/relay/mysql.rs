@@ -219,17 +219,13 @@ impl RelayStore for AsyncMysqlConnection {
             session_wait_timeout(&shared.config),
         )
         .await?;
-        let idle = database::bounded(
+        let idle = database::bounded_setup(
             shared.config.statement_timeout,
             &shared.target,
             "reading idle_transaction_timeout",
             crate::mysql::idle_transaction_timeouts(&mut conn),
         )
-        .await
-        .map_err(|error| database::ConnectError {
-            target: shared.target.clone(),
-            reason: error.to_string(),
-        })?;
+        .await?;
         let shortest = idle.iter().map(|&(_, seconds)| seconds).min().unwrap_or(0);
         shared.idle_in_transaction_ms.store(
             shortest.saturating_mul(1_000),
@@ -245,9 +241,8 @@ impl RelayStore for AsyncMysqlConnection {
 
     /// A third of [`session_wait_timeout`], or of MariaDB's idle transaction timeout
     /// ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)) when one is
-    /// set and shorter: a batch's transaction
-    /// sends nothing while it waits for its acks, for as long as one aggregate's chain takes
-    /// to publish; a live relay's batch is never cut.
+    /// set and shorter: a batch's transaction sends nothing while it waits for its acks, for
+    /// as long as one aggregate's chain takes to publish; a live relay's batch is never cut.
     fn keep_alive_every(shared: &Shared) -> Option<Duration> {
         let wait = session_wait_timeout(&shared.config);
         let idle = Duration::from_millis(std::sync::atomic::AtomicU64::load(

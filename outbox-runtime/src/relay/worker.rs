@@ -76,17 +76,13 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
         None,
     )
     .await?;
-    let setting = database::bounded(
+    let setting = database::bounded_setup(
         shared.config.statement_timeout,
         &shared.target,
         "reading idle_in_transaction_session_timeout",
         diesel::sql_query(IDLE_IN_TRANSACTION).get_result::<Setting>(&mut conn),
     )
-    .await
-    .map_err(|error| database::ConnectError {
-        target: shared.target.clone(),
-        reason: error.to_string(),
-    })?;
+    .await?;
     shared.idle_in_transaction_ms.store(
         u64::try_from(setting.ms).unwrap_or(0),
         std::sync::atomic::Ordering::Relaxed,
