@@ -2,7 +2,8 @@
 //! own) and a stream with three replicas: the relay and two live instances of one inbox
 //! consumer keep every guarantee while nodes are SIGKILLed (the stream's leader, the
 //! consumer's leader, the node each client is connected to) and rejoin, and a client whose
-//! node dies fails over to another of its server list.
+//! node dies fails over to another of its server list. A relay and an inbox connected to a
+//! leaf node reach the stream of its hub by the hub's JetStream domain.
 
 mod support;
 
@@ -14,7 +15,7 @@ use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
 use outbox_runtime::outbox::schema::outbox_events;
 use outbox_runtime::{Inbox, Relay};
-use support::cluster::NatsCluster;
+use support::cluster::{HubAndLeaf, NatsCluster};
 use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_round, consumer_config,
     consumer_database, orders, wait_until_settled,
@@ -244,5 +245,132 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
         &applied(&mut consumer.conn().await).await,
         AGGREGATES,
         rounds as i64,
+    );
+}
+
+/// A relay and an inbox whose NATS connection is to a leaf node, whose hub holds the stream:
+/// with `StreamSettings::domain` the hub's JetStream domain, the relay creates the stream in
+/// the hub (not in the leaf's own JetStream, which answers `$JS.API`) and publishes to it
+/// through the leaf, and the inbox consumes it through the leaf, every event once and in
+/// order, through the hub's crash and restart (events committed meanwhile wait in the
+/// outbox); a domain no server runs is refused at connect, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_and_an_inbox_on_a_leaf_node_use_the_hubs_stream_by_its_domain() {
+    const BEFORE: usize = 5;
+    const EVENTS: usize = 8;
+    let mut servers = HubAndLeaf::start().await;
+    // The producer's environment reads the stream where it lives: at the hub.
+    let producer = TestEnv::with_nats(&servers.hub_url()).await;
+    let consumer = consumer_database().await;
+    let leaf = || async {
+        outbox_runtime::nats::connect(&servers.leaf_url())
+            .await
+            .unwrap()
+    };
+
+    let mut relay_config = producer.relay_config();
+    relay_config.topology.stream.domain = Some("hbu".to_owned());
+    let error = match Relay::connect(relay_config.clone(), leaf().await).await {
+        Ok(_) => panic!("a relay in domain \"hbu\", which no server runs, connected"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains(
+            "nothing answers the API of JetStream domain \"hbu\" ($JS.hbu.API.>) at this NATS \
+             server: no server it reaches runs JetStream in that domain"
+        ),
+        "{error}"
+    );
+
+    let mut conn = producer.conn().await;
+    let mut orders = orders(AGGREGATES);
+    for round in 0..BEFORE {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    relay_config.topology.stream.domain = Some(HubAndLeaf::HUB.to_owned());
+    let relay_nats = leaf().await;
+    let relay = Relay::connect(relay_config, relay_nats.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{e}; {}", servers.logs()))
+        .spawn();
+    producer
+        .until_stream_holds((AGGREGATES * BEFORE) as u64, Duration::from_secs(30))
+        .await;
+    let in_the_leaf = outbox_runtime::async_nats::jetstream::new(relay_nats)
+        .get_stream(&producer.stream)
+        .await;
+    assert!(
+        matches!(&in_the_leaf, Err(e) if outbox_runtime::nats::stream_not_found(e)),
+        "the leaf's own JetStream holds no stream {}: {:?}",
+        producer.stream,
+        in_the_leaf.map(|stream| stream.cached_info().config.name.clone())
+    );
+
+    let mut inbox_config = consumer_config(&consumer, &producer, "at-the-leaf");
+    inbox_config.topology.stream.domain = Some(HubAndLeaf::HUB.to_owned());
+    let inbox = Inbox::connect(
+        inbox_config,
+        leaf().await,
+        Recording {
+            delay: Duration::ZERO,
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}; {}", servers.logs()));
+    let probe = inbox.clone();
+    let inbox = inbox.spawn();
+    let applied_at_least = |count: usize| {
+        let consumer = &consumer;
+        async move {
+            wait_until(
+                &format!("{count} events applied"),
+                Duration::from_secs(60),
+                || async {
+                    (applied_count(&mut consumer.conn().await).await >= count).then_some(())
+                },
+            )
+            .await
+        }
+    };
+    applied_at_least(AGGREGATES * BEFORE).await;
+
+    // The hub crashes: what commits meanwhile waits in the outbox, and reaches the stream
+    // and the consumer once the hub is back and the leaf linked to it again.
+    servers.kill_hub();
+    for round in BEFORE..EVENTS {
+        commit_round(&producer, &mut conn, &mut orders, round).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Found no stream while the hub was away: nothing wrong with the events, no attempt
+    // counted (counted, they would make the aggregates' heads dead letters).
+    let attempts: Vec<i32> = outbox_events::table
+        .select(outbox_events::attempts)
+        .load(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        (attempts.len(), attempts.iter().max()),
+        (AGGREGATES * (EVENTS - BEFORE), Some(&0)),
+        "the events committed while the hub is down wait, their attempts not counted"
+    );
+    servers.restart_hub().await;
+    let back = std::time::Instant::now();
+    let expected = AGGREGATES * EVENTS;
+    applied_at_least(expected).await;
+    println!(
+        "{} events committed while the hub was down applied {:.1?} after the leaf reached it \
+         again",
+        AGGREGATES * (EVENTS - BEFORE),
+        back.elapsed()
+    );
+    wait_until_settled(&probe, "every message settled", Duration::from_secs(30)).await;
+    relay.shutdown().await.unwrap();
+    inbox.shutdown().await.unwrap();
+
+    assert_each_once_in_order(&producer.stream_messages().await, AGGREGATES, EVENTS as u64);
+    assert_applied_in_order(
+        &applied(&mut consumer.conn().await).await,
+        AGGREGATES,
+        EVENTS as i64,
     );
 }

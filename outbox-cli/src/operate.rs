@@ -1121,6 +1121,10 @@ pub(crate) struct TailArgs {
     /// The stream.
     #[arg(long, env = "OUTBOX_STREAM", default_value = "EVENTS")]
     stream: String,
+    /// The JetStream domain of the stream, when it is not the connected server's: the hub's,
+    /// for a leaf node's client.
+    #[arg(long, env = "OUTBOX_JETSTREAM_DOMAIN")]
+    jetstream_domain: Option<String>,
     /// Only these subjects (a NATS filter such as `events.Order.>`).
     #[arg(long)]
     subject: Option<String>,
@@ -1142,19 +1146,28 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
     // A stream name with a space or a `.` would reach JetStream's API subject as two tokens.
     outbox_runtime::subject::validate_stream_name(&args.stream)
         .map_err(|e| format!("--stream: {e}"))?;
+    let domain = args.jetstream_domain.as_deref();
+    if let Some(domain) = domain {
+        outbox_runtime::subject::validate_token(domain)
+            .map_err(|e| format!("--jetstream-domain {domain:?} is not a JetStream domain: {e}"))?;
+    }
     let nats = args.nats.connect("outbox-tail").await?;
-    let stream = async_nats::jetstream::new(nats)
+    let stream = outbox_runtime::nats::jetstream_in(nats, domain)
         .get_stream(&args.stream)
         .await
         .map_err(|e| {
             if outbox_runtime::nats::stream_not_found(&e) {
+                let place = match domain {
+                    Some(domain) => format!("in JetStream domain {domain:?}"),
+                    None => "on this NATS server".to_owned(),
+                };
                 return format!(
-                    "no stream {:?} on this NATS server: a relay creates it when it starts \
+                    "no stream {:?} {place}: a relay creates it when it starts \
                      (`outbox relay`), or --stream names another",
                     args.stream
                 );
             }
-            let text = outbox_runtime::nats::jetstream_error_text(&e);
+            let text = outbox_runtime::nats::jetstream_error_text_in(&e, domain);
             format!("stream {:?}: {text}", args.stream)
         })?;
     let consumer = stream

@@ -70,6 +70,10 @@ pub(crate) struct RelayArgs {
     /// The JetStream stream.
     #[arg(long, env = "OUTBOX_STREAM", default_value_t = defaults().topology.stream.name)]
     stream: String,
+    /// The JetStream domain of the stream, when it is not the connected server's: the hub's,
+    /// for a relay connected to a leaf node.
+    #[arg(long, env = "OUTBOX_JETSTREAM_DOMAIN")]
+    jetstream_domain: Option<String>,
     /// Fail when the stream does not exist, instead of creating it.
     #[arg(long, env = "OUTBOX_NO_CREATE_STREAM")]
     no_create_stream: bool,
@@ -168,6 +172,7 @@ impl RelayArgs {
             },
             max_age: self.stream_max_age.into(),
             max_bytes: self.stream_max_bytes,
+            domain: self.jetstream_domain.clone(),
         };
         config.source = self.source.clone();
         config.workers = self.workers;

@@ -893,6 +893,10 @@ async fn the_relay_refuses_settings_it_cannot_honour_naming_them() {
             &["--stream", "ORDERS AND MORE"][..],
             "topology.stream.name \"ORDERS AND MORE\" is not a JetStream stream name",
         ),
+        (
+            &["--jetstream-domain", "hub.east"][..],
+            "topology.stream.domain \"hub.east\" is not a JetStream domain: it contains '.'",
+        ),
     ] {
         let mut args = vec!["relay", "--subject-prefix", &env.prefix];
         if !flags.contains(&"--stream") {
@@ -1132,6 +1136,60 @@ async fn the_relay_and_tail_name_a_nats_server_without_jetstream() {
         assert!(
             output.contains(&format!("{:?}", env.stream))
                 && output.contains(outbox_runtime::nats::NO_JETSTREAM),
+            "{args:?}: {output}"
+        );
+    }
+}
+
+/// `outbox tail --jetstream-domain` with a domain that is not one subject token (it would
+/// split JetStream's API subject `$JS.<domain>.API`) is refused before connecting, naming it.
+#[tokio::test]
+async fn tail_refuses_a_jetstream_domain_that_is_not_one_token_naming_it() {
+    let env = TestEnv::new().await;
+    refused_before_connecting(
+        &env,
+        &[
+            "tail",
+            "--stream",
+            &env.stream,
+            "--jetstream-domain",
+            "hub east",
+        ],
+        &["--jetstream-domain \"hub east\" is not a JetStream domain: it contains whitespace"],
+    );
+}
+
+/// `outbox relay` and `outbox tail` given a JetStream domain that no server they reach runs
+/// (misspelt, or a leaf node's hub unreachable) name the domain and its API's subjects, where
+/// the words of a server without JetStream would send the operator to its `-js` flag.
+#[tokio::test]
+async fn the_relay_and_tail_name_a_jetstream_domain_nothing_answers() {
+    let env = TestEnv::new().await;
+    let relay = [
+        "relay",
+        "--subject-prefix",
+        &env.prefix,
+        "--stream",
+        &env.stream,
+        "--jetstream-domain",
+        "nowhere",
+    ];
+    let tail = [
+        "tail",
+        "--stream",
+        &env.stream,
+        "--jetstream-domain",
+        "nowhere",
+    ];
+    for args in [&relay[..], &tail[..]] {
+        let refused = refused(&env, &support::nats_url(), args);
+        let output = text(&refused);
+        assert!(!refused.status.success(), "{args:?}: {output}");
+        assert!(
+            output.contains(
+                "nothing answers the API of JetStream domain \"nowhere\" ($JS.nowhere.API.>) \
+                 at this NATS server: no server it reaches runs JetStream in that domain"
+            ) && !output.contains(outbox_runtime::nats::NO_JETSTREAM),
             "{args:?}: {output}"
         );
     }

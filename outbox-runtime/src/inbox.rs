@@ -514,7 +514,7 @@ impl InboxConfig {
         }
         self.topology
             .stream
-            .check_name()
+            .check_address()
             .map_err(|error| InboxError::Config(format!("topology.stream.{error}")))?;
         validate_token(&self.consumer).map_err(|reason| {
             InboxError::Config(format!(
@@ -1050,7 +1050,10 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 )));
             }
         }
-        let stream = jetstream::new(nats)
+        let stream = config
+            .topology
+            .stream
+            .jetstream(nats)
             .get_stream(&config.topology.stream.name)
             .await
             .map_err(|e| {
@@ -1059,7 +1062,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                      starts; start a relay first, or connect again once one runs"
                         .to_owned()
                 } else {
-                    crate::nats::jetstream_error_text(&e)
+                    config.topology.stream.api_error_text(&e)
                 })
             })?;
         // Where the filters take every subject of the stream, the consumer has none: the same
@@ -2754,6 +2757,19 @@ mod tests {
             "inbox configuration: topology.stream.name \"\" is not a JetStream stream name: it \
              is empty"
         );
+    }
+
+    #[test]
+    fn the_producers_jetstream_domain_is_checked() {
+        let mut config = InboxConfig::new("c", "postgres://");
+        config.topology.stream.domain = Some("hub.east".to_owned());
+        assert_eq!(
+            config.validate().unwrap_err().to_string(),
+            "inbox configuration: topology.stream.domain \"hub.east\" is not a JetStream \
+             domain: it contains '.', the NATS token separator"
+        );
+        config.topology.stream.domain = Some("hub".to_owned());
+        assert!(config.validate().is_ok());
     }
 
     #[test]

@@ -241,10 +241,42 @@ pub fn stream_not_found(error: &async_nats::jetstream::context::GetStreamError) 
 /// answered (async-nats's own words, "requested JetStream resource does not exist", read as
 /// a missing stream), else the error's own.
 pub fn jetstream_error_text(error: &(dyn std::error::Error + 'static)) -> String {
-    if is_no_jetstream(error) {
-        NO_JETSTREAM.to_owned()
-    } else {
-        error.to_string()
+    jetstream_error_text_in(error, None)
+}
+
+/// [`jetstream_error_text`] for a request to the API of JetStream `domain` ([`jetstream_in`]):
+/// one that nothing answered says that no server of that domain answers from the connected
+/// one (no server of the network runs it, or the link to the servers that do is down),
+/// naming the domain and its API's subjects.
+pub fn jetstream_error_text_in(
+    error: &(dyn std::error::Error + 'static),
+    domain: Option<&str>,
+) -> String {
+    match domain {
+        Some(domain) if is_no_jetstream(error) => format!(
+            "nothing answers the API of JetStream domain {domain:?} ($JS.{domain}.API.>) at \
+             this NATS server: no server it reaches runs JetStream in that domain (a leaf \
+             node's link to its hub down, or the domain misspelt: a server's is its \
+             configuration's jetstream.domain)"
+        ),
+        _ if is_no_jetstream(error) => NO_JETSTREAM.to_owned(),
+        _ => error.to_string(),
+    }
+}
+
+/// The JetStream API through `client`: the connected server's own (`$JS.API.>`) for `None`,
+/// or for `Some(domain)` that of JetStream domain `domain` (`$JS.<domain>.API.>`), which the
+/// servers of that domain answer from wherever in the NATS network the client is connected:
+/// a leaf node's client reaching its hub's streams, say (NATS docs, "JetStream on Leaf
+/// Nodes"). API requests are bounded by the connection's request timeout until
+/// `set_timeout` sets the context's own.
+pub fn jetstream_in(
+    client: async_nats::Client,
+    domain: Option<&str>,
+) -> async_nats::jetstream::Context {
+    match domain {
+        Some(domain) => async_nats::jetstream::with_domain(client, domain),
+        None => async_nats::jetstream::new(client),
     }
 }
 

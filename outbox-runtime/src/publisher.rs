@@ -315,13 +315,15 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     /// A publisher with at most `max_in_flight` publishes awaiting their ack (a publish
-    /// beyond waits for one of them to end), each waiting at most `ack_timeout`.
+    /// beyond waits for one of them to end), each waiting at most `ack_timeout`; the stream's
+    /// API requests go to JetStream `domain` (`None`: the connected server's).
     pub(crate) fn new(
         client: async_nats::Client,
         prefix: &str,
         source: &str,
         ack_timeout: Duration,
         max_in_flight: usize,
+        domain: Option<&str>,
     ) -> Result<Self, InvalidSource> {
         let invalid = |reason: &str| InvalidSource {
             value: crate::subject::shortened(source, 128),
@@ -340,9 +342,8 @@ impl Publisher {
         }
         let source =
             percent_encoded(source).map_err(|_| invalid("it cannot be a NATS header value"))?;
-        let jetstream = jetstream::ContextBuilder::new()
-            .timeout(ack_timeout)
-            .build(client.clone());
+        let mut jetstream = crate::nats::jetstream_in(client.clone(), domain);
+        jetstream.set_timeout(ack_timeout);
         let spec_version = HeaderValue::from_static_str("1.0");
         let json = HeaderValue::from_static_str(JSON);
         let template = template([
@@ -773,6 +774,16 @@ pub struct StreamSettings {
     /// The most bytes the stream holds; -1 for no limit. Default -1. A relay refuses 0 and
     /// values below -1 at start-up.
     pub max_bytes: i64,
+    /// The JetStream domain the stream lives in, for a relay or an inbox connected to a
+    /// server of another domain: a leaf node whose hub holds the stream, say (NATS docs,
+    /// "JetStream on Leaf Nodes"). With `Some("hub")` the stream's API requests (its
+    /// creation, its info, an inbox's consumer and pulls) go to `$JS.hub.API.>`, which the
+    /// servers of domain `hub` answer wherever the client is connected; publishes need no
+    /// domain: they reach the stream by its subjects. Default `None`: the JetStream of the
+    /// server the client is connected to (`$JS.API.>`). A domain is one subject token (no
+    /// `.`, `*`, `>` or whitespace, as nats-server requires of its `domain` setting); a
+    /// relay and an inbox refuse another at start-up.
+    pub domain: Option<String>,
 }
 
 pub use async_nats::jetstream::stream::StorageType;
@@ -790,6 +801,7 @@ impl Default for StreamSettings {
             storage: StorageType::File,
             max_age: Duration::ZERO,
             max_bytes: -1,
+            domain: None,
         }
     }
 }
@@ -802,7 +814,7 @@ impl StreamSettings {
     /// -1 (a relay's next start would report the difference), refuses more than 5 replicas,
     /// and keeps a `max_bytes` below -1 as no limit, which these settings spell -1.
     pub(crate) fn check(&self) -> Result<(), String> {
-        self.check_name()?;
+        self.check_address()?;
         let longest = Duration::from_nanos(i64::MAX.unsigned_abs());
         for (name, value) in [
             ("duplicate_window", self.duplicate_window),
@@ -851,10 +863,34 @@ impl StreamSettings {
         Ok(())
     }
 
-    /// The stream name's first fault, as an error that names it
-    /// ([`validate_stream_name`](crate::subject::validate_stream_name)).
-    pub(crate) fn check_name(&self) -> Result<(), String> {
-        crate::subject::validate_stream_name(&self.name).map_err(|error| format!("name {error}"))
+    /// The first fault of the stream's name
+    /// ([`validate_stream_name`](crate::subject::validate_stream_name)) or of its domain (one
+    /// subject token: [`validate_token`](crate::subject::validate_token)), as an error that
+    /// names the setting.
+    pub(crate) fn check_address(&self) -> Result<(), String> {
+        crate::subject::validate_stream_name(&self.name)
+            .map_err(|error| format!("name {error}"))?;
+        if let Some(domain) = &self.domain {
+            crate::subject::validate_token(domain).map_err(|reason| {
+                format!(
+                    "domain {:?} is not a JetStream domain: {reason}",
+                    crate::subject::shortened(domain, 64)
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The stream's JetStream API through `client`, in [`domain`](Self::domain):
+    /// [`crate::nats::jetstream_in`].
+    pub(crate) fn jetstream(&self, client: async_nats::Client) -> jetstream::Context {
+        crate::nats::jetstream_in(client, self.domain.as_deref())
+    }
+
+    /// The text of a failed API request about the stream:
+    /// [`crate::nats::jetstream_error_text_in`] its domain.
+    pub(crate) fn api_error_text(&self, error: &(dyn std::error::Error + 'static)) -> String {
+        crate::nats::jetstream_error_text_in(error, self.domain.as_deref())
     }
 
     /// The settings of `config` that differ from these: `(setting, the stream's value, these
@@ -993,7 +1029,7 @@ pub(crate) async fn ensure_stream(
                  its JetStream API requests too"
             ))
         } else {
-            api(crate::nats::jetstream_error_text(error))
+            api(settings.api_error_text(error))
         }
     };
     let wanted = format!("{prefix}.>");
@@ -1177,6 +1213,7 @@ mod tests {
             &encoded(MAX_ID_BYTES),
             Duration::from_secs(1),
             1,
+            None,
         )
         .unwrap();
         let row = ClaimedEvent {

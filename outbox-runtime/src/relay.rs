@@ -546,6 +546,7 @@ impl Shared {
             &config.source,
             config.ack_timeout,
             config.max_in_flight,
+            config.topology.stream.domain.as_deref(),
         )?;
         let stream = ensure_stream(
             publisher.jetstream(),
@@ -1347,6 +1348,33 @@ mod tests {
                 config.validate().is_ok(),
                 "{replicas} replicas, {max_bytes} bytes"
             );
+        }
+    }
+
+    #[test]
+    fn a_jetstream_domain_that_is_not_one_subject_token_is_refused() {
+        let checked = |domain: &str| {
+            let mut config = RelayConfig::new("postgres://");
+            config.topology.stream.domain = Some(domain.to_owned());
+            config.validate().err().map(|error| error.to_string())
+        };
+        for (domain, says) in [
+            ("", "it is empty"),
+            ("hub.east", "it contains '.', the NATS token separator"),
+            ("hub east", "it contains whitespace (' ')"),
+            ("hub*", "it contains the NATS wildcard '*'"),
+            ("hub>", "it contains the NATS wildcard '>'"),
+        ] {
+            assert_eq!(
+                checked(domain),
+                Some(format!(
+                    "relay configuration: topology.stream.domain {domain:?} is not a JetStream \
+                     domain: {says}"
+                )),
+            );
+        }
+        for domain in ["hub", "edge-1", "Ürümqi_2"] {
+            assert_eq!(checked(domain), None, "{domain}");
         }
     }
 

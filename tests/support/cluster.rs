@@ -66,6 +66,20 @@ pub fn free_ports(count: usize) -> Vec<u16> {
         .collect()
 }
 
+/// Starts `command`, a nats-server's, its standard error (where nats-server logs) to `log`.
+fn spawn_server(mut command: Command, log: std::fs::File) -> Child {
+    command
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start {} (set NATS_SERVER_BIN): {e}",
+                command.get_program().to_string_lossy()
+            )
+        })
+}
+
 struct Node {
     name: String,
     port: u16,
@@ -239,7 +253,6 @@ impl NatsCluster {
     }
 
     fn spawn(&mut self, node: usize) {
-        let binary = nats_server_binary();
         let routes = self.routes.clone();
         let cluster_name = self.name.clone();
         let this = &mut self.nodes[node];
@@ -252,7 +265,8 @@ impl NatsCluster {
             .expect("the node's log file");
         this.log_start = usize::try_from(log.metadata().expect("the log's size").len())
             .expect("a log under usize::MAX bytes");
-        let child = Command::new(&binary)
+        let mut command = Command::new(nats_server_binary());
+        command
             .args([
                 "-a",
                 "127.0.0.1",
@@ -267,17 +281,8 @@ impl NatsCluster {
                 "--cluster",
                 &format!("nats://127.0.0.1:{}", this.cluster_port),
             ])
-            .args(["--routes", &routes])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start {} (set NATS_SERVER_BIN): {e}",
-                    binary.display()
-                )
-            });
-        this.child = Some(child);
+            .args(["--routes", &routes]);
+        this.child = Some(spawn_server(command, log));
     }
 
     /// Waits up to 10 s until `node` listens for clients and for routes (it binds the
@@ -404,5 +409,168 @@ where
             )
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A hub and a leaf node, each a nats-server with JetStream in a domain of its own (`hub`,
+/// `leaf`), the leaf linked to the hub (nats-server docs, "JetStream on Leaf Nodes": a
+/// server's `jetstream.domain`, and a leaf's `leafnodes.remotes`): a client of the leaf
+/// reaches the hub's JetStream at `$JS.hub.API.>`, its own at `$JS.API.>`. Dropping it kills
+/// both and removes their stores.
+pub struct HubAndLeaf {
+    dir: PathBuf,
+    hub_port: u16,
+    leaf_port: u16,
+    hub: Option<Child>,
+    leaf: Option<Child>,
+}
+
+impl HubAndLeaf {
+    /// The hub's JetStream domain.
+    pub const HUB: &'static str = "hub";
+    /// The leaf's JetStream domain.
+    pub const LEAF: &'static str = "leaf";
+
+    /// Starts the hub, then the leaf, and waits (up to 30 s) until a client of the leaf gets
+    /// answers from both JetStreams.
+    pub async fn start() -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        let dir = std::env::temp_dir().join(format!("outbox-leaf-{tag}"));
+        std::fs::create_dir_all(&dir).expect("the servers' directory");
+        let ports = free_ports(3);
+        let (hub_port, leaf_link_port, leaf_port) = (ports[0], ports[1], ports[2]);
+        let mut servers = Self {
+            dir,
+            hub_port,
+            leaf_port,
+            hub: None,
+            leaf: None,
+        };
+        servers.configure(
+            Self::HUB,
+            hub_port,
+            &format!("leafnodes {{ listen: \"127.0.0.1:{leaf_link_port}\" }}"),
+        );
+        servers.configure(
+            Self::LEAF,
+            leaf_port,
+            &format!(
+                "leafnodes {{ remotes: [ {{ url: \"nats-leaf://127.0.0.1:{leaf_link_port}\" }} ] }}"
+            ),
+        );
+        servers.hub = Some(servers.spawn(Self::HUB));
+        servers.leaf = Some(servers.spawn(Self::LEAF));
+        servers.until_both_answer().await;
+        servers
+    }
+
+    /// Writes the configuration of the server of `domain`, its name too.
+    fn configure(&self, domain: &str, port: u16, leafnodes: &str) {
+        let store = self.dir.join(format!("{domain}-store"));
+        std::fs::write(
+            self.dir.join(format!("{domain}.conf")),
+            format!(
+                "server_name: {domain}\nlisten: \"127.0.0.1:{port}\"\n\
+                 jetstream {{ store_dir: {store:?}, domain: {domain} }}\n{leafnodes}\n"
+            ),
+        )
+        .expect("the server's configuration");
+    }
+
+    /// Starts the server of `domain`, appending to its log.
+    fn spawn(&self, domain: &str) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{domain}.log")))
+            .expect("the server's log");
+        let mut command = Command::new(nats_server_binary());
+        command
+            .arg("-c")
+            .arg(self.dir.join(format!("{domain}.conf")));
+        spawn_server(command, log)
+    }
+
+    /// Kills the hub with SIGKILL: the leaf's link to it is down until
+    /// [`restart_hub`](Self::restart_hub).
+    pub fn kill_hub(&mut self) {
+        if let Some(mut hub) = self.hub.take() {
+            let _ = hub.kill();
+            let _ = hub.wait();
+        }
+    }
+
+    /// Starts the hub again, on its ports and store, and waits (up to 30 s) until a client of
+    /// the leaf gets answers from both JetStreams again (the leaf retries its link every
+    /// second, nats-server's default `reconnect`).
+    pub async fn restart_hub(&mut self) {
+        assert!(self.hub.is_none(), "the hub runs");
+        self.hub = Some(self.spawn(Self::HUB));
+        self.until_both_answer().await;
+    }
+
+    /// The hub's client URL.
+    pub fn hub_url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.hub_port)
+    }
+
+    /// The leaf node's client URL.
+    pub fn leaf_url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.leaf_port)
+    }
+
+    async fn until_both_answer(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut client = None;
+        loop {
+            if client.is_none() {
+                client = async_nats::connect(self.leaf_url()).await.ok();
+            }
+            let mut answers = Vec::new();
+            if let Some(client) = &client {
+                for api in ["$JS.API.INFO", "$JS.hub.API.INFO"] {
+                    // An answer without an `error`: that JetStream serves its API.
+                    let answer = client.request(api, "".into()).await.ok().and_then(|reply| {
+                        outbox_runtime::serde_json::from_slice::<outbox_runtime::serde_json::Value>(
+                            &reply.payload,
+                        )
+                        .ok()
+                    });
+                    answers.push(answer.is_some_and(|info| info.get("error").is_none()));
+                }
+            }
+            if answers == [true, true] {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the leaf's client got no answer of both JetStreams within 30 s ({answers:?}); \
+                 the logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Both servers' logs so far.
+    pub fn logs(&self) -> String {
+        [Self::HUB, Self::LEAF]
+            .iter()
+            .map(|domain| {
+                let log = std::fs::read_to_string(self.dir.join(format!("{domain}.log")));
+                format!("--- {domain}:\n{}", log.unwrap_or_default())
+            })
+            .collect()
+    }
+}
+
+impl Drop for HubAndLeaf {
+    fn drop(&mut self) {
+        for child in [self.hub.take(), self.leaf.take()].into_iter().flatten() {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
