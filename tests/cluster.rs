@@ -281,6 +281,20 @@ async fn a_relay_and_an_inbox_on_a_leaf_node_use_the_hubs_stream_by_its_domain()
         ),
         "{error}"
     );
+    // Before a relay created the stream, an inbox says where it looked.
+    let mut inbox_config = consumer_config(&consumer, &producer, "at-the-leaf");
+    inbox_config.topology.stream.domain = Some(HubAndLeaf::HUB.to_owned());
+    let handler = Recording {
+        delay: Duration::ZERO,
+    };
+    let error = match Inbox::connect(inbox_config.clone(), leaf().await, handler.clone()).await {
+        Ok(_) => panic!("an inbox connected before its stream existed"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains("the stream does not exist (yet) in JetStream domain \"hub\": the"),
+        "{error}"
+    );
 
     let mut conn = producer.conn().await;
     let mut orders = orders(AGGREGATES);
@@ -306,17 +320,9 @@ async fn a_relay_and_an_inbox_on_a_leaf_node_use_the_hubs_stream_by_its_domain()
         in_the_leaf.map(|stream| stream.cached_info().config.name.clone())
     );
 
-    let mut inbox_config = consumer_config(&consumer, &producer, "at-the-leaf");
-    inbox_config.topology.stream.domain = Some(HubAndLeaf::HUB.to_owned());
-    let inbox = Inbox::connect(
-        inbox_config,
-        leaf().await,
-        Recording {
-            delay: Duration::ZERO,
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}; {}", servers.logs()));
+    let inbox = Inbox::connect(inbox_config, leaf().await, handler)
+        .await
+        .unwrap_or_else(|e| panic!("{e}; {}", servers.logs()));
     let probe = inbox.clone();
     let inbox = inbox.spawn();
     let applied_at_least = |count: usize| {

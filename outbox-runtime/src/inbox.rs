@@ -1058,9 +1058,14 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .await
             .map_err(|e| {
                 consumer_error(if crate::nats::stream_not_found(&e) {
-                    "the stream does not exist (yet): the producer's relay creates it when it \
-                     starts; start a relay first, or connect again once one runs"
-                        .to_owned()
+                    let place = match &config.topology.stream.domain {
+                        Some(domain) => format!(" in JetStream domain {domain:?}"),
+                        None => String::new(),
+                    };
+                    format!(
+                        "the stream does not exist (yet){place}: the producer's relay creates it \
+                         when it starts; start a relay first, or connect again once one runs"
+                    )
                 } else {
                     config.topology.stream.api_error_text(&e)
                 })
