@@ -850,3 +850,170 @@ async fn a_database_url_of_no_known_scheme_is_refused_naming_its_scheme() {
         }
     }
 }
+
+/// The number of sessions named `application_name` on the database at the other end of
+/// `conn`, and how many of them use TLS (`pg_stat_ssl`).
+async fn sessions_with_tls(
+    conn: &mut diesel_async::AsyncPgConnection,
+    application_name: &str,
+) -> (i64, i64) {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Counts {
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        sessions: i64,
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        with_tls: i64,
+    }
+    let counts: Counts = diesel::sql_query(
+        "SELECT count(*) AS sessions, count(*) FILTER (WHERE s.ssl) AS with_tls \
+         FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+         WHERE a.datname = current_database() AND a.application_name = $1",
+    )
+    .bind::<diesel::sql_types::Text, _>(application_name)
+    .get_result(conn)
+    .await
+    .unwrap();
+    (counts.sessions, counts.with_tls)
+}
+
+/// A database that takes TLS sessions only (`hostssl`, as a managed PostgreSQL that forces
+/// TLS does): the toolkit connected to it without TLS whatever the URL said, so neither the
+/// migrations, nor the relay, nor the inbox, nor the `outbox` command could reach it
+/// (`sslmode=require`: "no TLS implementation configured"). With `sslmode=require`,
+/// `verify-ca` or `verify-full` they connect with TLS; `verify-full` refuses a certificate
+/// that does not name the host or that another authority signed, `verify-ca` takes the
+/// former; and the URL's password stays out of every error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
+    use support::consumer::{commit_round, orders};
+    let certificates = support::postgres::TestCertificates::new();
+    let server = support::postgres::PostgresServer::start_with_tls(&certificates).await;
+    {
+        use diesel_async::{AsyncConnection, SimpleAsyncConnection};
+        let mut admin = diesel_async::AsyncPgConnection::establish(&server.url("postgres"))
+            .await
+            .unwrap();
+        admin.batch_execute("CREATE DATABASE orders").await.unwrap();
+    }
+    let ca = certificates.path("ca.pem");
+    let at = |host: &str, options: &str| {
+        format!(
+            "postgres://postgres:s3cret-pw@{host}:{}/orders?{options}",
+            server.port
+        )
+    };
+    let connect = |url: String| async move {
+        outbox_runtime::database::establish_postgres(&url, Duration::from_secs(10)).await
+    };
+
+    // Without TLS the server refuses the session.
+    let refused = connect(at("127.0.0.1", "sslmode=disable"))
+        .await
+        .err()
+        .unwrap();
+    assert!(refused.to_string().contains("no encryption"), "{refused}");
+
+    let verify_full = at(
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={}", ca.display()),
+    );
+    let applied = outbox_runtime::run_migrations(&verify_full).await.unwrap();
+    assert!(!applied.is_empty());
+    for (url, why) in [
+        (
+            at("127.0.0.1", "sslmode=require"),
+            "require: any certificate",
+        ),
+        (
+            at(
+                "127.0.0.1",
+                &format!("sslmode=verify-ca&sslrootcert={}", ca.display()),
+            ),
+            "verify-ca: the authority's, whatever host it names",
+        ),
+        (
+            at(
+                "127.0.0.1",
+                &format!("sslmode=require&sslrootcert={}", ca.display()),
+            ),
+            "require with sslrootcert: as verify-ca",
+        ),
+    ] {
+        let mut conn = connect(url).await.unwrap_or_else(|e| panic!("{why}: {e}"));
+        let (sessions, with_tls) = sessions_with_tls(&mut conn, "").await;
+        assert!(
+            sessions >= 1 && with_tls == sessions,
+            "{why}: {with_tls} of {sessions}"
+        );
+    }
+    for (url, says) in [
+        (
+            at(
+                "127.0.0.1",
+                &format!("sslmode=verify-full&sslrootcert={}", ca.display()),
+            ),
+            "certificate not valid for name",
+        ),
+        (
+            at(
+                "localhost",
+                &format!(
+                    "sslmode=verify-full&sslrootcert={}",
+                    certificates.path("other-ca.pem").display()
+                ),
+            ),
+            "UnknownIssuer",
+        ),
+        (
+            at(
+                "localhost",
+                &format!(
+                    "sslmode=verify-ca&sslrootcert={}",
+                    certificates.path("other-ca.pem").display()
+                ),
+            ),
+            "UnknownIssuer",
+        ),
+    ] {
+        let error = connect(url.clone()).await.err().unwrap().to_string();
+        assert!(
+            error.contains(says) && (error.contains("127.0.0.1") || error.contains("localhost")),
+            "{url}: {error}"
+        );
+        assert!(!error.contains("s3cret-pw"), "{error}");
+    }
+
+    // A unit of work on the service's own connection, the relay and the inbox on theirs.
+    let env = TestEnv::new().await;
+    let mut conn = connect(verify_full.clone()).await.unwrap();
+    let mut orders = orders(3);
+    for round in 0..2 {
+        commit_round(&env, &mut conn, &mut orders, round).await;
+    }
+    let mut relay_config = env.relay_config();
+    relay_config.database_url = verify_full.clone();
+    let relay = Relay::connect(relay_config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    env.until_stream_holds(6, Duration::from_secs(30)).await;
+    let mut inbox_config = InboxConfig::new("tls", &verify_full);
+    inbox_config.topology = env.topology();
+    let inbox = Inbox::connect(inbox_config, env.nats.clone(), Nothing)
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let inbox = inbox.spawn();
+    support::consumer::wait_until_settled(&probe, "every message handled", Duration::from_secs(30))
+        .await;
+    for application in ["outbox-relay", "outbox-inbox"] {
+        let (sessions, with_tls) = sessions_with_tls(&mut conn, application).await;
+        assert!(
+            sessions >= 1 && with_tls == sessions,
+            "{application}: {with_tls} of {sessions} sessions use TLS"
+        );
+    }
+    relay.shutdown().await.unwrap();
+    inbox.shutdown().await.unwrap();
+}

@@ -30,6 +30,9 @@ use {
     diesel_async::AsyncPgConnection, futures::future::BoxFuture, std::str::FromStr, std::sync::Arc,
 };
 
+#[cfg(feature = "postgres")]
+mod tls;
+
 /// A connection the operator's functions run on ([`crate::dead_letter`]'s,
 /// [`crate::outbox::purge_published`], [`crate::outbox::purge_dedup_keys`],
 /// [`crate::outbox::queued_by_type`], [`crate::outbox::published_last_minute`]): diesel-async's
@@ -122,7 +125,11 @@ pub fn redacted(database_url: &str) -> String {
 /// connection string.
 #[cfg(feature = "postgres")]
 fn redacted_postgres(database_url: &str) -> Option<String> {
-    let config = tokio_postgres::Config::from_str(database_url).ok()?;
+    // Without the TLS options tokio-postgres does not know (`sslmode=verify-full`,
+    // `sslrootcert`), which would make it refuse the whole string.
+    let (database_url, _) = tls::split(database_url)
+        .unwrap_or((std::borrow::Cow::Borrowed(database_url), tls::Tls::Off));
+    let config = tokio_postgres::Config::from_str(&database_url).ok()?;
     let mut text = String::from("postgres://");
     if let Some(user) = config.get_user() {
         text.push_str(user);
@@ -527,14 +534,28 @@ pub async fn establish_postgres(
 /// tokio-postgres puts in its cause: its own message says only "error connecting to server"
 /// or "invalid connection string", and the cause names what is wrong ("Connection refused",
 /// "invalid value for option `sslmode`").
+///
+/// With `sslmode=require`, `verify-ca` or `verify-full` in `database_url` the connection is
+/// TLS, its server's certificate verified as the mode and `sslrootcert` ask ([`tls`]).
 #[cfg(feature = "postgres")]
 async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
-    let (client, connection) = tokio_postgres::connect(database_url, tokio_postgres::NoTls)
-        .await
-        .map_err(|error| explained(&error))?;
-    AsyncPgConnection::try_from_client_and_connection(client, connection)
-        .await
-        .map_err(|error| error.to_string())
+    let (database_url, tls) = tls::split(database_url)?;
+    let established = match tls.connector()? {
+        None => {
+            let (client, connection) =
+                tokio_postgres::connect(&database_url, tokio_postgres::NoTls)
+                    .await
+                    .map_err(|error| explained(&error))?;
+            AsyncPgConnection::try_from_client_and_connection(client, connection).await
+        }
+        Some(connector) => {
+            let (client, connection) = tokio_postgres::connect(&database_url, connector)
+                .await
+                .map_err(|error| explained(&error))?;
+            AsyncPgConnection::try_from_client_and_connection(client, connection).await
+        }
+    };
+    established.map_err(|error| error.to_string())
 }
 
 /// tokio-postgres's `error` with its cause: the server's message for a server's error; for a

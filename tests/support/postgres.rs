@@ -274,3 +274,147 @@ fn binaries() -> PathBuf {
         )
     })
 }
+
+/// Certificates for a PostgreSQL server with TLS, made by `openssl` in a directory of their
+/// own (removed when dropped): a certificate authority, a server certificate it signed for
+/// the name `localhost` only (no IP address), and a second authority that signed nothing.
+pub struct TestCertificates {
+    dir: PathBuf,
+}
+
+impl TestCertificates {
+    /// Makes them; as root the directory and the server's key belong to the user the test's
+    /// server runs as, which PostgreSQL requires of its key (mode 0600).
+    ///
+    /// # Panics
+    /// When `openssl` fails, with its output.
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("outbox-test-tls-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("the certificates' directory");
+        let certificates = Self { dir };
+        let openssl = |args: &[&str]| {
+            let output = Command::new("openssl")
+                .args(args)
+                .current_dir(&certificates.dir)
+                .output()
+                .expect("run openssl");
+            assert!(
+                output.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        for (ca, subject) in [
+            ("ca", "/CN=outbox test authority"),
+            ("other-ca", "/CN=another authority"),
+        ] {
+            let key = format!("{ca}.key");
+            let pem = format!("{ca}.pem");
+            let mut args = vec!["req", "-x509"];
+            args.extend(ec);
+            args.extend(["-keyout", &key, "-out", &pem, "-days", "2"]);
+            args.extend(["-subj", subject]);
+            args.extend(["-addext", "basicConstraints=critical,CA:TRUE"]);
+            args.extend(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]);
+            openssl(&args);
+        }
+        std::fs::write(
+            certificates.dir.join("server.ext"),
+            "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\n\
+             keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+        )
+        .expect("the server certificate's extensions");
+        let mut args = vec!["req"];
+        args.extend(ec);
+        args.extend([
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]);
+        openssl(&args);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+        ]);
+        let root = std::fs::metadata("/proc/self").is_ok_and(|me| me.uid() == 0);
+        if root {
+            let status = Command::new("chown")
+                .args(["-R", "postgres"])
+                .arg(&certificates.dir)
+                .status()
+                .expect("run chown");
+            assert!(status.success(), "chown the certificates");
+        }
+        let status = Command::new("chmod")
+            .arg("600")
+            .arg(certificates.path("server.key"))
+            .status()
+            .expect("run chmod");
+        assert!(status.success(), "chmod the server's key");
+        certificates
+    }
+
+    /// The file `name` of them: `ca.pem`, `other-ca.pem`, `server.pem`, `server.key`.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+impl Drop for TestCertificates {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl PostgresServer {
+    /// A server with TLS on `certificates`' server certificate, whose TCP sessions must use
+    /// TLS (`hostssl`; PostgreSQL docs, "The pg_hba.conf File"), but for the database
+    /// `postgres`, which the test's set-up and this harness's readiness check reach without.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub async fn start_with_tls(certificates: &TestCertificates) -> Self {
+        let hba = certificates.path("pg_hba.conf");
+        std::fs::write(
+            &hba,
+            "local all all trust\n\
+             hostnossl postgres all 127.0.0.1/32 trust\n\
+             hostssl all all 127.0.0.1/32 trust\n",
+        )
+        .expect("the server's pg_hba.conf");
+        let settings = [
+            "ssl=on".to_owned(),
+            format!(
+                "ssl_cert_file={}",
+                certificates.path("server.pem").display()
+            ),
+            format!("ssl_key_file={}", certificates.path("server.key").display()),
+            format!("hba_file={}", hba.display()),
+        ];
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        Self::start_with(&settings).await
+    }
+}
