@@ -113,12 +113,14 @@ impl Tls {
     /// `sslrootcert` cannot be read, holds no certificate, or the system's store is empty.
     pub(crate) fn connector(&self) -> Result<Option<MakeRustlsConnect>, String> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = ClientConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS: {e}"))?;
+        let builder = || {
+            ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .map_err(|e| format!("TLS: {e}"))
+        };
         let config = match self {
             Self::Off => return Ok(None),
-            Self::Unverified => builder
+            Self::Unverified => builder()?
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(Unverified(
                     provider.signature_verification_algorithms,
@@ -131,12 +133,12 @@ impl Tls {
                 )
                 .build()
                 .map_err(|e| format!("TLS: {e}"))?;
-                builder
+                builder()?
                     .dangerous()
                     .with_custom_certificate_verifier(Arc::new(AnyName(verifier)))
                     .with_no_client_auth()
             }
-            Self::VerifyFull(roots) => builder
+            Self::VerifyFull(roots) => builder()?
                 .with_root_certificates(roots.store()?)
                 .with_no_client_auth(),
         };
