@@ -3341,6 +3341,59 @@ mod mysql {
         assert!(AsyncMysql::inbox_dead_letters(&env).await.is_empty());
     }
 
+    /// A MariaDB user that takes TLS sessions only (`REQUIRE SSL`, as a server with
+    /// `require_secure_transport` on takes every user): with `require_ssl=true` in the URL
+    /// (mysql_async's options) the migrations, the relay and the inbox reach it over TLS. The
+    /// driver was built without TLS, and panicked at such a URL ("Client had asked for TLS
+    /// connection but TLS support is disabled"). With the certificate's authority outside the
+    /// public roots the driver verifies against by default, `verify_ca=false` is what
+    /// connects; without it the certificate is refused, naming why.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_relay_and_the_inbox_reach_mariadb_over_tls() {
+        let certificates = support::postgres::TestCertificates::new();
+        let server = support::mariadb::MariadbServer::start_with_tls(&certificates).await;
+        AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap()
+            .batch_execute(
+                "CREATE USER app IDENTIFIED BY 's3cret-pw' REQUIRE SSL; \
+                 GRANT ALL ON *.* TO app WITH GRANT OPTION",
+            )
+            .await
+            .unwrap();
+        let app = |options: &str| {
+            format!(
+                "mysql://app:s3cret-pw@127.0.0.1:{}/mysql?prefer_socket=false{options}",
+                server.port
+            )
+        };
+        let refused = |url: String| async move {
+            match AsyncMysqlConnection::establish(&url).await {
+                Ok(_) => panic!("{url} connected"),
+                Err(error) => error.to_string(),
+            }
+        };
+        let without_tls = refused(app("")).await;
+        assert!(without_tls.contains("Access denied"), "{without_tls}");
+        let unknown_authority = refused(app("&require_ssl=true")).await;
+        assert!(
+            unknown_authority.contains("UnknownIssuer"),
+            "{unknown_authority}"
+        );
+
+        let mysql = Database::create_on(app("&require_ssl=true&verify_ca=false")).await;
+        let env = AsyncMysql::setup_with(&support::nats_url(), mysql).await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        super::four_events_each::<AsyncMysql>(&env, &["o-1", "o-2"]).await;
+        let config = super::inbox_config::<AsyncMysql>(&env, "over-tls");
+        super::consume(&env, &config, 1, super::Applier::<AsyncMysql>::new).await;
+        let expected: BTreeMap<String, Vec<i64>> = ["o-1", "o-2"]
+            .into_iter()
+            .map(|id| (id.to_owned(), vec![1, 2, 3, 4]))
+            .collect();
+        assert_eq!(AsyncMysql::applied(&env).await, expected);
+    }
+
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in
     /// which the server closed the idle session, a MySQL relay opens a new connection quietly
     /// rather than fail a batch on the closed one and warn of a database failure; so does a

@@ -40,7 +40,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(name = "outbox", version, about, long_about = None)]
 struct Cli {
     /// The URL of the database that holds the outbox: PostgreSQL's, or (built with the
-    /// features `mysql`, `sqlite`) a `mysql://` URL or a SQLite file's path.
+    /// features `mysql`, `sqlite`) a `mysql://` URL or a SQLite file's path. PostgreSQL over
+    /// TLS: `?sslmode=require`, or `verify-full` with `sslrootcert=<CA file>`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 

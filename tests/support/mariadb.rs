@@ -25,6 +25,8 @@ pub struct MariadbServer {
     /// The temporary directory: the data directory `data`, the socket and the error log.
     dir: PathBuf,
     root: bool,
+    /// Options beyond the defaults of [`try_start`](Self::try_start), `--name=value` each.
+    options: Vec<String>,
     /// `mariadbd`, leading a process group of its own.
     child: Option<Child>,
 }
@@ -37,6 +39,27 @@ impl MariadbServer {
     /// # Panics
     /// When the binaries are not found, or the install or the server fails, with its output.
     pub async fn start() -> Self {
+        Self::start_with(Vec::new()).await
+    }
+
+    /// A server with TLS on `certificates`' server certificate (`--ssl-cert`, `--ssl-key`;
+    /// MariaDB docs, "Securing Connections for Client and Server"); `root` connects without
+    /// TLS, and a user the test creates `REQUIRE SSL` with it.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub async fn start_with_tls(certificates: &super::postgres::TestCertificates) -> Self {
+        let file = |name: &str| certificates.path(name).display().to_string();
+        Self::start_with(vec![
+            format!("--ssl-cert={}", file("server.pem")),
+            format!("--ssl-key={}", file("server.key")),
+            format!("--ssl-ca={}", file("ca.pem")),
+        ])
+        .await
+    }
+
+    /// [`start`](Self::start), with `options` given to `mariadbd` too.
+    async fn start_with(options: Vec<String>) -> Self {
         let server = std::env::var_os("OUTBOX_TEST_MARIADBD")
             .map_or_else(|| PathBuf::from("/usr/sbin/mariadbd"), PathBuf::from);
         let dir =
@@ -48,6 +71,7 @@ impl MariadbServer {
             server,
             dir,
             root,
+            options,
             child: None,
         };
         let beside = this.server.with_file_name("mariadb-install-db");
@@ -143,7 +167,8 @@ impl MariadbServer {
                 "--innodb-buffer-pool-size=32M",
                 "--innodb-flush-log-at-trx-commit=1",
                 "--max-connections=100",
-            ]);
+            ])
+            .args(&self.options);
         if self.root {
             command.arg("--user=root");
         }
