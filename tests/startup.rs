@@ -1017,3 +1017,29 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
     relay.shutdown().await.unwrap();
     inbox.shutdown().await.unwrap();
 }
+
+/// A relay given a database that takes no writes (`default_transaction_read_only` on for it,
+/// as on a hot standby, or a reader endpoint's URL given by mistake) stops at start naming the
+/// database and why, and what to give it. Before, it said only "relay database error: cannot
+/// execute SELECT in a read-only transaction", neither where nor what to do.
+#[tokio::test]
+async fn a_relay_given_a_read_only_database_names_it_and_asks_for_the_primary() {
+    let env = TestEnv::new().await;
+    support::set_database_default(&env, "default_transaction_read_only", "on").await;
+    let error = match Relay::connect(env.relay_config(), env.nats.clone()).await {
+        Ok(_) => panic!("a relay started on a read-only database"),
+        Err(error) => error.to_string(),
+    };
+    let target = outbox_runtime::database::redacted(&env.database_url);
+    assert!(
+        error.starts_with(&format!(
+            "relay: cannot connect to the database at {target}: registering the relay's \
+             topology: cannot execute"
+        )) && error.contains(
+            "read-only transaction: the database takes no writes (a hot standby, or \
+             default_transaction_read_only on for the database or the role), and the relay \
+             writes the outbox's tables; give it the primary's URL"
+        ),
+        "{error}"
+    );
+}

@@ -777,6 +777,27 @@ pub(crate) async fn bounded_setup<T, E: fmt::Display>(
         })
 }
 
+/// What to add to `error`'s message when the database refused a write because its
+/// transactions are read-only (SQLSTATE 25006, `read_only_sql_transaction`: a hot standby, or
+/// `default_transaction_read_only` on for the database or the role): that `user` writes, and
+/// needs the primary. Empty for any other error.
+#[cfg(feature = "postgres")]
+pub(crate) fn read_only_hint(error: &diesel::result::Error, user: &str) -> String {
+    use diesel::result::{DatabaseErrorKind, Error};
+    if matches!(
+        error,
+        Error::DatabaseError(DatabaseErrorKind::ReadOnlyTransaction, _)
+    ) {
+        format!(
+            ": the database takes no writes (a hot standby, or default_transaction_read_only on \
+             for the database or the role), and {user} writes the outbox's tables; give it the \
+             primary's URL (with several hosts, target_session_attrs=read-write picks it)"
+        )
+    } else {
+        String::new()
+    }
+}
+
 /// A bounded query's failure.
 #[derive(Debug)]
 pub(crate) enum Bounded<E> {

@@ -762,8 +762,21 @@ impl Relay {
             Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
         }
         // Reports, now, the units of work that write under another prefix than this relay
-        // publishes (their rows would be dead-lettered).
-        shared.register_topology(&mut conn).await?;
+        // publishes (their rows would be dead-lettered). The relay's first write: a database
+        // that takes none is named as such here.
+        match shared.register_topology(&mut conn).await {
+            Ok(()) => {}
+            Err(Bounded::Failed(error)) => {
+                return Err(RelayError::Connect(ConnectError {
+                    target: shared.target.clone(),
+                    reason: format!(
+                        "registering the relay's topology: {error}{}",
+                        database::read_only_hint(&error, "the relay")
+                    ),
+                }));
+            }
+            Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
         Ok(Self {
             shared,
             duplicate_window,
