@@ -18,7 +18,7 @@ use outbox_runtime::{Inbox, Relay};
 use support::cluster::{HubAndLeaf, NatsCluster};
 use support::consumer::{
     Recording, applied, applied_count, assert_applied_in_order, commit_round, consumer_config,
-    consumer_database, orders, wait_until_settled,
+    consumer_database, orders, wait_until_applied, wait_until_settled,
 };
 use support::{TestEnv, assert_each_once_in_order, wait_until};
 
@@ -325,20 +325,13 @@ async fn a_relay_and_an_inbox_on_a_leaf_node_use_the_hubs_stream_by_its_domain()
         .unwrap_or_else(|e| panic!("{e}; {}", servers.logs()));
     let probe = inbox.clone();
     let inbox = inbox.spawn();
-    let applied_at_least = |count: usize| {
-        let consumer = &consumer;
-        async move {
-            wait_until(
-                &format!("{count} events applied"),
-                Duration::from_secs(60),
-                || async {
-                    (applied_count(&mut consumer.conn().await).await >= count).then_some(())
-                },
-            )
-            .await
-        }
-    };
-    applied_at_least(AGGREGATES * BEFORE).await;
+    wait_until_applied(
+        &probe,
+        &consumer,
+        AGGREGATES * BEFORE,
+        Duration::from_secs(60),
+    )
+    .await;
 
     // The hub crashes: what commits meanwhile waits in the outbox, and reaches the stream
     // and the consumer once the hub is back and the leaf linked to it again.
@@ -362,14 +355,13 @@ async fn a_relay_and_an_inbox_on_a_leaf_node_use_the_hubs_stream_by_its_domain()
     servers.restart_hub().await;
     let back = std::time::Instant::now();
     let expected = AGGREGATES * EVENTS;
-    applied_at_least(expected).await;
+    wait_until_applied(&probe, &consumer, expected, Duration::from_secs(60)).await;
     println!(
         "{} events committed while the hub was down applied {:.1?} after the leaf reached it \
          again",
         AGGREGATES * (EVENTS - BEFORE),
         back.elapsed()
     );
-    wait_until_settled(&probe, "every message settled", Duration::from_secs(30)).await;
     relay.shutdown().await.unwrap();
     inbox.shutdown().await.unwrap();
 
@@ -441,16 +433,13 @@ async fn an_inbox_at_the_hub_consumes_a_leafs_stream_through_a_stream_that_sourc
     .unwrap_or_else(|e| panic!("{e}; {}", servers.logs()));
     let probe = inbox.clone();
     let inbox = inbox.spawn();
-    let applied_at_least = |count: usize, timeout: Duration| {
-        let consumer = &consumer;
-        async move {
-            wait_until(&format!("{count} events applied"), timeout, || async {
-                (applied_count(&mut consumer.conn().await).await >= count).then_some(())
-            })
-            .await
-        }
-    };
-    applied_at_least(AGGREGATES * BEFORE, Duration::from_secs(60)).await;
+    wait_until_applied(
+        &probe,
+        &consumer,
+        AGGREGATES * BEFORE,
+        Duration::from_secs(60),
+    )
+    .await;
 
     servers.kill_hub();
     for round in BEFORE..EVENTS {
@@ -467,14 +456,13 @@ async fn an_inbox_at_the_hub_consumes_a_leafs_stream_through_a_stream_that_sourc
     // ... up to 2 min after consecutive failures (nats-server `server/stream.go`,
     // `calculateRetryBackoff`), and its first asks, before the leaf has linked again, fail:
     // 2.15.1 resumed 39.4 s after the restart in each of four runs, 2.9.10 within 4.1 s.
-    applied_at_least(expected, Duration::from_secs(180)).await;
+    wait_until_applied(&probe, &consumer, expected, Duration::from_secs(180)).await;
     println!(
         "{} events stored at the leaf while the hub was down applied at the hub {:.1?} after \
          the leaf reached it again",
         AGGREGATES * (EVENTS - BEFORE),
         back.elapsed()
     );
-    wait_until_settled(&probe, "every message settled", Duration::from_secs(30)).await;
     relay.shutdown().await.unwrap();
     inbox.shutdown().await.unwrap();
 

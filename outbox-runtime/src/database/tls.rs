@@ -122,12 +122,13 @@ impl Tls {
             Self::Off => return Ok(None),
             Self::Unverified => builder()?
                 .dangerous()
-                .with_custom_certificate_verifier(Arc::new(Unverified(
-                    provider.signature_verification_algorithms,
-                )))
+                .with_custom_certificate_verifier(Arc::new(AnyName {
+                    chain: None,
+                    algorithms: provider.signature_verification_algorithms,
+                }))
                 .with_no_client_auth(),
             Self::VerifyCa(roots) => {
-                let verifier = WebPkiServerVerifier::builder_with_provider(
+                let chain = WebPkiServerVerifier::builder_with_provider(
                     Arc::new(roots.store()?),
                     provider.clone(),
                 )
@@ -135,7 +136,10 @@ impl Tls {
                 .map_err(|e| format!("TLS: {e}"))?;
                 builder()?
                     .dangerous()
-                    .with_custom_certificate_verifier(Arc::new(AnyName(verifier)))
+                    .with_custom_certificate_verifier(Arc::new(AnyName {
+                        chain: Some(chain),
+                        algorithms: provider.signature_verification_algorithms,
+                    }))
                     .with_no_client_auth()
             }
             Self::VerifyFull(roots) => builder()?
@@ -180,50 +184,15 @@ impl Roots {
     }
 }
 
-/// Accepts any certificate, as libpq's `require` without root certificates does; the
-/// handshake's signatures are still checked, so the server holds the key of the certificate
-/// it showed.
+/// The verification of libpq's `require` without root certificates (`chain` `None`: any
+/// certificate) and of its `verify-ca` (`chain`: webpki's verification without the check of
+/// the name). Either way the handshake's signatures are checked, so the server holds the key
+/// of the certificate it showed.
 #[derive(Debug)]
-struct Unverified(WebPkiSupportedAlgorithms);
-
-impl ServerCertVerifier for Unverified {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_schemes()
-    }
+struct AnyName {
+    chain: Option<Arc<WebPkiServerVerifier>>,
+    algorithms: WebPkiSupportedAlgorithms,
 }
-
-/// webpki's verification without the name check: libpq's `verify-ca`.
-#[derive(Debug)]
-struct AnyName(Arc<WebPkiServerVerifier>);
 
 impl ServerCertVerifier for AnyName {
     fn verify_server_cert(
@@ -235,10 +204,10 @@ impl ServerCertVerifier for AnyName {
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         use rustls::{CertificateError, Error};
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -252,7 +221,7 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -261,11 +230,11 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.algorithms.supported_schemes()
     }
 }
 
