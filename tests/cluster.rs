@@ -455,7 +455,7 @@ async fn an_inbox_at_the_hub_consumes_a_leafs_stream_through_a_stream_that_sourc
     // The hub's stream asks the leaf for its source again on a backoff of 10 s, 20 s, 30 s
     // ... up to 2 min after consecutive failures (nats-server `server/stream.go`,
     // `calculateRetryBackoff`), and its first asks, before the leaf has linked again, fail:
-    // 2.15.1 resumed 39.4 s after the restart in each of four runs, 2.9.10 within 4.1 s.
+    // 2.15.1 resumed 39.4 s after the restart in each of five runs, 2.9.10 within 4.2 s.
     wait_until_applied(&probe, &consumer, expected, Duration::from_secs(180)).await;
     println!(
         "{} events stored at the leaf while the hub was down applied at the hub {:.1?} after \
