@@ -127,9 +127,7 @@ pub fn redacted(database_url: &str) -> String {
 fn redacted_postgres(database_url: &str) -> Option<String> {
     // Without the TLS options tokio-postgres does not know (`sslmode=verify-full`,
     // `sslrootcert`), which would make it refuse the whole string.
-    let (database_url, _) = tls::split(database_url)
-        .unwrap_or((std::borrow::Cow::Borrowed(database_url), tls::Tls::Off));
-    let config = tokio_postgres::Config::from_str(&database_url).ok()?;
+    let config = tokio_postgres::Config::from_str(&tls::parsable(database_url)).ok()?;
     let mut text = String::from("postgres://");
     if let Some(user) = config.get_user() {
         text.push_str(user);
@@ -1122,6 +1120,15 @@ mod tests {
                 "postgres://app@db:6000/orders",
             ),
             ("postgres://a:s3cret@h/d?password=other", "postgres://a@h/d"),
+            // TLS options tokio-postgres does not know, a missing authority file included.
+            (
+                "postgres://a:s3cret@h/d?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+                "postgres://a@h/d",
+            ),
+            (
+                "host=h user=a password=s3cret dbname=d sslmode=verify-ca",
+                "postgres://a@h/d",
+            ),
             (
                 "postgres://[not a url",
                 "<a database URL that does not parse>",

@@ -106,6 +106,14 @@ fn split_in<'a>(
     Ok((options.written(database_url, written), tls))
 }
 
+/// `database_url` as tokio-postgres parses it, whatever certificate authorities its TLS
+/// options name or lack ([`split`] without looking for them): for showing it.
+pub(crate) fn parsable(database_url: &str) -> Cow<'_, str> {
+    let options = Options::of(database_url);
+    let verifying = matches!(options.mode.as_deref(), Some("verify-ca" | "verify-full"));
+    options.written(database_url, verifying.then_some("require"))
+}
+
 impl Tls {
     /// The TLS connector for these settings; `None` for no TLS.
     ///
