@@ -538,22 +538,25 @@ pub async fn establish_postgres(
 #[cfg(feature = "postgres")]
 async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
     let (database_url, tls) = tls::split(database_url)?;
-    let established = match tls.connector()? {
-        None => {
-            let (client, connection) =
-                tokio_postgres::connect(&database_url, tokio_postgres::NoTls)
-                    .await
-                    .map_err(|error| explained(&error))?;
-            AsyncPgConnection::try_from_client_and_connection(client, connection).await
-        }
-        Some(connector) => {
-            let (client, connection) = tokio_postgres::connect(&database_url, connector)
-                .await
-                .map_err(|error| explained(&error))?;
-            AsyncPgConnection::try_from_client_and_connection(client, connection).await
-        }
-    };
-    established.map_err(|error| error.to_string())
+    match tls.connector()? {
+        None => open(&database_url, tokio_postgres::NoTls).await,
+        Some(connector) => open(&database_url, connector).await,
+    }
+}
+
+/// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls).
+#[cfg(feature = "postgres")]
+async fn open<T>(database_url: &str, tls: T) -> Result<AsyncPgConnection, String>
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
+    T::Stream: Send + 'static,
+{
+    let (client, connection) = tokio_postgres::connect(database_url, tls)
+        .await
+        .map_err(|error| explained(&error))?;
+    AsyncPgConnection::try_from_client_and_connection(client, connection)
+        .await
+        .map_err(|error| error.to_string())
 }
 
 /// tokio-postgres's `error` with its cause: the server's message for a server's error; for a
