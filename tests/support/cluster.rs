@@ -326,21 +326,11 @@ impl NatsCluster {
         let client = async_nats::connect(servers)
             .await
             .expect("connect to the cluster");
-        // async-nats's account info does not decode 2.9's answer, so the raw API: an answer
-        // without an `error` means a meta leader serves the JetStream API.
+        // On a cluster, an answer without an `error` means a meta leader serves the API.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let answer = match client.request("$JS.API.INFO", "".into()).await {
-                Ok(reply) => {
-                    match outbox_runtime::serde_json::from_slice::<outbox_runtime::serde_json::Value>(
-                        &reply.payload,
-                    ) {
-                        Ok(info) if info.get("error").is_none() => return,
-                        Ok(info) => info.to_string(),
-                        Err(error) => error.to_string(),
-                    }
-                }
-                Err(error) => error.to_string(),
+            let Err(answer) = serves_jetstream_api(&client, "$JS.API").await else {
+                return;
             };
             assert!(
                 Instant::now() < deadline,
@@ -367,6 +357,23 @@ impl Drop for NatsCluster {
             let _ = std::fs::remove_dir_all(store);
             let _ = std::fs::remove_file(store.with_extension("log"));
         }
+    }
+}
+
+/// Whether a JetStream answers its API at `api` (`$JS.API`, `$JS.<domain>.API`) through
+/// `client`: `Err` with what came back instead. async-nats's account info does not decode
+/// 2.9's answer, so the raw request: an answer without an `error` is JetStream serving it.
+async fn serves_jetstream_api(client: &async_nats::Client, api: &str) -> Result<(), String> {
+    let reply = client
+        .request(format!("{api}.INFO"), "".into())
+        .await
+        .map_err(|error| error.to_string())?;
+    match outbox_runtime::serde_json::from_slice::<outbox_runtime::serde_json::Value>(
+        &reply.payload,
+    ) {
+        Ok(info) if info.get("error").is_none() => Ok(()),
+        Ok(info) => Err(info.to_string()),
+        Err(error) => Err(error.to_string()),
     }
 }
 
@@ -528,15 +535,9 @@ impl HubAndLeaf {
             }
             let mut answers = Vec::new();
             if let Some(client) = &client {
-                for api in ["$JS.API.INFO", "$JS.hub.API.INFO"] {
-                    // An answer without an `error`: that JetStream serves its API.
-                    let answer = client.request(api, "".into()).await.ok().and_then(|reply| {
-                        outbox_runtime::serde_json::from_slice::<outbox_runtime::serde_json::Value>(
-                            &reply.payload,
-                        )
-                        .ok()
-                    });
-                    answers.push(answer.is_some_and(|info| info.get("error").is_none()));
+                let hub = format!("$JS.{}.API", Self::HUB);
+                for api in ["$JS.API", hub.as_str()] {
+                    answers.push(serves_jetstream_api(client, api).await.is_ok());
                 }
             }
             if answers == [true, true] {
