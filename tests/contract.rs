@@ -3394,6 +3394,71 @@ mod mysql {
         assert_eq!(AsyncMysql::applied(&env).await, expected);
     }
 
+    /// A relay and an inbox given a replica's URL (a server with `read_only` on, and a user
+    /// without `READ_ONLY ADMIN`, as an application's is) stop at start naming the database,
+    /// why and what to give them. Before, both started: each of the relay's batches failed
+    /// ("The MariaDB server is running with the --read-only option"), publishing nothing,
+    /// and each message of the inbox failed and came again, for as long as they ran.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_and_an_inbox_given_a_read_only_server_name_it() {
+        let server = support::mariadb::MariadbServer::start().await;
+        let mysql = Database::create_on(server.url("mysql")).await;
+        let app = format!(
+            "mysql://app:s3cret-pw@127.0.0.1:{}/{}?prefer_socket=false",
+            server.port, mysql.name
+        );
+        let grant = format!(
+            "CREATE USER app IDENTIFIED BY 's3cret-pw'; GRANT ALL ON {}.* TO app",
+            mysql.name
+        );
+        let env = AsyncMysql::setup_with(&support::nats_url(), mysql).await;
+        let mut root = AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap();
+        root.batch_execute(&grant).await.unwrap();
+        root.batch_execute("SET GLOBAL read_only = 1")
+            .await
+            .unwrap();
+        let hint = "the database takes no writes (a replica, with read_only or \
+                    super_read_only on, or transaction_read_only on for the session), and";
+        let target = outbox_runtime::database::redacted(&app);
+
+        let mut config = AsyncMysql::relay_config(&env);
+        config.database_url = app.clone();
+        let relay = match MysqlRelay::connect(config, env.nats.clone()).await {
+            Ok(_) => panic!("a relay started on a read-only server"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            relay.starts_with(&format!(
+                "relay: cannot connect to the database at {target}: checking that the relay \
+                 can write the outbox: "
+            )) && relay.contains("--read-only option")
+                && relay.contains(&format!("{hint} the relay writes the outbox's tables")),
+            "{relay}"
+        );
+        let mut config = super::inbox_config::<AsyncMysql>(&env, "read-only");
+        config.database_url = app;
+        let inbox = match Inbox::connect(
+            config,
+            env.nats.clone(),
+            super::Applier::<AsyncMysql>::new(),
+        )
+        .await
+        {
+            Ok(_) => panic!("an inbox started on a read-only server"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            inbox.starts_with(&format!(
+                "inbox: cannot connect to the database at {target}: checking that the inbox \
+                 can write its tables: "
+            )) && inbox.contains("--read-only option")
+                && inbox.contains(&format!("{hint} the inbox writes the outbox's tables")),
+            "{inbox}"
+        );
+    }
+
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in
     /// which the server closed the idle session, a MySQL relay opens a new connection quietly
     /// rather than fail a batch on the closed one and warn of a database failure; so does a
@@ -3978,6 +4043,53 @@ mod sqlite {
             outbox_runtime::Pooled::get(&pool).await
         })
         .await;
+    }
+
+    /// A relay and an inbox given a database file opened read-only (`file:...?mode=ro`)
+    /// stop at start naming the file, why and what to give them. Before, both started: each
+    /// of the relay's batches failed ("attempt to write a readonly database"), publishing
+    /// nothing, and each message of the inbox failed and came again, for as long as they ran.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_and_an_inbox_given_a_read_only_file_name_it() {
+        let env = AsyncSqlite::setup().await;
+        let read_only = format!("file:{}?mode=ro", database(&env).path);
+        let target = outbox_runtime::database::redacted(&read_only);
+        let hint = "attempt to write a readonly database: the database file takes no writes \
+                    (opened read-only, as mode=ro, or a file or directory this process may \
+                    not write), and";
+
+        let mut config = AsyncSqlite::relay_config(&env);
+        config.database_url = read_only.clone();
+        let relay = match SqliteRelay::connect(config, env.nats.clone()).await {
+            Ok(_) => panic!("a relay started on a read-only file"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            relay.starts_with(&format!(
+                "relay: cannot connect to the database at {target}: checking that the relay \
+                 can write the outbox: {hint} the relay writes the outbox's tables"
+            )),
+            "{relay}"
+        );
+        let mut config = super::inbox_config::<AsyncSqlite>(&env, "read-only");
+        config.database_url = read_only;
+        let inbox = match Inbox::connect(
+            config,
+            env.nats.clone(),
+            super::Applier::<AsyncSqlite>::new(),
+        )
+        .await
+        {
+            Ok(_) => panic!("an inbox started on a read-only file"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            inbox.starts_with(&format!(
+                "inbox: cannot connect to the database at {target}: checking that the inbox \
+                 can write its tables: {hint} the inbox writes the outbox's tables"
+            )),
+            "{inbox}"
+        );
     }
 
     pub struct AsyncSqlite;

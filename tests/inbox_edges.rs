@@ -420,6 +420,55 @@ async fn crashes_do_not_use_up_a_messages_attempts() {
     assert_eq!(handled.deliveries, 4, "handled at its fourth delivery");
 }
 
+/// A consumer's database demoted under the inbox's address (its sessions ended, new ones
+/// read-only, as on a hot standby): each message's failure says that the database takes no
+/// writes and that the inbox needs the primary, and counts no attempt; once the database
+/// takes writes again, every event is applied once, in its aggregate's order, nothing
+/// dead-lettered (with `max_attempts` 1, one counted failure would dead-letter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_whose_database_stops_taking_writes_says_so_and_applies_all_once_it_takes_them() {
+    let (logs, _turn) = Logs::capture().await;
+    let producer = TestEnv::new().await;
+    let consumer = consumer_database().await;
+    let mut rounds = Rounds::new(&producer, 2).await;
+    rounds.commit_and_relay(1).await;
+    let mut config = consumer_config(&consumer, &producer, "demoted");
+    config.max_attempts = 1;
+    let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    wait_until_applied(&probe, &consumer, 2, Duration::from_secs(10)).await;
+
+    support::set_database_default(&consumer, "default_transaction_read_only", "on").await;
+    support::terminate_sessions(&consumer, "outbox-inbox").await;
+    rounds.commit_and_relay(2).await;
+    let hint = "the database takes no writes (a hot standby, or default_transaction_read_only \
+                on for the database or the role), and the inbox writes the outbox's tables; \
+                give it the primary's URL";
+    logs.until_contains(
+        "the inbox's log names a database that takes no writes",
+        hint,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(applied_count(&mut consumer.conn().await).await, 2);
+
+    support::set_database_default(&consumer, "default_transaction_read_only", "off").await;
+    support::terminate_sessions(&consumer, "outbox-inbox").await;
+    wait_until_applied(&probe, &consumer, 6, Duration::from_secs(20)).await;
+    running.shutdown().await.unwrap();
+    let mut conn = consumer.conn().await;
+    assert_applied_in_order(&applied(&mut conn).await, 2, 3);
+    let letters: i64 = outbox_inbox_dead_letters::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(letters, 0, "nothing dead-lettered");
+}
+
 /// Loses its database connection the first `losses` times it handles an event (it
 /// terminates its own session, as a database restart or a proxy would), then writes it.
 #[derive(Clone)]

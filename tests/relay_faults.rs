@@ -537,22 +537,10 @@ async fn a_relay_recovers_when_its_database_connections_are_terminated() {
     commit_events(&env, &mut conn, "o-1", 1).await;
     env.until_stream_holds(1, Duration::from_secs(5)).await;
 
-    #[derive(QueryableByName)]
-    struct Terminated {
-        #[diesel(sql_type = diesel::sql_types::Int8)]
-        count: i64,
-    }
-    let terminated: Terminated = diesel::sql_query(
-        "SELECT count(pg_terminate_backend(pid)) AS count FROM pg_stat_activity \
-         WHERE datname = current_database() AND application_name = 'outbox-relay'",
-    )
-    .get_result(&mut conn)
-    .await
-    .unwrap();
+    let terminated = support::terminate_sessions(&env, "outbox-relay").await;
     assert!(
-        terminated.count >= 3,
-        "two workers and the listener: {}",
-        terminated.count
+        terminated >= 3,
+        "two workers and the listener: {terminated}"
     );
 
     // The listener reconnects and LISTENs again; the workers reopen their connections.
@@ -566,6 +554,53 @@ async fn a_relay_recovers_when_its_database_connections_are_terminated() {
     commit_events(&env, &mut conn, "o-3", 1).await;
     env.until_stream_holds(3, Duration::from_secs(10)).await;
     relay.shutdown().await.unwrap();
+}
+
+/// A primary demoted under the relay's address (here: its sessions ended, and the database
+/// taking no writes from new ones, as a hot standby): the relay logs at once that the
+/// database takes no writes and that it needs the primary, though its run of failures began
+/// with the lost connections; and once the database takes writes again, it publishes what
+/// waited, nothing lost. Before, the run's first line named only the lost connection, the
+/// read-only refusals came 30 s later (the run's reminder), and said nothing of a primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_database_stops_taking_writes_says_so_and_publishes_when_it_takes_them() {
+    let (logs, _turn) = Logs::capture().await;
+    let env = TestEnv::new().await;
+    let mut config = env.relay_config();
+    config.max_backoff = Duration::from_millis(200);
+    config.poll_interval = Duration::from_millis(200);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    commit_events(&env, &mut conn, "o-1", 1).await;
+    env.until_stream_holds(1, Duration::from_secs(5)).await;
+
+    set_database_default(&env, "default_transaction_read_only", "on").await;
+    assert!(support::terminate_sessions(&env, "outbox-relay").await >= 1);
+    // Committed on the test's own session, which takes writes still: rows that wait.
+    commit_events(&env, &mut conn, "o-2", 2).await;
+    let hint = "the database takes no writes (a hot standby, or default_transaction_read_only \
+                on for the database or the role), and the relay writes the outbox's tables; \
+                give it the primary's URL";
+    logs.until_contains(
+        "the relay's log names a database that takes no writes",
+        hint,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(
+        env.stream_messages().await.len(),
+        1,
+        "nothing published meanwhile"
+    );
+
+    set_database_default(&env, "default_transaction_read_only", "off").await;
+    support::terminate_sessions(&env, "outbox-relay").await;
+    env.until_stream_holds(3, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    assert_eq!(sequences(&env.stream_messages().await)["o-2"], [1, 2]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

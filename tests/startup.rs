@@ -1043,3 +1043,36 @@ async fn a_relay_given_a_read_only_database_names_it_and_asks_for_the_primary() 
         "{error}"
     );
 }
+
+/// An inbox given a database that takes no writes (as on a hot standby, or a replica's URL
+/// given where the primary's belongs) stops at start naming the database and why, and what
+/// to give it. Before, it started, and every message failed with "cannot execute INSERT in a
+/// read-only transaction" and came again, unhandled, for as long as the inbox ran.
+#[tokio::test]
+async fn an_inbox_given_a_read_only_database_names_it_and_asks_for_the_primary() {
+    let env = TestEnv::new().await;
+    // The stream, as a producer's relay leaves it; then the database takes no more writes.
+    drop(
+        Relay::connect(env.relay_config(), env.nats.clone())
+            .await
+            .unwrap(),
+    );
+    support::set_database_default(&env, "default_transaction_read_only", "on").await;
+    let mut config = InboxConfig::new("read-only", &env.database_url);
+    config.topology = env.topology();
+    let error = match Inbox::connect(config, env.nats.clone(), Nothing).await {
+        Ok(_) => panic!("an inbox started on a read-only database"),
+        Err(error) => error.to_string(),
+    };
+    let target = outbox_runtime::database::redacted(&env.database_url);
+    assert!(
+        error.starts_with(&format!(
+            "inbox: cannot connect to the database at {target}: checking that the inbox can \
+             write its tables: cannot execute UPDATE in a read-only transaction: the database \
+             takes no writes (a hot standby, or default_transaction_read_only on for the \
+             database or the role), and the inbox writes the outbox's tables; give it the \
+             primary's URL"
+        )),
+        "{error}"
+    );
+}

@@ -778,24 +778,45 @@ pub(crate) async fn bounded_setup<T, E: fmt::Display>(
         })
 }
 
-/// What to add to `error`'s message when the database refused a write because its
-/// transactions are read-only (SQLSTATE 25006, `read_only_sql_transaction`: a hot standby, or
-/// `default_transaction_read_only` on for the database or the role): that `user` writes, and
-/// needs the primary. Empty for any other error.
-#[cfg(feature = "postgres")]
-pub(crate) fn read_only_hint(error: &diesel::result::Error, user: &str) -> String {
+/// What to add to `error`'s message when the database refused a write because it takes
+/// none: that `user` writes, and needs a database that does. Empty for any other error.
+///
+/// Recognised: PostgreSQL's SQLSTATE 25006 (`read_only_sql_transaction`: a hot standby, or
+/// `default_transaction_read_only` on for the database or the role); MySQL's and MariaDB's
+/// error 1792 (`ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION`, a READ ONLY transaction or
+/// `transaction_read_only`) and 1290 (`ER_OPTION_PREVENTS_STATEMENT`, "running with the
+/// --read-only option": a replica's `read_only` or `super_read_only`), by its words, which
+/// diesel does not give a kind of its own; SQLite's `SQLITE_READONLY` ("attempt to write a
+/// readonly database": a file opened read-only, or one this process may not write).
+pub(crate) fn read_only_hint(error: &diesel::result::Error, kind: Kind, user: &str) -> String {
     use diesel::result::{DatabaseErrorKind, Error};
-    if matches!(
-        error,
-        Error::DatabaseError(DatabaseErrorKind::ReadOnlyTransaction, _)
-    ) {
-        format!(
+    let Error::DatabaseError(error_kind, information) = error else {
+        return String::new();
+    };
+    let message = information.message();
+    let read_only = matches!(error_kind, DatabaseErrorKind::ReadOnlyTransaction)
+        || message.contains("-read-only option")
+        || message.contains("readonly database");
+    if !read_only {
+        return String::new();
+    }
+    match kind {
+        Kind::Postgres => format!(
             ": the database takes no writes (a hot standby, or default_transaction_read_only on \
              for the database or the role), and {user} writes the outbox's tables; give it the \
              primary's URL (with several hosts, target_session_attrs=read-write picks it)"
-        )
-    } else {
-        String::new()
+        ),
+        Kind::Mysql => format!(
+            ": the database takes no writes (a replica, with read_only or super_read_only on, \
+             or transaction_read_only on for the session), and {user} writes the outbox's \
+             tables; give it the primary's URL"
+        ),
+        Kind::Sqlite => format!(
+            ": the database file takes no writes (opened read-only, as mode=ro, or a file or \
+             directory this process may not write), and {user} writes the outbox's tables; \
+             give it a file it can write, in a directory it can write (SQLite writes its \
+             journal beside the file)"
+        ),
     }
 }
 

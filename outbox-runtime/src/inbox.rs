@@ -153,6 +153,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 #[cfg(feature = "postgres")]
 use diesel_async::AsyncPgConnection;
+use diesel_async::SimpleAsyncConnection;
 use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -161,7 +162,8 @@ use crate::causality::Causality;
 #[cfg(feature = "postgres")]
 use crate::database::Connector;
 use crate::database::{
-    self, Bounded, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Kind, Redacted, TimedOut,
+    self, Bounded, ConnectError, DEFAULT_CONNECT_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, Kind,
+    Redacted, TimedOut,
 };
 use crate::event::{EventSet, PayloadError};
 use crate::outbox::{MissingMigrations, Outbox};
@@ -179,6 +181,12 @@ pub use message::{Metadata, UnreadableMessage};
 use order::Predecessor;
 pub use store::InboxConnection;
 use store::{MessageKey, Place, Recorded, Session};
+
+/// [`Inbox::connect`]'s check that the database takes the inbox's writes: an update of no
+/// rows, which a database without writes refuses all the same (PostgreSQL checks a
+/// read-only transaction, and the role's privileges, before it reads a row; so do MySQL's
+/// `read_only` and SQLite's read-only file). The same SQL on the three databases.
+const WRITE_CHECK: &str = "UPDATE outbox_inbox_positions SET last_seq = last_seq WHERE 1 = 0";
 
 /// Declares [`Handler`], with `$default` (`= AsyncPgConnection`) as its connection when the
 /// build has PostgreSQL: a default that other features change would break code that
@@ -1004,7 +1012,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// counts handler failures itself; no pull request limits, `max_batch` and
     /// `max_expires`; whole messages, not headers only; an existing consumer's filter and
     /// acks are checked, and these other settings updated to the inbox's), opens the database
-    /// pool and checks that the inbox tables are migrated.
+    /// pool and checks that the inbox tables are migrated, and that the database takes
+    /// writes (an update of no rows).
     ///
     /// Where the filters take every subject the stream captures (the default, `{prefix}.>`,
     /// on the topology's stream), the consumer is created without a filter: it gets the same
@@ -1023,7 +1032,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// JetStream at the server
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
     /// has other filter subjects, or acks other than explicitly),
-    /// [`InboxError::Connect`],
+    /// [`InboxError::Connect`] (also for a database that takes no writes: a hot standby
+    /// or a replica, a role without them, a read-only SQLite file, named as such),
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,
@@ -1190,6 +1200,32 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             Ok(Ok(())) => {}
             Ok(Err(missing)) => return Err(missing.into()),
             Err(Bounded::Failed(error)) => return Err(error.into()),
+            Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
+        // The inbox's first write, of no rows: a database that takes none (a replica's URL,
+        // a role or a file without writes) is named now, where every message would fail
+        // and come again, unhandled, for as long as the inbox runs.
+        match database::bounded(
+            config.statement_timeout,
+            &target,
+            "the write check",
+            conn.batch_execute(WRITE_CHECK),
+        )
+        .await
+        {
+            Ok(()) => {}
+            Err(Bounded::Failed(error)) => {
+                return Err(InboxError::Connect(
+                    ConnectError {
+                        target: target.to_string(),
+                        reason: format!(
+                            "checking that the inbox can write its tables: {error}{}",
+                            database::read_only_hint(&error, C::KIND, "the inbox")
+                        ),
+                    }
+                    .to_string(),
+                ));
+            }
             Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
         }
         // A durable consumer that has delivered nothing, of a consumer that applied events
@@ -1508,12 +1544,17 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                 .into(),
             failure => {
                 let delay = config.retry_delay;
-                tracing::warn!(error = %failure, ?delay, "the inbox's database failed; the message will be redelivered");
-                Outcome::Retry {
-                    delay,
-                    error: failure.to_string(),
-                }
-                .into()
+                // A database that stopped taking writes (a primary demoted under a fixed
+                // address) is named as such, with what to give the inbox.
+                let hint = match &failure {
+                    Failure::Outbox(UnitOfWorkError::Database(error)) => {
+                        database::read_only_hint(error, C::KIND, "the inbox")
+                    }
+                    _ => String::new(),
+                };
+                let error = format!("{failure}{hint}");
+                tracing::warn!(%error, ?delay, "the inbox's database failed; the message will be redelivered");
+                Outcome::Retry { delay, error }.into()
             }
         }
     }

@@ -607,8 +607,10 @@ impl Shared {
 }
 
 /// What the relay logs about its broker and its database: a warning when a failure starts,
-/// a reminder every [`Health::REMIND`] while it lasts, and a note when it ends, however many
-/// workers meet it. A failure is never silent, and never a line per batch.
+/// and when it changes cause (a lost connection, then a database that takes no writes: a
+/// primary demoted under its address), a reminder every [`Health::REMIND`] while it lasts,
+/// and a note when it ends, however many workers meet it. A failure is never silent, and
+/// never a line per batch.
 struct Health {
     broker: Streak,
     transport: Streak,
@@ -627,7 +629,7 @@ impl Health {
     }
 
     fn broker_down(&self) {
-        if let Some(repeat) = self.broker.failed() {
+        if let Some(repeat) = self.broker.failed("") {
             tracing::warn!(
                 down_for = ?repeat,
                 "the NATS client is disconnected; the relay publishes nothing until it \
@@ -643,7 +645,7 @@ impl Health {
     }
 
     fn transport_failed(&self, error: &str) {
-        if let Some(repeat) = self.transport.failed() {
+        if let Some(repeat) = self.transport.failed(error) {
             tracing::warn!(
                 %error, failing_for = ?repeat,
                 "publishes fail in transport (broker unreachable, slow or stopping, or its \
@@ -668,7 +670,7 @@ impl Health {
             "kind" => kind,
         )
         .increment(1);
-        if let Some(repeat) = self.database.failed() {
+        if let Some(repeat) = self.database.failed(error) {
             tracing::warn!(
                 %error, failing_for = ?repeat,
                 "the relay's database fails; it reconnects with backoff"
@@ -683,28 +685,51 @@ impl Health {
     }
 }
 
-/// A run of failures of one kind: when it started and when it was last logged.
+/// A run of failures of one kind: when it started, when it was last logged, and the causes
+/// it logged.
 #[derive(Default)]
-struct Streak(std::sync::Mutex<Option<(std::time::Instant, std::time::Instant)>>);
+struct Streak(std::sync::Mutex<Option<Run>>);
+
+/// [`Streak`]'s run of failures.
+struct Run {
+    started: std::time::Instant,
+    logged: std::time::Instant,
+    /// The errors logged in this run, at most [`Streak::CAUSES`].
+    causes: Vec<String>,
+}
 
 impl Streak {
-    /// Records a failure; returns how long the run has lasted when it is time to log it.
-    fn failed(&self) -> Option<Duration> {
+    /// The distinct errors a run logs as they come: past these, only its reminders (errors
+    /// that vary from one failure to the next never make a line per batch).
+    const CAUSES: usize = 4;
+
+    /// Records a failure for `error`; returns how long the run has lasted when it is time to
+    /// log it: the run's first failure, a failure of an error the run has not logged (up to
+    /// [`CAUSES`](Self::CAUSES) of them), and a reminder every [`Health::REMIND`].
+    fn failed(&self, error: &str) -> Option<Duration> {
         let now = std::time::Instant::now();
         let mut run = self
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &mut *run {
-            None => {
-                *run = Some((now, now));
-                Some(Duration::ZERO)
-            }
-            Some((started, logged)) if now.duration_since(*logged) >= Health::REMIND => {
-                *logged = now;
-                Some(now.duration_since(*started))
-            }
-            Some(_) => None,
+        let Some(run) = &mut *run else {
+            *run = Some(Run {
+                started: now,
+                logged: now,
+                causes: vec![error.to_owned()],
+            });
+            return Some(Duration::ZERO);
+        };
+        let new_cause =
+            run.causes.len() < Self::CAUSES && !run.causes.iter().any(|cause| cause == error);
+        if new_cause {
+            run.causes.push(error.to_owned());
+        }
+        if new_cause || now.duration_since(run.logged) >= Health::REMIND {
+            run.logged = now;
+            Some(now.duration_since(run.started))
+        } else {
+            None
         }
     }
 
@@ -714,7 +739,7 @@ impl Streak {
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        run.take().map(|(started, _)| started.elapsed())
+        run.take().map(|run| run.started.elapsed())
     }
 }
 
@@ -771,7 +796,7 @@ impl Relay {
                     target: shared.target.clone(),
                     reason: format!(
                         "registering the relay's topology: {error}{}",
-                        database::read_only_hint(&error, "the relay")
+                        database::read_only_hint(&error, database::Kind::Postgres, "the relay")
                     ),
                 }));
             }
@@ -1155,6 +1180,20 @@ mod tests {
         assert_eq!(pauses, [100, 200, 350, 350]);
         backoff.reset();
         assert_eq!(backoff.next().as_millis(), 100);
+    }
+
+    #[test]
+    fn a_run_of_failures_logs_its_start_and_each_new_cause_once() {
+        let streak = Streak::default();
+        let logged = |error: &str| streak.failed(error).is_some();
+        assert!(logged("connection lost"), "the run's first failure");
+        assert!(!logged("connection lost"), "the same cause again");
+        assert!(logged("read-only"), "a new cause: a demoted primary, say");
+        assert!(!logged("read-only") && !logged("connection lost"));
+        assert!(logged("third") && logged("fourth"));
+        assert!(!logged("fifth"), "past Streak::CAUSES, only the reminders");
+        assert!(streak.ended().is_some() && streak.ended().is_none());
+        assert!(logged("connection lost"), "a new run logs its start again");
     }
 
     #[test]

@@ -134,17 +134,40 @@ pub async fn sessions_named(env: &TestEnv, application_name: &str) -> Vec<i32> {
     sessions.into_iter().map(|session| session.pid).collect()
 }
 
+/// Ends the sessions of `env`'s database named `application_name` (`pg_terminate_backend`,
+/// as a database restart or a failover does to them); returns how many.
+pub async fn terminate_sessions(env: &TestEnv, application_name: &str) -> i64 {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Terminated {
+        #[diesel(sql_type = diesel::sql_types::Int8)]
+        count: i64,
+    }
+    let terminated: Terminated = diesel::sql_query(
+        "SELECT count(pg_terminate_backend(pid)) AS count FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = $1",
+    )
+    .bind::<diesel::sql_types::Text, _>(application_name)
+    .get_result(&mut env.conn().await)
+    .await
+    .unwrap();
+    terminated.count
+}
+
 /// Sets `setting` to `value` for every later session of `env`'s database, as an operator's
-/// `ALTER DATABASE ... SET` does (the connections already open keep theirs).
+/// `ALTER DATABASE ... SET` does (the connections already open keep theirs). Works on a
+/// database whose sessions are read-only by default (its own session is not).
 pub async fn set_database_default(env: &TestEnv, setting: &str, value: &str) {
-    env.conn()
-        .await
-        .batch_execute(&format!(
-            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {setting} = %L', \
-             current_database(), '{value}'); END $$"
-        ))
+    let mut conn = env.conn().await;
+    conn.batch_execute("SET default_transaction_read_only = off")
         .await
         .unwrap();
+    conn.batch_execute(&format!(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {setting} = %L', \
+         current_database(), '{value}'); END $$"
+    ))
+    .await
+    .unwrap();
 }
 
 /// Whether a connection of an inbox (named `outbox-inbox`) to `env`'s database is inside a
@@ -660,6 +683,15 @@ impl Logs {
 impl Captured {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.logs.0.lock().unwrap()[self.from..]).into_owned()
+    }
+
+    /// Waits up to `timeout` until the captured log holds `text` (`what`, for the panic).
+    pub async fn until_contains(&self, what: &str, text: &str, timeout: Duration) {
+        wait_until(what, timeout, || {
+            let found = self.text().contains(text);
+            async move { found.then_some(()) }
+        })
+        .await;
     }
 }
 

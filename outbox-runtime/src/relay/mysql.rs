@@ -7,7 +7,10 @@ use std::time::Duration;
 use diesel::mysql::Mysql;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel::{QueryResult, QueryableByName};
-use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
 use uuid::Uuid;
 
 use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
@@ -75,11 +78,14 @@ impl MysqlRelay {
 }
 
 impl PolledStore for AsyncMysqlConnection {
-    const KIND: database::Kind = database::Kind::Mysql;
     const NAME: &'static str = "MysqlRelay";
 
     async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
         pending_migrations(self).await
+    }
+
+    async fn check_writes(&mut self) -> QueryResult<()> {
+        self.batch_execute(super::polling::WRITE_CHECK).await
     }
 }
 
@@ -209,6 +215,8 @@ pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
 }
 
 impl RelayStore for AsyncMysqlConnection {
+    const KIND: database::Kind = database::Kind::Mysql;
+
     /// Opens a session ([`session_wait_timeout`]), and reads MariaDB's idle transaction
     /// timeouts ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)),
     /// the shortest of which [`keep_alive_every`](RelayStore::keep_alive_every) follows.

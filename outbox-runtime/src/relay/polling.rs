@@ -23,8 +23,6 @@ use crate::spawned::Spawned;
 
 /// A database the polling relay publishes from.
 pub(super) trait PolledStore: RelayStore {
-    /// The database the relay publishes from.
-    const KIND: database::Kind;
     /// The relay's name, for errors.
     const NAME: &'static str;
 
@@ -35,7 +33,16 @@ pub(super) trait PolledStore: RelayStore {
 
     /// The versions of the outbox's migrations the database lacks.
     fn pending_migrations(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
+
+    /// Runs [`WRITE_CHECK`]: fails where the database takes no writes.
+    fn check_writes(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
 }
+
+/// [`Polling::connect`]'s check that the database takes the relay's writes: an update of no
+/// rows, which a database without writes refuses all the same (MySQL's `read_only` and a
+/// READ ONLY transaction, and SQLite's read-only file, are checked before a row is read).
+pub(super) const WRITE_CHECK: &str =
+    "UPDATE outbox_events SET published_at = published_at WHERE 1 = 0";
 
 /// A relay without a listener: its workers poll, and are woken by each commit of this
 /// process.
@@ -78,6 +85,28 @@ impl<C: PolledStore> Polling<C> {
         .await?;
         if !pending.is_empty() {
             return Err(MissingMigrations { pending }.into());
+        }
+        // The relay's first write, of no rows: a database that takes none is named now,
+        // where every batch would fail, and the relay publish nothing, for as long as it runs.
+        match database::bounded(
+            shared.config.statement_timeout,
+            &shared.target,
+            "the write check",
+            conn.check_writes(),
+        )
+        .await
+        {
+            Ok(()) => {}
+            Err(database::Bounded::Failed(error)) => {
+                return Err(RelayError::Connect(database::ConnectError {
+                    target: shared.target.clone(),
+                    reason: format!(
+                        "checking that the relay can write the outbox: {error}{}",
+                        database::read_only_hint(&error, C::KIND, "the relay")
+                    ),
+                }));
+            }
+            Err(database::Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
         }
         Ok(Self {
             shared,

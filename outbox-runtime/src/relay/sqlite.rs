@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text};
 use diesel::sqlite::Sqlite;
 use diesel::{Connection as _, QueryResult, QueryableByName, RunQueryDsl};
+use diesel_async::SimpleAsyncConnection;
 use uuid::Uuid;
 
 use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
@@ -138,7 +139,6 @@ impl SqliteStore {
 }
 
 impl PolledStore for SqliteStore {
-    const KIND: database::Kind = database::Kind::Sqlite;
     const NAME: &'static str = "SqliteRelay";
 
     fn configure(mut config: RelayConfig) -> RelayConfig {
@@ -148,6 +148,10 @@ impl PolledStore for SqliteStore {
 
     async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
         self.conn.spawn_blocking(pending_migrations).await
+    }
+
+    async fn check_writes(&mut self) -> QueryResult<()> {
+        self.conn.batch_execute(super::polling::WRITE_CHECK).await
     }
 }
 
@@ -165,6 +169,8 @@ const QUEUED: &str = "published_at IS NULL AND skipped_at IS NULL";
 const FOREVER: &str = "9999-12-31 23:59:59.999";
 
 impl RelayStore for SqliteStore {
+    const KIND: database::Kind = database::Kind::Sqlite;
+
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         let conn = database::connect_sqlite(&shared.config.database_url, shared.limits()).await?;
         let lease_length = SqliteRelay::lease(&shared.config);

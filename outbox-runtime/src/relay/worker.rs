@@ -272,9 +272,15 @@ async fn step<C: RelayStore>(
         }
         Err(error) => {
             let stream = &shared.config.topology.stream.name;
+            // A database that stopped taking writes (a primary demoted under a fixed
+            // address) is named as such, with what to give the relay.
+            let hint = match &error {
+                Bounded::Failed(error) => database::read_only_hint(error, C::KIND, "the relay"),
+                Bounded::TimedOut(_) => String::new(),
+            };
             shared
                 .health
-                .database_failed(stream, "batch", &error.to_string());
+                .database_failed(stream, "batch", &format!("{error}{hint}"));
             // The transaction's state is unknown (a timeout) or failed: a new connection
             // starts clean, and PostgreSQL rolls back what this one left.
             *conn_slot = None;
@@ -826,6 +832,9 @@ type Chain<'a> = &'a [ClaimedEvent];
 /// claim, the record of a rejection and the end of published rows, each with the
 /// guarantees `outbox::queries` gives for PostgreSQL.
 pub(super) trait RelayStore: Send + Sized + 'static {
+    /// The database the relay publishes from.
+    const KIND: database::Kind;
+
     /// Opens a connection for a worker, within the connect timeout.
     fn connect(
         shared: &Shared,
@@ -924,6 +933,8 @@ pub(super) trait RelayStore: Send + Sized + 'static {
 
 #[cfg(feature = "postgres")]
 impl RelayStore for AsyncPgConnection {
+    const KIND: database::Kind = database::Kind::Postgres;
+
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         connect(shared).await
     }
