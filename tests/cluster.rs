@@ -295,6 +295,21 @@ async fn a_relay_and_an_inbox_on_a_leaf_node_use_the_hubs_stream_by_its_domain()
         error.contains("the stream does not exist (yet) in JetStream domain \"hub\": the"),
         "{error}"
     );
+    // So does a relay that may not create it.
+    let mut may_not_create = relay_config.clone();
+    may_not_create.topology.stream.domain = Some(HubAndLeaf::HUB.to_owned());
+    may_not_create.topology.stream.create = false;
+    let error = match Relay::connect(may_not_create, leaf().await).await {
+        Ok(_) => panic!("a relay that may not create its stream connected before it existed"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains(&format!(
+            "JetStream stream {:?} does not exist in JetStream domain \"hub\"; create it",
+            producer.stream
+        )),
+        "{error}"
+    );
 
     let mut conn = producer.conn().await;
     let mut orders = orders(AGGREGATES);

@@ -1068,10 +1068,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             .await
             .map_err(|e| {
                 consumer_error(if crate::nats::stream_not_found(&e) {
-                    let place = match &config.topology.stream.domain {
-                        Some(domain) => format!(" in JetStream domain {domain:?}"),
-                        None => String::new(),
-                    };
+                    let place =
+                        crate::publisher::in_domain(config.topology.stream.domain.as_deref());
                     format!(
                         "the stream does not exist (yet){place}: the producer's relay creates it \
                          when it starts; start a relay first, or connect again once one runs"

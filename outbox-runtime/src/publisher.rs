@@ -931,19 +931,30 @@ impl StreamSettings {
     }
 }
 
+/// Where a stream was looked for, for an error: ` in JetStream domain "hub"`, or nothing
+/// without a domain.
+pub(crate) fn in_domain(domain: Option<&str>) -> String {
+    domain.map_or_else(String::new, |domain| {
+        format!(" in JetStream domain {domain:?}")
+    })
+}
+
 /// The stream cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
     /// The stream does not exist and the relay was told not to create it.
     #[error(
-        "JetStream stream {stream:?} does not exist; create it to capture \"{prefix}.>\", \
-         or let the relay create it (StreamSettings::create)"
+        "JetStream stream {stream:?} does not exist{}; create it to capture \"{prefix}.>\", \
+         or let the relay create it (StreamSettings::create)",
+        in_domain(domain.as_deref())
     )]
     Missing {
         /// The stream name.
         stream: String,
         /// The subject prefix it should capture.
         prefix: String,
+        /// The JetStream domain the relay looked in ([`StreamSettings::domain`]), if any.
+        domain: Option<String>,
     },
     /// The stream exists but does not capture the outbox's subjects.
     #[error(
@@ -1043,6 +1054,7 @@ pub(crate) async fn ensure_stream(
                 return Err(StreamError::Missing {
                     stream: settings.name.clone(),
                     prefix: prefix.to_owned(),
+                    domain: settings.domain.clone(),
                 });
             }
             let created = jetstream

@@ -331,7 +331,7 @@ async fn restore_missing_stream(shared: &Shared) {
     }
     if !settings.create {
         tracing::error!(
-            stream = %settings.name,
+            stream = %settings.name, domain = ?settings.domain,
             "the JetStream stream does not exist, and StreamSettings::create is off: the relay \
              publishes nothing until it does (create it); the events wait in the outbox"
         );
