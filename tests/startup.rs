@@ -1018,6 +1018,93 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
     inbox.shutdown().await.unwrap();
 }
 
+/// A database whose sessions must show a client certificate (`cert` authentication, as a
+/// managed PostgreSQL with mutual TLS asks): the URL's `sslcert` and `sslkey` are sent, and
+/// the relay publishes and the inbox applies on it. Before, tokio-postgres refused the URL
+/// ("unknown option `sslcert`"), and nothing connected. Without a certificate, or with one
+/// of another authority, the server refuses, and the error says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_and_the_inbox_reach_a_database_that_requires_a_client_certificate() {
+    use support::consumer::{commit_round, orders};
+    let certificates = support::postgres::TestCertificates::new();
+    let server =
+        support::postgres::PostgresServer::start_with_client_certificates(&certificates).await;
+    {
+        use diesel_async::{AsyncConnection, SimpleAsyncConnection};
+        let mut admin = diesel_async::AsyncPgConnection::establish(&server.url("postgres"))
+            .await
+            .unwrap();
+        admin.batch_execute("CREATE DATABASE orders").await.unwrap();
+    }
+    let file = |name: &str| certificates.path(name).display().to_string();
+    let url = |client: Option<&str>| {
+        let mut url = format!(
+            "postgres://postgres@localhost:{}/orders?sslmode=verify-full&sslrootcert={}",
+            server.port,
+            file("ca.pem")
+        );
+        if let Some(client) = client {
+            url += &format!(
+                "&sslcert={}&sslkey={}",
+                file(&format!("{client}.pem")),
+                file(&format!("{client}.key"))
+            );
+        }
+        url
+    };
+    let connect = |url: String| async move {
+        outbox_runtime::database::establish_postgres(&url, Duration::from_secs(10)).await
+    };
+    for (client, says) in [
+        (None, "connection requires a valid client certificate"),
+        (
+            Some("stranger"),
+            "received fatal alert: UnknownCA (the server refused the TLS handshake, where the \
+             client certificate sslcert",
+        ),
+    ] {
+        let error = connect(url(client)).await.err().unwrap().to_string();
+        assert!(error.contains(says), "{client:?}: {error}");
+    }
+    let with_certificate = url(Some("client"));
+    let applied = outbox_runtime::run_migrations(&with_certificate)
+        .await
+        .unwrap();
+    assert!(!applied.is_empty());
+
+    let env = TestEnv::new().await;
+    let mut conn = connect(with_certificate.clone()).await.unwrap();
+    let mut orders = orders(2);
+    for round in 0..2 {
+        commit_round(&env, &mut conn, &mut orders, round).await;
+    }
+    let mut relay_config = env.relay_config();
+    relay_config.database_url = with_certificate.clone();
+    let relay = Relay::connect(relay_config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    env.until_stream_holds(4, Duration::from_secs(30)).await;
+    let mut inbox_config = InboxConfig::new("mutual-tls", &with_certificate);
+    inbox_config.topology = env.topology();
+    let inbox = Inbox::connect(inbox_config, env.nats.clone(), Nothing)
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let inbox = inbox.spawn();
+    support::consumer::wait_until_settled(&probe, "every message handled", Duration::from_secs(30))
+        .await;
+    for application in ["outbox-relay", "outbox-inbox"] {
+        let (sessions, with_tls) = sessions_with_tls(&mut conn, application).await;
+        assert!(
+            sessions >= 1 && with_tls == sessions,
+            "{application}: {with_tls} of {sessions} sessions use TLS"
+        );
+    }
+    relay.shutdown().await.unwrap();
+    inbox.shutdown().await.unwrap();
+}
+
 /// A relay given a database that takes no writes (`default_transaction_read_only` on for it,
 /// as on a hot standby, or a reader endpoint's URL given by mistake) stops at start naming the
 /// database and why, and what to give it. Before, it said only "relay database error: cannot

@@ -534,14 +534,27 @@ pub async fn establish_postgres(
 /// "invalid value for option `sslmode`").
 ///
 /// With `sslmode=require`, `verify-ca` or `verify-full` in `database_url` the connection is
-/// TLS, its server's certificate verified as the mode and `sslrootcert` ask ([`tls`]).
+/// TLS, its server's certificate verified as the mode and `sslrootcert` ask, and the client
+/// certificate of `sslcert` and `sslkey` shown to a server that asks for one ([`tls`]).
 #[cfg(feature = "postgres")]
 async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
-    let (database_url, tls) = tls::split(database_url)?;
-    match tls.connector()? {
+    let (database_url, tls, identity) = tls::split(database_url)?;
+    let opened = match tls.connector(identity.as_ref())? {
         None => open(&database_url, tokio_postgres::NoTls).await,
         Some(connector) => open(&database_url, connector).await,
-    }
+    };
+    opened.map_err(|error| match &identity {
+        // A fatal alert is the server's word on the handshake: with a client certificate
+        // sent, most often that it does not take it (an authority it does not trust:
+        // UnknownCA; expired: CertificateExpired; not for clients: UnsupportedCertificate).
+        Some(identity) if error.contains("received fatal alert: ") => format!(
+            "{error} (the server refused the TLS handshake, where the client certificate \
+             sslcert {} was sent: is it signed by an authority of the server's ssl_ca_file, \
+             and current?)",
+            identity.certificate.display()
+        ),
+        _ => error,
+    })
 }
 
 /// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls).

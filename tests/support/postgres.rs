@@ -277,7 +277,8 @@ fn binaries() -> PathBuf {
 
 /// Certificates for a PostgreSQL server with TLS, made by `openssl` in a directory of their
 /// own (removed when dropped): a certificate authority, a server certificate it signed for
-/// the name `localhost` only (no IP address), and a second authority that signed nothing.
+/// the name `localhost` only (no IP address), a client certificate it signed for the user
+/// `postgres`, and a second authority that signed a client certificate for `postgres` too.
 pub struct TestCertificates {
     dir: PathBuf,
 }
@@ -331,34 +332,47 @@ impl TestCertificates {
              keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
         )
         .expect("the server certificate's extensions");
-        let mut args = vec!["req"];
-        args.extend(ec);
-        args.extend([
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ]);
-        openssl(&args);
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-        ]);
+        std::fs::write(
+            certificates.dir.join("client.ext"),
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
+             extendedKeyUsage=clientAuth\n",
+        )
+        .expect("the client certificates' extensions");
+        // The server's certificate, the client's (its common name is the database user that
+        // `cert` authentication lets in), and a stranger's for the same user.
+        for (name, subject, ca, extensions) in [
+            ("server", "/CN=localhost", "ca", "server.ext"),
+            ("client", "/CN=postgres", "ca", "client.ext"),
+            ("stranger", "/CN=postgres", "other-ca", "client.ext"),
+        ] {
+            let (key, csr, pem) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.pem"),
+            );
+            let mut args = vec!["req"];
+            args.extend(ec);
+            args.extend(["-keyout", &key, "-out", &csr, "-subj", subject]);
+            openssl(&args);
+            let (ca_pem, ca_key) = (format!("{ca}.pem"), format!("{ca}.key"));
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &ca_pem,
+                "-CAkey",
+                &ca_key,
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-extfile",
+                extensions,
+            ]);
+        }
         let root = std::fs::metadata("/proc/self").is_ok_and(|me| me.uid() == 0);
         if root {
             let status = Command::new("chown")
@@ -377,7 +391,8 @@ impl TestCertificates {
         certificates
     }
 
-    /// The file `name` of them: `ca.pem`, `other-ca.pem`, `server.pem`, `server.key`.
+    /// The file `name` of them: `ca.pem`, `other-ca.pem`, `server.pem`, `server.key`,
+    /// `client.pem`, `client.key`, `stranger.pem`, `stranger.key`.
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
@@ -397,15 +412,34 @@ impl PostgresServer {
     /// # Panics
     /// As [`start`](Self::start).
     pub async fn start_with_tls(certificates: &TestCertificates) -> Self {
+        Self::start_with_hba(certificates, "trust").await
+    }
+
+    /// As [`start_with_tls`](Self::start_with_tls), and each TLS session but the database
+    /// `postgres`'s must show a client certificate of `certificates`' authority whose common
+    /// name is its user (`cert` authentication; PostgreSQL docs, "Certificate
+    /// Authentication"), and no password.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub async fn start_with_client_certificates(certificates: &TestCertificates) -> Self {
+        Self::start_with_hba(certificates, "cert").await
+    }
+
+    async fn start_with_hba(certificates: &TestCertificates, method: &str) -> Self {
         let hba = certificates.path("pg_hba.conf");
         std::fs::write(
             &hba,
-            "local all all trust\n\
-             hostnossl postgres all 127.0.0.1/32 trust\n\
-             hostssl all all 127.0.0.1/32 trust\n",
+            format!(
+                "local all all trust\n\
+                 hostnossl postgres all 127.0.0.1/32 trust\n\
+                 hostssl postgres all 127.0.0.1/32 trust\n\
+                 hostssl all all 127.0.0.1/32 {method}\n"
+            ),
         )
         .expect("the server's pg_hba.conf");
         let settings = [
+            format!("ssl_ca_file={}", certificates.path("ca.pem").display()),
             "ssl=on".to_owned(),
             format!(
                 "ssl_cert_file={}",

@@ -14,21 +14,29 @@
 //!   libpq's `~/.postgresql/root.crt`.
 //! - `verify-full`: as `verify-ca`, and the certificate must name the host connected to.
 //!
-//! tokio-postgres knows `disable`, `prefer` and `require` only, and no `sslrootcert`: it is
-//! given the string with `verify-ca` and `verify-full` as `require` and without
-//! `sslrootcert`, and the TLS connector verifies what they ask. Client certificates
-//! (`sslcert`, `sslkey`) are not supported: tokio-postgres refuses them as unknown options.
+//! A client certificate is sent where the server asks for one (its `cert` authentication, or
+//! `clientcert=verify-ca` / `verify-full`; PostgreSQL docs, "Client Certificates"): the PEM
+//! file `sslcert` and its key `sslkey`, by default libpq's `~/.postgresql/postgresql.crt`
+//! and `~/.postgresql/postgresql.key` when the certificate's file exists. The key is PKCS #8,
+//! PKCS #1 (RSA) or SEC1 (EC), unencrypted (no `sslpassword`). A `sslcert` or `sslkey` given
+//! where the toolkit connects without TLS (no `sslmode`, or `prefer`) is refused: no
+//! certificate would be sent.
+//!
+//! tokio-postgres knows `disable`, `prefer` and `require` only, and none of `sslrootcert`,
+//! `sslcert`, `sslkey`: it is given the string with `verify-ca` and `verify-full` as
+//! `require` and without those three, and the TLS connector does what they ask.
 
 use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use percent_encoding::percent_decode_str;
-use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::{WantsClientCert, WebPkiServerVerifier};
 use rustls::crypto::WebPkiSupportedAlgorithms;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, ConfigBuilder, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// The TLS a connection string asks for.
@@ -54,27 +62,48 @@ pub(crate) enum Roots {
     System,
 }
 
+/// A client certificate and its key, as files (`sslcert`, `sslkey`): read when a connection
+/// is opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Identity {
+    /// A PEM file of the certificate, then any intermediates.
+    pub certificate: PathBuf,
+    /// A PEM file of its private key.
+    pub key: PathBuf,
+}
+
 /// `database_url` as tokio-postgres parses it (`verify-ca` and `verify-full` written
-/// `require`, `sslrootcert` removed), and the TLS it asks for.
+/// `require`; `sslrootcert`, `sslcert` and `sslkey` removed), the TLS it asks for, and the
+/// client certificate it names.
 ///
 /// # Errors
 /// `verify-ca` or `verify-full` without `sslrootcert` where libpq's default file,
-/// `~/.postgresql/root.crt`, does not exist.
-pub(crate) fn split(database_url: &str) -> Result<(Cow<'_, str>, Tls), String> {
+/// `~/.postgresql/root.crt`, does not exist; `sslcert` or `sslkey` without TLS, `sslcert`
+/// naming no file, or a certificate without its key.
+pub(crate) fn split(database_url: &str) -> Result<(Cow<'_, str>, Tls, Option<Identity>), String> {
     let home = std::env::var_os("HOME").map(PathBuf::from);
     split_in(database_url, home.as_deref())
 }
 
-/// [`split`], with `home` the directory of libpq's default `.postgresql/root.crt`.
+/// [`split`], with `home` the directory of libpq's default `.postgresql` files.
 fn split_in<'a>(
     database_url: &'a str,
     home: Option<&std::path::Path>,
-) -> Result<(Cow<'a, str>, Tls), String> {
+) -> Result<(Cow<'a, str>, Tls, Option<Identity>), String> {
     let options = Options::of(database_url);
-    let Some(mode) = options.mode.as_deref() else {
-        // No sslmode: tokio-postgres's default, prefer, which the toolkit connects without
-        // TLS.
-        return Ok((options.written(database_url, None), Tls::Off));
+    let Some(mode) = options.mode.as_deref().filter(|mode| *mode != "prefer") else {
+        // No sslmode, or prefer: the toolkit connects without TLS.
+        if let Some(key) = [("sslcert", &options.cert), ("sslkey", &options.key)]
+            .into_iter()
+            .find_map(|(key, value)| value.is_some().then_some(key))
+        {
+            return Err(format!(
+                "{key} is given, and sslmode {} connects without TLS here, where no client \
+                 certificate is sent: set sslmode=verify-full (or verify-ca, require)",
+                options.mode.as_deref().unwrap_or("prefer (the default)")
+            ));
+        }
+        return Ok((options.written(database_url, None), Tls::Off, None));
     };
     let root = options.root.as_deref();
     let roots = || -> Result<Roots, String> {
@@ -100,10 +129,12 @@ fn split_in<'a>(
         "require" => (Tls::Unverified, None),
         "verify-ca" => (Tls::VerifyCa(roots()?), Some("require")),
         "verify-full" => (Tls::VerifyFull(roots()?), Some("require")),
-        // disable, prefer; anything else is tokio-postgres's to refuse.
-        _ => (Tls::Off, None),
+        // disable (libpq ignores the client certificate there too); anything else is
+        // tokio-postgres's to refuse.
+        _ => return Ok((options.written(database_url, None), Tls::Off, None)),
     };
-    Ok((options.written(database_url, written), tls))
+    let identity = options.identity(home)?;
+    Ok((options.written(database_url, written), tls, identity))
 }
 
 /// `database_url` as tokio-postgres parses it, whatever certificate authorities its TLS
@@ -114,27 +145,56 @@ pub(crate) fn parsable(database_url: &str) -> Cow<'_, str> {
     options.written(database_url, verifying.then_some("require"))
 }
 
+impl Identity {
+    /// The certificate chain and the key.
+    fn read(&self) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), String> {
+        let shown = self.certificate.display();
+        let chain = CertificateDer::pem_file_iter(&self.certificate)
+            .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+            .map_err(|e| format!("sslcert {shown}: {e}"))?;
+        if chain.is_empty() {
+            return Err(format!(
+                "sslcert {shown} holds no certificate (a PEM -----BEGIN CERTIFICATE----- section)"
+            ));
+        }
+        let shown = self.key.display();
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| match e {
+            rustls::pki_types::pem::Error::NoItemsFound => format!(
+                "sslkey {shown} holds no private key (a PEM PRIVATE KEY, RSA PRIVATE KEY or EC \
+                 PRIVATE KEY section; an encrypted key is not supported)"
+            ),
+            e => format!("sslkey {shown}: {e}"),
+        })?;
+        Ok((chain, key))
+    }
+}
+
 impl Tls {
-    /// The TLS connector for these settings; `None` for no TLS.
+    /// The TLS connector for these settings, sending `identity` to a server that asks for a
+    /// client certificate; `None` for no TLS.
     ///
     /// # Errors
-    /// `sslrootcert` cannot be read, holds no certificate, or the system's store is empty.
-    pub(crate) fn connector(&self) -> Result<Option<MakeRustlsConnect>, String> {
+    /// `sslrootcert` cannot be read, holds no certificate, or the system's store is empty;
+    /// `sslcert` or `sslkey` cannot be read or hold no certificate or key, or the key is not
+    /// the certificate's.
+    pub(crate) fn connector(
+        &self,
+        identity: Option<&Identity>,
+    ) -> Result<Option<MakeRustlsConnect>, String> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = || {
             ClientConfig::builder_with_provider(provider.clone())
                 .with_safe_default_protocol_versions()
                 .map_err(|e| format!("TLS: {e}"))
         };
-        let config = match self {
+        let verified: ConfigBuilder<ClientConfig, WantsClientCert> = match self {
             Self::Off => return Ok(None),
             Self::Unverified => builder()?
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(AnyName {
                     chain: None,
                     algorithms: provider.signature_verification_algorithms,
-                }))
-                .with_no_client_auth(),
+                })),
             Self::VerifyCa(roots) => {
                 let chain = WebPkiServerVerifier::builder_with_provider(
                     Arc::new(roots.store()?),
@@ -148,11 +208,21 @@ impl Tls {
                         chain: Some(chain),
                         algorithms: provider.signature_verification_algorithms,
                     }))
-                    .with_no_client_auth()
             }
-            Self::VerifyFull(roots) => builder()?
-                .with_root_certificates(roots.store()?)
-                .with_no_client_auth(),
+            Self::VerifyFull(roots) => builder()?.with_root_certificates(roots.store()?),
+        };
+        let config = match identity {
+            None => verified.with_no_client_auth(),
+            Some(identity) => {
+                let (chain, key) = identity.read()?;
+                verified.with_client_auth_cert(chain, key).map_err(|e| {
+                    format!(
+                        "sslcert {} with sslkey {}: {e}",
+                        identity.certificate.display(),
+                        identity.key.display()
+                    )
+                })?
+            }
         };
         Ok(Some(MakeRustlsConnect::new(config)))
     }
@@ -163,7 +233,6 @@ impl Roots {
         let mut store = RootCertStore::empty();
         match self {
             Self::File(path) => {
-                use rustls::pki_types::pem::PemObject as _;
                 let shown = path.display();
                 let certificates = CertificateDer::pem_file_iter(path)
                     .and_then(Iterator::collect::<Result<Vec<_>, _>>)
@@ -251,12 +320,16 @@ impl ServerCertVerifier for AnyName {
 struct Options {
     mode: Option<String>,
     root: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
     /// A `postgres://` URL: the byte offset of its query (after `?`), and the byte range of
     /// each pair in it. A `key=value` string: `None`.
     query: Option<(usize, Vec<std::ops::Range<usize>>)>,
-    /// Where `sslmode`'s pair and value, and `sslrootcert`'s pair, are written.
+    /// Where `sslmode`'s pair and value are written.
     mode_at: Option<(std::ops::Range<usize>, std::ops::Range<usize>)>,
-    root_at: Option<std::ops::Range<usize>>,
+    /// Where each pair of `sslrootcert`, `sslcert` and `sslkey` is written (every one of
+    /// them, if one is given twice): what tokio-postgres must not see.
+    removed: Vec<std::ops::Range<usize>>,
 }
 
 impl Options {
@@ -305,19 +378,64 @@ impl Options {
             }
             "sslrootcert" => {
                 self.root = Some(value);
-                self.root_at = Some(pair);
+                self.removed.push(pair);
+            }
+            "sslcert" => {
+                self.cert = Some(value);
+                self.removed.push(pair);
+            }
+            "sslkey" => {
+                self.key = Some(value);
+                self.removed.push(pair);
             }
             _ => {}
         }
     }
 
-    /// `database_url` without its `sslrootcert` pair, and with its `sslmode` value `mode`
-    /// when that is given: what tokio-postgres parses. A URL's query keeps its other pairs,
-    /// joined by `&` (its parser takes an empty pair for a key), and loses its `?` when none
-    /// is left.
+    /// The client certificate, as libpq finds it (PostgreSQL docs, "libpq: SSL Support",
+    /// "Client Certificates"): `sslcert`, or `~/.postgresql/postgresql.crt` where that file
+    /// exists; its key `sslkey`, or `~/.postgresql/postgresql.key`.
+    fn identity(&self, home: Option<&std::path::Path>) -> Result<Option<Identity>, String> {
+        let default = |name: &str| home.map(|home| home.join(".postgresql").join(name));
+        let certificate = match &self.cert {
+            Some(path) => {
+                let path = PathBuf::from(path);
+                if !path.is_file() {
+                    return Err(format!("sslcert {}: no such file", path.display()));
+                }
+                path
+            }
+            None => match default("postgresql.crt").filter(|path| path.is_file()) {
+                Some(path) => path,
+                None if self.key.is_some() => {
+                    return Err(
+                        "sslkey is given without a certificate: name it with sslcert".to_owned(),
+                    );
+                }
+                None => return Ok(None),
+            },
+        };
+        let key = match (&self.key, default("postgresql.key")) {
+            (Some(path), _) => PathBuf::from(path),
+            (None, Some(path)) if path.is_file() => path,
+            (None, _) => {
+                return Err(format!(
+                    "sslcert {} is given without its key: name it with sslkey (libpq's \
+                     default, ~/.postgresql/postgresql.key, does not exist)",
+                    certificate.display()
+                ));
+            }
+        };
+        Ok(Some(Identity { certificate, key }))
+    }
+
+    /// `database_url` without its `sslrootcert`, `sslcert` and `sslkey` pairs, and with its
+    /// `sslmode` value `mode` when that is given: what tokio-postgres parses. A URL's query
+    /// keeps its other pairs, joined by `&` (its parser takes an empty pair for a key), and
+    /// loses its `?` when none is left.
     fn written<'a>(&self, database_url: &'a str, mode: Option<&str>) -> Cow<'a, str> {
         let mode = mode.zip(self.mode_at.clone());
-        if mode.is_none() && self.root_at.is_none() {
+        if mode.is_none() && self.removed.is_empty() {
             return Cow::Borrowed(database_url);
         }
         let Some((start, pairs)) = &self.query else {
@@ -326,8 +444,8 @@ impl Options {
             if let Some((mode, (_, value_at))) = mode {
                 edits.push((value_at, mode));
             }
-            if let Some(pair) = self.root_at.clone() {
-                edits.push((pair, ""));
+            for pair in &self.removed {
+                edits.push((pair.clone(), ""));
             }
             edits.sort_by_key(|(range, _)| range.start);
             let mut text = String::with_capacity(database_url.len());
@@ -342,7 +460,7 @@ impl Options {
         };
         let mut kept = Vec::with_capacity(pairs.len());
         for pair in pairs {
-            if Some(pair) == self.root_at.as_ref() {
+            if self.removed.contains(pair) {
                 continue;
             }
             match &mode {
@@ -439,6 +557,13 @@ impl<'a> Iterator for KeyValues<'a> {
 mod tests {
     use super::*;
 
+    /// [`split`] without a client certificate: the string and the TLS.
+    fn split(database_url: &str) -> Result<(Cow<'_, str>, Tls), String> {
+        let (url, tls, identity) = super::split_in(database_url, None)?;
+        assert_eq!(identity, None, "{database_url}");
+        Ok((url, tls))
+    }
+
     #[test]
     fn require_and_the_verifying_modes_are_read_from_a_url() {
         let url = "postgres://app:s3cret@db:5432/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem\
@@ -503,7 +628,9 @@ mod tests {
      {
         let url = "postgres://db/orders?sslmode=verify-full";
         let home = std::env::temp_dir().join(format!("outbox-home-{}", uuid::Uuid::new_v4()));
-        let error = split_in(url, Some(&home)).unwrap_err();
+        let error = split_in(url, Some(&home))
+            .map(|(url, tls, _)| (url, tls))
+            .unwrap_err();
         assert!(
             error.starts_with(
                 "sslmode=verify-full verifies the server's certificate against certificate \
@@ -511,10 +638,10 @@ mod tests {
             ),
             "{error}"
         );
-        assert_eq!(split_in(url, None).unwrap_err(), error);
+        assert_eq!(split_in(url, None).map(|_| ()).unwrap_err(), error);
         std::fs::create_dir_all(home.join(".postgresql")).unwrap();
         std::fs::write(home.join(".postgresql/root.crt"), "").unwrap();
-        let found = split_in(url, Some(&home));
+        let found = split_in(url, Some(&home)).map(|(url, tls, _)| (url, tls));
         std::fs::remove_dir_all(&home).unwrap();
         assert_eq!(
             found.unwrap().1,
@@ -525,7 +652,7 @@ mod tests {
     #[test]
     fn an_unreadable_or_empty_root_certificate_file_is_named() {
         let missing = Tls::VerifyFull(Roots::File("/nonexistent/ca.pem".into()));
-        let error = missing.connector().err().unwrap();
+        let error = missing.connector(None).err().unwrap();
         assert!(
             error.starts_with("sslrootcert /nonexistent/ca.pem: "),
             "{error}"
@@ -533,12 +660,174 @@ mod tests {
         let empty = std::env::temp_dir().join(format!("outbox-empty-{}.pem", uuid::Uuid::new_v4()));
         std::fs::write(&empty, "not a certificate\n").unwrap();
         let error = Tls::VerifyCa(Roots::File(empty.clone()))
-            .connector()
+            .connector(None)
             .err()
             .unwrap();
         std::fs::remove_file(&empty).unwrap();
         assert!(
             error.ends_with("holds no certificate (a PEM -----BEGIN CERTIFICATE----- section)"),
+            "{error}"
+        );
+    }
+
+    /// A directory of its own under the temporary one, removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new() -> Self {
+            let dir = std::env::temp_dir().join(format!("outbox-tls-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir_all(dir.join(".postgresql")).unwrap();
+            Self(dir)
+        }
+
+        /// Writes `text` to `name` in it; returns the path.
+        fn file(&self, name: &str, text: &str) -> PathBuf {
+            let path = self.0.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_client_certificate_and_its_key_are_read_from_either_form_and_kept_from_tokio_postgres() {
+        let scratch = Scratch::new();
+        let (cert, key) = (scratch.file("c.pem", ""), scratch.file("c.key", ""));
+        let identity = Identity {
+            certificate: cert.clone(),
+            key: key.clone(),
+        };
+        let url = format!(
+            "postgres://app@db/orders?sslcert={}&sslmode=verify-full&sslrootcert=system\
+             &sslkey={}&application_name=x&sslrootcert=system",
+            cert.display(),
+            key.display()
+        );
+        let (parsed, tls, found) = split_in(&url, None).unwrap();
+        assert_eq!(
+            (parsed.as_ref(), tls, found.as_ref()),
+            (
+                "postgres://app@db/orders?sslmode=require&application_name=x",
+                Tls::VerifyFull(Roots::System),
+                Some(&identity)
+            )
+        );
+        let text = format!(
+            "host=db sslmode=require sslcert='{}' sslkey={} dbname=orders",
+            cert.display(),
+            key.display()
+        );
+        let (parsed, tls, found) = split_in(&text, None).unwrap();
+        assert_eq!(
+            parsed
+                .parse::<tokio_postgres::Config>()
+                .unwrap()
+                .get_dbname(),
+            Some("orders")
+        );
+        assert_eq!((tls, found), (Tls::Unverified, Some(identity)));
+        // libpq ignores them where TLS is off by choice.
+        let (_, tls, found) = split_in(
+            &format!("postgres://db/o?sslmode=disable&sslcert={}", cert.display()),
+            None,
+        )
+        .unwrap();
+        assert_eq!((tls, found), (Tls::Off, None));
+    }
+
+    #[test]
+    fn a_client_certificate_without_tls_without_its_file_or_without_its_key_is_refused_naming_it() {
+        let scratch = Scratch::new();
+        let cert = scratch.file("c.pem", "");
+        for (url, expected) in [
+            (
+                format!("postgres://db/o?sslcert={}", cert.display()),
+                "sslcert is given, and sslmode prefer (the default) connects without TLS here, \
+                 where no client certificate is sent: set sslmode=verify-full",
+            ),
+            (
+                "host=db sslmode=prefer sslkey=/k.pem".to_owned(),
+                "sslkey is given, and sslmode prefer connects without TLS here",
+            ),
+            (
+                "postgres://db/o?sslmode=require&sslcert=/nonexistent/c.pem".to_owned(),
+                "sslcert /nonexistent/c.pem: no such file",
+            ),
+            (
+                "postgres://db/o?sslmode=require&sslkey=/k.pem".to_owned(),
+                "sslkey is given without a certificate: name it with sslcert",
+            ),
+            (
+                format!("postgres://db/o?sslmode=require&sslcert={}", cert.display()),
+                "is given without its key: name it with sslkey",
+            ),
+        ] {
+            let error = split_in(&url, Some(&scratch.0)).map(|_| ()).unwrap_err();
+            assert!(error.contains(expected), "{url}: {error}");
+        }
+    }
+
+    #[test]
+    fn libpqs_default_client_certificate_is_sent_where_its_file_exists() {
+        let scratch = Scratch::new();
+        let url = "postgres://db/orders?sslmode=require";
+        assert_eq!(split_in(url, Some(&scratch.0)).unwrap().2, None);
+        let cert = scratch.file(".postgresql/postgresql.crt", "");
+        let error = split_in(url, Some(&scratch.0)).map(|_| ()).unwrap_err();
+        assert!(
+            error.ends_with("(libpq's default, ~/.postgresql/postgresql.key, does not exist)"),
+            "{error}"
+        );
+        let key = scratch.file(".postgresql/postgresql.key", "");
+        assert_eq!(
+            split_in(url, Some(&scratch.0)).unwrap().2,
+            Some(Identity {
+                certificate: cert,
+                key
+            })
+        );
+    }
+
+    #[test]
+    fn an_unreadable_client_certificate_or_key_is_named() {
+        let scratch = Scratch::new();
+        let junk = scratch.file("junk.pem", "not a certificate\n");
+        let identity = |certificate: &PathBuf, key: &PathBuf| Identity {
+            certificate: certificate.clone(),
+            key: key.clone(),
+        };
+        let error = Tls::Unverified
+            .connector(Some(&identity(&junk, &junk)))
+            .err()
+            .unwrap();
+        assert!(
+            error.ends_with("holds no certificate (a PEM -----BEGIN CERTIFICATE----- section)"),
+            "{error}"
+        );
+        // Any PEM certificate section reads here (the handshake checks what it holds).
+        let cert = scratch.file(
+            "c.pem",
+            "-----BEGIN CERTIFICATE-----\nMAA=\n-----END CERTIFICATE-----\n",
+        );
+        let encrypted = scratch.file(
+            "c.key",
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMAA=\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        );
+        let error = Tls::Unverified
+            .connector(Some(&identity(&cert, &encrypted)))
+            .err()
+            .unwrap();
+        assert!(
+            error.starts_with(&format!(
+                "sslkey {} holds no private key (a PEM PRIVATE KEY, RSA PRIVATE KEY or EC \
+                 PRIVATE KEY section; an encrypted key is not supported)",
+                encrypted.display()
+            )),
             "{error}"
         );
     }
