@@ -182,7 +182,7 @@ impl Database for Mysql {
 
     async fn open(url: &str) -> Result<Self::Conn, Box<dyn std::error::Error>> {
         outbox_runtime::mysql::run_migrations(url).await?;
-        let mut conn = diesel_async::AsyncMysqlConnection::establish(url).await?;
+        let mut conn = outbox_runtime::mysql::establish(url).await?;
         conn.batch_execute(
             "CREATE TABLE IF NOT EXISTS quickstart_orders (
                 id VARCHAR(64) PRIMARY KEY, customer TEXT NOT NULL,

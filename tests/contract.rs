@@ -2700,7 +2700,7 @@ mod mysql {
                 "outbox_test_{}",
                 &uuid::Uuid::new_v4().simple().to_string()[..16]
             );
-            let mut admin = AsyncMysqlConnection::establish(&admin_url)
+            let mut admin = outbox_runtime::mysql::establish(&admin_url)
                 .await
                 .unwrap_or_else(|e| panic!("MySQL at {admin_url} is not reachable: {e}"));
             admin
@@ -2727,7 +2727,7 @@ mod mysql {
         }
 
         pub async fn conn(&self) -> AsyncMysqlConnection {
-            AsyncMysqlConnection::establish(&self.url)
+            outbox_runtime::mysql::establish(&self.url)
                 .await
                 .unwrap_or_else(|e| panic!("connect to {}: {e}", self.name))
         }
@@ -2743,7 +2743,7 @@ mod mysql {
                     .build()
                     .unwrap();
                 runtime.block_on(async move {
-                    if let Ok(mut admin) = AsyncMysqlConnection::establish(&admin_url).await {
+                    if let Ok(mut admin) = outbox_runtime::mysql::establish(&admin_url).await {
                         let _ = admin
                             .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
                             .await;
@@ -3345,9 +3345,11 @@ mod mysql {
     /// `require_secure_transport` on takes every user): with `require_ssl=true` in the URL
     /// (mysql_async's options) the migrations, the relay and the inbox reach it over TLS. The
     /// driver was built without TLS, and panicked at such a URL ("Client had asked for TLS
-    /// connection but TLS support is disabled"). With the certificate's authority outside the
-    /// public roots the driver verifies against by default, `verify_ca=false` is what
-    /// connects; without it the certificate is refused, naming why.
+    /// connection but TLS support is disabled"). The certificate's authority is outside the
+    /// public roots the driver verifies against by default: `ssl_ca` names it, and the
+    /// connections are verified, the server's name too, where only `verify_ca=false`, which
+    /// takes any certificate, connected before (mysql_async refused `ssl_ca` as an unknown
+    /// parameter). A certificate of another authority is refused, naming why.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_relay_and_the_inbox_reach_mariadb_over_tls() {
         let certificates = support::postgres::TestCertificates::new();
@@ -3363,10 +3365,11 @@ mod mysql {
             .unwrap();
         let app = |options: &str| {
             format!(
-                "mysql://app:s3cret-pw@127.0.0.1:{}/mysql?prefer_socket=false{options}",
+                "mysql://app:s3cret-pw@localhost:{}/mysql?prefer_socket=false{options}",
                 server.port
             )
         };
+        let file = |name: &str| certificates.path(name).display().to_string();
         let refused = |url: String| async move {
             match AsyncMysqlConnection::establish(&url).await {
                 Ok(_) => panic!("{url} connected"),
@@ -3380,8 +3383,22 @@ mod mysql {
             unknown_authority.contains("UnknownIssuer"),
             "{unknown_authority}"
         );
+        let refused_by_the_toolkit = |url: String| async move {
+            match outbox_runtime::mysql::establish(&url).await {
+                Ok(_) => panic!("{url} connected"),
+                Err(error) => error.to_string(),
+            }
+        };
+        let another_authority =
+            refused_by_the_toolkit(app(&format!("&ssl_ca={}", file("other-ca.pem")))).await;
+        assert!(
+            another_authority.contains("UnknownIssuer"),
+            "{another_authority}"
+        );
+        let no_file = refused_by_the_toolkit(app("&ssl_ca=/nonexistent/ca.pem")).await;
+        assert_eq!(no_file, "ssl_ca /nonexistent/ca.pem: no such file");
 
-        let mysql = Database::create_on(app("&require_ssl=true&verify_ca=false")).await;
+        let mysql = Database::create_on(app(&format!("&ssl_ca={}", file("ca.pem")))).await;
         let env = AsyncMysql::setup_with(&support::nats_url(), mysql).await;
         <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
         super::four_events_each::<AsyncMysql>(&env, &["o-1", "o-2"]).await;

@@ -42,7 +42,8 @@ struct Cli {
     /// The URL of the database that holds the outbox: PostgreSQL's, or (built with the
     /// features `mysql`, `sqlite`) a `mysql://` URL or a SQLite file's path. PostgreSQL over
     /// TLS: `?sslmode=require`, or `verify-full` with `sslrootcert=<CA file>`; a client
-    /// certificate: `sslcert=<PEM file>&sslkey=<PEM file>`.
+    /// certificate: `sslcert=<PEM file>&sslkey=<PEM file>`. MySQL over TLS: `?require_ssl=true`,
+    /// or `ssl_ca=<CA file>`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 

@@ -16,11 +16,13 @@ use uuid::Uuid;
 use crate::Ended;
 use crate::nats::NatsArgs;
 
-/// Opens a connection of type `C` (MySQL's) within the connect timeout; the error names the
-/// database without its password.
+/// Waits for `connecting` (MySQL's connection to `database_url`) within the connect
+/// timeout; the error names the database without its password.
 #[cfg(feature = "mysql")]
-async fn connect<C: diesel_async::AsyncConnection>(database_url: &str) -> Result<C, String> {
-    let connecting = C::establish(database_url);
+async fn connect<C>(
+    database_url: &str,
+    connecting: impl std::future::Future<Output = diesel::ConnectionResult<C>>,
+) -> Result<C, String> {
     let target = outbox_runtime::database::redacted(database_url);
     match tokio::time::timeout(
         outbox_runtime::database::DEFAULT_CONNECT_TIMEOUT,
@@ -562,7 +564,9 @@ impl Operator {
                 .map_err(|error| error.to_string())?,
             ))),
             #[cfg(feature = "mysql")]
-            Kind::Mysql => Ok(Self::Mysql(Box::new(connect(database_url).await?))),
+            Kind::Mysql => Ok(Self::Mysql(Box::new(
+                connect(database_url, outbox_runtime::mysql::establish(database_url)).await?,
+            ))),
             #[cfg(feature = "sqlite")]
             Kind::Sqlite => Ok(Self::Sqlite(Box::new(
                 outbox_runtime::sqlite::AsyncSqliteConnection::new(open_sqlite(

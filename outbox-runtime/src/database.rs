@@ -20,8 +20,6 @@ use std::time::Duration;
 
 use diesel_async::pooled_connection::PoolableConnection;
 
-#[cfg(feature = "mysql")]
-use diesel_async::AsyncConnection;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use diesel_async::SimpleAsyncConnection;
 // PostgreSQL's connections and the parsing of its URLs.
@@ -711,7 +709,7 @@ pub(crate) async fn connect_mysql(
     wait_timeout: Duration,
 ) -> Result<diesel_async::AsyncMysqlConnection, ConnectError> {
     let setup = async {
-        let mut conn = diesel_async::AsyncMysqlConnection::establish(database_url)
+        let mut conn = crate::mysql::establish(database_url)
             .await
             .map_err(|e| e.to_string())?;
         conn.batch_execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")

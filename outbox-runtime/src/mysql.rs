@@ -9,7 +9,6 @@
 //! headers and `Nats-Msg-Id` as the PostgreSQL relay.
 //!
 //! ```no_run
-//! use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection};
 //! use outbox_runtime::{DomainEvent, Outbox, PendingEvents, UnitOfWorkError, aggregate};
 //! use serde::{Deserialize, Serialize};
 //!
@@ -22,7 +21,8 @@
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "mysql://root@127.0.0.1:3306/test";
 //! outbox_runtime::mysql::run_migrations(url).await?;
-//! let mut conn = AsyncMysqlConnection::establish(url).await?;
+//! // diesel-async's `AsyncMysqlConnection::establish`, and `ssl_ca=<PEM file>` for TLS.
+//! let mut conn = outbox_runtime::mysql::establish(url).await?;
 //! let mut order = Order { id: "o-1".into(), pending_events: PendingEvents::new() };
 //! order.record(OrderEvent::Placed { customer: "ada".into() });
 //! Outbox::new()
@@ -115,6 +115,104 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations-mysql")
 /// [`GET_LOCK`]: https://dev.mysql.com/doc/refman/8.0/en/locking-functions.html
 const MIGRATION_LOCK: &str = "outbox-migrations";
 
+/// Opens a connection to `database_url` as diesel-async's `AsyncMysqlConnection::establish`
+/// does (mysql_async's URL options), and takes one option more: `ssl_ca=<PEM file>`, the
+/// certificate authorities that sign the server's certificate (a private authority's, or a
+/// cloud's bundle: Amazon RDS's certificates chain to "rds-ca-rsa2048-g1" and its kin,
+/// which no public store holds; AWS docs, "Using SSL/TLS to encrypt a connection to a DB
+/// instance"). With it the connection is TLS (as `require_ssl=true`), and the server's
+/// certificate must chain to one of them, and to no other authority; its name is checked
+/// against the host unless `verify_identity=false`. Without it, `require_ssl=true` checks
+/// the server's certificate against the public authorities (webpki's roots), or
+/// `verify_ca=false` takes any certificate. The relays, the inbox, [`run_migrations`] and
+/// the `outbox` command open their connections with it.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), diesel::ConnectionError> {
+/// let conn = outbox_runtime::mysql::establish(
+///     "mysql://app:secret@db.internal:3306/orders?ssl_ca=/etc/ssl/rds-global-bundle.pem",
+/// )
+/// .await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL that
+/// does not parse, or an `ssl_ca` that names no file; else the driver's error, as
+/// `establish`'s.
+pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
+    use diesel::ConnectionError;
+    let Some((url, authorities)) = without_ssl_ca(database_url)? else {
+        return AsyncMysqlConnection::establish(database_url).await;
+    };
+    let opts = mysql_async::Opts::from_url(&url)
+        .map_err(|e| ConnectionError::InvalidConnectionUrl(e.to_string()))?;
+    let tls = opts
+        .ssl_opts()
+        .cloned()
+        .unwrap_or_default()
+        .with_root_certs(vec![authorities.into()])
+        .with_disable_built_in_roots(true);
+    // As diesel-async's `establish` sets them: its own statement cache, and affected rows
+    // counted as matched rows, as PostgreSQL counts them.
+    let opts = mysql_async::OptsBuilder::from_opts(opts)
+        .ssl_opts(Some(tls))
+        .stmt_cache_size(0)
+        .client_found_rows(true);
+    let conn = mysql_async::Conn::new(opts)
+        .await
+        .map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
+    AsyncMysqlConnection::try_from(conn).await
+}
+
+/// `database_url` without its `ssl_ca` option, and the file it names; `None` without one.
+///
+/// # Errors
+/// An `ssl_ca` that names no file.
+fn without_ssl_ca(
+    database_url: &str,
+) -> diesel::ConnectionResult<Option<(String, std::path::PathBuf)>> {
+    let Some((base, query)) = database_url.split_once('?') else {
+        return Ok(None);
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((query, fragment)) => (query, Some(fragment)),
+        None => (query, None),
+    };
+    let mut authorities = None;
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| match pair.split_once('=') {
+            Some(("ssl_ca", value)) => {
+                let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+                authorities = Some(std::path::PathBuf::from(value.as_ref()));
+                false
+            }
+            _ => true,
+        })
+        .collect();
+    let Some(authorities) = authorities else {
+        return Ok(None);
+    };
+    if !authorities.is_file() {
+        return Err(diesel::ConnectionError::InvalidConnectionUrl(format!(
+            "ssl_ca {}: no such file",
+            authorities.display()
+        )));
+    }
+    let mut url = base.to_owned();
+    if !kept.is_empty() {
+        url.push('?');
+        url.push_str(&kept.join("&"));
+    }
+    if let Some(fragment) = fragment {
+        url.push('#');
+        url.push_str(fragment);
+    }
+    Ok(Some((url, authorities)))
+}
+
 /// Applies the pending [`MIGRATIONS`] to the database at `database_url`
 /// (`mysql://user:password@host:port/database`) and returns the versions it applied (empty
 /// when the schema is current).
@@ -126,7 +224,7 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// # Errors
 /// [`MigrationError`] naming the step that failed.
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
-    let connection = AsyncMysqlConnection::establish(database_url)
+    let connection = establish(database_url)
         .await
         .map_err(|e| MigrationError::Migration(Box::new(e)))?;
     tokio::task::spawn_blocking(move || {
@@ -636,4 +734,47 @@ async fn insert_rows<C: Exec>(
         conn.execute(insert).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssl_ca_is_taken_out_of_the_url_wherever_it_stands() {
+        let file = std::env::temp_dir().join(format!("outbox ca {}.pem", uuid::Uuid::new_v4()));
+        std::fs::write(&file, "").unwrap();
+        let encoded = percent_encoding::utf8_percent_encode(
+            &file.display().to_string(),
+            percent_encoding::NON_ALPHANUMERIC,
+        )
+        .to_string();
+        let base = "mysql://app:s3cret@db:3306/orders";
+        for (query, kept) in [
+            (format!("ssl_ca={encoded}"), base.to_owned()),
+            (
+                format!("prefer_socket=false&ssl_ca={encoded}&verify_identity=false"),
+                format!("{base}?prefer_socket=false&verify_identity=false"),
+            ),
+            (
+                format!("ssl_ca={encoded}&require_ssl=true#x"),
+                format!("{base}?require_ssl=true#x"),
+            ),
+        ] {
+            let url = format!("{base}?{query}");
+            assert_eq!(
+                without_ssl_ca(&url).unwrap(),
+                Some((kept, file.clone())),
+                "{url}"
+            );
+        }
+        std::fs::remove_file(&file).unwrap();
+        for url in [base.to_owned(), format!("{base}?require_ssl=true")] {
+            assert_eq!(without_ssl_ca(&url).unwrap(), None, "{url}");
+        }
+        let error = without_ssl_ca(&format!("{base}?ssl_ca={encoded}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(error, format!("ssl_ca {}: no such file", file.display()));
+    }
 }
