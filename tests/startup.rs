@@ -886,7 +886,6 @@ async fn sessions_with_tls(
 /// former; and the URL's password stays out of every error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
-    use support::consumer::{commit_round, orders};
     let certificates = support::postgres::TestCertificates::new();
     let server = support::postgres::PostgresServer::start_with_tls(&certificates).await;
     {
@@ -984,21 +983,31 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
         assert!(!error.contains("s3cret-pw"), "{error}");
     }
 
-    // A unit of work on the service's own connection, the relay and the inbox on theirs.
+    relay_and_inbox_over_tls(&verify_full, "tls").await;
+}
+
+/// On the migrated database of `database_url` (over TLS): units of work on the service's own
+/// connection, then a relay and an inbox `consumer` on theirs, every event relayed and
+/// handled, each of their sessions TLS.
+async fn relay_and_inbox_over_tls(database_url: &str, consumer: &str) {
+    use support::consumer::{commit_round, orders};
     let env = TestEnv::new().await;
-    let mut conn = connect(verify_full.clone()).await.unwrap();
+    let mut conn =
+        outbox_runtime::database::establish_postgres(database_url, Duration::from_secs(10))
+            .await
+            .unwrap();
     let mut orders = orders(3);
     for round in 0..2 {
         commit_round(&env, &mut conn, &mut orders, round).await;
     }
     let mut relay_config = env.relay_config();
-    relay_config.database_url = verify_full.clone();
+    relay_config.database_url = database_url.to_owned();
     let relay = Relay::connect(relay_config, env.nats.clone())
         .await
         .unwrap()
         .spawn();
     env.until_stream_holds(6, Duration::from_secs(30)).await;
-    let mut inbox_config = InboxConfig::new("tls", &verify_full);
+    let mut inbox_config = InboxConfig::new(consumer, database_url);
     inbox_config.topology = env.topology();
     let inbox = Inbox::connect(inbox_config, env.nats.clone(), Nothing)
         .await
@@ -1025,7 +1034,6 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
 /// of another authority, the server refuses, and the error says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_and_the_inbox_reach_a_database_that_requires_a_client_certificate() {
-    use support::consumer::{commit_round, orders};
     let certificates = support::postgres::TestCertificates::new();
     let server =
         support::postgres::PostgresServer::start_with_client_certificates(&certificates).await;
@@ -1072,37 +1080,7 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_a_client_certifi
         .unwrap();
     assert!(!applied.is_empty());
 
-    let env = TestEnv::new().await;
-    let mut conn = connect(with_certificate.clone()).await.unwrap();
-    let mut orders = orders(2);
-    for round in 0..2 {
-        commit_round(&env, &mut conn, &mut orders, round).await;
-    }
-    let mut relay_config = env.relay_config();
-    relay_config.database_url = with_certificate.clone();
-    let relay = Relay::connect(relay_config, env.nats.clone())
-        .await
-        .unwrap()
-        .spawn();
-    env.until_stream_holds(4, Duration::from_secs(30)).await;
-    let mut inbox_config = InboxConfig::new("mutual-tls", &with_certificate);
-    inbox_config.topology = env.topology();
-    let inbox = Inbox::connect(inbox_config, env.nats.clone(), Nothing)
-        .await
-        .unwrap();
-    let probe = inbox.clone();
-    let inbox = inbox.spawn();
-    support::consumer::wait_until_settled(&probe, "every message handled", Duration::from_secs(30))
-        .await;
-    for application in ["outbox-relay", "outbox-inbox"] {
-        let (sessions, with_tls) = sessions_with_tls(&mut conn, application).await;
-        assert!(
-            sessions >= 1 && with_tls == sessions,
-            "{application}: {with_tls} of {sessions} sessions use TLS"
-        );
-    }
-    relay.shutdown().await.unwrap();
-    inbox.shutdown().await.unwrap();
+    relay_and_inbox_over_tls(&with_certificate, "mutual-tls").await;
 }
 
 /// A relay given a database that takes no writes (`default_transaction_read_only` on for it,
