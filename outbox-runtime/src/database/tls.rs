@@ -22,6 +22,11 @@
 //! where the toolkit connects without TLS (no `sslmode`, or `prefer`) is refused: no
 //! certificate would be sent.
 //!
+//! Where the string does not give them, libpq's environment variables do: `PGSSLMODE`,
+//! `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY` (PostgreSQL docs, "libpq: Environment
+//! Variables"; a deployment that sets them beside a URL from a secret). Other `PG`
+//! variables are not read (tokio-postgres reads none).
+//!
 //! tokio-postgres knows `disable`, `prefer` and `require` only, and none of `sslrootcert`,
 //! `sslcert`, `sslkey`: it is given the string with `verify-ca` and `verify-full` as
 //! `require` and without those three, and the TLS connector does what they ask.
@@ -82,15 +87,19 @@ pub(crate) struct Identity {
 /// naming no file, or a certificate without its key.
 pub(crate) fn split(database_url: &str) -> Result<(Cow<'_, str>, Tls, Option<Identity>), String> {
     let home = std::env::var_os("HOME").map(PathBuf::from);
-    split_in(database_url, home.as_deref())
+    let environment = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+    split_in(database_url, home.as_deref(), &environment)
 }
 
-/// [`split`], with `home` the directory of libpq's default `.postgresql` files.
+/// [`split`], with `home` the directory of libpq's default `.postgresql` files and
+/// `environment` the process's variables.
 fn split_in<'a>(
     database_url: &'a str,
     home: Option<&std::path::Path>,
+    environment: &dyn Fn(&str) -> Option<String>,
 ) -> Result<(Cow<'a, str>, Tls, Option<Identity>), String> {
-    let options = Options::of(database_url);
+    let mut options = Options::of(database_url);
+    options.default_from(environment)?;
     let Some(mode) = options.mode.as_deref().filter(|mode| *mode != "prefer") else {
         // No sslmode, or prefer: the toolkit connects without TLS.
         if let Some(key) = [("sslcert", &options.cert), ("sslkey", &options.key)]
@@ -124,17 +133,23 @@ fn split_in<'a>(
                 }),
         }
     };
-    let (tls, written) = match mode {
-        "require" if root.is_some() => (Tls::VerifyCa(roots()?), None),
-        "require" => (Tls::Unverified, None),
-        "verify-ca" => (Tls::VerifyCa(roots()?), Some("require")),
-        "verify-full" => (Tls::VerifyFull(roots()?), Some("require")),
+    let tls = match mode {
+        "require" if root.is_some() => Tls::VerifyCa(roots()?),
+        "require" => Tls::Unverified,
+        "verify-ca" => Tls::VerifyCa(roots()?),
+        "verify-full" => Tls::VerifyFull(roots()?),
         // disable (libpq ignores the client certificate there too); anything else is
         // tokio-postgres's to refuse.
         _ => return Ok((options.written(database_url, None), Tls::Off, None)),
     };
-    let identity = options.identity(home)?;
-    Ok((options.written(database_url, written), tls, identity))
+    let identity = options.identity(home, environment)?;
+    // `require` for tokio-postgres, written where the mode came from the environment too:
+    // without it, its default `prefer` would go on without TLS where the server has none.
+    Ok((
+        options.written(database_url, Some("require")),
+        tls,
+        identity,
+    ))
 }
 
 /// `database_url` as tokio-postgres parses it, whatever certificate authorities its TLS
@@ -330,6 +345,8 @@ struct Options {
     /// Where each pair of `sslrootcert`, `sslcert` and `sslkey` is written (every one of
     /// them, if one is given twice): what tokio-postgres must not see.
     removed: Vec<std::ops::Range<usize>>,
+    /// Whether the string is a `postgres://` URL (else a `key=value` string).
+    url: bool,
 }
 
 impl Options {
@@ -339,6 +356,7 @@ impl Options {
         let mut options = Self::default();
         let url = database_url.trim_start();
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            options.url = true;
             let Some(start) = database_url.find('?').map(|at| at + 1) else {
                 return options;
             };
@@ -392,12 +410,47 @@ impl Options {
         }
     }
 
+    /// Takes `sslmode` and `sslrootcert` from libpq's environment variables `PGSSLMODE` and
+    /// `PGSSLROOTCERT` where the string does not give them (PostgreSQL docs, "libpq:
+    /// Environment Variables").
+    ///
+    /// # Errors
+    /// A `PGSSLMODE` that is not one of `disable`, `prefer`, `require`, `verify-ca`,
+    /// `verify-full` (tokio-postgres would refuse it in the string).
+    fn default_from(&mut self, environment: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
+        if self.mode.is_none()
+            && let Some(mode) = environment("PGSSLMODE")
+        {
+            const MODES: [&str; 5] = ["disable", "prefer", "require", "verify-ca", "verify-full"];
+            if !MODES.contains(&mode.as_str()) {
+                return Err(format!(
+                    "PGSSLMODE {mode:?} is not a mode the toolkit takes: one of {}",
+                    MODES.join(", ")
+                ));
+            }
+            self.mode = Some(mode);
+        }
+        if self.root.is_none() {
+            self.root = environment("PGSSLROOTCERT");
+        }
+        Ok(())
+    }
+
     /// The client certificate, as libpq finds it (PostgreSQL docs, "libpq: SSL Support",
-    /// "Client Certificates"): `sslcert`, or `~/.postgresql/postgresql.crt` where that file
-    /// exists; its key `sslkey`, or `~/.postgresql/postgresql.key`.
-    fn identity(&self, home: Option<&std::path::Path>) -> Result<Option<Identity>, String> {
+    /// "Client Certificates"): `sslcert` (or `PGSSLCERT`), or `~/.postgresql/postgresql.crt`
+    /// where that file exists; its key `sslkey` (or `PGSSLKEY`), or
+    /// `~/.postgresql/postgresql.key`.
+    fn identity(
+        &self,
+        home: Option<&std::path::Path>,
+        environment: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Option<Identity>, String> {
         let default = |name: &str| home.map(|home| home.join(".postgresql").join(name));
-        let certificate = match &self.cert {
+        let (cert, key) = (
+            self.cert.clone().or_else(|| environment("PGSSLCERT")),
+            self.key.clone().or_else(|| environment("PGSSLKEY")),
+        );
+        let certificate = match &cert {
             Some(path) => {
                 let path = PathBuf::from(path);
                 if !path.is_file() {
@@ -407,7 +460,7 @@ impl Options {
             }
             None => match default("postgresql.crt").filter(|path| path.is_file()) {
                 Some(path) => path,
-                None if self.key.is_some() => {
+                None if key.is_some() => {
                     return Err(
                         "sslkey is given without a certificate: name it with sslcert".to_owned(),
                     );
@@ -415,7 +468,7 @@ impl Options {
                 None => return Ok(None),
             },
         };
-        let key = match (&self.key, default("postgresql.key")) {
+        let key = match (&key, default("postgresql.key")) {
             (Some(path), _) => PathBuf::from(path),
             (None, Some(path)) if path.is_file() => path,
             (None, _) => {
@@ -434,9 +487,18 @@ impl Options {
     /// keeps its other pairs, joined by `&` (its parser takes an empty pair for a key), and
     /// loses its `?` when none is left.
     fn written<'a>(&self, database_url: &'a str, mode: Option<&str>) -> Cow<'a, str> {
+        // A mode the string does not give (it came from the environment) is added to it.
+        let added = mode.filter(|_| self.mode_at.is_none());
         let mode = mode.zip(self.mode_at.clone());
-        if mode.is_none() && self.removed.is_empty() {
+        if mode.is_none() && added.is_none() && self.removed.is_empty() {
             return Cow::Borrowed(database_url);
+        }
+        if self.url && self.query.is_none() {
+            // A URL without a query: only a mode can have been added.
+            return match added {
+                Some(mode) => Cow::Owned(format!("{database_url}?sslmode={mode}")),
+                None => Cow::Borrowed(database_url),
+            };
         }
         let Some((start, pairs)) = &self.query else {
             // A `key=value` string: the pair goes, and the spaces around it stay (skipped).
@@ -456,6 +518,10 @@ impl Options {
                 at = range.end;
             }
             text.push_str(&database_url[at..]);
+            if let Some(mode) = added {
+                text.push_str(" sslmode=");
+                text.push_str(mode);
+            }
             return Cow::Owned(text);
         };
         let mut kept = Vec::with_capacity(pairs.len());
@@ -469,6 +535,9 @@ impl Options {
                 }
                 _ => kept.push(database_url[pair.clone()].to_owned()),
             }
+        }
+        if let Some(mode) = added {
+            kept.push(format!("sslmode={mode}"));
         }
         let base = &database_url[..start - 1];
         Cow::Owned(if kept.is_empty() {
@@ -559,7 +628,7 @@ mod tests {
 
     /// [`split`] without a client certificate: the string and the TLS.
     fn split(database_url: &str) -> Result<(Cow<'_, str>, Tls), String> {
-        let (url, tls, identity) = super::split_in(database_url, None)?;
+        let (url, tls, identity) = super::split_in(database_url, None, &|_| None)?;
         assert_eq!(identity, None, "{database_url}");
         Ok((url, tls))
     }
@@ -628,7 +697,7 @@ mod tests {
      {
         let url = "postgres://db/orders?sslmode=verify-full";
         let home = std::env::temp_dir().join(format!("outbox-home-{}", uuid::Uuid::new_v4()));
-        let error = split_in(url, Some(&home))
+        let error = split_in(url, Some(&home), &|_| None)
             .map(|(url, tls, _)| (url, tls))
             .unwrap_err();
         assert!(
@@ -638,10 +707,13 @@ mod tests {
             ),
             "{error}"
         );
-        assert_eq!(split_in(url, None).map(|_| ()).unwrap_err(), error);
+        assert_eq!(
+            split_in(url, None, &|_| None).map(|_| ()).unwrap_err(),
+            error
+        );
         std::fs::create_dir_all(home.join(".postgresql")).unwrap();
         std::fs::write(home.join(".postgresql/root.crt"), "").unwrap();
-        let found = split_in(url, Some(&home)).map(|(url, tls, _)| (url, tls));
+        let found = split_in(url, Some(&home), &|_| None).map(|(url, tls, _)| (url, tls));
         std::fs::remove_dir_all(&home).unwrap();
         assert_eq!(
             found.unwrap().1,
@@ -708,7 +780,7 @@ mod tests {
             cert.display(),
             key.display()
         );
-        let (parsed, tls, found) = split_in(&url, None).unwrap();
+        let (parsed, tls, found) = split_in(&url, None, &|_| None).unwrap();
         assert_eq!(
             (parsed.as_ref(), tls, found.as_ref()),
             (
@@ -722,7 +794,7 @@ mod tests {
             cert.display(),
             key.display()
         );
-        let (parsed, tls, found) = split_in(&text, None).unwrap();
+        let (parsed, tls, found) = split_in(&text, None, &|_| None).unwrap();
         assert_eq!(
             parsed
                 .parse::<tokio_postgres::Config>()
@@ -735,6 +807,7 @@ mod tests {
         let (_, tls, found) = split_in(
             &format!("postgres://db/o?sslmode=disable&sslcert={}", cert.display()),
             None,
+            &|_| None,
         )
         .unwrap();
         assert_eq!((tls, found), (Tls::Off, None));
@@ -767,7 +840,9 @@ mod tests {
                 "is given without its key: name it with sslkey",
             ),
         ] {
-            let error = split_in(&url, Some(&scratch.0)).map(|_| ()).unwrap_err();
+            let error = split_in(&url, Some(&scratch.0), &|_| None)
+                .map(|_| ())
+                .unwrap_err();
             assert!(error.contains(expected), "{url}: {error}");
         }
     }
@@ -776,16 +851,18 @@ mod tests {
     fn libpqs_default_client_certificate_is_sent_where_its_file_exists() {
         let scratch = Scratch::new();
         let url = "postgres://db/orders?sslmode=require";
-        assert_eq!(split_in(url, Some(&scratch.0)).unwrap().2, None);
+        assert_eq!(split_in(url, Some(&scratch.0), &|_| None).unwrap().2, None);
         let cert = scratch.file(".postgresql/postgresql.crt", "");
-        let error = split_in(url, Some(&scratch.0)).map(|_| ()).unwrap_err();
+        let error = split_in(url, Some(&scratch.0), &|_| None)
+            .map(|_| ())
+            .unwrap_err();
         assert!(
             error.ends_with("(libpq's default, ~/.postgresql/postgresql.key, does not exist)"),
             "{error}"
         );
         let key = scratch.file(".postgresql/postgresql.key", "");
         assert_eq!(
-            split_in(url, Some(&scratch.0)).unwrap().2,
+            split_in(url, Some(&scratch.0), &|_| None).unwrap().2,
             Some(Identity {
                 certificate: cert,
                 key
@@ -829,6 +906,77 @@ mod tests {
                 encrypted.display()
             )),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn libpqs_environment_gives_what_the_string_does_not() {
+        let scratch = Scratch::new();
+        let (cert, key) = (scratch.file("c.pem", ""), scratch.file("c.key", ""));
+        let (cert_text, key_text) = (cert.display().to_string(), key.display().to_string());
+        let environment = |name: &str| match name {
+            "PGSSLMODE" => Some("verify-full".to_owned()),
+            "PGSSLROOTCERT" => Some("system".to_owned()),
+            "PGSSLCERT" => Some(cert_text.clone()),
+            "PGSSLKEY" => Some(key_text.clone()),
+            _ => None,
+        };
+        let identity = Identity {
+            certificate: cert.clone(),
+            key: key.clone(),
+        };
+        // tokio-postgres is told `require`: its default, prefer, would go on without TLS.
+        for (url, written) in [
+            (
+                "postgres://db/orders",
+                "postgres://db/orders?sslmode=require",
+            ),
+            (
+                "postgres://db/orders?application_name=x",
+                "postgres://db/orders?application_name=x&sslmode=require",
+            ),
+            (
+                "host=db dbname=orders",
+                "host=db dbname=orders sslmode=require",
+            ),
+        ] {
+            let (parsed, tls, found) = split_in(url, None, &environment).unwrap();
+            assert_eq!(
+                (parsed.as_ref(), &tls, found.as_ref()),
+                (written, &Tls::VerifyFull(Roots::System), Some(&identity)),
+                "{url}"
+            );
+            let config = parsed.parse::<tokio_postgres::Config>().unwrap();
+            assert_eq!(
+                config.get_ssl_mode(),
+                tokio_postgres::config::SslMode::Require
+            );
+        }
+        // The string's own options win, and a client certificate of the environment is not
+        // refused where the string turns TLS off.
+        let (parsed, tls, found) =
+            split_in("postgres://db/orders?sslmode=disable", None, &environment).unwrap();
+        assert_eq!(
+            (parsed.as_ref(), tls, found),
+            ("postgres://db/orders?sslmode=disable", Tls::Off, None)
+        );
+        let ca = scratch.file("ca.pem", "");
+        let (_, tls, _) = split_in(
+            &format!("postgres://db/orders?sslrootcert={}", ca.display()),
+            None,
+            &environment,
+        )
+        .unwrap();
+        assert_eq!(tls, Tls::VerifyFull(Roots::File(ca)));
+
+        let typo = |name: &str| (name == "PGSSLMODE").then(|| "verfy-full".to_owned());
+        let error = split_in("postgres://db/orders", None, &typo)
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(
+            error,
+            "PGSSLMODE \"verfy-full\" is not a mode the toolkit takes: one of disable, prefer, \
+             require, verify-ca, verify-full"
         );
     }
 }
