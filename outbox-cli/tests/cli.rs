@@ -198,6 +198,58 @@ async fn migrate_applies_then_says_up_to_date() {
     assert_eq!(text(&second).trim(), "the outbox schema is up to date");
 }
 
+/// A deployment that gives the database's URL without TLS options and sets libpq's
+/// `PGSSLMODE` and `PGSSLROOTCERT` beside it (a URL from one secret, the TLS settings from
+/// the pod's environment): the command connects over TLS, verifying the server, as `psql`
+/// does. Before, it connected without TLS, and a server that takes TLS sessions only refused
+/// it. A `PGSSLMODE` that is no mode is refused naming the variable.
+#[tokio::test]
+async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
+    let certificates = support::postgres::TestCertificates::new();
+    let server = support::postgres::PostgresServer::start_with_tls(&certificates).await;
+    {
+        use diesel_async::AsyncConnection;
+        let mut admin = diesel_async::AsyncPgConnection::establish(&server.url("postgres"))
+            .await
+            .unwrap();
+        admin.batch_execute("CREATE DATABASE orders").await.unwrap();
+    }
+    let url = format!("postgres://postgres@localhost:{}/orders", server.port);
+    let migrate = |environment: &[(&str, &str)]| {
+        let mut command = Command::new(OUTBOX);
+        command
+            .env("DATABASE_URL", &url)
+            .env_remove("PGSSLMODE")
+            .env_remove("PGSSLROOTCERT")
+            .envs(environment.iter().copied())
+            .arg("migrate");
+        command.output().expect("run outbox")
+    };
+    let without_tls = migrate(&[]);
+    assert!(
+        !without_tls.status.success() && text(&without_tls).contains("no encryption"),
+        "{}",
+        text(&without_tls)
+    );
+    let ca = certificates.path("ca.pem").display().to_string();
+    let with_tls = migrate(&[("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", &ca)]);
+    assert!(
+        with_tls.status.success() && text(&with_tls).contains("applied 15: "),
+        "{}",
+        text(&with_tls)
+    );
+    let typo = migrate(&[("PGSSLMODE", "verfy-full")]);
+    assert!(
+        !typo.status.success()
+            && text(&typo).contains(
+                "PGSSLMODE \"verfy-full\" is not a mode the toolkit takes: one of disable, \
+                 prefer, require, verify-ca, verify-full"
+            ),
+        "{}",
+        text(&typo)
+    );
+}
+
 #[tokio::test]
 async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
     let env = TestEnv::new().await;
