@@ -151,7 +151,7 @@ pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysq
     let tls = opts
         .ssl_opts()
         .cloned()
-        .unwrap_or_default()
+        .unwrap_or_default() // `require_ssl=true` is in `url`
         .with_root_certs(vec![authorities.into()])
         .with_disable_built_in_roots(true);
     // As diesel-async's `establish` sets them: its own statement cache, and affected rows
@@ -166,7 +166,9 @@ pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysq
     AsyncMysqlConnection::try_from(conn).await
 }
 
-/// `database_url` without its `ssl_ca` option, and the file it names; `None` without one.
+/// `database_url` without its `ssl_ca` option and with `require_ssl=true` in place of any
+/// `require_ssl` (mysql_async applies `verify_identity`, `verify_ca` and `built_in_roots`
+/// only with it), and the file `ssl_ca` names; `None` without one.
 ///
 /// # Errors
 /// An `ssl_ca` that names no file.
@@ -181,7 +183,7 @@ fn without_ssl_ca(
         None => (query, None),
     };
     let mut authorities = None;
-    let kept: Vec<&str> = query
+    let mut kept: Vec<&str> = query
         .split('&')
         .filter(|pair| match pair.split_once('=') {
             Some(("ssl_ca", value)) => {
@@ -189,9 +191,11 @@ fn without_ssl_ca(
                 authorities = Some(std::path::PathBuf::from(value.as_ref()));
                 false
             }
+            Some(("require_ssl", _)) => false,
             _ => true,
         })
         .collect();
+    kept.push("require_ssl=true");
     let Some(authorities) = authorities else {
         return Ok(None);
     };
@@ -201,11 +205,7 @@ fn without_ssl_ca(
             authorities.display()
         )));
     }
-    let mut url = base.to_owned();
-    if !kept.is_empty() {
-        url.push('?');
-        url.push_str(&kept.join("&"));
-    }
+    let mut url = format!("{base}?{}", kept.join("&"));
     if let Some(fragment) = fragment {
         url.push('#');
         url.push_str(fragment);
@@ -751,13 +751,16 @@ mod tests {
         .to_string();
         let base = "mysql://app:s3cret@db:3306/orders";
         for (query, kept) in [
-            (format!("ssl_ca={encoded}"), base.to_owned()),
             (
-                format!("prefer_socket=false&ssl_ca={encoded}&verify_identity=false"),
-                format!("{base}?prefer_socket=false&verify_identity=false"),
+                format!("ssl_ca={encoded}"),
+                format!("{base}?require_ssl=true"),
             ),
             (
-                format!("ssl_ca={encoded}&require_ssl=true#x"),
+                format!("prefer_socket=false&ssl_ca={encoded}&verify_identity=false"),
+                format!("{base}?prefer_socket=false&verify_identity=false&require_ssl=true"),
+            ),
+            (
+                format!("require_ssl=false&ssl_ca={encoded}#x"),
                 format!("{base}?require_ssl=true#x"),
             ),
         ] {
@@ -768,6 +771,12 @@ mod tests {
                 "{url}"
             );
         }
+        // mysql_async takes `verify_identity` only with `require_ssl=true`, written for it.
+        let (url, _) = without_ssl_ca(&format!("{base}?verify_identity=false&ssl_ca={encoded}"))
+            .unwrap()
+            .unwrap();
+        let opts = mysql_async::Opts::from_url(&url).unwrap();
+        assert!(opts.ssl_opts().unwrap().skip_domain_validation(), "{url}");
         std::fs::remove_file(&file).unwrap();
         for url in [base.to_owned(), format!("{base}?require_ssl=true")] {
             assert_eq!(without_ssl_ca(&url).unwrap(), None, "{url}");

@@ -87,7 +87,8 @@ impl<C: PolledStore> Polling<C> {
             return Err(MissingMigrations { pending }.into());
         }
         // The relay's first write, of no rows: a database that takes none is named now,
-        // where every batch would fail, and the relay publish nothing, for as long as it runs.
+        // where every batch would fail, and the relay would publish nothing, for as long as
+        // it runs.
         match database::bounded(
             shared.config.statement_timeout,
             &shared.target,
