@@ -888,13 +888,7 @@ async fn sessions_with_tls(
 async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
     let certificates = support::postgres::TestCertificates::new();
     let server = support::postgres::PostgresServer::start_with_tls(&certificates).await;
-    {
-        use diesel_async::{AsyncConnection, SimpleAsyncConnection};
-        let mut admin = diesel_async::AsyncPgConnection::establish(&server.url("postgres"))
-            .await
-            .unwrap();
-        admin.batch_execute("CREATE DATABASE orders").await.unwrap();
-    }
+    server.create_database("orders").await;
     let ca = certificates.path("ca.pem");
     let at = |host: &str, options: &str| {
         format!(
@@ -1037,13 +1031,7 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_a_client_certifi
     let certificates = support::postgres::TestCertificates::new();
     let server =
         support::postgres::PostgresServer::start_with_client_certificates(&certificates).await;
-    {
-        use diesel_async::{AsyncConnection, SimpleAsyncConnection};
-        let mut admin = diesel_async::AsyncPgConnection::establish(&server.url("postgres"))
-            .await
-            .unwrap();
-        admin.batch_execute("CREATE DATABASE orders").await.unwrap();
-    }
+    server.create_database("orders").await;
     let file = |name: &str| certificates.path(name).display().to_string();
     let url = |client: Option<&str>| {
         let mut url = format!(

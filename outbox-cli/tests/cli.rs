@@ -207,13 +207,7 @@ async fn migrate_applies_then_says_up_to_date() {
 async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
     let certificates = support::postgres::TestCertificates::new();
     let server = support::postgres::PostgresServer::start_with_tls(&certificates).await;
-    {
-        use diesel_async::AsyncConnection;
-        let mut admin = diesel_async::AsyncPgConnection::establish(&server.url("postgres"))
-            .await
-            .unwrap();
-        admin.batch_execute("CREATE DATABASE orders").await.unwrap();
-    }
+    server.create_database("orders").await;
     let url = format!("postgres://postgres@localhost:{}/orders", server.port);
     let migrate = |environment: &[(&str, &str)]| {
         let mut command = Command::new(OUTBOX);

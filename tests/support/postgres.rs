@@ -106,6 +106,18 @@ impl PostgresServer {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
     }
 
+    /// Creates the database `name` on this server, through the database `postgres` (which
+    /// every server of this harness lets in without TLS).
+    pub async fn create_database(&self, name: &str) {
+        use diesel_async::SimpleAsyncConnection as _;
+        AsyncPgConnection::establish(&self.url("postgres"))
+            .await
+            .unwrap()
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap();
+    }
+
     /// Kills every process of the server at once with SIGKILL (the postmaster, its
     /// backends, the WAL writer, the checkpointer), as a crash of its host's processes does:
     /// nothing is flushed or shut down, and what sat in PostgreSQL's WAL buffers is lost.
