@@ -126,18 +126,26 @@ impl PostgresServer {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        kill_group(&mut child);
+        // The postmaster's children each run in a session of their own (PostgreSQL's
+        // `InitPostmasterChild` calls setsid), outside the group a signal to the postmaster's
+        // reaches: stopped first, the postmaster forks no more of them, and each is killed by
+        // its pid. Left alive, a backend exits only when it notices the postmaster gone, and
+        // a new postmaster started meanwhile refuses the directory ("pre-existing shared
+        // memory block ... is still in use").
         let group = format!("-{}", child.id());
-        // The backends are the postmaster's children, not the test's: wait until none of
-        // the group is left (a new postmaster refuses a directory whose old processes
-        // still hold its shared memory).
+        let _ = Command::new("kill").args(["-STOP", "--", &group]).status();
+        let processes = descendants(child.id());
+        // Children first: a stopped parent killed before them would leave its group
+        // orphaned, which the kernel answers with SIGHUP and SIGCONT to its stopped members.
+        for pid in processes.iter().rev() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        kill_group(&mut child);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while Command::new("kill")
-            .args(["-0", "--", &group])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|status| status.success())
-        {
+        while processes.iter().any(|pid| alive(*pid)) {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "the test's PostgreSQL processes outlived SIGKILL by 10 s"
@@ -247,6 +255,48 @@ impl Drop for PostgresServer {
 
 /// SIGKILLs the process group `child` leads (the server's processes: see
 /// [`PostgresServer::child`]) and reaps `child`.
+/// The processes descended from `root` (its children, theirs, ...), read from `/proc`.
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parents = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: the command may hold spaces and parentheses.
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|ppid| ppid.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut found = vec![root];
+    let mut at = 0;
+    while at < found.len() {
+        let parent = found[at];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, ppid)| *ppid == parent)
+                .map(|(pid, _)| *pid),
+        );
+        at += 1;
+    }
+    found
+}
+
+/// Whether process `pid` exists, a zombie not yet reaped too: a new postmaster takes the
+/// pid in the old one's `postmaster.pid` for a running server while it exists.
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
 pub(super) fn kill_group(child: &mut Child) {
     let group = format!("-{}", child.id());
     let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
