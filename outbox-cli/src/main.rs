@@ -75,6 +75,10 @@ enum Command {
     Purge(operate::PurgeArgs),
     /// Print the stream's events as they arrive: subject, stream sequence, type, payload.
     Tail(Box<operate::TailArgs>),
+    /// Print the PostgreSQL GRANT statements that give a role what a component needs (run
+    /// them as the tables' owner, after `migrate`); the relay and the inbox name at start
+    /// each privilege their role lacks.
+    Grants(operate::GrantsArgs),
 }
 
 /// Durations as people write them: `90s`, `5m`, `7d`, `250ms`.
@@ -199,6 +203,7 @@ fn main() -> ExitCode {
             }
             Command::Purge(args) => operate::purge(&database_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,
+            Command::Grants(args) => operate::grants(args),
         }
     });
     match outcome {

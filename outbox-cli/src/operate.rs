@@ -105,6 +105,24 @@ fn database_error(error: diesel::result::Error) -> String {
     format!("database error: {error}")
 }
 
+/// [`database_error`] for dropping the archive's days, which only `outbox_published`'s owner
+/// may do (detaching a partition and dropping it: PostgreSQL 15 docs, ALTER TABLE and DROP
+/// TABLE; no grant gives it): a role that does not own it is told so, and who does.
+pub(crate) fn archive_error(error: diesel::result::Error) -> String {
+    let not_owner = matches!(
+        &error,
+        diesel::result::Error::DatabaseError(_, info)
+            if info.message().starts_with("must be owner of")
+    );
+    let hint = if not_owner {
+        ": only outbox_published's owner may drop the archive's days (no grant gives it); \
+         run this as the role that ran `outbox migrate`"
+    } else {
+        ""
+    };
+    format!("database error: purging the archive: {error}{hint}")
+}
+
 /// Opens the SQLite file `url` names, which must exist unless `create` (only `migrate`
 /// creates one: a mistyped path must not become an empty database); the error names it.
 #[cfg(feature = "sqlite")]
@@ -982,7 +1000,7 @@ pub(crate) async fn purge(database_url: &str, args: PurgeArgs) -> Result<Ended, 
             }
         })
         .await
-        .map_err(database_error)?;
+        .map_err(archive_error)?;
     match purged {
         ArchivePurged::Partitions(partitions) => {
             for (partition, rows) in &partitions {
@@ -1116,6 +1134,27 @@ impl Progress {
             self.last = Some(Instant::now());
         }
     }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct GrantsArgs {
+    /// What the role runs: `unit-of-work` (a service that commits events), `relay`,
+    /// `inbox` (a consumer; give it `unit-of-work` too if its handlers commit events), or
+    /// `operator` (this command's other commands).
+    component: outbox_runtime::privileges::Component,
+    /// The role to grant to, exactly as PostgreSQL spells it (it is quoted).
+    role: String,
+    /// The schema of the outbox's tables.
+    #[arg(long, default_value = "public")]
+    schema: String,
+}
+
+/// Prints the PostgreSQL `GRANT` statements that give a role what a component needs.
+pub(crate) fn grants(args: GrantsArgs) -> Result<Ended, String> {
+    let sql = outbox_runtime::privileges::grants(args.component, &args.role, &args.schema)
+        .map_err(|error| error.to_string())?;
+    print!("{sql}");
+    Ok(Ended::Done)
 }
 
 #[derive(Debug, Args)]

@@ -365,7 +365,10 @@ async fn purge_on_schedule(database_url: String, older_than: Duration, interval:
             Ok(ArchivePurged::Rows(deleted)) => {
                 tracing::info!(deleted, ?older_than, "deleted archived rows");
             }
-            Err(error) => tracing::warn!(%error, "the archive's retention failed"),
+            Err(error) => {
+                let error = crate::operate::archive_error(error);
+                tracing::warn!(%error, "the archive's retention failed");
+            }
         }
     }
 }

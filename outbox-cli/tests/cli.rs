@@ -180,7 +180,7 @@ async fn migrate_applies_then_says_up_to_date() {
         );
         assert!(
             text(&refused).contains("lacks migrations of this outbox: 20261121000001, ")
-                && text(&refused).contains("20261204000015; run `outbox migrate`"),
+                && text(&refused).contains("20261204000016; run `outbox migrate`"),
             "{args:?}: {}",
             text(&refused)
         );
@@ -188,8 +188,8 @@ async fn migrate_applies_then_says_up_to_date() {
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
-        text(&first).contains("applied 15: 20261121000001")
-            && text(&first).contains("20261204000015"),
+        text(&first).contains("applied 16: 20261121000001")
+            && text(&first).contains("20261204000016"),
         "{}",
         text(&first)
     );
@@ -228,7 +228,7 @@ async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
     let ca = certificates.path("ca.pem").display().to_string();
     let with_tls = migrate(&[("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", &ca)]);
     assert!(
-        with_tls.status.success() && text(&with_tls).contains("applied 15: "),
+        with_tls.status.success() && text(&with_tls).contains("applied 16: "),
         "{}",
         text(&with_tls)
     );
@@ -2145,4 +2145,104 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         "back in the queue: {report}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `outbox grants` prints statements that, run as the tables' owner, let a role of its own
+/// run the operator's commands; and a role that does not own the archive is told, when it
+/// meets an archive day to drop, that only the owner may, rather than "must be owner of
+/// table outbox_published" alone.
+#[tokio::test]
+async fn an_operator_role_runs_the_operator_commands_with_the_grants_it_prints() {
+    let env = TestEnv::new().await;
+    insert(&env, "o-1", 1, "Placed", DEAD).await;
+    insert(&env, "o-2", 1, "Placed", DEAD).await;
+    let role = support::roles::role(&env, "operator", &[]).await;
+    let printed = outbox(
+        &env,
+        &support::nats_url(),
+        &["grants", "operator", &role.name],
+    );
+    assert!(printed.status.success(), "{}", text(&printed));
+    let grants = String::from_utf8(printed.stdout).unwrap();
+    assert!(
+        grants.starts_with("-- What the outbox's operator needs")
+            && grants.contains(&format!(
+                "GRANT SELECT, UPDATE, DELETE ON TABLE \"public\".\"outbox_events\" TO \"{}\";",
+                role.name
+            )),
+        "{grants}"
+    );
+    let as_role = |args: &[&str]| {
+        command(&env, &support::nats_url())
+            .env("DATABASE_URL", &role.url)
+            .args(args)
+            .output()
+            .expect("run outbox")
+    };
+    // Without the grants: the first table it reads is named.
+    let refused = as_role(&["status"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("permission denied for table"),
+        "{}",
+        text(&refused)
+    );
+
+    env.conn().await.batch_execute(&grants).await.unwrap();
+    let id: String = {
+        let list = as_role(&["dead-letters", "list", "--json"]);
+        assert!(list.status.success(), "{}", text(&list));
+        let first = String::from_utf8_lossy(&list.stdout)
+            .lines()
+            .next()
+            .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+            .unwrap();
+        first["id"].as_str().unwrap().to_owned()
+    };
+    for args in [
+        &["status"][..],
+        &["dead-letters", "show", &id],
+        &["skip", &id],
+        &["retry", &id],
+        &["inbox-dead-letters", "list"],
+        &["inbox-dead-letters", "discard", "--all"],
+        &[
+            "purge",
+            "--older-than",
+            "1d",
+            "--dedup-keys-older-than",
+            "1d",
+        ],
+    ] {
+        let done = as_role(args);
+        assert!(done.status.success(), "{args:?}: {}", text(&done));
+    }
+
+    // An archive day to drop, which only the owner may.
+    env.conn()
+        .await
+        .batch_execute(
+            "CREATE TABLE outbox_published_p20200101 PARTITION OF outbox_published \
+             FOR VALUES FROM ('2020-01-01 00:00Z') TO ('2020-01-02 00:00Z')",
+        )
+        .await
+        .unwrap();
+    let refused = as_role(&["purge", "--older-than", "1d"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(
+        text(&refused).contains(
+            "purging the archive: must be owner of table outbox_published: only \
+             outbox_published's owner may drop the archive's days (no grant gives it); run \
+             this as the role that ran `outbox migrate`"
+        ),
+        "{}",
+        text(&refused)
+    );
+    let owner = outbox(&env, &support::nats_url(), &["purge", "--older-than", "1d"]);
+    assert!(
+        text(&owner).contains("dropped archive partition outbox_published_p20200101"),
+        "{}",
+        text(&owner)
+    );
+    support::roles::drop_roles(&env, &[&role]).await;
 }

@@ -1187,6 +1187,29 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
         )
         .map_err(InboxError::Connect)?;
         let mut conn = C::pooled(&pool).await.map_err(InboxError::Connect)?;
+        // A role without a privilege the inbox needs is named now, where every message
+        // would fail with "permission denied" and come again, unhandled.
+        match database::bounded(
+            config.statement_timeout,
+            &target,
+            "the privileges check",
+            conn.lacking_privileges(),
+        )
+        .await
+        {
+            Ok(None) => {}
+            Ok(Some(lacking)) => {
+                return Err(InboxError::Connect(
+                    ConnectError {
+                        target: target.to_string(),
+                        reason: format!("checking the inbox's privileges: {lacking}"),
+                    }
+                    .to_string(),
+                ));
+            }
+            Err(Bounded::Failed(error)) => return Err(error.into()),
+            Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
         match database::bounded(
             config.statement_timeout,
             &target,

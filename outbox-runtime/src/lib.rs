@@ -155,6 +155,8 @@ pub mod inbox;
 pub mod mysql;
 pub mod nats;
 pub mod outbox;
+#[cfg(feature = "postgres")]
+pub mod privileges;
 pub mod publisher;
 pub mod relay;
 mod spawned;

@@ -759,7 +759,8 @@ impl Relay {
     /// Checks the configuration, makes sure the stream exists and captures the prefix
     /// (creating it when [`StreamSettings::create`](crate::StreamSettings::create) allows), reads its duplicate window
     /// (warning when it is shorter than the [redelivery horizon](RelayConfig::redelivery_horizon)),
-    /// and checks that the database is reachable.
+    /// and checks that the database is reachable, migrated, and that its role holds the
+    /// privileges the relay needs ([`privileges`](crate::privileges)).
     ///
     /// # Errors
     /// [`RelayError::Config`], [`RelayError::Stream`] or [`RelayError::Connect`].
@@ -773,6 +774,31 @@ impl Relay {
         let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
         let mut conn = worker::connect(&shared).await?;
         let limit = shared.config.statement_timeout;
+        // A role without a privilege the relay needs is named now, with each privilege it
+        // lacks, where every batch would fail with "permission denied" for as long as the
+        // relay ran.
+        let lacking = database::bounded(
+            limit,
+            &shared.target,
+            "the privileges check",
+            crate::privileges::lacking(
+                &mut conn,
+                crate::privileges::Component::Relay,
+                &crate::privileges::relay_needs(Some(shared.config.published)),
+            ),
+        )
+        .await;
+        match lacking {
+            Ok(None) => {}
+            Ok(Some(lacking)) => {
+                return Err(RelayError::Connect(ConnectError {
+                    target: shared.target.clone(),
+                    reason: format!("checking the relay's privileges: {lacking}"),
+                }));
+            }
+            Err(Bounded::Failed(error)) => return Err(error.into()),
+            Err(Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
         let checked = database::bounded(
             limit,
             &shared.target,

@@ -17,6 +17,7 @@ pub mod libtest;
 #[cfg(feature = "mysql")]
 pub mod mariadb;
 pub mod postgres;
+pub mod roles;
 
 use std::time::Duration;
 

@@ -396,6 +396,15 @@ impl InboxStore for AsyncPgConnection {
         consumers(self).await
     }
 
+    async fn lacking_privileges(&mut self) -> QueryResult<Option<String>> {
+        crate::privileges::lacking(
+            self,
+            crate::privileges::Component::Inbox,
+            &crate::privileges::inbox_needs(),
+        )
+        .await
+    }
+
     async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {
         #[derive(QueryableByName)]
         struct Found {

@@ -331,6 +331,15 @@ pub(crate) mod sealed {
         /// The consumers with rows in `outbox_inbox`, in byte order.
         fn consumers(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
 
+        /// What the connection's role lacks of the privileges the inbox needs, as a sentence
+        /// naming each ([`crate::privileges`]); `None` where it lacks none, or the database
+        /// has no roles to check.
+        fn lacking_privileges(
+            &mut self,
+        ) -> impl Future<Output = QueryResult<Option<String>>> + Send {
+            async { Ok(None) }
+        }
+
         /// Whether `consumer` has a position in some aggregate: it applied events before.
         fn has_positions(
             &mut self,
