@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use support::consumer::wait_until_settled;
 use support::domain::{Order, OrderEvent};
 use support::roles::{drop_roles, role};
-use support::{TestEnv, insert_raw, wait_until};
+use support::{Logs, TestEnv, insert_raw, sequences, wait_until};
 
 /// How many rows `sql` counts (a column `n`).
 async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
@@ -403,4 +403,127 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
         &[&relay_role, &archive_role, &inbox_role, &second_role],
     )
     .await;
+}
+
+/// A privilege revoked from a running relay (an operator's mistake, a role rebuilt by a
+/// deployment tool) is named in its log with what to run, not only "permission denied"; once
+/// granted again, the relay publishes what waited, nothing lost, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_privilege_revoked_under_a_running_relay_is_named_with_what_to_run() {
+    let (logs, _turn) = Logs::capture().await;
+    let env = TestEnv::new().await;
+    let relay_role = role(&env, "relay", &[Component::Relay]).await;
+    let mut config = env.relay_config();
+    config.database_url = relay_role.url.clone();
+    config.max_backoff = Duration::from_millis(200);
+    config.poll_interval = Duration::from_millis(200);
+    let relay = Relay::connect(config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut owner = env.conn().await;
+    env.commit(&mut Order::place("o-1", "ada", 1)).await;
+    env.until_stream_holds(1, Duration::from_secs(5)).await;
+
+    owner
+        .batch_execute(&format!(
+            "REVOKE UPDATE ON outbox_events FROM {}",
+            relay_role.name
+        ))
+        .await
+        .unwrap();
+    let mut order = Order::place("o-2", "ada", 2);
+    order.record(OrderEvent::Shipped);
+    env.commit(&mut order).await;
+    logs.until_contains(
+        "the relay's log names the missing privilege and what to run",
+        "permission denied for table outbox_events: the role the relay logs in as lacks a \
+         privilege the relay needs; as the tables' owner, run the statements `outbox grants \
+         relay <role>` prints",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(env.stream_len().await, 1, "nothing published meanwhile");
+
+    owner
+        .batch_execute(&format!(
+            "GRANT UPDATE ON outbox_events TO {}",
+            relay_role.name
+        ))
+        .await
+        .unwrap();
+    env.until_stream_holds(3, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    assert_eq!(sequences(&env.stream_messages().await)["o-2"], [1, 2]);
+    drop_roles(&env, &[&relay_role]).await;
+}
+
+/// The same for a running inbox: each retry's warning names the missing privilege and what to
+/// run; once granted again, the message is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
+    let (logs, _turn) = Logs::capture().await;
+    let env = TestEnv::new().await;
+    let inbox_role = role(&env, "inbox", &[Component::Inbox, Component::UnitOfWork]).await;
+    drop(
+        Relay::connect(env.relay_config(), env.nats.clone())
+            .await
+            .unwrap(),
+    );
+    let mut config = InboxConfig::new("billing", &inbox_role.url);
+    config.outbox = env.outbox();
+    config.topology = env.topology();
+    config.filter_subjects = vec![format!("{}.Order.>", env.prefix)];
+    config.ack_wait = Duration::from_secs(1);
+    config.retry_delay = Duration::from_millis(50);
+    config.max_retry_delay = Duration::from_millis(200);
+    let inbox = Inbox::connect(config, env.nats.clone(), Billing)
+        .await
+        .unwrap();
+    let probe = inbox.clone();
+    let running = inbox.spawn();
+    let mut owner = env.conn().await;
+    owner
+        .batch_execute(&format!(
+            "REVOKE INSERT ON outbox_inbox FROM {}",
+            inbox_role.name
+        ))
+        .await
+        .unwrap();
+    env.commit(&mut Order::place("o-2", "ada", 2)).await;
+    let mut relay = Relay::connect(env.relay_config(), env.nats.clone())
+        .await
+        .unwrap();
+    relay.relay_batch().await.unwrap();
+    logs.until_contains(
+        "the inbox's log names the missing privilege and what to run",
+        "permission denied for table outbox_inbox: the role the inbox logs in as lacks a \
+         privilege the inbox needs; as the tables' owner, run the statements `outbox grants \
+         inbox <role>` prints",
+        Duration::from_secs(10),
+    )
+    .await;
+    owner
+        .batch_execute(&format!(
+            "GRANT INSERT ON outbox_inbox TO {}",
+            inbox_role.name
+        ))
+        .await
+        .unwrap();
+    wait_until_settled(&probe, "the order applied", Duration::from_secs(10)).await;
+    running.shutdown().await.unwrap();
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS n FROM outbox_inbox").await,
+        1
+    );
+    assert_eq!(
+        count(
+            &mut owner,
+            "SELECT count(*) AS n FROM outbox_events WHERE aggregate_type = 'Payment'"
+        )
+        .await,
+        1,
+        "the handler's event, once"
+    );
+    drop_roles(&env, &[&inbox_role]).await;
 }

@@ -789,17 +789,22 @@ pub(crate) async fn bounded_setup<T, E: fmt::Display>(
         })
 }
 
-/// What to add to `error`'s message when the database refused a write because it takes
-/// none: that `user` writes, and needs a database that does. Empty for any other error.
+/// What to add to `error`'s message when the database refused what the `who` (`relay` or
+/// `inbox`) asked for a reason the error alone does not make plain; empty for any other
+/// error:
 ///
-/// Recognised: PostgreSQL's SQLSTATE 25006 (`read_only_sql_transaction`: a hot standby, or
-/// `default_transaction_read_only` on for the database or the role); MySQL's and MariaDB's
-/// error 1792 (`ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION`, a READ ONLY transaction or
-/// `transaction_read_only`) and 1290 (`ER_OPTION_PREVENTS_STATEMENT`, "running with the
-/// --read-only option": a replica's `read_only` or `super_read_only`), by its words, which
-/// diesel does not give a kind of its own; SQLite's `SQLITE_READONLY` ("attempt to write a
-/// readonly database": a file opened read-only, or one this process may not write).
-pub(crate) fn read_only_hint(error: &diesel::result::Error, kind: Kind, user: &str) -> String {
+/// - it takes no writes, and the `who` writes, so it needs a database that does. Recognised:
+///   PostgreSQL's SQLSTATE 25006 (`read_only_sql_transaction`: a hot standby, or
+///   `default_transaction_read_only` on for the database or the role); MySQL's and MariaDB's
+///   error 1792 (`ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION`, a READ ONLY transaction or
+///   `transaction_read_only`) and 1290 (`ER_OPTION_PREVENTS_STATEMENT`, "running with the
+///   --read-only option": a replica's `read_only` or `super_read_only`), by its words, which
+///   diesel does not give a kind of its own; SQLite's `SQLITE_READONLY` ("attempt to write a
+///   readonly database": a file opened read-only, or one this process may not write);
+/// - on PostgreSQL, its role lacks a privilege (SQLSTATE 42501, `insufficient_privilege`:
+///   "permission denied for table ...", by its words, which diesel gives no kind of its own),
+///   granted by the statements `outbox grants` prints ([`crate::privileges`]).
+pub(crate) fn refusal_hint(error: &diesel::result::Error, kind: Kind, who: &str) -> String {
     use diesel::result::{DatabaseErrorKind, Error};
     let Error::DatabaseError(error_kind, information) = error else {
         return String::new();
@@ -809,22 +814,28 @@ pub(crate) fn read_only_hint(error: &diesel::result::Error, kind: Kind, user: &s
         || message.contains("-read-only option")
         || message.contains("readonly database");
     if !read_only {
-        return String::new();
+        return match kind {
+            Kind::Postgres if message.starts_with("permission denied for ") => format!(
+                ": the role the {who} logs in as lacks a privilege the {who} needs; as the \
+                 tables' owner, run the statements `outbox grants {who} <role>` prints"
+            ),
+            _ => String::new(),
+        };
     }
     match kind {
         Kind::Postgres => format!(
             ": the database takes no writes (a hot standby, or default_transaction_read_only on \
-             for the database or the role), and {user} writes the outbox's tables; give it the \
-             primary's URL (with several hosts, target_session_attrs=read-write picks it)"
+             for the database or the role), and the {who} writes the outbox's tables; give it \
+             the primary's URL (with several hosts, target_session_attrs=read-write picks it)"
         ),
         Kind::Mysql => format!(
             ": the database takes no writes (a replica, with read_only or super_read_only on, \
-             or transaction_read_only on for the session), and {user} writes the outbox's \
+             or transaction_read_only on for the session), and the {who} writes the outbox's \
              tables; give it the primary's URL"
         ),
         Kind::Sqlite => format!(
             ": the database file takes no writes (opened read-only, as mode=ro, or a file or \
-             directory this process may not write), and {user} writes the outbox's tables; \
+             directory this process may not write), and the {who} writes the outbox's tables; \
              give it a file it can write, in a directory it can write (SQLite writes its \
              journal beside the file)"
         ),

@@ -1241,7 +1241,7 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
                         target: target.to_string(),
                         reason: format!(
                             "checking that the inbox can write its tables: {error}{}",
-                            database::read_only_hint(&error, C::KIND, "the inbox")
+                            database::refusal_hint(&error, C::KIND, "inbox")
                         ),
                     }
                     .to_string(),
@@ -1566,10 +1566,11 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
             failure => {
                 let delay = config.retry_delay;
                 // A database that stopped taking writes (a primary demoted under a fixed
-                // address) is named as such, with what to give the inbox.
+                // address), or a privilege revoked from the inbox's role, is named as such,
+                // with what to do.
                 let hint = match &failure {
                     Failure::Outbox(UnitOfWorkError::Database(error)) => {
-                        database::read_only_hint(error, C::KIND, "the inbox")
+                        database::refusal_hint(error, C::KIND, "inbox")
                     }
                     _ => String::new(),
                 };

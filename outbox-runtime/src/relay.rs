@@ -822,7 +822,7 @@ impl Relay {
                     target: shared.target.clone(),
                     reason: format!(
                         "registering the relay's topology: {error}{}",
-                        database::read_only_hint(&error, database::Kind::Postgres, "the relay")
+                        database::refusal_hint(&error, database::Kind::Postgres, "relay")
                     ),
                 }));
             }

@@ -103,7 +103,7 @@ impl<C: PolledStore> Polling<C> {
                     target: shared.target.clone(),
                     reason: format!(
                         "checking that the relay can write the outbox: {error}{}",
-                        database::read_only_hint(&error, C::KIND, "the relay")
+                        database::refusal_hint(&error, C::KIND, "relay")
                     ),
                 }));
             }

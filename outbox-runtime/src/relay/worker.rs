@@ -273,9 +273,10 @@ async fn step<C: RelayStore>(
         Err(error) => {
             let stream = &shared.config.topology.stream.name;
             // A database that stopped taking writes (a primary demoted under a fixed
-            // address) is named as such, with what to give the relay.
+            // address), or a privilege revoked from the relay's role, is named as such, with
+            // what to do.
             let hint = match &error {
-                Bounded::Failed(error) => database::read_only_hint(error, C::KIND, "the relay"),
+                Bounded::Failed(error) => database::refusal_hint(error, C::KIND, "relay"),
                 Bounded::TimedOut(_) => String::new(),
             };
             shared
