@@ -398,6 +398,33 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
         )),
         "{error}"
     );
+    // Without USAGE on that schema, PostgreSQL leaves it out of the search_path without a
+    // word, and the inbox found no tables: it said they were not migrated.
+    owner
+        .batch_execute(&format!(
+            "GRANT DELETE ON second.outbox_inbox_gaps TO {0}; \
+             REVOKE USAGE ON SCHEMA second FROM {0}",
+            second_role.name
+        ))
+        .await
+        .unwrap();
+    let mut config = InboxConfig::new(
+        "billing",
+        format!("{}?options=-csearch_path%3Dsecond", second_role.url),
+    );
+    config.topology = env.topology();
+    let error = match Inbox::connect(config, env.nats.clone(), Billing).await {
+        Ok(_) => panic!("an inbox started without USAGE on its schema"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains(&format!(
+            "the role {0:?} lacks USAGE on schema second, which the inbox needs; as the \
+             tables' owner, run the statements `outbox grants inbox {0} --schema second` prints",
+            second_role.name
+        )),
+        "{error}"
+    );
     drop_roles(
         &env,
         &[&relay_role, &archive_role, &inbox_role, &second_role],

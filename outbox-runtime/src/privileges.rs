@@ -310,7 +310,9 @@ fn operator_needs() -> Vec<Need> {
 }
 
 /// The privileges of `needs` that the connection's role lacks (held directly, through a role
-/// it is a member of, or by PUBLIC), as `UPDATE on outbox_events`, in the order of `needs`;
+/// it is a member of, or by PUBLIC), as `UPDATE on outbox_events`, in the order of `needs`,
+/// after `USAGE` on a schema of its `search_path` that holds the tables and that it may not
+/// use;
 /// then a sentence for a [`ConnectError`](crate::ConnectError) naming them, the role and the
 /// grants `component` needs, or `None` when it lacks none. An object the `search_path` does
 /// not find is left to the migrations check.
@@ -328,6 +330,8 @@ pub(crate) async fn lacking(
         role: String,
         #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
         schema: Option<String>,
+        #[diesel(sql_type = Array<Text>)]
+        hidden: Vec<String>,
         #[diesel(sql_type = Array<Text>)]
         missing: Vec<String>,
     }
@@ -353,10 +357,20 @@ pub(crate) async fn lacking(
         .bind::<Text, _>(anchor)
         .get_result(conn)
         .await?;
-    if row.missing.is_empty() {
+    if row.missing.is_empty() && row.hidden.is_empty() {
         return Ok(None);
     }
-    let schema = match row.schema.as_deref() {
+    let missing: Vec<String> = row
+        .hidden
+        .iter()
+        .map(|schema| format!("USAGE on schema {schema}"))
+        .chain(row.missing)
+        .collect();
+    let schema = match row
+        .schema
+        .as_deref()
+        .or(<[String]>::first(&row.hidden).map(String::as_str))
+    {
         None | Some("public") => String::new(),
         Some(schema) => format!(" --schema {}", shell_word(schema)),
     };
@@ -365,7 +379,7 @@ pub(crate) async fn lacking(
          statements `outbox grants {component} {}{schema}` prints \
          (outbox_runtime::privileges::grants)",
         row.role,
-        row.missing.join(", "),
+        missing.join(", "),
         shell_word(&row.role),
     )))
 }
@@ -385,11 +399,19 @@ fn shell_word(word: &str) -> String {
 }
 
 /// `$1`, `$2`, `$3`: each need's kind (`table` or `function`), object and privilege; `$4`, the
-/// table whose schema to name.
+/// table whose schema to name. `hidden`: when the `search_path` finds no table `$4`, the
+/// schemas it names that hold one and that the role may not use (PostgreSQL leaves them out
+/// of the path without a word, and the tables seem not to exist).
 const LACKING: &str = "SELECT current_user::text AS role, \
             (SELECT n.nspname::text FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE c.oid = to_regclass($4)) AS schema, \
+            (SELECT coalesce(array_agg(n.nspname::text ORDER BY n.nspname), '{}') \
+             FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid \
+             WHERE to_regclass($4) IS NULL AND c.relname = $4 \
+               AND n.nspname = ANY (SELECT btrim(p, ' \"') \
+                   FROM unnest(string_to_array(current_setting('search_path'), ',')) p) \
+               AND NOT has_schema_privilege(n.oid, 'USAGE')) AS hidden, \
             coalesce(array_agg(n.privilege || ' on ' || n.object ORDER BY n.i) FILTER (WHERE NOT \
                 coalesce(CASE n.kind \
                     WHEN 'table' THEN has_table_privilege(to_regclass(n.object), n.privilege) \
