@@ -30,7 +30,7 @@ use outbox_runtime::{
 };
 use serde::{Deserialize, Serialize};
 use support::postgres::PostgresServer;
-use support::{NatsServer, Proxy, Received, TestEnv, poll_until, sequences, wait_until};
+use support::{NatsServer, Proxy, Received, TestEnv, count, poll_until, sequences, wait_until};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Serialize, Deserialize, DomainEvent)]
@@ -162,22 +162,8 @@ struct Applied {
     seq: i64,
 }
 
-#[derive(QueryableByName)]
-struct Count {
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    count: i64,
-}
-
 /// The relay's duplicates counter is the test binary's: its tests take turns.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn count(conn: &mut AsyncPgConnection, query: &str) -> i64 {
-    diesel::sql_query(query)
-        .get_result::<Count>(conn)
-        .await
-        .unwrap_or_else(|e| panic!("{query}: {e}"))
-        .count
-}
 
 /// How many rows `env`'s outbox holds (queued: the relay deletes what it published).
 async fn queued(env: &TestEnv) -> i64 {

@@ -10,8 +10,8 @@ use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_runtime::{PublishedRows, Relay, outbox};
-use support::TestEnv;
 use support::domain::{Order, OrderEvent};
+use support::{TestEnv, count};
 
 /// A relay of `env` in Archive mode.
 async fn archiving_relay(env: &TestEnv) -> Relay {
@@ -42,20 +42,6 @@ async fn lines(conn: &mut AsyncPgConnection, table: &str) -> Vec<String> {
     .into_iter()
     .map(|l| l.line)
     .collect()
-}
-
-#[derive(QueryableByName, Debug)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    count: i64,
-}
-
-async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
-    diesel::sql_query(sql)
-        .get_result::<Count>(conn)
-        .await
-        .unwrap()
-        .count
 }
 
 /// The partitions of `outbox_published`, by name, and whether a detach of each is pending.

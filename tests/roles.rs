@@ -7,9 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use diesel::QueryableByName;
-use diesel::sql_types::BigInt;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use outbox_runtime::privileges::{self, Component};
 use outbox_runtime::{
     DomainEvent, Handler, Inbox, InboxConfig, Metadata, PublishedRows, Relay, UnitOfWork,
@@ -19,21 +17,7 @@ use serde::{Deserialize, Serialize};
 use support::consumer::wait_until_settled;
 use support::domain::{Order, OrderEvent};
 use support::roles::{drop_roles, role};
-use support::{Logs, TestEnv, insert_raw, sequences, wait_until};
-
-/// How many rows `sql` counts (a column `n`).
-async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
-    #[derive(QueryableByName)]
-    struct Count {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    diesel::sql_query(sql)
-        .get_result::<Count>(conn)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .n
-}
+use support::{Logs, TestEnv, count, insert_raw, sequences, wait_until};
 
 #[derive(Debug, Serialize, Deserialize, DomainEvent)]
 #[event(name = "PaymentTaken")]
@@ -72,6 +56,19 @@ impl Handler for Billing {
     }
 }
 
+/// The consumer `billing` of `env`'s orders on the database at `url`, with [`Billing`]'s
+/// unit of work and fast redeliveries.
+fn billing(env: &TestEnv, url: &str) -> InboxConfig {
+    let mut config = InboxConfig::new("billing", url);
+    config.outbox = env.outbox();
+    config.topology = env.topology();
+    config.filter_subjects = vec![format!("{}.Order.>", env.prefix)];
+    config.ack_wait = Duration::from_secs(1);
+    config.retry_delay = Duration::from_millis(50);
+    config.max_retry_delay = Duration::from_millis(200);
+    config
+}
+
 /// Each part runs as a role that holds only what `outbox grants` gives it, in a database
 /// where no function runs for PUBLIC (`REVOKE EXECUTE ON ALL FUNCTIONS ... FROM PUBLIC`, as
 /// hardened databases are set up): units of work commit events with dedup keys; the relay
@@ -93,7 +90,7 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
     // No archive day exists: the relay's role has to make today's.
     let days = count(
         &mut owner,
-        "SELECT count(*) AS n FROM pg_inherits WHERE inhparent = 'outbox_published'::regclass",
+        "SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox_published'::regclass",
     )
     .await;
     assert!(days >= 3, "the migrations made {days} days");
@@ -156,7 +153,7 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
     wait_until("six rows archived", Duration::from_secs(10), || async {
         let archived = count(
             &mut env.conn().await,
-            "SELECT count(*) AS n FROM outbox_published",
+            "SELECT count(*) FROM outbox_published",
         )
         .await;
         (archived == 6).then_some(())
@@ -166,7 +163,7 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
     assert_eq!(
         count(
             &mut owner,
-            "SELECT count(*) AS n FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+            "SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
              WHERE i.inhparent = 'outbox_published'::regclass \
                AND pg_get_userbyid(c.relowner) = current_user",
         )
@@ -203,14 +200,8 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
     outbox::stats(&mut relay_conn).await.unwrap();
 
     // The inbox.
-    let mut config = InboxConfig::new("billing", &inbox_role.url);
-    config.outbox = env.outbox();
-    config.topology = env.topology();
-    config.filter_subjects = vec![format!("{}.Order.>", env.prefix)];
+    let mut config = billing(&env, &inbox_role.url);
     config.max_attempts = 2;
-    config.ack_wait = Duration::from_secs(1);
-    config.retry_delay = Duration::from_millis(50);
-    config.max_retry_delay = Duration::from_millis(200);
     let inbox = Inbox::connect(config, env.nats.clone(), Billing)
         .await
         .unwrap();
@@ -219,13 +210,13 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
     wait_until_settled(&probe, "every order settled", Duration::from_secs(20)).await;
     running.shutdown().await.unwrap();
     assert_eq!(
-        count(&mut owner, "SELECT count(*) AS n FROM outbox_inbox").await,
+        count(&mut owner, "SELECT count(*) FROM outbox_inbox").await,
         5
     );
     assert_eq!(
         count(
             &mut owner,
-            "SELECT count(*) AS n FROM outbox_events WHERE aggregate_type = 'Payment'"
+            "SELECT count(*) FROM outbox_events WHERE aggregate_type = 'Payment'"
         )
         .await,
         4,
@@ -497,13 +488,7 @@ async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
             .await
             .unwrap(),
     );
-    let mut config = InboxConfig::new("billing", &inbox_role.url);
-    config.outbox = env.outbox();
-    config.topology = env.topology();
-    config.filter_subjects = vec![format!("{}.Order.>", env.prefix)];
-    config.ack_wait = Duration::from_secs(1);
-    config.retry_delay = Duration::from_millis(50);
-    config.max_retry_delay = Duration::from_millis(200);
+    let config = billing(&env, &inbox_role.url);
     let inbox = Inbox::connect(config, env.nats.clone(), Billing)
         .await
         .unwrap();
@@ -540,13 +525,13 @@ async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
     wait_until_settled(&probe, "the order applied", Duration::from_secs(10)).await;
     running.shutdown().await.unwrap();
     assert_eq!(
-        count(&mut owner, "SELECT count(*) AS n FROM outbox_inbox").await,
+        count(&mut owner, "SELECT count(*) FROM outbox_inbox").await,
         1
     );
     assert_eq!(
         count(
             &mut owner,
-            "SELECT count(*) AS n FROM outbox_events WHERE aggregate_type = 'Payment'"
+            "SELECT count(*) FROM outbox_events WHERE aggregate_type = 'Payment'"
         )
         .await,
         1,

@@ -90,6 +90,24 @@ pub async fn insert_raw(conn: &mut AsyncPgConnection, aggregate_id: &str, subjec
     .unwrap();
 }
 
+/// The number `sql` selects as its column `count` (`SELECT count(*) FROM ...`).
+///
+/// # Panics
+/// When the query fails, naming it.
+pub async fn count(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        count: i64,
+    }
+    diesel::sql_query(sql)
+        .get_result::<Count>(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .count
+}
+
 /// The sessions connected to `conn`'s database but `conn`'s own, each as its state
 /// (`idle`, `idle in transaction`, ...) and its `application_name`, as
 /// `pg_stat_activity` shows them.
