@@ -1012,8 +1012,9 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// counts handler failures itself; no pull request limits, `max_batch` and
     /// `max_expires`; whole messages, not headers only; an existing consumer's filter and
     /// acks are checked, and these other settings updated to the inbox's), opens the database
-    /// pool and checks that the inbox tables are migrated, and that the database takes
-    /// writes (an update of no rows).
+    /// pool and checks that the inbox's role holds the privileges it needs (PostgreSQL: see
+    /// the `privileges` module), that the inbox tables are migrated, and that the database
+    /// takes writes (an update of no rows).
     ///
     /// Where the filters take every subject the stream captures (the default, `{prefix}.>`,
     /// on the topology's stream), the consumer is created without a filter: it gets the same
@@ -1033,7 +1034,8 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
     /// has other filter subjects, or acks other than explicitly),
     /// [`InboxError::Connect`] (also for a database that takes no writes: a hot standby
-    /// or a replica, a role without them, a read-only SQLite file, named as such),
+    /// or a replica, a role without them, a read-only SQLite file, named as such; and for a
+    /// PostgreSQL role that lacks privileges, naming each),
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,

@@ -763,7 +763,10 @@ impl Relay {
     /// privileges the relay needs ([`privileges`](crate::privileges)).
     ///
     /// # Errors
-    /// [`RelayError::Config`], [`RelayError::Stream`] or [`RelayError::Connect`].
+    /// [`RelayError::Config`], [`RelayError::Stream`], [`RelayError::Connect`] (also for a
+    /// role that lacks privileges, naming each, and a database that takes no writes),
+    /// [`RelayError::MissingMigrations`], [`RelayError::Database`] (a check's query failed) or
+    /// [`RelayError::TimedOut`].
     pub async fn connect(
         config: RelayConfig,
         nats: async_nats::Client,

@@ -332,8 +332,8 @@ pub(crate) mod sealed {
         fn consumers(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
 
         /// What the connection's role lacks of the privileges the inbox needs, as a sentence
-        /// naming each ([`crate::privileges`]); `None` where it lacks none, or the database
-        /// has no roles to check.
+        /// naming each (PostgreSQL: the `privileges` module); `None` where it lacks none, and
+        /// on MySQL and SQLite, where the write check at connect stands in for it.
         fn lacking_privileges(
             &mut self,
         ) -> impl Future<Output = QueryResult<Option<String>>> + Send {
