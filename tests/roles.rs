@@ -194,9 +194,6 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
         .await
         .unwrap();
     assert_eq!(purged, 1, "the row Mark mode kept");
-    outbox::purge_dedup_keys(&mut relay_conn, Duration::ZERO, 100)
-        .await
-        .unwrap();
     outbox::stats(&mut relay_conn).await.unwrap();
 
     // The inbox.
@@ -274,7 +271,7 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
     env.conn()
         .await
         .batch_execute(&format!(
-            "REVOKE UPDATE ON outbox_events FROM {0}; REVOKE DELETE ON outbox_dedup_keys FROM {0}",
+            "REVOKE UPDATE ON outbox_events FROM {0}; REVOKE SELECT ON outbox_aggregates FROM {0}",
             relay_role.name
         ))
         .await
@@ -290,8 +287,8 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
         error,
         format!(
             "relay: cannot connect to the database at {target}: checking the relay's \
-             privileges: the role {:?} lacks UPDATE on outbox_events, DELETE on \
-             outbox_dedup_keys, which the relay needs; as the tables' owner, run the \
+             privileges: the role {:?} lacks UPDATE on outbox_events, SELECT on \
+             outbox_aggregates, which the relay needs; as the tables' owner, run the \
              statements `outbox grants relay {}` prints (outbox_runtime::privileges::grants)",
             relay_role.name, relay_role.name
         )

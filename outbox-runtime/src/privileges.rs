@@ -256,11 +256,9 @@ pub(crate) fn relay_needs(mode: Option<PublishedRows>) -> Vec<Need> {
     needs.extend(each(&["outbox_events"], &["SELECT", "UPDATE", "DELETE"]));
     // An aggregate blocked behind a dead letter, and unblocked.
     needs.extend(each(&["outbox_aggregates"], &["SELECT", "UPDATE"]));
-    // `--purge-older-than` deletes old dedup keys.
-    needs.extend(each(&["outbox_dedup_keys"], &["SELECT", "DELETE"]));
     needs.extend(topology());
     if matches!(mode, None | Some(PublishedRows::Archive)) {
-        needs.extend(each(&["outbox_published"], &["SELECT", "INSERT"]));
+        needs.push(table("outbox_published", "INSERT"));
         needs.extend([
             execute("outbox_archive_published"),
             execute("outbox_published_partitions"),
