@@ -105,9 +105,14 @@ async fn each_part_runs_as_a_role_holding_only_the_grants_written_for_it() {
         )
         .await
         .unwrap();
-    let app = role(&env, "app", &[Component::UnitOfWork]).await;
-    let relay_role = role(&env, "relay", &[Component::Relay]).await;
-    let inbox_role = role(&env, "inbox", &[Component::Inbox, Component::UnitOfWork]).await;
+    let app = role(&env, "app", &[Component::Service]).await;
+    let relay_role = role(&env, "relay", &[Component::MessageRelay]).await;
+    let inbox_role = role(
+        &env,
+        "inbox",
+        &[Component::InboxConsumer, Component::Service],
+    )
+    .await;
     let operator = role(&env, "operator", &[Component::Operator]).await;
 
     // The service.
@@ -267,7 +272,7 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
             .await
             .unwrap(),
     );
-    let relay_role = role(&env, "relay", &[Component::Relay]).await;
+    let relay_role = role(&env, "relay", &[Component::MessageRelay]).await;
     env.conn()
         .await
         .batch_execute(&format!(
@@ -297,7 +302,7 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
     // Archive mode needs the archive too; Delete mode does not.
     let archive_role = role(&env, "archive", &[]).await;
     let mut owner = env.conn().await;
-    let grants = privileges::grants(Component::Relay, &archive_role.name, "public").unwrap();
+    let grants = privileges::grants(Component::MessageRelay, &archive_role.name, "public").unwrap();
     owner.batch_execute(&grants).await.unwrap();
     owner
         .batch_execute(&format!(
@@ -329,7 +334,7 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
     );
 
     // An inbox given a role with the unit of work's grants, not the inbox's.
-    let inbox_role = role(&env, "inbox", &[Component::UnitOfWork]).await;
+    let inbox_role = role(&env, "inbox", &[Component::Service]).await;
     let mut config = InboxConfig::new("billing", &inbox_role.url);
     config.topology = env.topology();
     let error = match Inbox::connect(config, env.nats.clone(), Billing).await {
@@ -358,7 +363,7 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
         .await
         .unwrap();
     let second_role = role(&env, "second", &[]).await;
-    let grants = privileges::grants(Component::Inbox, &second_role.name, "second").unwrap();
+    let grants = privileges::grants(Component::InboxConsumer, &second_role.name, "second").unwrap();
     owner.batch_execute(&grants).await.unwrap();
     let mut config = InboxConfig::new("billing", format!("{}{search_path}", second_role.url));
     config.topology = env.topology();
@@ -427,7 +432,7 @@ async fn a_relay_and_an_inbox_whose_role_lacks_privileges_name_each_one() {
 async fn a_privilege_revoked_under_a_running_relay_is_named_with_what_to_run() {
     let (logs, _turn) = Logs::capture().await;
     let env = TestEnv::new().await;
-    let relay_role = role(&env, "relay", &[Component::Relay]).await;
+    let relay_role = role(&env, "relay", &[Component::MessageRelay]).await;
     let mut config = env.relay_config();
     config.database_url = relay_role.url.clone();
     config.max_backoff = Duration::from_millis(200);
@@ -479,7 +484,12 @@ async fn a_privilege_revoked_under_a_running_relay_is_named_with_what_to_run() {
 async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
     let (logs, _turn) = Logs::capture().await;
     let env = TestEnv::new().await;
-    let inbox_role = role(&env, "inbox", &[Component::Inbox, Component::UnitOfWork]).await;
+    let inbox_role = role(
+        &env,
+        "inbox",
+        &[Component::InboxConsumer, Component::Service],
+    )
+    .await;
     drop(
         Relay::connect(env.relay_config(), env.nats.clone())
             .await

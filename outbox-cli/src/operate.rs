@@ -1138,8 +1138,8 @@ impl Progress {
 
 #[derive(Debug, Args)]
 pub(crate) struct GrantsArgs {
-    /// What the role runs: `unit-of-work` (a service that commits events), `relay`,
-    /// `inbox` (a consumer; give it `unit-of-work` too if its handlers commit events), or
+    /// What the role runs: `service` (a service that commits units of work with events),
+    /// `relay`, `inbox` (a consumer; give it `service` too if its handlers commit events), or
     /// `operator` (this command's other commands).
     component: outbox_runtime::privileges::Component,
     /// The role to grant to, exactly as PostgreSQL spells it (it is quoted).

@@ -27,6 +27,11 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use crate::outbox::PublishedRows;
 
 /// A part of the outbox that connects to its tables, each as a role of its own if you like.
+///
+/// (The variants are not named as the crate's types, `UnitOfWork`, `Relay`, `Inbox`: rustc
+/// writes a type's bare name in its diagnostics only while no other public item bears it,
+/// and a variant of that name made every error about a unit of work say
+/// `outbox_runtime::UnitOfWork`, as `ui-tests/unit_of_work` showed.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Component {
@@ -34,13 +39,13 @@ pub enum Component {
     /// ([`Outbox::transaction`](crate::Outbox::transaction)): it inserts events, numbers
     /// them per aggregate, takes dedup keys and registers its topology. An inbox handler that
     /// commits events needs these too.
-    UnitOfWork,
+    Service,
     /// The message relay, in each [`PublishedRows`] mode: it claims, marks, deletes and
     /// archives rows, dead-letters them, and registers its topology.
-    Relay,
+    MessageRelay,
     /// An inbox consumer: it records messages, positions, attempts, gaps and dead letters,
     /// and deletes its old rows. Its handlers' own tables need their own grants.
-    Inbox,
+    InboxConsumer,
     /// The `outbox` command's operator commands: `status`, `dead-letters`, `retry`, `skip`,
     /// `inbox-dead-letters`, `purge` (but dropping the archive's days: see the module).
     Operator,
@@ -48,15 +53,20 @@ pub enum Component {
 
 impl Component {
     /// Every component, in the order above.
-    pub const ALL: [Self; 4] = [Self::UnitOfWork, Self::Relay, Self::Inbox, Self::Operator];
+    pub const ALL: [Self; 4] = [
+        Self::Service,
+        Self::MessageRelay,
+        Self::InboxConsumer,
+        Self::Operator,
+    ];
 
-    /// Its name in the `outbox grants` command: `unit-of-work`, `relay`, `inbox`,
+    /// Its name in the `outbox grants` command: `service`, `relay`, `inbox`,
     /// `operator`.
     pub fn name(self) -> &'static str {
         match self {
-            Self::UnitOfWork => "unit-of-work",
-            Self::Relay => "relay",
-            Self::Inbox => "inbox",
+            Self::Service => "service",
+            Self::MessageRelay => "relay",
+            Self::InboxConsumer => "inbox",
             Self::Operator => "operator",
         }
     }
@@ -64,9 +74,9 @@ impl Component {
     /// What it needs: the union over the relay's modes.
     fn needs(self) -> Vec<Need> {
         match self {
-            Self::UnitOfWork => unit_of_work_needs(),
-            Self::Relay => relay_needs(None),
-            Self::Inbox => inbox_needs(),
+            Self::Service => service_needs(),
+            Self::MessageRelay => relay_needs(None),
+            Self::InboxConsumer => inbox_needs(),
             Self::Operator => operator_needs(),
         }
     }
@@ -80,7 +90,7 @@ impl fmt::Display for Component {
 
 /// A name that is not one of [`Component::name`]'s.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("no component is called {0:?}: the components are unit-of-work, relay, inbox and operator")]
+#[error("no component is called {0:?}: the components are service, relay, inbox and operator")]
 pub struct UnknownComponent(pub String);
 
 impl FromStr for Component {
@@ -232,7 +242,7 @@ fn topology() -> Vec<Need> {
     needs
 }
 
-fn unit_of_work_needs() -> Vec<Need> {
+fn service_needs() -> Vec<Need> {
     let mut needs = vec![migrations_table()];
     // The next sequence reads the aggregate's highest; the rows are inserted.
     needs.extend(each(&["outbox_events"], &["SELECT", "INSERT"]));
@@ -423,7 +433,7 @@ mod tests {
 
     #[test]
     fn grants_name_each_object_once_in_its_schema_with_names_quoted_as_given() {
-        let sql = grants(Component::Relay, "Relay \"one\"", "orders").unwrap();
+        let sql = grants(Component::MessageRelay, "Relay \"one\"", "orders").unwrap();
         let lines: Vec<&str> = sql.lines().collect();
         assert_eq!(
             lines[0],
@@ -470,7 +480,7 @@ mod tests {
         assert!(!archive(Some(PublishedRows::Mark)));
         assert!(!archive(Some(PublishedRows::Delete)));
         // What grants() writes covers what each mode checks.
-        let all = Component::Relay.needs();
+        let all = Component::MessageRelay.needs();
         for mode in [
             PublishedRows::Delete,
             PublishedRows::Mark,
@@ -484,7 +494,7 @@ mod tests {
 
     #[test]
     fn a_name_postgresql_would_not_take_as_given_is_refused_naming_why() {
-        let refused = |role: &str| grants(Component::Inbox, role, "public").unwrap_err();
+        let refused = |role: &str| grants(Component::InboxConsumer, role, "public").unwrap_err();
         assert_eq!(refused("").to_string(), "the role name \"\" is empty");
         assert_eq!(
             refused(&"r".repeat(64)).to_string(),
@@ -494,13 +504,15 @@ mod tests {
                 "r".repeat(64)
             )
         );
-        assert!(grants(Component::Inbox, &"r".repeat(63), "public").is_ok());
+        assert!(grants(Component::InboxConsumer, &"r".repeat(63), "public").is_ok());
         assert_eq!(
             refused("a\0b").to_string(),
             "the role name \"a\\0b\" holds a NUL character, which PostgreSQL's names cannot"
         );
         assert_eq!(
-            grants(Component::Inbox, "inbox", "").unwrap_err().what,
+            grants(Component::InboxConsumer, "inbox", "")
+                .unwrap_err()
+                .what,
             "schema"
         );
     }
@@ -520,7 +532,7 @@ mod tests {
         }
         assert_eq!(
             "relais".parse::<Component>().unwrap_err().to_string(),
-            "no component is called \"relais\": the components are unit-of-work, relay, inbox \
+            "no component is called \"relais\": the components are service, relay, inbox \
              and operator"
         );
     }

@@ -786,7 +786,7 @@ impl Relay {
             "the privileges check",
             crate::privileges::lacking(
                 &mut conn,
-                crate::privileges::Component::Relay,
+                crate::privileges::Component::MessageRelay,
                 &crate::privileges::relay_needs(Some(shared.config.published)),
             ),
         )

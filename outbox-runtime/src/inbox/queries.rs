@@ -399,7 +399,7 @@ impl InboxStore for AsyncPgConnection {
     async fn lacking_privileges(&mut self) -> QueryResult<Option<String>> {
         crate::privileges::lacking(
             self,
-            crate::privileges::Component::Inbox,
+            crate::privileges::Component::InboxConsumer,
             &crate::privileges::inbox_needs(),
         )
         .await
