@@ -2674,6 +2674,7 @@ mod mysql {
     use diesel::sql_types::{BigInt, Integer, Text};
     use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection, RunQueryDsl};
     use outbox_runtime::mysql::MysqlRelay;
+    use outbox_runtime::privileges::{self, Component};
 
     /// `OUTBOX_TEST_MYSQL_URL`, or the local server's `test` database.
     fn admin_url() -> String {
@@ -2735,23 +2736,29 @@ mod mysql {
 
     impl Drop for Database {
         fn drop(&mut self) {
-            let (name, admin_url) = (self.name.clone(), self.admin_url.clone());
-            // On a runtime of its own: the test's may be blocked in this drop.
-            let cleanup = std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                runtime.block_on(async move {
-                    if let Ok(mut admin) = outbox_runtime::mysql::establish(&admin_url).await {
-                        let _ = admin
-                            .batch_execute(&format!("DROP DATABASE IF EXISTS {name}"))
-                            .await;
-                    }
-                });
-            });
-            let _ = cleanup.join();
+            clean_up(
+                &self.admin_url,
+                format!("DROP DATABASE IF EXISTS {}", self.name),
+            );
         }
+    }
+
+    /// Runs `statement` on the server of `admin_url`, on a runtime of its own (a test's may be
+    /// blocked in the drop that calls it), ignoring its failure: a clean-up.
+    fn clean_up(admin_url: &str, statement: String) {
+        let admin_url = admin_url.to_owned();
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                if let Ok(mut admin) = outbox_runtime::mysql::establish(&admin_url).await {
+                    let _ = admin.batch_execute(&statement).await;
+                }
+            });
+        });
+        let _ = cleanup.join();
     }
 
     fn database(env: &Env) -> &Database {
@@ -3474,6 +3481,398 @@ mod mysql {
                 && inbox.contains(&format!("{hint} the inbox writes the outbox's tables")),
             "{inbox}"
         );
+    }
+
+    /// An account of the test's own on the test's server, which logs in with a password and
+    /// holds what `outbox grants --mysql` gives each of its components on the test's database
+    /// (`outbox_runtime::privileges::mysql_grants`), and what `also` grants (`{account}` and
+    /// `{database}` in it replaced); dropped with the value (accounts are the server's, not
+    /// the database's).
+    struct Account {
+        name: String,
+        url: String,
+        admin_url: String,
+    }
+
+    impl Account {
+        async fn create(
+            database: &Database,
+            what: &str,
+            components: &[Component],
+            also: &str,
+        ) -> Self {
+            let name = format!(
+                "o{}_{what}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            );
+            let mut admin = database.conn().await;
+            admin
+                .batch_execute(&format!("CREATE USER '{name}'@'%' IDENTIFIED BY 'pw'"))
+                .await
+                .unwrap();
+            let account = Self {
+                url: support::roles::as_role(&database.url, &name),
+                admin_url: database.url.clone(),
+                name,
+            };
+            for component in components {
+                let grants =
+                    privileges::mysql_grants(*component, &account.name, &database.name).unwrap();
+                admin
+                    .batch_execute(&grants)
+                    .await
+                    .unwrap_or_else(|e| panic!("the grants of the {component}: {e}\n{grants}"));
+            }
+            if !also.is_empty() {
+                admin
+                    .batch_execute(
+                        &also
+                            .replace("{account}", &format!("'{}'", account.name))
+                            .replace("{database}", &database.name),
+                    )
+                    .await
+                    .unwrap();
+            }
+            account
+        }
+
+        async fn conn(&self) -> AsyncMysqlConnection {
+            outbox_runtime::mysql::establish(&self.url)
+                .await
+                .unwrap_or_else(|e| panic!("connect as {}: {e}", self.name))
+        }
+    }
+
+    impl Drop for Account {
+        fn drop(&mut self) {
+            clean_up(
+                &self.admin_url,
+                format!("DROP USER IF EXISTS '{}'@'%'", self.name),
+            );
+        }
+    }
+
+    /// The service, the relay (archiving), the inbox and the operator each log in as an
+    /// account of its own that holds only what `outbox grants <component> <account> --mysql
+    /// <database>` gives it, and each does its whole job: units of work commit, the relay
+    /// archives every event to the stream and its retention deletes the archive's rows, the
+    /// inbox applies each in order, and the operator's functions read and purge.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_part_runs_as_an_account_holding_only_the_grants_written_for_it() {
+        let mut env = AsyncMysql::setup().await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        let db = database(&env);
+        let service = Account::create(
+            db,
+            "service",
+            &[Component::Service],
+            "GRANT SELECT, INSERT ON `{database}`.orders TO {account}",
+        )
+        .await;
+        let relay = Account::create(db, "relay", &[Component::MessageRelay], "").await;
+        let inbox = Account::create(
+            db,
+            "inbox",
+            &[Component::InboxConsumer],
+            "GRANT SELECT, INSERT ON `{database}`.applied TO {account}",
+        )
+        .await;
+        let operator = Account::create(db, "operator", &[Component::Operator], "").await;
+        let root_url = db.url.clone();
+        let use_url = |env: &mut Env, url: &str| {
+            env.mysql.as_mut().expect("a MySQL environment").url = url.to_owned();
+        };
+
+        // Units of work as the service: three of them, four events for each of two orders,
+        // one with a dedup key.
+        use_url(&mut env, &service.url);
+        let mut orders = vec![shipped("o-1"), shipped("o-2")];
+        for round in 0..3 {
+            if round > 0 {
+                for order in &mut orders {
+                    order.record(OrderEvent::ItemAdded {
+                        sku: format!("sku-{round}"),
+                        quantity: 1,
+                    });
+                }
+            }
+            let key = (round == 1).then(|| "invoice-1".to_owned());
+            let (committed, result) = AsyncMysql::commit(&env, orders, key, End::Ok).await;
+            result.unwrap();
+            orders = committed;
+        }
+
+        // The relay, archiving, and its retention.
+        use_url(&mut env, &relay.url);
+        let mut config = AsyncMysql::relay_config(&env);
+        config.published = outbox_runtime::PublishedRows::Archive;
+        let mut relaying = MysqlRelay::connect(config, env.nats.clone()).await.unwrap();
+        let mut relayed = 0;
+        loop {
+            match relaying.relay_batch().await.unwrap().claimed {
+                0 => break,
+                claimed => relayed += claimed,
+            }
+        }
+        assert_eq!(relayed, 9);
+        env.until_stream_holds(9, Duration::from_secs(10)).await;
+
+        // The inbox.
+        use_url(&mut env, &inbox.url);
+        let config = super::inbox_config::<AsyncMysql>(&env, "accounts");
+        super::consume(&env, &config, 1, super::Applier::<AsyncMysql>::new).await;
+        let expected: BTreeMap<String, Vec<i64>> = ["o-1", "o-2"]
+            .into_iter()
+            .map(|id| (id.to_owned(), vec![1, 2, 3, 4]))
+            .collect();
+        assert_eq!(AsyncMysql::applied(&env).await, expected);
+
+        // The operator.
+        let mut conn = operator.conn().await;
+        assert!(dead_letter::list(&mut conn, 10).await.unwrap().is_empty());
+        assert!(
+            outbox_runtime::outbox::queued_by_type(&mut conn)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            outbox_runtime::outbox::published_last_minute(&mut conn, 100)
+                .await
+                .unwrap(),
+            9
+        );
+        assert!(
+            outbox_runtime::inbox::dead_letters(&mut conn, None, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            outbox_runtime::outbox::purge_dedup_keys(&mut conn, Duration::ZERO, 100)
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(
+            outbox_runtime::outbox::purge_published(&mut conn, Duration::ZERO, 100, |_| {})
+                .await
+                .unwrap(),
+            0
+        );
+        // The relay's retention, as the relay.
+        let purged = outbox_runtime::mysql::purge_archived(
+            &mut relay.conn().await,
+            Duration::ZERO,
+            100,
+            |_| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(purged, 9);
+        use_url(&mut env, &root_url);
+        assert_eq!(AsyncMysql::count(&env, "outbox_published").await, 0);
+    }
+
+    /// A relay and an inbox whose account lacks privileges they need stop at connect naming
+    /// each, the account, and the command that writes the grants. Before, on MySQL their
+    /// write check named the one privilege the server refused first (and a relay lacking
+    /// only INSERT on the archive started, and failed every batch), and an account without a
+    /// privilege on `__diesel_schema_migrations` was told that the database lacked every
+    /// migration, to run `outbox migrate` (MySQL shows an account only the tables it holds a
+    /// privilege on).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_and_an_inbox_whose_account_lacks_privileges_name_each_one() {
+        let mut env = AsyncMysql::setup().await;
+        let db = database(&env);
+        let name = db.name.clone();
+        let service = Account::create(db, "service", &[Component::Service], "").await;
+        let blind = Account::create(
+            db,
+            "blind",
+            &[],
+            "GRANT SELECT ON `{database}`.outbox_events TO {account}",
+        )
+        .await;
+        let archiving = Account::create(
+            db,
+            "archiving",
+            &[Component::MessageRelay],
+            "REVOKE INSERT ON `{database}`.outbox_published FROM {account}",
+        )
+        .await;
+        let target = |account: &Account| outbox_runtime::database::redacted(&account.url);
+
+        env.mysql.as_mut().unwrap().url = service.url.clone();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.published = outbox_runtime::PublishedRows::Archive;
+        let refused = match MysqlRelay::connect(config, env.nats.clone()).await {
+            Ok(_) => panic!("a relay started without the privileges it needs"),
+            Err(error) => error.to_string(),
+        };
+        assert_eq!(
+            refused,
+            format!(
+                "relay: cannot connect to the database at {}: checking the relay's privileges: \
+                 the account '{}'@'%' lacks UPDATE on outbox_events, DELETE on outbox_events, \
+                 INSERT on outbox_published, which the relay needs; as the tables' owner, run \
+                 the statements `outbox grants relay {} --mysql {name}` prints \
+                 (outbox_runtime::privileges::mysql_grants)",
+                target(&service),
+                service.name,
+                service.name,
+            )
+        );
+        // In Delete mode the archive is not needed.
+        let mut config = AsyncMysql::relay_config(&env);
+        config.published = outbox_runtime::PublishedRows::Delete;
+        let refused = match MysqlRelay::connect(config, env.nats.clone()).await {
+            Ok(_) => panic!("a relay started without the privileges it needs"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            refused.contains("lacks UPDATE on outbox_events, DELETE on outbox_events, which"),
+            "{refused}"
+        );
+
+        let config = super::inbox_config::<AsyncMysql>(&env, "lacking");
+        let refused = match Inbox::connect(
+            config,
+            env.nats.clone(),
+            super::Applier::<AsyncMysql>::new(),
+        )
+        .await
+        {
+            Ok(_) => panic!("an inbox started without the privileges it needs"),
+            Err(error) => error.to_string(),
+        };
+        let inbox_tables = [
+            "outbox_inbox",
+            "outbox_inbox_positions",
+            "outbox_inbox_attempts",
+            "outbox_inbox_gaps",
+            "outbox_inbox_dead_letters",
+        ];
+        let lacking: Vec<String> = inbox_tables
+            .iter()
+            .flat_map(|table| {
+                ["SELECT", "INSERT", "UPDATE", "DELETE"]
+                    .map(|privilege| format!("{privilege} on {table}"))
+            })
+            .collect();
+        assert_eq!(
+            refused,
+            format!(
+                "inbox: cannot connect to the database at {}: checking the inbox's privileges: \
+                 the account '{}'@'%' lacks {}, which the inbox needs; as the tables' owner, \
+                 run the statements `outbox grants inbox {} --mysql {name}` prints \
+                 (outbox_runtime::privileges::mysql_grants)",
+                target(&service),
+                service.name,
+                lacking.join(", "),
+                service.name,
+            )
+        );
+
+        // A relay's account without INSERT on the archive only: before, it started, and each
+        // batch failed.
+        env.mysql.as_mut().unwrap().url = archiving.url.clone();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.published = outbox_runtime::PublishedRows::Archive;
+        let refused = match MysqlRelay::connect(config, env.nats.clone()).await {
+            Ok(_) => panic!("a relay started without the privileges it needs"),
+            Err(error) => error.to_string(),
+        };
+        assert!(
+            refused.contains(&format!(
+                "the account '{}'@'%' lacks INSERT on outbox_published, which the relay needs",
+                archiving.name
+            )),
+            "{refused}"
+        );
+
+        // An account that may not see `__diesel_schema_migrations` is told so, not that the
+        // database lacks every migration.
+        env.mysql.as_mut().unwrap().url = blind.url.clone();
+        let refused =
+            match MysqlRelay::connect(AsyncMysql::relay_config(&env), env.nats.clone()).await {
+                Ok(_) => panic!("a relay started without the privileges it needs"),
+                Err(error) => error.to_string(),
+            };
+        assert!(
+            refused.contains(&format!(
+                "checking the relay's privileges: the account '{}'@'%' lacks SELECT on \
+                 __diesel_schema_migrations, UPDATE on outbox_events,",
+                blind.name
+            )) && !refused.contains("outbox migrate"),
+            "{refused}"
+        );
+    }
+
+    /// A privilege revoked under a running MySQL relay is named in its log with what to run,
+    /// and once it is granted again the relay goes on, nothing lost or stored twice. Before,
+    /// the log gave the server's "DELETE command denied ..." alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_privilege_revoked_under_a_running_relay_is_named_with_what_to_run() {
+        let (logs, _turn) = support::Logs::capture().await;
+        let mut env = AsyncMysql::setup().await;
+        let db = database(&env);
+        let relay = Account::create(db, "relay", &[Component::MessageRelay], "").await;
+        let (root_url, name) = (db.url.clone(), db.name.clone());
+        let mut owner = db.conn().await;
+        env.mysql.as_mut().unwrap().url = relay.url.clone();
+        let mut config = AsyncMysql::relay_config(&env);
+        env.mysql.as_mut().unwrap().url = root_url;
+        config.max_backoff = Duration::from_millis(200);
+        config.poll_interval = Duration::from_millis(100);
+        let running = MysqlRelay::connect(config, env.nats.clone())
+            .await
+            .unwrap()
+            .spawn();
+        AsyncMysql::commit(&env, vec![shipped("o-1")], None, End::Ok)
+            .await
+            .1
+            .unwrap();
+        env.until_stream_holds(2, Duration::from_secs(10)).await;
+
+        owner
+            .batch_execute(&format!(
+                "REVOKE DELETE ON `{name}`.outbox_events FROM '{}'",
+                relay.name
+            ))
+            .await
+            .unwrap();
+        AsyncMysql::commit(&env, vec![shipped("o-2")], None, End::Ok)
+            .await
+            .1
+            .unwrap();
+        logs.until_contains(
+            "the relay's log names the missing privilege and what to run",
+            &format!(
+                "for table `{name}`.`outbox_events`: the account the relay logs in as lacks a \
+                 privilege the relay needs; as the tables' owner, run the statements `outbox \
+                 grants relay <account> --mysql <database>` prints"
+            ),
+            Duration::from_secs(10),
+        )
+        .await;
+        // Published and not deleted, the rows stay queued; their republishes are JetStream's
+        // duplicates.
+        assert_eq!(AsyncMysql::count(&env, "outbox_events").await, 2);
+
+        owner
+            .batch_execute(&format!(
+                "GRANT DELETE ON `{name}`.outbox_events TO '{}'",
+                relay.name
+            ))
+            .await
+            .unwrap();
+        support::wait_until("the queue drained", Duration::from_secs(10), || async {
+            (AsyncMysql::count(&env, "outbox_events").await == 0).then_some(())
+        })
+        .await;
+        running.shutdown().await.unwrap();
+        assert_eq!(env.stream_len().await, 4, "each event stored once");
     }
 
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in

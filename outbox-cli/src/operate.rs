@@ -1142,17 +1142,26 @@ pub(crate) struct GrantsArgs {
     /// `relay`, `inbox` (a consumer; give it `service` too if its handlers commit events), or
     /// `operator` (this command's other commands).
     component: outbox_runtime::privileges::Component,
-    /// The role to grant to, exactly as PostgreSQL spells it (it is quoted).
+    /// The role to grant to, exactly as PostgreSQL spells it (it is quoted); with --mysql, the
+    /// account: `name` (any host; or a MariaDB role) or `name@host`.
     role: String,
     /// The schema of the outbox's tables.
     #[arg(long, default_value = "public")]
     schema: String,
+    /// MySQL's or MariaDB's statements instead, for the outbox's tables in this database.
+    #[arg(long, value_name = "DATABASE", conflicts_with = "schema")]
+    mysql: Option<String>,
 }
 
-/// Prints the PostgreSQL `GRANT` statements that give a role what a component needs.
+/// Prints the `GRANT` statements that give a role (PostgreSQL) or an account (MySQL, with
+/// `--mysql`) what a component needs.
 pub(crate) fn grants(args: GrantsArgs) -> Result<Ended, String> {
-    let sql = outbox_runtime::privileges::grants(args.component, &args.role, &args.schema)
-        .map_err(|error| error.to_string())?;
+    use outbox_runtime::privileges;
+    let sql = match &args.mysql {
+        Some(database) => privileges::mysql_grants(args.component, &args.role, database),
+        None => privileges::grants(args.component, &args.role, &args.schema),
+    }
+    .map_err(|error| error.to_string())?;
     print!("{sql}");
     Ok(Ended::Done)
 }

@@ -801,9 +801,11 @@ pub(crate) async fn bounded_setup<T, E: fmt::Display>(
 ///   --read-only option": a replica's `read_only` or `super_read_only`), by its words, which
 ///   diesel does not give a kind of its own; SQLite's `SQLITE_READONLY` ("attempt to write a
 ///   readonly database": a file opened read-only, or one this process may not write);
-/// - on PostgreSQL, its role lacks a privilege (SQLSTATE 42501, `insufficient_privilege`:
-///   "permission denied for table ...", by its words, which diesel gives no kind of its own),
-///   granted by the statements `outbox grants` prints ([`crate::privileges`]).
+/// - its role or account lacks a privilege: PostgreSQL's SQLSTATE 42501
+///   (`insufficient_privilege`: "permission denied for table ..."), MySQL's and MariaDB's
+///   errors 1142 and 1143 ("UPDATE command denied to user ..."), each by its words, which
+///   diesel gives no kind of its own; granted by the statements `outbox grants` prints
+///   ([`crate::privileges`]).
 pub(crate) fn refusal_hint(error: &diesel::result::Error, kind: Kind, who: &str) -> String {
     use diesel::result::{DatabaseErrorKind, Error};
     let Error::DatabaseError(error_kind, information) = error else {
@@ -818,6 +820,11 @@ pub(crate) fn refusal_hint(error: &diesel::result::Error, kind: Kind, who: &str)
             Kind::Postgres if message.starts_with("permission denied for ") => format!(
                 ": the role the {who} logs in as lacks a privilege the {who} needs; as the \
                  tables' owner, run the statements `outbox grants {who} <role>` prints"
+            ),
+            Kind::Mysql if message.contains(" command denied to user ") => format!(
+                ": the account the {who} logs in as lacks a privilege the {who} needs; as the \
+                 tables' owner, run the statements `outbox grants {who} <account> --mysql \
+                 <database>` prints"
             ),
             _ => String::new(),
         };

@@ -155,7 +155,6 @@ pub mod inbox;
 pub mod mysql;
 pub mod nats;
 pub mod outbox;
-#[cfg(feature = "postgres")]
 pub mod privileges;
 pub mod publisher;
 pub mod relay;

@@ -75,6 +75,10 @@
 //!   connection loses its transaction, and the message is retried. The inbox's own queries
 //!   are bounded by `statement_timeout` on the client; the handlers' are not (no
 //!   server-side equivalent covers every statement on both servers).
+//! - Accounts of their own: [`privileges::mysql_grants`](crate::privileges::mysql_grants)
+//!   (`outbox grants <component> <account> --mysql <database>`) writes what each part needs;
+//!   the relay and the inbox check at connect that their account holds it, and name each
+//!   privilege it lacks.
 //! - Not on MySQL: the topology registry.
 //! - The relay reads the outbox lag and the counts of waiting rows into the same gauges as on
 //!   PostgreSQL ([`stats`] reads them on demand).

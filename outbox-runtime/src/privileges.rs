@@ -1,28 +1,28 @@
-//! Roles and grants on PostgreSQL: the privileges each part of the outbox needs, for
-//! deployments where one role runs the migrations and owns the tables, and the service, the
-//! relay and the inbox each log in as a role of their own that holds only what it uses.
+//! Roles and grants: the privileges each part of the outbox needs, for deployments where one
+//! role or account runs the migrations and owns the tables, and the service, the relay and
+//! the inbox each log in as one of their own that holds only what it uses.
 //!
-//! [`grants`] writes the `GRANT` statements for one [`Component`] and role (the `outbox
-//! grants` command prints them). The relay and the inbox check at connect that their role
-//! holds what they need, and stop with a [`ConnectError`](crate::ConnectError) that names each
+//! [`grants`] writes PostgreSQL's `GRANT` statements for one [`Component`] and role,
+//! [`mysql_grants`] MySQL's and MariaDB's for an account (the `outbox grants` command prints
+//! either). The relay and the inbox check at connect that their role or account holds what
+//! they need, and stop with a [`ConnectError`](crate::ConnectError) that names each
 //! privilege missing and the command that writes the grants, where they would otherwise
-//! start and fail on their first batch or message ("permission denied for table ...") for as
-//! long as they ran.
+//! start and fail on their first batch or message ("permission denied for table ...",
+//! "UPDATE command denied to user ...") for as long as they ran. On PostgreSQL the check is
+//! one query of the server's privilege functions; MySQL has none, so there each privilege is
+//! tried by a statement that touches no row, in a transaction rolled back.
 //!
-//! Two operations stay with the tables' owner, because PostgreSQL lets no grant give them:
-//! the migrations (they create and alter tables), and dropping the archive's days
+//! Two operations stay with the tables' owner on PostgreSQL, because it lets no grant give
+//! them: the migrations (they create and alter tables), and dropping the archive's days
 //! ([`drop_archived`](crate::outbox::drop_archived), from `outbox purge` or the relay's
 //! `--purge-older-than` in `--published archive`), since only a table's owner may detach a
 //! partition and drop it (PostgreSQL 15 docs, ALTER TABLE and DROP TABLE). Creating the
 //! archive's days needs no ownership: `outbox_published_create_partitions` runs as its owner
-//! (a `SECURITY DEFINER` function, granted to the relay).
+//! (a `SECURITY DEFINER` function, granted to the relay). On MySQL the archive is one table,
+//! whose old rows the relay's retention deletes (`DELETE` is in its grants).
 
 use std::fmt::{self, Write as _};
 use std::str::FromStr;
-
-use diesel::QueryableByName;
-use diesel::sql_types::{Array, Text};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use crate::outbox::PublishedRows;
 
@@ -104,11 +104,11 @@ impl FromStr for Component {
     }
 }
 
-/// A role or schema name that PostgreSQL would not take as given.
+/// A role, schema, account or database name that the database would not take as given.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the {what} name {name:?} {fault}")]
 pub struct InvalidName {
-    /// `role` or `schema`.
+    /// `role` or `schema` (PostgreSQL), `account` or `database` (MySQL).
     pub what: &'static str,
     /// The name as given.
     pub name: String,
@@ -163,19 +163,7 @@ pub fn grants(component: Component, role: &str, schema: &str) -> Result<String, 
          GRANT USAGE ON SCHEMA {schema} TO {role};\n",
         env!("CARGO_PKG_VERSION")
     );
-    let needs = component.needs();
-    // One statement per object, its privileges in the order listed.
-    let mut objects: Vec<(Object, Vec<&str>)> = Vec::new();
-    for need in needs {
-        match objects
-            .iter_mut()
-            .find(|(object, _)| *object == need.object)
-        {
-            Some((_, privileges)) => privileges.push(need.privilege),
-            None => objects.push((need.object, vec![need.privilege])),
-        }
-    }
-    for (object, privileges) in objects {
+    for (object, privileges) in by_object(component.needs()) {
         let (kind, name) = match object {
             Object::Table(name) => ("TABLE", name),
             Object::Function(name) => ("FUNCTION", name),
@@ -189,11 +177,123 @@ pub fn grants(component: Component, role: &str, schema: &str) -> Result<String, 
     Ok(sql)
 }
 
+/// The `GRANT` statements that give the MySQL or MariaDB `account` what `component` needs on
+/// the outbox's tables in `database`, one per line, with a first comment line naming the
+/// component; run them as the tables' owner (or an account with `GRANT OPTION` on them),
+/// after the outbox's MySQL migrations, and again after an upgrade that adds a table. MySQL
+/// has neither the functions nor the topology registry of PostgreSQL, so the statements name
+/// tables only; for the relay they cover every [`PublishedRows`] mode, and in Archive mode
+/// also `SELECT` and `DELETE` on `outbox_published`, whose old rows the relay's retention
+/// deletes (`--purge-older-than`).
+///
+/// `account` is `name`, written `'name'` (MySQL reads `'name'@'%'`: any host; a MariaDB role
+/// has no host part), or `name@host`, split at its last `@` and written `'name'@'host'`
+/// (MySQL 8.0 docs, 8.2.4 "Specifying Account Names"). Names are quoted, a single quote
+/// doubled and the database's backtick doubled, so each is taken exactly as given.
+///
+/// # Errors
+/// [`InvalidName`] for an account whose name or host is empty, or that holds a NUL or a
+/// backslash (which MySQL reads as an escape or not by `sql_mode`,
+/// `NO_BACKSLASH_ESCAPES`), and for a `database` that is empty or holds a NUL.
+pub fn mysql_grants(
+    component: Component,
+    account: &str,
+    database: &str,
+) -> Result<String, InvalidName> {
+    let account = mysql_account(account)?;
+    let database = match database {
+        "" => Some("is empty"),
+        name if name.contains('\0') => Some("holds a NUL character, which MySQL's names cannot"),
+        _ => None,
+    }
+    .map_or_else(
+        || Ok(format!("`{}`", database.replace('`', "``"))),
+        |fault| {
+            Err(InvalidName {
+                what: "database",
+                name: database.to_owned(),
+                fault,
+            })
+        },
+    )?;
+    let mut sql = format!(
+        "-- What the outbox's {component} needs on MySQL or MariaDB (outbox-runtime {}).\n",
+        env!("CARGO_PKG_VERSION")
+    );
+    for (object, privileges) in by_object(mysql_needs(component, None)) {
+        let _ = writeln!(
+            sql,
+            "GRANT {} ON {database}.`{}` TO {account};",
+            privileges.join(", "),
+            object.name()
+        );
+    }
+    Ok(sql)
+}
+
+/// A MySQL account as [`mysql_grants`] takes it, quoted.
+fn mysql_account(account: &str) -> Result<String, InvalidName> {
+    let (name, host) = match account.rsplit_once('@') {
+        Some((name, host)) => (name, Some(host)),
+        None => (account, None),
+    };
+    let fault = if name.is_empty() {
+        Some("has an empty user name (MySQL's anonymous user)")
+    } else if host == Some("") {
+        Some("has an empty host after its `@` (leave the `@` out for any host)")
+    } else if account.contains('\0') {
+        Some("holds a NUL character, which MySQL's names cannot")
+    } else if account.contains('\\') {
+        Some(
+            "holds a backslash, which MySQL reads as an escape or not by its sql_mode \
+             (NO_BACKSLASH_ESCAPES)",
+        )
+    } else {
+        None
+    };
+    if let Some(fault) = fault {
+        return Err(InvalidName {
+            what: "account",
+            name: account.to_owned(),
+            fault,
+        });
+    }
+    let literal = |text: &str| format!("'{}'", text.replace('\'', "''"));
+    Ok(match host {
+        Some(host) => format!("{}@{}", literal(name), literal(host)),
+        None => literal(name),
+    })
+}
+
+/// `needs` grouped by object, in the order each object first comes, its privileges in the
+/// order listed: one statement per object.
+fn by_object(needs: Vec<Need>) -> Vec<(Object, Vec<&'static str>)> {
+    let mut objects: Vec<(Object, Vec<&str>)> = Vec::new();
+    for need in needs {
+        match objects
+            .iter_mut()
+            .find(|(object, _)| *object == need.object)
+        {
+            Some((_, privileges)) => privileges.push(need.privilege),
+            None => objects.push((need.object, vec![need.privilege])),
+        }
+    }
+    objects
+}
+
 /// A table or function of the outbox, by its unquoted name (found along the `search_path`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Object {
     Table(&'static str),
     Function(&'static str),
+}
+
+impl Object {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Table(name) | Self::Function(name) => name,
+        }
+    }
 }
 
 /// One privilege on one object.
@@ -317,6 +417,36 @@ fn operator_needs() -> Vec<Need> {
     needs
 }
 
+/// What `component` needs on MySQL, in `mode`, or (`None`) all that [`mysql_grants`] gives:
+/// the tables of PostgreSQL's list that MySQL has (no functions, no topology registry), and
+/// for the relay, with `None`, `SELECT` and `DELETE` on `outbox_published` too: MySQL's
+/// archive is one table whose old rows the relay's retention (`--purge-older-than`) deletes,
+/// where PostgreSQL's owner drops a day; a relay without retention does without them.
+pub(crate) fn mysql_needs(component: Component, mode: Option<PublishedRows>) -> Vec<Need> {
+    let needs = match component {
+        Component::MessageRelay => relay_needs(mode),
+        other => other.needs(),
+    };
+    let mut needs: Vec<Need> = needs
+        .into_iter()
+        .filter(|need| matches!(need.object, Object::Table(name) if name != "outbox_topologies"))
+        .collect();
+    if component == Component::Service {
+        // A dedup key is taken by `INSERT ... ON DUPLICATE KEY UPDATE`, for which the server
+        // asks UPDATE too, even where the key is new (MariaDB 10.11 refused the first key
+        // without it).
+        let at = needs
+            .iter()
+            .rposition(|need| need.object == Object::Table("outbox_dedup_keys"))
+            .map_or(needs.len(), |last| last + 1);
+        needs.insert(at, table("outbox_dedup_keys", "UPDATE"));
+    }
+    if component == Component::MessageRelay && mode.is_none() {
+        needs.extend(each(&["outbox_published"], &["SELECT", "DELETE"]));
+    }
+    needs
+}
+
 /// The privileges of `needs` that the connection's role lacks (held directly, through a role
 /// it is a member of, or by PUBLIC), as `UPDATE on outbox_events`, in the order of `needs`,
 /// after `USAGE` on a schema of its `search_path` that holds the tables and that it may not
@@ -327,11 +457,16 @@ fn operator_needs() -> Vec<Need> {
 ///
 /// One query of `has_table_privilege` and `has_function_privilege` (PostgreSQL 15 docs, 9.26
 /// "System Information Functions and Operators", "Access Privilege Inquiry Functions").
+#[cfg(feature = "postgres")]
 pub(crate) async fn lacking(
-    conn: &mut AsyncPgConnection,
+    conn: &mut diesel_async::AsyncPgConnection,
     component: Component,
     needs: &[Need],
 ) -> diesel::QueryResult<Option<String>> {
+    use diesel::QueryableByName;
+    use diesel::sql_types::{Array, Text};
+    use diesel_async::RunQueryDsl;
+
     #[derive(QueryableByName)]
     struct Lacking {
         #[diesel(sql_type = Text)]
@@ -392,8 +527,125 @@ pub(crate) async fn lacking(
     )))
 }
 
+/// The privileges of `needs` that the MySQL or MariaDB connection's account lacks (held
+/// directly, through a role active in the session, or on the database or every database), as
+/// `UPDATE on outbox_events`, in the order of `needs`; then a sentence naming them, the account
+/// and the grants `component` needs, or `None` when it lacks none.
+///
+/// MySQL has no function that answers for a privilege, and its `information_schema` shows an
+/// account only its own grants, not those of its roles; so each privilege is tried by a
+/// statement that touches no row (`WHERE FALSE`, `LIMIT 0`), in a transaction rolled back, and
+/// a try the server refuses for want of a privilege (errors 1142, 1143, 1044: MySQL docs,
+/// "Server Error Message Reference") names it. The code is read by `GET DIAGNOSTICS`, which
+/// MySQL permits outside a handler "to check the execution of any SQL statement" (MySQL 8.4
+/// docs, 15.6.7.3; since 5.6.4, and MariaDB), not from the message, which follows the server's
+/// language. A table that does not exist (1146) is left to the migrations check,
+/// any other failure (a column without a default, a server that takes no writes) to the
+/// checks after it: the server checks privileges first.
+#[cfg(feature = "mysql")]
+pub(crate) async fn lacking_on_mysql(
+    conn: &mut diesel_async::AsyncMysqlConnection,
+    component: Component,
+    needs: &[Need],
+) -> diesel::QueryResult<Option<String>> {
+    use diesel::QueryableByName;
+    use diesel::sql_types::Text;
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+    #[derive(QueryableByName)]
+    struct Account {
+        #[diesel(sql_type = Text)]
+        account: String,
+        #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+        database: Option<String>,
+    }
+    conn.batch_execute("START TRANSACTION").await?;
+    let tried = try_each_on_mysql(conn, needs).await;
+    let rolled_back = conn.batch_execute("ROLLBACK").await;
+    let missing = tried?;
+    rolled_back?;
+    if missing.is_empty() {
+        return Ok(None);
+    }
+    let row: Account =
+        diesel::sql_query("SELECT CURRENT_USER() AS account, DATABASE() AS `database`")
+            .get_result(conn)
+            .await?;
+    // CURRENT_USER() is `name@host`, the host after the last `@`.
+    let (name, host) = row.account.rsplit_once('@').unwrap_or((&row.account, "%"));
+    let argument = if host == "%" {
+        name.to_owned()
+    } else {
+        row.account.clone()
+    };
+    Ok(Some(format!(
+        "the account '{name}'@'{host}' lacks {}, which the {component} needs; as the tables' \
+         owner, run the statements `outbox grants {component} {} --mysql {}` prints \
+         (outbox_runtime::privileges::mysql_grants)",
+        missing.join(", "),
+        shell_word(&argument),
+        shell_word(row.database.as_deref().unwrap_or("<database>")),
+    )))
+}
+
+/// [`lacking_on_mysql`]'s tries, inside its transaction.
+#[cfg(feature = "mysql")]
+async fn try_each_on_mysql(
+    conn: &mut diesel_async::AsyncMysqlConnection,
+    needs: &[Need],
+) -> diesel::QueryResult<Vec<String>> {
+    use diesel::QueryableByName;
+    use diesel::sql_types::{BigInt, Nullable};
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+    #[derive(QueryableByName)]
+    struct Errno {
+        #[diesel(sql_type = Nullable<BigInt>)]
+        errno: Option<i64>,
+    }
+    let mut missing = Vec::new();
+    for need in needs {
+        let Object::Table(table) = need.object else {
+            continue;
+        };
+        // A column each table has. The tries write no value into it and read none from it:
+        // INSERT's and UPDATE's need no SELECT, and a column without a default, or NOT NULL,
+        // fails them only after the privilege check, which is all they are for.
+        let column = match table {
+            "__diesel_schema_migrations" => "version",
+            "outbox_dedup_keys" => "dedup_key",
+            inbox if inbox.starts_with("outbox_inbox") => "consumer",
+            _ => "aggregate_type",
+        };
+        let sql = match need.privilege {
+            "SELECT" => format!("SELECT 1 FROM `{table}` LIMIT 0"),
+            "INSERT" => {
+                format!("INSERT INTO `{table}` (`{column}`) SELECT NULL FROM DUAL WHERE FALSE")
+            }
+            "UPDATE" => format!("UPDATE `{table}` SET `{column}` = NULL WHERE FALSE"),
+            "DELETE" => format!("DELETE FROM `{table}` WHERE FALSE"),
+            _ => continue,
+        };
+        if conn.batch_execute(&sql).await.is_ok() {
+            continue;
+        }
+        // The refused statement's code, before another statement clears it.
+        conn.batch_execute("GET DIAGNOSTICS CONDITION 1 @outbox_errno = MYSQL_ERRNO")
+            .await?;
+        let refused: Errno = diesel::sql_query("SELECT CAST(@outbox_errno AS SIGNED) AS errno")
+            .get_result(conn)
+            .await?;
+        // ER_DBACCESS_DENIED_ERROR, ER_TABLEACCESS_DENIED_ERROR, ER_COLUMNACCESS_DENIED_ERROR.
+        if matches!(refused.errno, Some(1044 | 1142 | 1143)) {
+            missing.push(format!("{} on {table}", need.privilege));
+        }
+    }
+    Ok(missing)
+}
+
 /// `word` as one word of a POSIX shell command: as it is when it needs no quoting, else in
 /// single quotes, each single quote written `'\''`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn shell_word(word: &str) -> String {
     if !word.is_empty()
         && word
@@ -410,6 +662,7 @@ fn shell_word(word: &str) -> String {
 /// table whose schema to name. `hidden`: when the `search_path` finds no table `$4`, the
 /// schemas it names that hold one and that the role may not use (PostgreSQL leaves them out
 /// of the path without a word, and the tables seem not to exist).
+#[cfg(feature = "postgres")]
 const LACKING: &str = "SELECT current_user::text AS role, \
             (SELECT n.nspname::text FROM pg_class c \
              JOIN pg_namespace n ON n.oid = c.relnamespace \
@@ -518,6 +771,72 @@ mod tests {
     }
 
     #[test]
+    fn mysql_grants_name_tables_only_with_names_quoted_as_given() {
+        let sql = mysql_grants(Component::MessageRelay, "o'brien@10.0.%", "shop`s").unwrap();
+        let lines: Vec<&str> = sql.lines().collect();
+        assert_eq!(
+            lines[0],
+            "-- What the outbox's relay needs on MySQL or MariaDB (outbox-runtime 0.1.0)."
+        );
+        assert_eq!(
+            &lines[1..],
+            [
+                "GRANT SELECT ON `shop``s`.`__diesel_schema_migrations` TO 'o''brien'@'10.0.%';",
+                "GRANT SELECT, UPDATE, DELETE ON `shop``s`.`outbox_events` TO 'o''brien'@'10.0.%';",
+                "GRANT SELECT, UPDATE ON `shop``s`.`outbox_aggregates` TO 'o''brien'@'10.0.%';",
+                "GRANT INSERT, SELECT, DELETE ON `shop``s`.`outbox_published` TO 'o''brien'@'10.0.%';",
+            ]
+        );
+        // Without a host: any host, or a MariaDB role.
+        let service = mysql_grants(Component::Service, "svc", "shop").unwrap();
+        assert!(
+            service
+                .contains("GRANT SELECT, INSERT, UPDATE ON `shop`.`outbox_dedup_keys` TO 'svc';"),
+            "{service}"
+        );
+        // The user name may hold an `@`: the host follows the last.
+        assert!(
+            mysql_grants(Component::Operator, "a@b@c", "shop")
+                .unwrap()
+                .contains(" TO 'a@b'@'c';")
+        );
+    }
+
+    #[test]
+    fn an_account_or_database_mysql_would_not_take_as_given_is_refused_naming_why() {
+        let refused = |account: &str| {
+            mysql_grants(Component::InboxConsumer, account, "shop")
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            refused(""),
+            "the account name \"\" has an empty user name (MySQL's anonymous user)"
+        );
+        assert_eq!(
+            refused("@%"),
+            "the account name \"@%\" has an empty user name (MySQL's anonymous user)"
+        );
+        assert_eq!(
+            refused("inbox@"),
+            "the account name \"inbox@\" has an empty host after its `@` (leave the `@` out \
+             for any host)"
+        );
+        assert_eq!(
+            refused("in\\box"),
+            "the account name \"in\\\\box\" holds a backslash, which MySQL reads as an escape \
+             or not by its sql_mode (NO_BACKSLASH_ESCAPES)"
+        );
+        assert_eq!(
+            refused("in\0box"),
+            "the account name \"in\\0box\" holds a NUL character, which MySQL's names cannot"
+        );
+        let database = mysql_grants(Component::InboxConsumer, "inbox", "").unwrap_err();
+        assert_eq!((database.what, database.fault), ("database", "is empty"));
+    }
+
+    #[test]
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     fn a_role_is_named_as_one_word_of_the_command() {
         assert_eq!(shell_word("outbox_relay"), "outbox_relay");
         assert_eq!(shell_word("Relay-2.eu"), "Relay-2.eu");

@@ -316,6 +316,16 @@ impl InboxStore for AsyncMysqlConnection {
         Ok(rows.into_iter().map(|row| row.consumer).collect())
     }
 
+    async fn lacking_privileges(&mut self) -> QueryResult<Option<String>> {
+        use crate::privileges::{self, Component};
+        privileges::lacking_on_mysql(
+            self,
+            Component::InboxConsumer,
+            &privileges::mysql_needs(Component::InboxConsumer, None),
+        )
+        .await
+    }
+
     async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {
         let row: portable::Settled = portable::has_positions(consumer).get_result(self).await?;
         Ok(row.settled())

@@ -331,9 +331,9 @@ pub(crate) mod sealed {
         /// The consumers with rows in `outbox_inbox`, in byte order.
         fn consumers(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
 
-        /// What the connection's role lacks of the privileges the inbox needs, as a sentence
-        /// naming each (PostgreSQL: the `privileges` module); `None` where it lacks none, and
-        /// on MySQL and SQLite, where the write check at connect stands in for it.
+        /// What the connection's role or account lacks of the privileges the inbox needs, as
+        /// a sentence naming each (the `privileges` module); `None` where it lacks none, and
+        /// on SQLite, which has no privileges.
         fn lacking_privileges(
             &mut self,
         ) -> impl Future<Output = QueryResult<Option<String>>> + Send {

@@ -87,6 +87,16 @@ impl PolledStore for AsyncMysqlConnection {
     async fn check_writes(&mut self) -> QueryResult<()> {
         self.batch_execute(super::polling::WRITE_CHECK).await
     }
+
+    async fn lacking_privileges(&mut self, mode: PublishedRows) -> QueryResult<Option<String>> {
+        use crate::privileges::{self, Component};
+        privileges::lacking_on_mysql(
+            self,
+            Component::MessageRelay,
+            &privileges::mysql_needs(Component::MessageRelay, Some(mode)),
+        )
+        .await
+    }
 }
 
 /// The claim's columns, as [`Row`] reads them; `{available}` is the expression of its

@@ -18,7 +18,7 @@ use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
 use crate::commits::COMMITS;
 use crate::database;
 use crate::outbox::queries::{ClaimedEvent, JsonBytes, JsonText, RetryPolicy};
-use crate::outbox::{MissingMigrations, OutboxStats};
+use crate::outbox::{MissingMigrations, OutboxStats, PublishedRows};
 use crate::spawned::Spawned;
 
 /// A database the polling relay publishes from.
@@ -36,6 +36,17 @@ pub(super) trait PolledStore: RelayStore {
 
     /// Runs [`WRITE_CHECK`]: fails where the database takes no writes.
     fn check_writes(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
+
+    /// What the connection's account lacks of the privileges the relay needs in `mode`, as
+    /// a sentence naming each ([`crate::privileges`]); `None` where it lacks none, and on
+    /// SQLite, which has no privileges.
+    fn lacking_privileges(
+        &mut self,
+        mode: PublishedRows,
+    ) -> impl Future<Output = QueryResult<Option<String>>> + Send {
+        let _ = mode;
+        async { Ok(None) }
+    }
 }
 
 /// [`Polling::connect`]'s check that the database takes the relay's writes: an update of no
@@ -76,6 +87,27 @@ impl<C: PolledStore> Polling<C> {
         let config = C::configure(config);
         let (shared, duplicate_window) = Shared::prepare(config, nats).await?;
         let mut conn = C::connect(&shared).await?;
+        // Before the migrations check: MySQL shows an account only the tables it holds a
+        // privilege on, so one without any on `__diesel_schema_migrations` would be told the
+        // database lacks every migration.
+        match database::bounded(
+            shared.config.statement_timeout,
+            &shared.target,
+            "the privileges check",
+            conn.lacking_privileges(shared.config.published),
+        )
+        .await
+        {
+            Ok(None) => {}
+            Ok(Some(lacking)) => {
+                return Err(RelayError::Connect(database::ConnectError {
+                    target: shared.target.clone(),
+                    reason: format!("checking the relay's privileges: {lacking}"),
+                }));
+            }
+            Err(database::Bounded::Failed(error)) => return Err(error.into()),
+            Err(database::Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
+        }
         let pending = database::bounded(
             shared.config.statement_timeout,
             &shared.target,
