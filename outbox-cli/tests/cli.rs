@@ -1887,6 +1887,92 @@ async fn the_operators_commands_work_on_mysql() {
         .unwrap();
 }
 
+/// `outbox grants <component> <account> --mysql <database>` prints MySQL's statements, which,
+/// run as root, let an account of its own run the operator's commands on MySQL; and an
+/// account that may not read `__diesel_schema_migrations` is told so by the server. Before,
+/// it was told that the database lacked every migration, to run `outbox migrate` (MySQL's
+/// `information_schema` shows an account only the tables it holds a privilege on).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_account_runs_the_operator_commands_on_mysql_with_the_grants_it_prints() {
+    use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection};
+
+    let admin_url = std::env::var("OUTBOX_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
+    let (name, account) = (format!("outbox_cli_{suffix}"), format!("o{suffix}_op"));
+    let mut admin = AsyncMysqlConnection::establish(&admin_url).await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "CREATE DATABASE {name}; CREATE USER '{account}'@'%' IDENTIFIED BY 'pw'"
+        ))
+        .await
+        .unwrap();
+    let (server, _) = admin_url.rsplit_once('/').expect("a database in the URL");
+    let url = format!("{server}/{name}");
+    let as_account = support::roles::as_role(&url, &account);
+    let command = |url: &str, args: &[&str]| {
+        let output = Command::new(OUTBOX)
+            .args(args)
+            .env("DATABASE_URL", url)
+            .output()
+            .unwrap();
+        (output.status.code(), text(&output))
+    };
+    let (code, said) = command(&url, &["migrate"]);
+    assert_eq!(code, Some(0), "{said}");
+    let output = Command::new(OUTBOX)
+        .args(["grants", "operator", &account, "--mysql", &name])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    let grants = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        grants.starts_with("-- What the outbox's operator needs on MySQL or MariaDB")
+            && grants.contains(&format!(
+                "GRANT SELECT, UPDATE, DELETE ON `{name}`.`outbox_events` TO '{account}';"
+            ))
+            && !grants.contains("FUNCTION")
+            && !grants.contains("outbox_topologies"),
+        "{grants}"
+    );
+    admin.batch_execute(&grants).await.unwrap();
+    for args in [
+        &["status"][..],
+        &["dead-letters", "list"],
+        &["inbox-dead-letters", "list"],
+        &[
+            "purge",
+            "--older-than",
+            "1d",
+            "--dedup-keys-older-than",
+            "1d",
+        ],
+    ] {
+        let (code, said) = command(&as_account, args);
+        assert_eq!(code, Some(0), "{args:?}: {said}");
+    }
+
+    admin
+        .batch_execute(&format!(
+            "REVOKE SELECT ON `{name}`.`__diesel_schema_migrations` FROM '{account}'"
+        ))
+        .await
+        .unwrap();
+    let (code, said) = command(&as_account, &["status"]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(
+        said.contains("SELECT command denied to user")
+            && said.contains("__diesel_schema_migrations")
+            && !said.contains("outbox migrate"),
+        "{said}"
+    );
+    admin
+        .batch_execute(&format!("DROP DATABASE {name}; DROP USER '{account}'@'%'"))
+        .await
+        .unwrap();
+}
+
 /// `outbox migrate` and `outbox relay` on a SQLite file (built with `--features sqlite`): the
 /// daemon publishes what units of work commit to the file, and the operator's commands
 /// (status, dead letters, purge) work on it.
