@@ -75,9 +75,9 @@ enum Command {
     Purge(operate::PurgeArgs),
     /// Print the stream's events as they arrive: subject, stream sequence, type, payload.
     Tail(Box<operate::TailArgs>),
-    /// Print the PostgreSQL GRANT statements that give a role what a component needs (run
-    /// them as the tables' owner, after `migrate`); the relay and the inbox name at start
-    /// each privilege their role lacks.
+    /// Print the GRANT statements that give a PostgreSQL role (or, with --mysql, a MySQL or
+    /// MariaDB account) what a component needs (run them as the tables' owner, after
+    /// `migrate`); the relay and the inbox name at start each privilege theirs lacks.
     Grants(operate::GrantsArgs),
 }
 
