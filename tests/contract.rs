@@ -3875,6 +3875,84 @@ mod mysql {
         assert_eq!(env.stream_len().await, 4, "each event stored once");
     }
 
+    /// The same for a running MySQL inbox: each retry's warning names the missing privilege
+    /// and what to run; once it is granted again, the message is applied once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
+        let (logs, _turn) = support::Logs::capture().await;
+        let mut env = AsyncMysql::setup().await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        let db = database(&env);
+        let inbox = Account::create(
+            db,
+            "inbox",
+            &[Component::InboxConsumer],
+            "GRANT SELECT, INSERT ON `{database}`.applied TO {account}",
+        )
+        .await;
+        let (root_url, name) = (db.url.clone(), db.name.clone());
+        let mut owner = db.conn().await;
+        env.mysql.as_mut().unwrap().url = inbox.url.clone();
+        let config = super::inbox_config::<AsyncMysql>(&env, "revoked");
+        env.mysql.as_mut().unwrap().url = root_url;
+        // The relay makes the stream.
+        drop(
+            MysqlRelay::connect(AsyncMysql::relay_config(&env), env.nats.clone())
+                .await
+                .unwrap(),
+        );
+        let consumer = Inbox::connect(
+            config,
+            env.nats.clone(),
+            super::Applier::<AsyncMysql>::new(),
+        )
+        .await
+        .unwrap();
+        let probe = consumer.clone();
+        let running = consumer.spawn();
+        owner
+            .batch_execute(&format!(
+                "REVOKE INSERT ON `{name}`.outbox_inbox FROM '{}'",
+                inbox.name
+            ))
+            .await
+            .unwrap();
+        AsyncMysql::commit(&env, vec![shipped("o-1")], None, End::Ok)
+            .await
+            .1
+            .unwrap();
+        AsyncMysql::relay_all(&env).await;
+        logs.until_contains(
+            "the inbox's log names the missing privilege and what to run",
+            &format!(
+                "for table `{name}`.`outbox_inbox`: the account the inbox logs in as lacks a \
+                 privilege the inbox needs; as the tables' owner, run the statements `outbox \
+                 grants inbox <account> --mysql <database>` prints"
+            ),
+            Duration::from_secs(10),
+        )
+        .await;
+        owner
+            .batch_execute(&format!(
+                "GRANT INSERT ON `{name}`.outbox_inbox TO '{}'",
+                inbox.name
+            ))
+            .await
+            .unwrap();
+        support::wait_until("the order applied", Duration::from_secs(10), || {
+            let mut consumer = probe.consumer().clone();
+            async move {
+                let info = consumer.info().await.ok()?;
+                (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+            }
+        })
+        .await;
+        running.shutdown().await.unwrap();
+        let expected: BTreeMap<String, Vec<i64>> = [("o-1".to_owned(), vec![1, 2])].into();
+        assert_eq!(AsyncMysql::applied(&env).await, expected);
+        assert_eq!(AsyncMysql::count(&env, "outbox_inbox").await, 2);
+    }
+
     /// After a broker outage longer than its session's `wait_timeout` (25 s against 21 s), in
     /// which the server closed the idle session, a MySQL relay opens a new connection quietly
     /// rather than fail a batch on the closed one and warn of a database failure; so does a
