@@ -3418,6 +3418,160 @@ mod mysql {
         assert_eq!(AsyncMysql::applied(&env).await, expected);
     }
 
+    /// An account created `REQUIRE SUBJECT` (a client certificate required, as Google Cloud SQL
+    /// and Azure ask) logs in with `ssl_cert` and `ssl_key` in the URL: its RSA key in PKCS#8
+    /// form (`openssl genpkey`'s, which mysql_async alone cannot read) or PKCS#1; the
+    /// migrations, the relay and the inbox reach it so. Before, the toolkit had no way to give
+    /// a client certificate (mysql_async's URL takes none), and such an account could not log
+    /// in. A certificate without its key, a file without a certificate or key, and an EC key,
+    /// which the driver cannot sign with, are refused before connecting, each named.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_account_that_requires_a_client_certificate_logs_in_with_one() {
+        let certificates = support::postgres::TestCertificates::new();
+        let file = |name: &str| certificates.path(name).display().to_string();
+        let openssl = |args: &[&str]| {
+            let output = std::process::Command::new("openssl")
+                .current_dir(certificates.path(""))
+                .args(args)
+                .output()
+                .expect("run openssl");
+            assert!(
+                output.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        };
+        // An RSA key in PKCS#8 (OpenSSL 3's default), its certificate signed by the server's
+        // authority, and the same key in PKCS#1.
+        openssl(&[
+            "genpkey",
+            "-algorithm",
+            "RSA",
+            "-pkeyopt",
+            "rsa_keygen_bits:2048",
+            "-out",
+            "rsa.key",
+        ]);
+        openssl(&[
+            "req",
+            "-new",
+            "-key",
+            "rsa.key",
+            "-subj",
+            "/CN=cert-user",
+            "-out",
+            "rsa.csr",
+        ]);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "rsa.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "rsa.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "client.ext",
+        ]);
+        openssl(&[
+            "rsa",
+            "-in",
+            "rsa.key",
+            "-traditional",
+            "-out",
+            "rsa-pkcs1.key",
+        ]);
+        assert!(
+            std::fs::read_to_string(file("rsa.key"))
+                .unwrap()
+                .contains("BEGIN PRIVATE KEY")
+        );
+
+        let server = support::mariadb::MariadbServer::start_with_tls(&certificates).await;
+        AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap()
+            .batch_execute(
+                "CREATE USER certified REQUIRE SUBJECT '/CN=cert-user'; \
+                 GRANT ALL ON *.* TO certified WITH GRANT OPTION",
+            )
+            .await
+            .unwrap();
+        let url = |options: &str| {
+            format!(
+                "mysql://certified@localhost:{}/mysql?prefer_socket=false&ssl_ca={}{options}",
+                server.port,
+                file("ca.pem")
+            )
+        };
+        let identity =
+            |cert: &str, key: &str| url(&format!("&ssl_cert={}&ssl_key={}", file(cert), file(key)));
+        let refused = |url: String| async move {
+            match outbox_runtime::mysql::establish(&url).await {
+                Ok(_) => panic!("{url} connected"),
+                Err(error) => error.to_string(),
+            }
+        };
+        let without = refused(url("")).await;
+        assert!(without.contains("Access denied"), "{without}");
+        for key in ["rsa.key", "rsa-pkcs1.key"] {
+            let mut conn = outbox_runtime::mysql::establish(&identity("rsa.pem", key))
+                .await
+                .unwrap_or_else(|e| panic!("{key}: {e}"));
+            conn.batch_execute("DO 1").await.unwrap();
+        }
+        assert_eq!(
+            refused(url(&format!("&ssl_cert={}", file("rsa.pem")))).await,
+            "ssl_cert needs ssl_key beside it: the client certificate's private key"
+        );
+        assert_eq!(
+            refused(url(&format!("&ssl_key={}", file("rsa.key")))).await,
+            "ssl_key needs ssl_cert beside it: the client certificate it is the key of"
+        );
+        assert_eq!(
+            refused(identity("rsa.key", "rsa.key")).await,
+            format!(
+                "ssl_cert {}: no certificate in it (a PEM file: BEGIN CERTIFICATE)",
+                file("rsa.key")
+            )
+        );
+        assert_eq!(
+            refused(identity("rsa.pem", "rsa.pem")).await,
+            format!(
+                "ssl_key {}: no private key in it (a PEM file: BEGIN RSA PRIVATE KEY or BEGIN \
+                 PRIVATE KEY; an encrypted key is not read)",
+                file("rsa.pem")
+            )
+        );
+        assert_eq!(
+            refused(identity("client.pem", "client.key")).await,
+            format!(
+                "ssl_key {}: a PKCS#8 key of algorithm 1.2.840.10045.2.1 (not RSA: EC is \
+                 1.2.840.10045.2.1, Ed25519 1.3.101.112); the driver (mysql_async on rustls) \
+                 signs with RSA keys only; give a client certificate whose key is RSA",
+                file("client.key")
+            )
+        );
+
+        let mysql = Database::create_on(identity("rsa.pem", "rsa.key")).await;
+        let env = AsyncMysql::setup_with(&support::nats_url(), mysql).await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        super::four_events_each::<AsyncMysql>(&env, &["o-1", "o-2"]).await;
+        let config = super::inbox_config::<AsyncMysql>(&env, "certified");
+        super::consume(&env, &config, 1, super::Applier::<AsyncMysql>::new).await;
+        let expected: BTreeMap<String, Vec<i64>> = ["o-1", "o-2"]
+            .into_iter()
+            .map(|id| (id.to_owned(), vec![1, 2, 3, 4]))
+            .collect();
+        assert_eq!(AsyncMysql::applied(&env).await, expected);
+    }
+
     /// A relay and an inbox given a replica's URL (a server with `read_only` on, and a user
     /// without `READ_ONLY ADMIN`, as an application's is) stop at start naming the database,
     /// why and what to give them. Before, both started: each of the relay's batches failed

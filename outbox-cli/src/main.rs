@@ -43,7 +43,8 @@ struct Cli {
     /// features `mysql`, `sqlite`) a `mysql://` URL or a SQLite file's path. PostgreSQL over
     /// TLS: `?sslmode=require`, or `verify-full` with `sslrootcert=<CA file>`; a client
     /// certificate: `sslcert=<PEM file>&sslkey=<PEM file>`. MySQL over TLS: `?require_ssl=true`,
-    /// or `ssl_ca=<CA file>`.
+    /// or `ssl_ca=<CA file>`; a client certificate: `ssl_cert=<PEM file>&ssl_key=<PEM file>`
+    /// (an RSA key).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 

@@ -120,21 +120,37 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations-mysql")
 const MIGRATION_LOCK: &str = "outbox-migrations";
 
 /// Opens a connection to `database_url` as diesel-async's `AsyncMysqlConnection::establish`
-/// does (mysql_async's URL options), and takes one option more: `ssl_ca=<PEM file>`, the
-/// certificate authorities that sign the server's certificate (a private authority's, or a
-/// cloud's bundle: Amazon RDS's certificates chain to "rds-ca-rsa2048-g1" and its kin,
-/// which no public store holds; AWS docs, "Using SSL/TLS to encrypt a connection to a DB
-/// instance"). With it the connection is TLS (as `require_ssl=true`), and the server's
-/// certificate must chain to one of them, and to no other authority; its name is checked
-/// against the host unless `verify_identity=false`. Without it, `require_ssl=true` checks
-/// the server's certificate against the public authorities (webpki's roots), or
-/// `verify_ca=false` takes any certificate. The relays, the inbox, [`run_migrations`] and
-/// the `outbox` command open their connections with it.
+/// does (mysql_async's URL options), and takes three options more, named as diesel's own
+/// `MysqlConnection` and MySQL's client name them:
+///
+/// - `ssl_ca=<PEM file>`: the certificate authorities that sign the server's certificate (a
+///   private authority's, or a cloud's bundle: Amazon RDS's certificates chain to
+///   "rds-ca-rsa2048-g1" and its kin, which no public store holds; AWS docs, "Using SSL/TLS
+///   to encrypt a connection to a DB instance"). The server's certificate must chain to one
+///   of them, and to no other authority; its name is checked against the host unless
+///   `verify_identity=false`. Without it, the server's certificate is checked against the
+///   public authorities (webpki's roots), or `verify_ca=false` takes any certificate.
+/// - `ssl_cert=<PEM file>` and `ssl_key=<PEM file>`, together: a client certificate (its
+///   chain) and its private key, for an account created `REQUIRE X509` or `REQUIRE SUBJECT`
+///   (MySQL 8.0 docs, 15.7.1.3 "CREATE USER Statement", "SSL/TLS Options"), as Google Cloud
+///   SQL and Azure ask. The key must be RSA, in PKCS#1 (`BEGIN RSA PRIVATE KEY`) or PKCS#8
+///   (`BEGIN PRIVATE KEY`) form: the driver (mysql_async on rustls) signs with RSA keys only,
+///   so an EC or Ed25519 key is refused, naming its kind.
+///
+/// With any of them the connection is TLS (as `require_ssl=true`). The files are read before
+/// connecting, and one that is missing or holds no certificate or key is named with its fault,
+/// never its content. The relays, the inbox, [`run_migrations`] and the `outbox` command open
+/// their connections with it.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), diesel::ConnectionError> {
 /// let conn = outbox_runtime::mysql::establish(
 ///     "mysql://app:secret@db.internal:3306/orders?ssl_ca=/etc/ssl/rds-global-bundle.pem",
+/// )
+/// .await?;
+/// let conn = outbox_runtime::mysql::establish(
+///     "mysql://app@10.0.0.5:3306/orders?ssl_ca=/etc/mysql/server-ca.pem\
+///      &ssl_cert=/etc/mysql/client-cert.pem&ssl_key=/etc/mysql/client-key.pem",
 /// )
 /// .await?;
 /// # Ok(())
@@ -143,21 +159,28 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 ///
 /// # Errors
 /// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL that
-/// does not parse, or an `ssl_ca` that names no file; else the driver's error, as
-/// `establish`'s.
+/// does not parse, an `ssl_ca`, `ssl_cert` or `ssl_key` that names no file or holds no
+/// certificate or key, an `ssl_cert` without its `ssl_key` (or the reverse), and a key that
+/// is not RSA; else the driver's error, as `establish`'s.
 pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     use diesel::ConnectionError;
-    let Some((url, authorities)) = without_ssl_ca(database_url)? else {
+    let Some((url, files)) = tls_files(database_url)? else {
         return AsyncMysqlConnection::establish(database_url).await;
     };
     let opts = mysql_async::Opts::from_url(&url)
         .map_err(|e| ConnectionError::InvalidConnectionUrl(e.to_string()))?;
-    let tls = opts
-        .ssl_opts()
-        .cloned()
-        .unwrap_or_default() // `require_ssl=true` is in `url`
-        .with_root_certs(vec![authorities.into()])
-        .with_disable_built_in_roots(true);
+    let mut tls = opts.ssl_opts().cloned().unwrap_or_default(); // `require_ssl=true` is in `url`
+    if let Some(authorities) = files.authorities {
+        tls = tls
+            .with_root_certs(vec![authorities.into()])
+            .with_disable_built_in_roots(true);
+    }
+    if let Some((chain, key)) = files.identity {
+        tls = tls.with_client_identity(Some(mysql_async::ClientIdentity::new(
+            chain.into(),
+            key.into(),
+        )));
+    }
     // As diesel-async's `establish` sets them: its own statement cache, and affected rows
     // counted as matched rows, as PostgreSQL counts them.
     let opts = mysql_async::OptsBuilder::from_opts(opts)
@@ -170,15 +193,25 @@ pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysq
     AsyncMysqlConnection::try_from(conn).await
 }
 
-/// `database_url` without its `ssl_ca` option and with `require_ssl=true` in place of any
-/// `require_ssl` (mysql_async applies `verify_identity`, `verify_ca` and `built_in_roots`
-/// only with it), and the file `ssl_ca` names; `None` without one.
+/// The TLS files a URL names beyond mysql_async's own options.
+#[derive(Debug, Default)]
+struct TlsFiles {
+    /// `ssl_ca`.
+    authorities: Option<std::path::PathBuf>,
+    /// `ssl_cert`, and `ssl_key`'s RSA key in PKCS#1 DER, the one form the driver reads of
+    /// every RSA key.
+    identity: Option<(std::path::PathBuf, Vec<u8>)>,
+}
+
+/// `database_url` without its `ssl_ca`, `ssl_cert` and `ssl_key` options and with
+/// `require_ssl=true` in place of any `require_ssl` (mysql_async applies `verify_identity`,
+/// `verify_ca` and `built_in_roots` only with it), and the files they name, read and checked;
+/// `None` without any of them.
 ///
 /// # Errors
-/// An `ssl_ca` that names no file.
-fn without_ssl_ca(
-    database_url: &str,
-) -> diesel::ConnectionResult<Option<(String, std::path::PathBuf)>> {
+/// As [`establish`]'s, for the files.
+fn tls_files(database_url: &str) -> diesel::ConnectionResult<Option<(String, TlsFiles)>> {
+    use diesel::ConnectionError::InvalidConnectionUrl;
     let Some((base, query)) = database_url.split_once('?') else {
         return Ok(None);
     };
@@ -186,35 +219,123 @@ fn without_ssl_ca(
         Some((query, fragment)) => (query, Some(fragment)),
         None => (query, None),
     };
-    let mut authorities = None;
+    let (mut authorities, mut chain, mut key) = (None, None, None);
     let mut kept: Vec<&str> = query
         .split('&')
-        .filter(|pair| match pair.split_once('=') {
-            Some(("ssl_ca", value)) => {
+        .filter(|pair| {
+            let Some((name, value)) = pair.split_once('=') else {
+                return true;
+            };
+            let path = || {
                 let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
-                authorities = Some(std::path::PathBuf::from(value.as_ref()));
-                false
+                Some(std::path::PathBuf::from(value.as_ref()))
+            };
+            match name {
+                "ssl_ca" => authorities = path(),
+                "ssl_cert" => chain = path(),
+                "ssl_key" => key = path(),
+                "require_ssl" => {}
+                _ => return true,
             }
-            Some(("require_ssl", _)) => false,
-            _ => true,
+            false
         })
         .collect();
-    kept.push("require_ssl=true");
-    let Some(authorities) = authorities else {
+    if authorities.is_none() && chain.is_none() && key.is_none() {
         return Ok(None);
-    };
-    if !authorities.is_file() {
-        return Err(diesel::ConnectionError::InvalidConnectionUrl(format!(
-            "ssl_ca {}: no such file",
-            authorities.display()
-        )));
     }
+    kept.push("require_ssl=true");
+    for (option, path) in [
+        ("ssl_ca", &authorities),
+        ("ssl_cert", &chain),
+        ("ssl_key", &key),
+    ] {
+        if let Some(path) = path.as_ref().filter(|path| !path.is_file()) {
+            return Err(InvalidConnectionUrl(format!(
+                "{option} {}: no such file",
+                path.display()
+            )));
+        }
+    }
+    let identity = match (chain, key) {
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(InvalidConnectionUrl(
+                "ssl_cert needs ssl_key beside it: the client certificate's private key".into(),
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(InvalidConnectionUrl(
+                "ssl_key needs ssl_cert beside it: the client certificate it is the key of".into(),
+            ));
+        }
+        (Some(chain), Some(key)) => {
+            use rustls_pki_types::CertificateDer;
+            use rustls_pki_types::pem::PemObject;
+            if CertificateDer::pem_file_iter(&chain)
+                .ok()
+                .and_then(|mut certificates| certificates.next())
+                .is_none_or(|first| first.is_err())
+            {
+                return Err(InvalidConnectionUrl(format!(
+                    "ssl_cert {}: no certificate in it (a PEM file: BEGIN CERTIFICATE)",
+                    chain.display()
+                )));
+            }
+            let pkcs1 = rsa_key(&key).map_err(|fault| {
+                InvalidConnectionUrl(format!("ssl_key {}: {fault}", key.display()))
+            })?;
+            Some((chain, pkcs1))
+        }
+    };
     let mut url = format!("{base}?{}", kept.join("&"));
     if let Some(fragment) = fragment {
         url.push('#');
         url.push_str(fragment);
     }
-    Ok(Some((url, authorities)))
+    Ok(Some((
+        url,
+        TlsFiles {
+            authorities,
+            identity,
+        },
+    )))
+}
+
+/// The first private key of the PEM file at `path`, as PKCS#1 DER: as it is when it is
+/// PKCS#1 (`BEGIN RSA PRIVATE KEY`), taken out of its PKCS#8 wrapping (`BEGIN PRIVATE KEY`,
+/// RFC 5208, 5) when that holds an RSA key (`rsaEncryption`, RFC 8017, A.1); else why not,
+/// never the key.
+fn rsa_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use rustls_pki_types::PrivateKeyDer;
+    use rustls_pki_types::pem::PemObject;
+    /// rsaEncryption (RFC 8017, A.1).
+    const RSA_ENCRYPTION: pkcs8::ObjectIdentifier =
+        pkcs8::ObjectIdentifier::new_unwrap("1.2.840.113549.1.1.1");
+    let not_rsa = "the driver (mysql_async on rustls) signs with RSA keys only; give a client \
+                   certificate whose key is RSA";
+    match PrivateKeyDer::from_pem_file(path) {
+        Ok(PrivateKeyDer::Pkcs1(key)) => Ok(key.secret_pkcs1_der().to_vec()),
+        Ok(PrivateKeyDer::Pkcs8(key)) => {
+            let info = pkcs8::PrivateKeyInfo::try_from(key.secret_pkcs8_der())
+                .map_err(|_| "its PKCS#8 key (BEGIN PRIVATE KEY) does not parse".to_owned())?;
+            if info.algorithm.oid == RSA_ENCRYPTION {
+                Ok(info.private_key.to_vec())
+            } else {
+                Err(format!(
+                    "a PKCS#8 key of algorithm {} (not RSA: EC is 1.2.840.10045.2.1, Ed25519 \
+                     1.3.101.112); {not_rsa}",
+                    info.algorithm.oid
+                ))
+            }
+        }
+        Ok(PrivateKeyDer::Sec1(_)) => Err(format!("an EC key (BEGIN EC PRIVATE KEY); {not_rsa}")),
+        Ok(_) => Err(format!("a key of a kind not known here; {not_rsa}")),
+        Err(_) => Err(
+            "no private key in it (a PEM file: BEGIN RSA PRIVATE KEY or BEGIN PRIVATE KEY; an \
+             encrypted key is not read)"
+                .to_owned(),
+        ),
+    }
 }
 
 /// Applies the pending [`MIGRATIONS`] to the database at `database_url`
@@ -759,7 +880,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ssl_ca_is_taken_out_of_the_url_wherever_it_stands() {
+    fn the_tls_files_are_taken_out_of_the_url_wherever_they_stand() {
         let file = std::env::temp_dir().join(format!("outbox ca {}.pem", uuid::Uuid::new_v4()));
         std::fs::write(&file, "").unwrap();
         let encoded = percent_encoding::utf8_percent_encode(
@@ -783,25 +904,28 @@ mod tests {
             ),
         ] {
             let url = format!("{base}?{query}");
+            let (url_kept, files) = tls_files(&url).unwrap().unwrap();
             assert_eq!(
-                without_ssl_ca(&url).unwrap(),
-                Some((kept, file.clone())),
+                (url_kept, files.authorities, files.identity),
+                (kept, Some(file.clone()), None),
                 "{url}"
             );
         }
         // mysql_async takes `verify_identity` only with `require_ssl=true`, written for it.
-        let (url, _) = without_ssl_ca(&format!("{base}?verify_identity=false&ssl_ca={encoded}"))
+        let (url, _) = tls_files(&format!("{base}?verify_identity=false&ssl_ca={encoded}"))
             .unwrap()
             .unwrap();
         let opts = mysql_async::Opts::from_url(&url).unwrap();
         assert!(opts.ssl_opts().unwrap().skip_domain_validation(), "{url}");
         std::fs::remove_file(&file).unwrap();
         for url in [base.to_owned(), format!("{base}?require_ssl=true")] {
-            assert_eq!(without_ssl_ca(&url).unwrap(), None, "{url}");
+            assert!(tls_files(&url).unwrap().is_none(), "{url}");
         }
-        let error = without_ssl_ca(&format!("{base}?ssl_ca={encoded}"))
-            .unwrap_err()
-            .to_string();
-        assert_eq!(error, format!("ssl_ca {}: no such file", file.display()));
+        for option in ["ssl_ca", "ssl_cert", "ssl_key"] {
+            let error = tls_files(&format!("{base}?{option}={encoded}"))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(error, format!("{option} {}: no such file", file.display()));
+        }
     }
 }
