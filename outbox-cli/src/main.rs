@@ -204,7 +204,7 @@ fn main() -> ExitCode {
             }
             Command::Purge(args) => operate::purge(&database_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,
-            Command::Grants(args) => operate::grants(args),
+            Command::Grants(args) => operate::grants(args, cli.database_url.as_deref()),
         }
     });
     match outcome {

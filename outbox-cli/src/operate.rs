@@ -1148,22 +1148,50 @@ pub(crate) struct GrantsArgs {
     /// The schema of the outbox's tables.
     #[arg(long, default_value = "public")]
     schema: String,
-    /// MySQL's or MariaDB's statements instead, for the outbox's tables in this database.
+    /// MySQL's or MariaDB's statements instead, for the outbox's tables in this database
+    /// (without it, those of DATABASE_URL's database when it is a `mysql://` URL).
     #[arg(long, value_name = "DATABASE", conflicts_with = "schema")]
     mysql: Option<String>,
 }
 
-/// Prints the `GRANT` statements that give a role (PostgreSQL) or an account (MySQL, with
-/// `--mysql`) what a component needs.
-pub(crate) fn grants(args: GrantsArgs) -> Result<Ended, String> {
+/// Prints the `GRANT` statements that give a role (PostgreSQL) or an account (MySQL: with
+/// `--mysql`, or a `mysql://` `database_url`) what a component needs.
+pub(crate) fn grants(args: GrantsArgs, database_url: Option<&str>) -> Result<Ended, String> {
+    use outbox_runtime::database::Kind;
     use outbox_runtime::privileges;
-    let sql = match &args.mysql {
+    let kind = database_url.and_then(|url| url.parse::<Kind>().ok());
+    let mysql = match (args.mysql, kind, database_url) {
+        (Some(database), _, _) => Some(database),
+        (None, Some(Kind::Mysql), Some(url)) => Some(mysql_database(url).ok_or_else(|| {
+            "DATABASE_URL is MySQL's and names no database: give the outbox's with --mysql \
+             <database>"
+                .to_owned()
+        })?),
+        (None, Some(Kind::Sqlite), _) => {
+            return Err(
+                "DATABASE_URL is a SQLite file: SQLite has no roles or grants (the \
+                        file's permissions are what guard it)"
+                    .to_owned(),
+            );
+        }
+        _ => None,
+    };
+    let sql = match &mysql {
         Some(database) => privileges::mysql_grants(args.component, &args.role, database),
         None => privileges::grants(args.component, &args.role, &args.schema),
     }
     .map_err(|error| error.to_string())?;
     print!("{sql}");
     Ok(Ended::Done)
+}
+
+/// The database a `mysql://user@host:port/database?options` URL names, percent-decoded.
+fn mysql_database(url: &str) -> Option<String> {
+    let (_, rest) = url.split_once("://")?;
+    let (_, path) = rest.split_once('/')?;
+    let name = path.split(['?', '#']).next().unwrap_or_default();
+    let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+    (!name.is_empty()).then(|| name.into_owned())
 }
 
 #[derive(Debug, Args)]

@@ -2233,6 +2233,59 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `outbox grants` writes the statements of the database DATABASE_URL names: MySQL's for a
+/// `mysql://` URL, on its database, where it wrote PostgreSQL's, which MySQL refuses; none for
+/// a SQLite file, which has no grants; `--mysql` names the database whatever the URL.
+#[test]
+fn grants_are_written_for_the_database_that_database_url_names() {
+    let grants = |url: &str, args: &[&str]| {
+        let output = Command::new(OUTBOX)
+            .args(["grants", "relay", "outbox_relay"])
+            .args(args)
+            .env("DATABASE_URL", url)
+            .output()
+            .unwrap();
+        (output.status.code(), text(&output))
+    };
+    let (code, said) = grants("mysql://root@db.internal:3306/sh%60op?ssl_ca=/ca.pem", &[]);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.starts_with("-- What the outbox's relay needs on MySQL or MariaDB")
+            && said.contains(
+                "GRANT SELECT, UPDATE, DELETE ON `sh``op`.`outbox_events` TO 'outbox_relay';"
+            ),
+        "{said}"
+    );
+    let (code, said) = grants("mysql://root@db.internal:3306", &[]);
+    assert_eq!(
+        (code, said.trim()),
+        (
+            Some(2),
+            "outbox: DATABASE_URL is MySQL's and names no database: give the outbox's with \
+             --mysql <database>"
+        )
+    );
+    let (code, said) = grants("mysql://root@db.internal:3306", &["--mysql", "shop"]);
+    assert!(
+        code == Some(0) && said.contains("ON `shop`.`outbox_events`"),
+        "{said}"
+    );
+    let (code, said) = grants("orders.db", &[]);
+    assert_eq!(
+        (code, said.trim()),
+        (
+            Some(2),
+            "outbox: DATABASE_URL is a SQLite file: SQLite has no roles or grants (the file's \
+             permissions are what guard it)"
+        )
+    );
+    let (code, said) = grants("postgres://app@db.internal/shop", &[]);
+    assert!(
+        code == Some(0) && said.contains("ON TABLE \"public\".\"outbox_events\""),
+        "{said}"
+    );
+}
+
 /// `outbox grants` prints statements that, run as the tables' owner, let a role of its own
 /// run the operator's commands; and a role that does not own the archive is told, when it
 /// meets an archive day to drop, that only the owner may, rather than "must be owner of
