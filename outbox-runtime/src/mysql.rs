@@ -405,14 +405,19 @@ pub async fn purge_archived(
     crate::outbox::purge::mysql::purge_archived(conn, older_than, batch.max(1), &mut progress).await
 }
 
+/// The tables [`MIGRATIONS`] make, as a list of SQL strings.
+const OUTBOX_TABLES: &str = "'outbox_events', 'outbox_aggregates', 'outbox_dedup_keys', \
+    'outbox_published', 'outbox_inbox', 'outbox_inbox_positions', 'outbox_inbox_attempts', \
+    'outbox_inbox_gaps', 'outbox_inbox_dead_letters'";
+
 /// [`pending_migrations`] on either connection.
 ///
 /// MySQL's `information_schema` shows an account only the tables it holds a privilege on
 /// (MySQL 8.0 docs, 28.1 "Introduction" to INFORMATION_SCHEMA), so `__diesel_schema_migrations`
-/// missing there is not taken for a database never migrated while the account sees an outbox
-/// table: then the account may not read it, and the server's refusal of `SELECT` on it is
-/// returned ("SELECT command denied to user ..."), where every migration would be called
-/// missing and `outbox migrate` would be asked for.
+/// missing there is not taken for a database never migrated while the account sees a table
+/// the migrations make ([`OUTBOX_TABLES`]): then the account may not read it, and the
+/// server's refusal of `SELECT` on it is returned ("SELECT command denied to user ..."), where
+/// every migration would be called missing and `outbox migrate` would be asked for.
 pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResult<Vec<String>> {
     #[derive(QueryableByName)]
     struct Count {
@@ -434,13 +439,13 @@ pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResu
             .collect();
     let tables: Vec<Count> = conn
         .load(
-            diesel::sql_query(
+            diesel::sql_query(format!(
                 "SELECT CAST(COUNT(CASE WHEN table_name = '__diesel_schema_migrations' \
                                    THEN 1 END) AS SIGNED) AS n, \
-                        CAST(COUNT(CASE WHEN table_name LIKE 'outbox\\_%' \
+                        CAST(COUNT(CASE WHEN table_name IN ({OUTBOX_TABLES}) \
                                    THEN 1 END) AS SIGNED) AS outbox \
                  FROM information_schema.tables WHERE table_schema = DATABASE()",
-            )
+            ))
             .into_boxed(),
         )
         .await?;
@@ -878,6 +883,24 @@ async fn insert_rows<C: Exec>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outbox_tables_names_each_table_the_migrations_create() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations-mysql");
+        let mut created = std::collections::BTreeSet::new();
+        for migration in std::fs::read_dir(&dir).unwrap() {
+            let up = std::fs::read_to_string(migration.unwrap().path().join("up.sql")).unwrap();
+            for statement in up.split("CREATE TABLE ").skip(1) {
+                let name = statement.split([' ', '(']).next().unwrap();
+                created.insert(name.to_owned());
+            }
+        }
+        let listed: std::collections::BTreeSet<String> = OUTBOX_TABLES
+            .split(", ")
+            .map(|name| name.trim_matches('\'').to_owned())
+            .collect();
+        assert_eq!(listed, created);
+    }
 
     #[test]
     fn the_tls_files_are_taken_out_of_the_url_wherever_they_stand() {
