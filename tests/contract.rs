@@ -3429,18 +3429,7 @@ mod mysql {
     async fn an_account_that_requires_a_client_certificate_logs_in_with_one() {
         let certificates = support::postgres::TestCertificates::new();
         let file = |name: &str| certificates.path(name).display().to_string();
-        let openssl = |args: &[&str]| {
-            let output = std::process::Command::new("openssl")
-                .current_dir(certificates.path(""))
-                .args(args)
-                .output()
-                .expect("run openssl");
-            assert!(
-                output.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        };
+        let openssl = |args: &[&str]| certificates.openssl(args);
         // An RSA key in PKCS#8 (OpenSSL 3's default), its certificate signed by the server's
         // authority, and the same key in PKCS#1.
         openssl(&[

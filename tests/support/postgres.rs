@@ -355,18 +355,7 @@ impl TestCertificates {
         let dir = std::env::temp_dir().join(format!("outbox-test-tls-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).expect("the certificates' directory");
         let certificates = Self { dir };
-        let openssl = |args: &[&str]| {
-            let output = Command::new("openssl")
-                .args(args)
-                .current_dir(&certificates.dir)
-                .output()
-                .expect("run openssl");
-            assert!(
-                output.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        };
+        let openssl = |args: &[&str]| certificates.openssl(args);
         let ec = [
             "-newkey",
             "ec",
@@ -451,6 +440,23 @@ impl TestCertificates {
             .expect("run chmod");
         assert!(status.success(), "chmod the server's key");
         certificates
+    }
+
+    /// Runs `openssl` with `args` in their directory, for a test that makes more.
+    ///
+    /// # Panics
+    /// When it fails, with its output.
+    pub fn openssl(&self, args: &[&str]) {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(&self.dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     }
 
     /// The file `name` of them: `ca.pem`, `other-ca.pem`, `server.pem`, `server.key`,
