@@ -78,7 +78,8 @@ enum Command {
     Tail(Box<operate::TailArgs>),
     /// Print the GRANT statements that give a PostgreSQL role (or, with --mysql, a MySQL or
     /// MariaDB account) what a component needs (run them as the tables' owner, after
-    /// `migrate`); the relay and the inbox name at start each privilege theirs lacks.
+    /// `migrate`), or with --check tell whether DATABASE_URL's role holds them; the relay and
+    /// the inbox name at start each privilege theirs lacks.
     Grants(operate::GrantsArgs),
 }
 
@@ -204,6 +205,9 @@ fn main() -> ExitCode {
             }
             Command::Purge(args) => operate::purge(&database_url()?, args).await,
             Command::Tail(args) => operate::tail(*args).await,
+            Command::Grants(args) if args.check => {
+                operate::check_grants(&database_url()?, args.component).await
+            }
             Command::Grants(args) => operate::grants(args, cli.database_url.as_deref()),
         }
     });

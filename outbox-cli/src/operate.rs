@@ -1141,10 +1141,15 @@ pub(crate) struct GrantsArgs {
     /// What the role runs: `service` (a service that commits units of work with events),
     /// `relay`, `inbox` (a consumer; give it `service` too if its handlers commit events), or
     /// `operator` (this command's other commands).
-    component: outbox_runtime::privileges::Component,
+    pub(crate) component: outbox_runtime::privileges::Component,
     /// The role to grant to, exactly as PostgreSQL spells it (it is quoted); with --mysql, the
     /// account: `name` (any host; or a MariaDB role) or `name@host`.
-    role: String,
+    #[arg(required_unless_present = "check")]
+    role: Option<String>,
+    /// Instead of printing the statements, check that DATABASE_URL's role (or account) holds
+    /// them: exit 0 if it does, 1 naming each privilege it lacks.
+    #[arg(long, conflicts_with_all = ["role", "schema", "mysql"])]
+    pub(crate) check: bool,
     /// The schema of the outbox's tables.
     #[arg(long, default_value = "public")]
     schema: String,
@@ -1176,12 +1181,49 @@ pub(crate) fn grants(args: GrantsArgs, database_url: Option<&str>) -> Result<End
         }
         _ => None,
     };
+    let role = args.role.as_deref().unwrap_or_default();
     let sql = match &mysql {
-        Some(database) => privileges::mysql_grants(args.component, &args.role, database),
-        None => privileges::grants(args.component, &args.role, &args.schema),
+        Some(database) => privileges::mysql_grants(args.component, role, database),
+        None => privileges::grants(args.component, role, &args.schema),
     }
     .map_err(|error| error.to_string())?;
     print!("{sql}");
+    Ok(Ended::Done)
+}
+
+/// `outbox grants <component> --check`: whether the role of `database_url` holds what
+/// `component` needs (`privileges::check`), then whether the database has this build's
+/// migrations, since a table the database lacks is not counted as a privilege lacking.
+pub(crate) async fn check_grants(
+    database_url: &str,
+    component: outbox_runtime::privileges::Component,
+) -> Result<Ended, String> {
+    use outbox_runtime::privileges::{self, PrivilegeError};
+    let mut operator = Operator::open(database_url).await?;
+    let checked = match &mut operator {
+        Operator::Postgres(conn) => privileges::check(&mut **conn, component).await,
+        #[cfg(feature = "mysql")]
+        Operator::Mysql(conn) => privileges::check(&mut **conn, component).await,
+        #[cfg(feature = "sqlite")]
+        Operator::Sqlite(_) => {
+            return Err(
+                "DATABASE_URL is a SQLite file: SQLite has no roles or grants (the \
+                        file's permissions are what guard it)"
+                    .to_owned(),
+            );
+        }
+    };
+    match checked {
+        Ok(()) => {}
+        Err(PrivilegeError::Missing(missing)) => {
+            println!("{missing}");
+            return Ok(Ended::Unhealthy);
+        }
+        Err(error) => return Err(error.to_string()),
+    }
+    drop(operator);
+    Operator::connect(database_url).await?;
+    println!("DATABASE_URL's role holds every privilege the {component} needs");
     Ok(Ended::Done)
 }
 

@@ -1953,6 +1953,28 @@ async fn an_operator_account_runs_the_operator_commands_on_mysql_with_the_grants
         assert_eq!(code, Some(0), "{args:?}: {said}");
     }
 
+    let (code, said) = command(&as_account, &["grants", "operator", "--check"]);
+    assert_eq!(
+        (code, said.trim()),
+        (
+            Some(0),
+            "DATABASE_URL's role holds every privilege the operator needs"
+        )
+    );
+    let (code, said) = command(&as_account, &["grants", "relay", "--check"]);
+    assert_eq!(
+        (code, said.trim()),
+        (
+            Some(1),
+            format!(
+                "the account '{account}'@'%' lacks INSERT on outbox_published, which the relay \
+                 needs; as the tables' owner, run the statements `outbox grants relay {account} \
+                 --mysql {name}` prints (outbox_runtime::privileges::mysql_grants)"
+            )
+            .as_str()
+        )
+    );
+
     admin
         .batch_execute(&format!(
             "REVOKE SELECT ON `{name}`.`__diesel_schema_migrations` FROM '{account}'"
@@ -2284,6 +2306,58 @@ fn grants_are_written_for_the_database_that_database_url_names() {
         code == Some(0) && said.contains("ON TABLE \"public\".\"outbox_events\""),
         "{said}"
     );
+}
+
+/// `outbox grants <component> --check` tells whether DATABASE_URL's role holds what the
+/// component needs (exit 0), or names each privilege it lacks and the command that writes the
+/// grants (exit 1), where a service's role, which nothing checks before its first unit of
+/// work, was only found wanting by that unit of work's "permission denied".
+#[tokio::test]
+async fn grants_check_tells_whether_a_role_holds_what_a_component_needs() {
+    use outbox_runtime::privileges::Component;
+    let env = TestEnv::new().await;
+    let role = support::roles::role(&env, "checked", &[Component::Service]).await;
+    let check = |component: &str| {
+        let output = command(&env, &support::nats_url())
+            .env("DATABASE_URL", &role.url)
+            .args(["grants", component, "--check"])
+            .output()
+            .unwrap();
+        (output.status.code(), text(&output))
+    };
+    let (code, said) = check("service");
+    assert_eq!(
+        (code, said.trim()),
+        (
+            Some(0),
+            "DATABASE_URL's role holds every privilege the service needs"
+        )
+    );
+    let (code, said) = check("relay");
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.starts_with(&format!(
+            "the role \"{}\" lacks UPDATE on outbox_events, DELETE on outbox_events,",
+            role.name
+        )) && said.contains(&format!(
+            "which the relay needs; as the tables' owner, run the statements `outbox grants \
+             relay {}` prints",
+            role.name
+        )),
+        "{said}"
+    );
+    let (code, said) = check("inbox");
+    assert!(
+        code == Some(1) && said.contains("lacks SELECT on outbox_inbox,"),
+        "{said}"
+    );
+    // A role is needed to print the statements, not to check them.
+    let output = command(&env, &support::nats_url())
+        .args(["grants", "relay"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output));
+    support::roles::drop_roles(&env, &[&role]).await;
 }
 
 /// `outbox grants` prints statements that, run as the tables' owner, let a role of its own

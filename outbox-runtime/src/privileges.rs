@@ -281,6 +281,84 @@ fn by_object(needs: Vec<Need>) -> Vec<(Object, Vec<&'static str>)> {
     objects
 }
 
+/// Why [`check`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrivilegeError {
+    /// The role or account lacks privileges the component needs: a sentence naming it, each
+    /// privilege as `UPDATE on outbox_events`, and the `outbox grants` command that writes
+    /// the grants (the relay's and the inbox's connect error says the same).
+    #[error("{0}")]
+    Missing(String),
+    /// The check's own statements failed.
+    #[error("checking the privileges: {0}")]
+    Database(#[from] diesel::result::Error),
+}
+
+/// A connection whose role's privileges [`check`] reads: diesel-async's PostgreSQL and MySQL
+/// connections (SQLite has no roles). Sealed.
+pub trait PrivilegedConnection: Send + sealed::Sealed {
+    #[doc(hidden)]
+    fn lacking_for(
+        &mut self,
+        component: Component,
+    ) -> impl std::future::Future<Output = diesel::QueryResult<Option<String>>> + Send;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+#[cfg(feature = "postgres")]
+impl sealed::Sealed for diesel_async::AsyncPgConnection {}
+
+#[cfg(feature = "postgres")]
+impl PrivilegedConnection for diesel_async::AsyncPgConnection {
+    async fn lacking_for(&mut self, component: Component) -> diesel::QueryResult<Option<String>> {
+        lacking(self, component, &component.needs()).await
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl sealed::Sealed for diesel_async::AsyncMysqlConnection {}
+
+#[cfg(feature = "mysql")]
+impl PrivilegedConnection for diesel_async::AsyncMysqlConnection {
+    async fn lacking_for(&mut self, component: Component) -> diesel::QueryResult<Option<String>> {
+        lacking_on_mysql(self, component, &mysql_needs(component, None)).await
+    }
+}
+
+/// Checks that the connection's role (PostgreSQL) or account (MySQL) holds every privilege
+/// that `component` needs, as [`grants`] and [`mysql_grants`] give them (for the relay, in
+/// every [`PublishedRows`] mode), the check the relay and the inbox run at connect: for a
+/// service, whose units of work check nothing before their first, to stop at start rather
+/// than fail its first unit of work with "permission denied"; or to try a role's grants
+/// before deploying it (`outbox grants <component> --check`). A table the database lacks is
+/// not counted: that is the migrations' check
+/// ([`pending_migrations`](crate::pending_migrations)).
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn run(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_runtime::privileges::{self, Component};
+/// privileges::check(conn, Component::Service).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// [`PrivilegeError::Missing`] naming what it lacks, or [`PrivilegeError::Database`].
+pub async fn check<C: PrivilegedConnection>(
+    conn: &mut C,
+    component: Component,
+) -> Result<(), PrivilegeError> {
+    match conn.lacking_for(component).await? {
+        None => Ok(()),
+        Some(missing) => Err(PrivilegeError::Missing(missing)),
+    }
+}
+
 /// A table or function of the outbox, by its unquoted name (found along the `search_path`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Object {
