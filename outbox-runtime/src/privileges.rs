@@ -465,7 +465,7 @@ const INBOX_TABLES: [&str; 5] = [
     "outbox_inbox_dead_letters",
 ];
 
-pub(crate) fn inbox_needs() -> Vec<Need> {
+fn inbox_needs() -> Vec<Need> {
     let mut needs = vec![migrations_table()];
     // Recorded, read, updated, and deleted by retention.
     needs.extend(each(

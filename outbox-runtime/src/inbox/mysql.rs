@@ -317,13 +317,8 @@ impl InboxStore for AsyncMysqlConnection {
     }
 
     async fn lacking_privileges(&mut self) -> QueryResult<Option<String>> {
-        use crate::privileges::{self, Component};
-        privileges::lacking_on_mysql(
-            self,
-            Component::InboxConsumer,
-            &privileges::mysql_needs(Component::InboxConsumer, None),
-        )
-        .await
+        use crate::privileges::{Component, PrivilegedConnection};
+        self.lacking_for(Component::InboxConsumer).await
     }
 
     async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {

@@ -397,12 +397,8 @@ impl InboxStore for AsyncPgConnection {
     }
 
     async fn lacking_privileges(&mut self) -> QueryResult<Option<String>> {
-        crate::privileges::lacking(
-            self,
-            crate::privileges::Component::InboxConsumer,
-            &crate::privileges::inbox_needs(),
-        )
-        .await
+        use crate::privileges::{Component, PrivilegedConnection};
+        self.lacking_for(Component::InboxConsumer).await
     }
 
     async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {

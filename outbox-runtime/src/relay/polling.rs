@@ -42,9 +42,8 @@ pub(super) trait PolledStore: RelayStore {
     /// SQLite, which has no privileges.
     fn lacking_privileges(
         &mut self,
-        mode: PublishedRows,
+        _mode: PublishedRows,
     ) -> impl Future<Output = QueryResult<Option<String>>> + Send {
-        let _ = mode;
         async { Ok(None) }
     }
 }
