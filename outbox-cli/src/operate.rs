@@ -536,12 +536,15 @@ impl Operator {
     /// where a command would otherwise fail on a missing table or column.
     pub(crate) async fn connect(database_url: &str) -> Result<Self, String> {
         let mut operator = Self::open(database_url).await?;
-        let pending = operator
-            .pending_migrations()
-            .await
-            .map_err(database_error)?;
+        operator.require_migrations(database_url).await?;
+        Ok(operator)
+    }
+
+    /// Fails naming the migrations of this build the database at `database_url` lacks.
+    async fn require_migrations(&mut self, database_url: &str) -> Result<(), String> {
+        let pending = self.pending_migrations().await.map_err(database_error)?;
         if pending.is_empty() {
-            return Ok(operator);
+            return Ok(());
         }
         Err(format!(
             "the outbox schema of {} lacks {} of this outbox: {}; run `outbox migrate`",
@@ -1221,8 +1224,7 @@ pub(crate) async fn check_grants(
         }
         Err(error) => return Err(error.to_string()),
     }
-    drop(operator);
-    Operator::connect(database_url).await?;
+    operator.require_migrations(database_url).await?;
     println!("DATABASE_URL's role holds every privilege the {component} needs");
     Ok(Ended::Done)
 }

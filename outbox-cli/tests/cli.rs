@@ -2351,6 +2351,19 @@ async fn grants_check_tells_whether_a_role_holds_what_a_component_needs() {
         code == Some(1) && said.contains("lacks SELECT on outbox_inbox,"),
         "{said}"
     );
+    // A table the database lacks is no privilege lacking: the migrations are named.
+    let unmigrated = TestEnv::unmigrated(&support::nats_url()).await;
+    let output = command(&unmigrated, &support::nats_url())
+        .args(["grants", "service", "--check"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output));
+    assert!(
+        text(&output).contains("lacks migrations of this outbox")
+            && text(&output).contains("run `outbox migrate`"),
+        "{}",
+        text(&output)
+    );
     // A role is needed to print the statements, not to check them.
     let output = command(&env, &support::nats_url())
         .args(["grants", "relay"])
