@@ -1963,18 +1963,12 @@ async fn consume<B: Consumed>(
             Inbox::connect(config.clone(), env.nats.clone(), handler())
                 .await
                 .unwrap();
-        probe.get_or_insert_with(|| inbox.consumer().clone());
+        probe.get_or_insert_with(|| inbox.clone());
         running.push(inbox.spawn());
     }
-    let consumer = probe.expect("an instance");
-    support::wait_until("every message settled", Duration::from_secs(60), || {
-        let mut consumer = consumer.clone();
-        async move {
-            let info = consumer.info().await.ok()?;
-            (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
-        }
-    })
-    .await;
+    let probe = probe.expect("an instance");
+    support::consumer::wait_until_settled(&probe, "every message settled", Duration::from_secs(60))
+        .await;
     for instance in running {
         instance.shutdown().await.unwrap();
     }
@@ -4082,14 +4076,8 @@ mod mysql {
             ))
             .await
             .unwrap();
-        support::wait_until("the order applied", Duration::from_secs(10), || {
-            let mut consumer = probe.consumer().clone();
-            async move {
-                let info = consumer.info().await.ok()?;
-                (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
-            }
-        })
-        .await;
+        support::consumer::wait_until_settled(&probe, "the order applied", Duration::from_secs(10))
+            .await;
         running.shutdown().await.unwrap();
         let expected: BTreeMap<String, Vec<i64>> = [("o-1".to_owned(), vec![1, 2])].into();
         assert_eq!(AsyncMysql::applied(&env).await, expected);

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use outbox_runtime::{Handler, Inbox, InboxConfig, InboxHandle, Metadata, Relay, UnitOfWork};
+use outbox_runtime::{
+    Handler, Inbox, InboxConfig, InboxConnection, InboxHandle, Metadata, Relay, UnitOfWork,
+};
 
 use super::domain::{Order, OrderEvent};
 use super::{TestEnv, wait_until};
@@ -49,7 +51,11 @@ pub async fn relay_all(producer: &TestEnv) {
 
 /// Waits until JetStream has nothing left for the inbox's consumer: every message delivered
 /// and settled.
-pub async fn wait_until_settled(inbox: &Inbox<impl Handler>, what: &str, timeout: Duration) {
+pub async fn wait_until_settled<H: Handler<C>, C: InboxConnection>(
+    inbox: &Inbox<H, C>,
+    what: &str,
+    timeout: Duration,
+) {
     wait_until(what, timeout, || async {
         // A request met during a cluster's leader election times out: ask again.
         let mut consumer = inbox.consumer().clone();
