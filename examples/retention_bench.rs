@@ -14,6 +14,9 @@
 //! - `archive` ([`PublishedRows::Archive`]): the same rows in ten daily partitions of
 //!   `outbox_published`, removed by [`outbox::drop_archived`].
 //!
+//! Before the relay starts, in the `archive` layout, the newest seeded day (a tenth of the
+//! rows) is replayed to a stream of its own (`outbox_runtime::replay`), and its rate printed.
+//!
 //! While the relay runs in that layout, writers commit units of work of two events at a
 //! fixed rate. The figures of each phase (before, while the removal runs, right after it,
 //! and while the VACUUM runs) are the unit of work's commit time and the time from a commit's return
@@ -33,8 +36,10 @@ use diesel::QueryableByName;
 use diesel::sql_types::Int8;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
+use outbox_runtime::replay::{ReplayConfig, replay_archive};
 use outbox_runtime::{
-    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, UnitOfWorkError, aggregate, outbox,
+    DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, StreamSettings, Topology,
+    UnitOfWorkError, aggregate, outbox,
 };
 use serde::{Deserialize, Serialize};
 
@@ -134,6 +139,10 @@ async fn run(args: &Args, layout: Layout, place: &Place) -> Result<(), BoxError>
         before >> 20
     );
 
+    if layout == Layout::Archive {
+        replay_newest_day(args, place, &mut conn).await?;
+    }
+
     let mut config = place.relay_config();
     config.published = match layout {
         Layout::Mark => PublishedRows::Mark,
@@ -228,6 +237,45 @@ async fn run(args: &Args, layout: Layout, place: &Place) -> Result<(), BoxError>
             percentiles(&sample.delivered),
         );
     }
+    Ok(())
+}
+
+/// Replays the newest seeded day of the archive (a tenth of `args.rows`, one event for each
+/// of as many aggregates, up to 100,000) to a stream of its own ([`replay_archive`]), and
+/// prints its rate; the stream is deleted afterwards.
+async fn replay_newest_day(
+    args: &Args,
+    place: &Place,
+    conn: &mut AsyncPgConnection,
+) -> Result<(), BoxError> {
+    let day = time::OffsetDateTime::now_utc().date() - time::Duration::days(2);
+    let mut config = ReplayConfig::new(
+        "x".parse()?,
+        Topology::new(
+            format!("{}r", place.prefix).parse()?,
+            StreamSettings {
+                name: format!("{}_REPLAY", place.stream),
+                ..StreamSettings::default()
+            },
+        ),
+    );
+    config.published_since = Some(day.midnight().assume_utc());
+    let started = Instant::now();
+    let report = replay_archive(conn, place.nats.clone(), &config, |_| {}).await;
+    let took = started.elapsed();
+    let _ = async_nats::jetstream::new(place.nats.clone())
+        .delete_stream(&config.to.stream.name)
+        .await;
+    let report = report?;
+    println!(
+        "replayed the newest day, {} of {} events, to a stream of its own in {:.2} s: {:.0} \
+         events/s ({} per page)",
+        report.published,
+        args.rows,
+        took.as_secs_f64(),
+        report.published as f64 / took.as_secs_f64(),
+        config.batch_size
+    );
     Ok(())
 }
 

@@ -10,6 +10,9 @@
 //! outbox inbox-dead-letters list|show|discard CONSUMER MESSAGE_ID
 //! outbox purge --older-than D          delete published, archived and inbox rows in batches
 //! outbox tail [--subject S] [--all]    print the stream's events as they arrive
+//! outbox grants COMPONENT ROLE         the GRANT statements a component needs (--check)
+//! outbox replay --to-prefix P --to-stream S [--since T] [--after POSITION]
+//!                                      publish the archive again, to a stream of its own
 //! ```
 //!
 //! Every setting is a flag and an environment variable (`DATABASE_URL`, `NATS_URL`,
@@ -20,6 +23,7 @@
 mod nats;
 mod operate;
 mod relay;
+mod replay;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -81,6 +85,10 @@ enum Command {
     /// `migrate`), or with --check tell whether DATABASE_URL's role holds them; the relay and
     /// the inbox name at start each privilege theirs lacks.
     Grants(operate::GrantsArgs),
+    /// Publish the archive (`--published archive`) again to a stream of its own, each
+    /// aggregate's events in order, for a consumer that joins after the live stream's limits
+    /// removed them; its inbox then reads the live stream, where it drops what it applied.
+    Replay(Box<replay::ReplayArgs>),
 }
 
 /// Durations as people write them: `90s`, `5m`, `7d`, `250ms`.
@@ -209,6 +217,7 @@ fn main() -> ExitCode {
                 operate::check_grants(&database_url()?, args.component).await
             }
             Command::Grants(args) => operate::grants(args, cli.database_url.as_deref()),
+            Command::Replay(args) => replay::run(&database_url()?, *args).await,
         }
     });
     match outcome {

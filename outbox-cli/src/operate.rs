@@ -58,7 +58,7 @@ fn one_line(text: &str) -> Cow<'_, str> {
 /// U+2029 or the bidi characters) written as a JSON escape (`\u009b`, `\u202e`), so the text
 /// stays the same JSON with the same values. The line breaks between its members are kept:
 /// inside strings serde_json has escaped every line break.
-fn terminal_json(pretty: &str) -> Cow<'_, str> {
+pub(crate) fn terminal_json(pretty: &str) -> Cow<'_, str> {
     // Every hidden character is in the Basic Multilingual Plane: four hex digits.
     escape_where(
         pretty,
@@ -538,6 +538,22 @@ impl Operator {
         let mut operator = Self::open(database_url).await?;
         operator.require_migrations(database_url).await?;
         Ok(operator)
+    }
+
+    /// [`connect`](Self::connect) for a command that runs on PostgreSQL only: its
+    /// connection, or an error naming `what` needs PostgreSQL.
+    pub(crate) async fn connect_postgres(
+        database_url: &str,
+        what: &str,
+    ) -> Result<AsyncPgConnection, String> {
+        match Self::connect(database_url).await? {
+            Self::Postgres(conn) => Ok(*conn),
+            #[allow(unreachable_patterns)]
+            _ => Err(format!(
+                "{what} runs on PostgreSQL; {} is not a PostgreSQL URL",
+                outbox_runtime::database::redacted(database_url)
+            )),
+        }
     }
 
     /// Fails naming the migrations of this build the database at `database_url` lacks.

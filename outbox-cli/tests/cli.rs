@@ -998,12 +998,13 @@ async fn the_relay_refuses_a_log_filter_it_cannot_parse_naming_it() {
 /// Runs each command that opens the database with `DATABASE_URL` set to `url`: each must
 /// refuse it (exit 2) saying `says`, and never say `never` (a password in the URL, say).
 fn refused_by_each_database_command(env: &TestEnv, url: &str, says: &str, never: &str) {
-    let commands: [&[&str]; 5] = [
+    let commands: [&[&str]; 6] = [
         &["migrate"],
         &["status"],
         &["relay"],
         &["dead-letters", "list"],
         &["purge", "--older-than", "7d"],
+        &["replay", "--to-prefix", "replay", "--to-stream", "REPLAY"],
     ];
     for args in commands {
         let refused = refused_as(
@@ -2471,4 +2472,131 @@ async fn an_operator_role_runs_the_operator_commands_with_the_grants_it_prints()
         text(&owner)
     );
     support::roles::drop_roles(&env, &[&role]).await;
+}
+
+/// `outbox replay` publishes what the relay archived to a stream of its own and prints where
+/// it ended; `--after` that position replays only what was archived since, and a replay that
+/// cannot select anything, or is given a position that is not one, is refused naming why.
+#[tokio::test]
+async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_printed() {
+    let env = TestEnv::new().await;
+    let target = TestEnv::new().await;
+    let archive = async || {
+        let mut config = env.relay_config();
+        config.published = outbox_runtime::PublishedRows::Archive;
+        let mut relay = outbox_runtime::Relay::connect(config, env.nats.clone())
+            .await
+            .unwrap();
+        while relay.relay_batch().await.unwrap().claimed > 0 {}
+    };
+    for n in 0..3 {
+        let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
+        order.record(support::domain::OrderEvent::Shipped);
+        env.commit(&mut order).await;
+    }
+    archive().await;
+    let replay = |extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            "--subject-prefix",
+            &env.prefix,
+            "--source",
+            "/tests",
+            "--to-prefix",
+            &target.prefix,
+            "--to-stream",
+            &target.stream,
+        ];
+        args.extend_from_slice(extra);
+        outbox(&env, &support::nats_url(), &args)
+    };
+
+    let first = replay(&[]);
+    let said = text(&first);
+    assert_eq!(first.status.code(), Some(0), "{said}");
+    let stdout = String::from_utf8_lossy(&first.stdout).into_owned();
+    assert!(
+        stdout.starts_with(&format!(
+            "replayed 6 events to stream {} (0 it held already); the last: [\"Order\",\"o-2\",2,",
+            target.stream
+        )),
+        "{said}"
+    );
+    assert_eq!(target.stream_len().await, 6);
+    let last = stdout
+        .split("the last: ")
+        .nth(1)
+        .and_then(|rest| rest.split(" (--after").next())
+        .unwrap();
+
+    let mut order = support::domain::Order::place("o-3", "ada", 1);
+    env.commit(&mut order).await;
+    archive().await;
+    let resumed = replay(&["--after", last]);
+    let said = text(&resumed);
+    assert_eq!(resumed.status.code(), Some(0), "{said}");
+    assert!(said.starts_with("replayed 1 event to stream"), "{said}");
+    assert_eq!(target.stream_len().await, 7);
+    let none = replay(&["--since", "1h", "--aggregate-type", "Invoice"]);
+    assert_eq!(none.status.code(), Some(0), "{}", text(&none));
+    assert!(
+        text(&none).contains("no archived event matched: nothing replayed"),
+        "{}",
+        text(&none)
+    );
+
+    let base = [
+        "replay",
+        "--subject-prefix",
+        &env.prefix,
+        "--to-prefix",
+        &target.prefix,
+        "--to-stream",
+        &target.stream,
+    ];
+    let before_connecting = |extra: &[&str], says: &str| {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        refused_before_connecting(&env, &args, &[says]);
+    };
+    before_connecting(
+        &["--since", "1h", "--before", "2000-01-01T00:00:00Z"],
+        "is not before published_before",
+    );
+    before_connecting(&["--since", "yesterday"], "is neither an RFC 3339 time");
+    before_connecting(
+        &["--batch-size", "0"],
+        "batch_size 0 is outside 1 to 100,000",
+    );
+    before_connecting(&["--source", ""], "CloudEvents requires a non-empty source");
+    for (after, says) in [
+        ("o-2,2", "is not an archive position, a JSON array"),
+        ("[\"Order\",\"o-2\",2]", "invalid length 3"),
+    ] {
+        let refused = replay(&["--after", after]);
+        assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+        assert!(text(&refused).contains(says), "{after}: {}", text(&refused));
+    }
+    let live = outbox(
+        &env,
+        &support::nats_url(),
+        &[
+            "replay",
+            "--subject-prefix",
+            &env.prefix,
+            "--to-prefix",
+            &format!("{}.replay", env.prefix),
+            "--to-stream",
+            &target.stream,
+        ],
+    );
+    assert_eq!(live.status.code(), Some(2), "{}", text(&live));
+    assert!(
+        text(&live).contains(&format!(
+            "the replay's prefix `{}.replay` is the producer's prefix `{}` or shares its subjects",
+            env.prefix, env.prefix
+        )),
+        "{}",
+        text(&live)
+    );
+    assert_eq!(target.stream_len().await, 7, "nothing more published");
 }

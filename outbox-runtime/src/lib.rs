@@ -44,6 +44,8 @@
 //! - [`outbox`]: the table (a public contract), its migrations and queries;
 //! - [`relay`]: the message relay that publishes committed rows;
 //! - [`dead_letter`]: rows the broker kept rejecting, and what an operator does with them;
+//! - `replay` (PostgreSQL): the archive published again to a stream of its own, for a
+//!   consumer that joins after the live stream's limits removed the events it needs;
 //! - [`publisher`]: the JetStream side, with the wire contract of every message;
 //! - [`inbox`]: idempotent consumers, with exactly-once effects, and their dead letters
 //!   (listed, replayed once a handler is fixed, or discarded);
@@ -158,6 +160,8 @@ pub mod outbox;
 pub mod privileges;
 pub mod publisher;
 pub mod relay;
+#[cfg(feature = "postgres")]
+pub mod replay;
 mod spawned;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;

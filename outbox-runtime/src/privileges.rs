@@ -47,7 +47,8 @@ pub enum Component {
     /// and deletes its old rows. Its handlers' own tables need their own grants.
     InboxConsumer,
     /// The `outbox` command's operator commands: `status`, `dead-letters`, `retry`, `skip`,
-    /// `inbox-dead-letters`, `purge` (but dropping the archive's days: see the module).
+    /// `inbox-dead-letters`, `purge` (but dropping the archive's days: see the module) and
+    /// `replay`.
     Operator,
 }
 
@@ -483,7 +484,8 @@ fn inbox_needs() -> Vec<Need> {
 fn operator_needs() -> Vec<Need> {
     let mut needs = vec![migrations_table()];
     // `status` reads; `retry` and `skip` update a dead letter, the rows behind it and its
-    // aggregate; `purge` deletes published rows, archived rows (MySQL, SQLite) and dedup keys.
+    // aggregate; `purge` deletes published rows, archived rows (MySQL, SQLite) and dedup keys;
+    // `replay` reads the archive.
     needs.extend(each(&["outbox_events"], &["SELECT", "UPDATE", "DELETE"]));
     needs.extend(each(&["outbox_aggregates"], &["SELECT", "UPDATE"]));
     needs.extend(each(

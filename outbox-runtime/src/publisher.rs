@@ -325,23 +325,7 @@ impl Publisher {
         max_in_flight: usize,
         domain: Option<&str>,
     ) -> Result<Self, InvalidSource> {
-        let invalid = |reason: &str| InvalidSource {
-            value: crate::subject::shortened(source, 128),
-            reason: reason.to_owned(),
-        };
-        // CloudEvents 1.0, section 3.1.1: source is a non-empty URI-reference.
-        if source.is_empty() {
-            return Err(invalid("CloudEvents requires a non-empty source"));
-        }
-        if source.len() > crate::causality::MAX_ID_BYTES {
-            return Err(invalid(&format!(
-                "it is {} bytes long, over the limit of {} bytes a consumer keys messages by",
-                source.len(),
-                crate::causality::MAX_ID_BYTES
-            )));
-        }
-        let source =
-            percent_encoded(source).map_err(|_| invalid("it cannot be a NATS header value"))?;
+        let source = check_source(source)?;
         let mut jetstream = crate::nats::jetstream_in(client.clone(), domain);
         jetstream.set_timeout(ack_timeout);
         let spec_version = HeaderValue::from_static_str("1.0");
@@ -601,6 +585,26 @@ pub struct InvalidSource {
     pub value: String,
     /// What is wrong with it.
     pub reason: String,
+}
+
+/// `source` as the `ce-source` header's value, or why it cannot be one.
+pub(crate) fn check_source(source: &str) -> Result<HeaderValue, InvalidSource> {
+    let invalid = |reason: &str| InvalidSource {
+        value: crate::subject::shortened(source, 128),
+        reason: reason.to_owned(),
+    };
+    // CloudEvents 1.0, section 3.1.1: source is a non-empty URI-reference.
+    if source.is_empty() {
+        return Err(invalid("CloudEvents requires a non-empty source"));
+    }
+    if source.len() > crate::causality::MAX_ID_BYTES {
+        return Err(invalid(&format!(
+            "it is {} bytes long, over the limit of {} bytes a consumer keys messages by",
+            source.len(),
+            crate::causality::MAX_ID_BYTES
+        )));
+    }
+    percent_encoded(source).map_err(|_| invalid("it cannot be a NATS header value"))
 }
 
 /// A `ce-` header value, percent-encoded as the CloudEvents NATS binding requires, and with

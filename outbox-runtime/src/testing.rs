@@ -849,19 +849,29 @@ impl TestEnv {
     /// When the stream does not exist or cannot be read for 30 s, or a stored message is not
     /// delivered within 10 s.
     pub async fn stream_messages(&self) -> Vec<StoredMessage> {
+        self.messages_in(&self.stream).await
+    }
+
+    /// Every message in the stream `name` (on this environment's server), in stream order, as
+    /// [`stream_messages`](Self::stream_messages) reads its own stream's: a stream the test
+    /// made besides, such as a replay's.
+    ///
+    /// # Panics
+    /// As [`stream_messages`](Self::stream_messages).
+    pub async fn messages_in(&self, name: &str) -> Vec<StoredMessage> {
         // On a cluster, a node that just rejoined may still hold a leader election or catch
         // up, and a JetStream API request made meanwhile times out; such requests are retried
         // for up to 30 s.
         let (stored, consumer) = retry_for(Duration::from_secs(30), || async {
             let mut stream = self
                 .jetstream()
-                .get_stream(&self.stream)
+                .get_stream(name)
                 .await
-                .map_err(|e| format!("the stream {}: {e}", self.stream))?;
+                .map_err(|e| format!("the stream {name}: {e}"))?;
             let stored = stream
                 .info()
                 .await
-                .map_err(|e| format!("the stream {}: {e}", self.stream))?
+                .map_err(|e| format!("the stream {name}: {e}"))?
                 .state
                 .messages;
             let consumer = stream
@@ -870,14 +880,14 @@ impl TestEnv {
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| format!("an ordered consumer on {}: {e}", self.stream))?;
+                .map_err(|e| format!("an ordered consumer on {name}: {e}"))?;
             Ok((stored, consumer))
         })
         .await;
         let mut messages = consumer
             .messages()
             .await
-            .unwrap_or_else(|e| panic!("consume {}: {e}", self.stream));
+            .unwrap_or_else(|e| panic!("consume {name}: {e}"));
         let mut received = Vec::new();
         while (received.len() as u64) < stored {
             let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
@@ -889,7 +899,7 @@ impl TestEnv {
                     )
                 })
                 .expect("the consumer is open")
-                .unwrap_or_else(|e| panic!("read {}: {e}", self.stream));
+                .unwrap_or_else(|e| panic!("read {name}: {e}"));
             received.push(StoredMessage {
                 subject: message.subject.to_string(),
                 headers: message.headers.clone().unwrap_or_default(),
