@@ -4598,6 +4598,62 @@ mod mysql {
         .unwrap();
         assert_eq!(invoices.n, 1, "the key's second event was not written");
     }
+
+    /// A unit of work whose account lacks a privilege on the outbox's tables fails naming
+    /// what to run, not only "INSERT command denied to user"; nothing is written, the
+    /// aggregate keeps its events, and once granted the same unit of work commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_unit_of_work_whose_account_lacks_a_privilege_names_what_to_run() {
+        let env = AsyncMysql::setup().await;
+        let db = database(&env);
+        let service = Account::create(
+            db,
+            "service",
+            &[Component::Service],
+            "REVOKE INSERT ON `{database}`.outbox_events FROM {account}",
+        )
+        .await;
+        let mut conn = service.conn().await;
+        let mut order = shipped("o-1");
+        let error = outbox_runtime::Outbox::new()
+            .transaction(&mut conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .expect_err("a unit of work without INSERT on outbox_events");
+        assert!(
+            matches!(error, UnitOfWorkError::MissingPrivilege { .. }),
+            "{error:?}"
+        );
+        let text = error.to_string();
+        assert!(
+            text.contains(&format!("INSERT command denied to user '{}'", service.name))
+                && text.ends_with(
+                    "outbox_events`: the account the service logs in as lacks a privilege the \
+                     service needs; as the tables' owner, run the statements `outbox grants \
+                     service <account> --mysql <database>` prints"
+                ),
+            "{text}"
+        );
+        assert_eq!(order.pending_events().len(), 2, "the events are kept");
+        db.conn()
+            .await
+            .batch_execute(&format!(
+                "GRANT INSERT ON `{}`.outbox_events TO '{}'@'%'",
+                db.name, service.name
+            ))
+            .await
+            .unwrap();
+        outbox_runtime::Outbox::new()
+            .transaction(&mut conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(order.pending_events().len(), 0);
+    }
 }
 
 /// The SQLite backend: a database file of its own per test, migrated with

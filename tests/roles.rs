@@ -546,3 +546,80 @@ async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
     );
     drop_roles(&env, &[&inbox_role]).await;
 }
+
+/// A unit of work whose role lacks a privilege on the outbox's tables (a service given the
+/// inbox's grants only, or one revoked by a deployment tool) fails naming what to run, not
+/// only "permission denied for table outbox_events"; nothing is written, and once granted
+/// the same unit of work commits.
+#[tokio::test]
+async fn a_unit_of_work_whose_role_lacks_a_privilege_names_what_to_run() {
+    let env = TestEnv::new().await;
+    let service = role(&env, "service", &[Component::Service]).await;
+    let mut owner = env.conn().await;
+    for (revoke, object) in [
+        ("INSERT ON outbox_events", "table outbox_events"),
+        ("UPDATE ON outbox_aggregates", "table outbox_aggregates"),
+        ("INSERT ON outbox_dedup_keys", "table outbox_dedup_keys"),
+    ] {
+        owner
+            .batch_execute(&format!("REVOKE {revoke} FROM {}", service.name))
+            .await
+            .unwrap();
+        let mut conn = AsyncPgConnection::establish(&service.url).await.unwrap();
+        let mut order = Order::place("o-1", "ada", 1);
+        let error = env
+            .outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.track(&mut order);
+                uow.emit(
+                    "Payment",
+                    "p-1",
+                    &PaymentTaken {
+                        request: "r-1".to_owned(),
+                    },
+                );
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .expect_err("a unit of work without the privilege");
+        assert!(
+            matches!(error, UnitOfWorkError::MissingPrivilege { .. }),
+            "{revoke}: {error:?}"
+        );
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "permission denied for {object}: the role the service logs in as lacks a \
+                 privilege the service needs; as the tables' owner, run the statements \
+                 `outbox grants service <role>` prints"
+            ),
+            "{revoke}"
+        );
+        assert_eq!(
+            order.pending_events().len(),
+            1,
+            "{revoke}: the events are kept"
+        );
+        assert_eq!(
+            count(&mut owner, "SELECT count(*) FROM outbox_events").await,
+            0,
+            "{revoke}"
+        );
+        owner
+            .batch_execute(&format!("GRANT {revoke} TO {}", service.name))
+            .await
+            .unwrap();
+        env.outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{revoke} granted again: {e}"));
+        owner
+            .batch_execute("DELETE FROM outbox_events; DELETE FROM outbox_aggregates")
+            .await
+            .unwrap();
+    }
+    drop_roles(&env, &[&service]).await;
+}

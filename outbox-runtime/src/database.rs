@@ -789,6 +789,40 @@ pub(crate) async fn bounded_setup<T, E: fmt::Display>(
         })
 }
 
+/// Whether `error` is the database's refusal of a statement on one of the toolkit's own
+/// tables or functions (its message names one: `outbox_...`) for a privilege the role or
+/// account lacks: the kind of database whose words it has (PostgreSQL's "permission denied
+/// for", MySQL's and MariaDB's "command denied to user"), and the component whose grants
+/// hold that privilege ([`crate::privileges`]): the inbox's for its tables (`outbox_inbox`,
+/// `outbox_inbox_...`), the service's for the others (a unit of work's, or an inbox
+/// handler's, events). `None` for any other error, and for a refusal on another table (the
+/// service's own).
+pub(crate) fn lacking_privilege(error: &diesel::result::Error) -> Option<(Kind, &'static str)> {
+    let diesel::result::Error::DatabaseError(_, information) = error else {
+        return None;
+    };
+    let message = information.message();
+    let kind = if message.starts_with("permission denied for ") {
+        Kind::Postgres
+    } else if message.contains(" command denied to user ") {
+        Kind::Mysql
+    } else {
+        return None;
+    };
+    // PostgreSQL: "permission denied for table outbox_events"; MySQL: "... for table
+    // `shop`.`outbox_events`", MariaDB: "... for table 'outbox_events'".
+    let (_, object) = message.rsplit_once(" for ")?;
+    if !object.contains("outbox_") {
+        return None;
+    }
+    let who = if object.contains("outbox_inbox") {
+        "inbox"
+    } else {
+        "service"
+    };
+    Some((kind, who))
+}
+
 /// What to add to `error`'s message when the database refused what the `who` (`relay` or
 /// `inbox`) asked for a reason the error alone does not make plain; empty for any other
 /// error:

@@ -931,6 +931,7 @@ impl Failure {
             Self::Outbox(error) => !matches!(
                 error,
                 UnitOfWorkError::Database(_)
+                    | UnitOfWorkError::MissingPrivilege { .. }
                     | UnitOfWorkError::CommitOutcomeUnknown { .. }
                     | UnitOfWorkError::MissingMigrations(_)
             ),

@@ -187,6 +187,22 @@ pub enum UnitOfWorkError {
     /// transaction was rolled back.
     #[error(transparent)]
     Database(#[from] diesel::result::Error),
+    /// The role (on MySQL, the account) the connection logs in as lacks a privilege on the
+    /// outbox's own tables or functions that the unit of work (or the inbox) needs: the
+    /// database refused the statement that writes the events (PostgreSQL's "permission denied
+    /// for table outbox_events", MySQL's "INSERT command denied to user ..."), and the
+    /// transaction was rolled back. The message names what to run: the statements `outbox
+    /// grants service <role>` prints ([`crate::privileges::grants`]), as the tables' owner;
+    /// `outbox grants inbox <role>` for the inbox's tables.
+    #[error("{source}{hint}")]
+    MissingPrivilege {
+        /// The database's refusal.
+        #[source]
+        source: diesel::result::Error,
+        /// What to run, after the refusal: `": the role the service logs in as lacks a
+        /// privilege the service needs; as the tables' owner, run ..."`.
+        hint: String,
+    },
     /// The connection was lost while the unit of work's COMMIT was in flight: the COMMIT
     /// failed, and the ROLLBACK sent after it could not run either. The server may have
     /// committed before the connection went (business rows and events together; the relay
@@ -228,9 +244,17 @@ pub enum UnitOfWorkError {
 
 impl UnitOfWorkError {
     /// The error of a statement of the outbox or the inbox: [`Self::TransactionEnded`] when
-    /// the statement found that the closure had ended the transaction, else
+    /// the statement found that the closure had ended the transaction,
+    /// [`Self::MissingPrivilege`] when the role lacks a privilege on the toolkit's tables, else
     /// [`Self::Database`].
     pub(crate) fn from_database(error: diesel::result::Error) -> Self {
+        if let Some((kind, who)) = crate::database::lacking_privilege(&error) {
+            let hint = crate::database::refusal_hint(&error, kind, who);
+            return Self::MissingPrivilege {
+                source: error,
+                hint,
+            };
+        }
         match &error {
             diesel::result::Error::DatabaseError(_, info)
                 if info.message().starts_with(TRANSACTION_ENDED) =>
