@@ -101,8 +101,14 @@ fn escape_where(
     shown.into()
 }
 
+/// A database's error, as the operator reads it; a refusal for a privilege the role lacks on
+/// the outbox's tables says what to grant (`outbox grants operator <role>`).
 fn database_error(error: diesel::result::Error) -> String {
-    format!("database error: {error}")
+    let hint = outbox_runtime::privileges::refusal_hint(
+        &error,
+        outbox_runtime::privileges::Component::Operator,
+    );
+    format!("database error: {error}{}", hint.unwrap_or_default())
 }
 
 /// [`database_error`] for dropping the archive's days, which only `outbox_published`'s owner

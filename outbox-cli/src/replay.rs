@@ -6,7 +6,8 @@ use std::time::{Duration, SystemTime};
 
 use clap::Args;
 use humantime::Duration as Span;
-use outbox_runtime::replay::{ArchivePosition, ReplayConfig, replay_archive};
+use outbox_runtime::privileges::Component;
+use outbox_runtime::replay::{ArchivePosition, ReplayConfig, ReplayError, replay_archive};
 use outbox_runtime::{StreamSettings, SubjectPrefix, Topology};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -131,7 +132,16 @@ pub(crate) async fn run(database_url: &str, args: ReplayArgs) -> Result<Ended, S
         }
     })
     .await
-    .map_err(|error| terminal_json(&error.to_string()).into_owned())?;
+    .map_err(|error| {
+        // A role without SELECT on the archive is told what to grant.
+        let hint = match &error {
+            ReplayError::Database { source, .. } => {
+                outbox_runtime::privileges::refusal_hint(source, Component::Operator)
+            }
+            _ => None,
+        };
+        terminal_json(&format!("{error}{}", hint.unwrap_or_default())).into_owned()
+    })?;
     match &report.last {
         Some(last) if report.published > 0 => println!(
             "replayed {} to stream {} ({} it held already); the last: {} (--after it replays \

@@ -2600,3 +2600,57 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
     );
     assert_eq!(target.stream_len().await, 7, "nothing more published");
 }
+
+/// An operator command whose role lacks a privilege on the outbox's tables says what to grant,
+/// not only "permission denied for table ...": `status` without SELECT on `outbox_events`,
+/// `retry --all` without UPDATE on it, `replay` without SELECT on the archive.
+#[tokio::test]
+async fn an_operator_command_whose_role_lacks_a_privilege_names_what_to_grant() {
+    use outbox_runtime::privileges::Component;
+    let env = TestEnv::new().await;
+    let target = TestEnv::new().await;
+    let role = support::roles::role(&env, "operator", &[Component::Operator]).await;
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "REVOKE SELECT, UPDATE ON outbox_events FROM {0}; \
+             REVOKE SELECT ON outbox_published FROM {0}",
+            role.name
+        ))
+        .await
+        .unwrap();
+    let hint = "the role the operator logs in as lacks a privilege the operator needs; as the \
+                tables' owner, run the statements `outbox grants operator <role>` prints";
+    for (args, refused) in [
+        (vec!["status"], "permission denied for table outbox_events"),
+        (
+            vec!["retry", "--all"],
+            "permission denied for table outbox_events",
+        ),
+        (
+            vec![
+                "replay",
+                "--subject-prefix",
+                &env.prefix,
+                "--to-prefix",
+                &target.prefix,
+                "--to-stream",
+                &target.stream,
+            ],
+            "permission denied for table outbox_published",
+        ),
+    ] {
+        let output = command(&env, &support::nats_url())
+            .env("DATABASE_URL", &role.url)
+            .args(&args)
+            .output()
+            .unwrap();
+        let said = text(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {said}");
+        assert!(
+            said.contains(&format!("{refused}: {hint}")),
+            "{args:?}: {said}"
+        );
+    }
+    support::roles::drop_roles(&env, &[&role]).await;
+}

@@ -89,6 +89,24 @@ impl fmt::Display for Component {
     }
 }
 
+/// What to add to a database error's message when the database refused one of
+/// `component`'s statements on the outbox's own tables or functions (its message names one,
+/// `outbox_...`) for a privilege the role lacks: for the operator, ": the role the operator
+/// logs in as lacks a privilege the operator needs; as the tables' owner, run the statements
+/// \`outbox grants operator &lt;role&gt;\` prints" (on MySQL, the account and `--mysql`
+/// with the database). `None` for any other error. Recognised by the server's words, which diesel gives no kind of its own: PostgreSQL's
+/// "permission denied for" (SQLSTATE 42501), MySQL's and MariaDB's "command denied to user"
+/// (errors 1142, 1143).
+///
+/// The relay, the inbox and the unit of work ([`UnitOfWorkError::MissingPrivilege`]) add it
+/// themselves; this is for a program's own calls of the operator's functions.
+///
+/// [`UnitOfWorkError::MissingPrivilege`]: crate::UnitOfWorkError::MissingPrivilege
+pub fn refusal_hint(error: &diesel::result::Error, component: Component) -> Option<String> {
+    let (kind, _) = crate::database::lacking_privilege(error)?;
+    Some(crate::database::refusal_hint(error, kind, component.name()))
+}
+
 /// A name that is not one of [`Component::name`]'s.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no component is called {0:?}: the components are service, relay, inbox and operator")]
