@@ -17,6 +17,8 @@
 //! 4. figure 2's drain of `--events` twice more: deleting the published rows, then with
 //!    `PublishedRows::Archive` (each moved to `outbox_published`), the two ways after the same
 //!    history;
+//!    4b. the archive that drain filled, replayed to a stream of its own
+//!    (`outbox_runtime::replay`, one page of 1,000 at a time), events/s;
 //! 5. the inbox's throughput: `--inbox-events` events over `--aggregates` aggregates, relayed
 //!    to a stream of their own, applied by one inbox instance (`--inbox-concurrency`
 //!    handlers at once, the inbox's default 16) on the same
@@ -39,6 +41,7 @@ use diesel_async::{
 };
 use futures::{FutureExt, StreamExt};
 use outbox_runtime::mysql::MysqlRelay;
+use outbox_runtime::replay::{ReplayConfig, ReplayReport, replay_archive};
 use outbox_runtime::sqlite::{AsyncSqliteConnection, SqliteRelay};
 use outbox_runtime::testing::TestEnv;
 use outbox_runtime::{
@@ -246,6 +249,16 @@ macro_rules! backend {
                 nats: async_nats::Client,
             ) -> Result<RelayHandle, BoxError> {
                 Ok(<$relay>::connect(config, nats).await?.spawn())
+            }
+
+            /// Figure 4b: the archive replayed as `config` says.
+            pub async fn replay(
+                url: &str,
+                config: &ReplayConfig,
+                nats: async_nats::Client,
+            ) -> Result<ReplayReport, BoxError> {
+                let mut conn = conn(url).await?;
+                Ok(replay_archive(&mut conn, nats, config, |_| {}).await?)
             }
 
             /// Figure 3's writers: commit one event at each tick until `duration` has passed;
@@ -532,6 +545,30 @@ async fn main() -> Result<(), BoxError> {
                 args.events as f64 / drained.as_secs_f64()
             );
         }
+
+        // Figure 4b: the archive figure 4 filled, replayed to a stream of its own.
+        let replay = ReplayConfig::new(
+            env.prefix.parse()?,
+            Topology::new(
+                format!("{}re", env.prefix).parse()?,
+                StreamSettings {
+                    name: format!("{}_RE", env.stream),
+                    ..StreamSettings::default()
+                },
+            ),
+        );
+        let started = Instant::now();
+        let replayed = on!(&database, replay(&url, &replay, env.nats.clone()));
+        let took = started.elapsed();
+        let _ = async_nats::jetstream::new(env.nats.clone())
+            .delete_stream(&replay.to.stream.name)
+            .await;
+        let replayed = replayed?;
+        println!(
+            "4b. archive replay: {} events in {took:.2?}: {:.0} events/s",
+            replayed.published,
+            replayed.published as f64 / took.as_secs_f64()
+        );
 
         // Figure 5: the inbox on this database, reading a stream of its own.
         let topology = Topology::new(

@@ -1258,6 +1258,111 @@ async fn the_archive_keeps_each_published_row_whole<B: Operated>() {
     }
 }
 
+/// The archive replayed (`replay::replay_archive`) to a stream of its own: each archived
+/// event once, as the relay published it (headers and payload bytes), each aggregate's in
+/// order, in pages that end inside aggregates; from a position, only what follows it; and
+/// the time filters read the database's own times.
+async fn the_archive_replays_each_event_once_in_order_as_published<B: Operated>()
+where
+    B::Conn: outbox_runtime::replay::ArchiveConnection,
+{
+    use outbox_runtime::replay::{ArchivePosition, ReplayConfig, replay_archive};
+    let env = B::setup().await;
+    let orders = vec![shipped("o-1"), shipped("o-2"), shipped("o-3")];
+    let (_, result) = B::commit(&env, orders, Some("r-1".to_owned()), End::Ok).await;
+    result.unwrap();
+    let mut config = B::relay_config(&env);
+    config.published = outbox_runtime::PublishedRows::Archive;
+    let source = config.source.clone();
+    let relay = B::spawn_relay(&env, config).await;
+    env.until_stream_holds(7, Duration::from_secs(10)).await;
+    relay.shutdown().await.unwrap();
+    let live = env.stream_messages().await;
+
+    let target = TestEnv::new().await;
+    let mut replay = ReplayConfig::new(env.prefix.parse().unwrap(), target.topology());
+    replay.source = source;
+    replay.batch_size = 2;
+    let mut conn = B::operator_conn(&env).await;
+    let report = replay_archive(&mut conn, env.nats.clone(), &replay, |_| {})
+        .await
+        .unwrap();
+    assert_eq!((report.published, report.duplicates), (7, 0));
+    let replayed = target.stream_messages().await;
+    assert_eq!(replayed.len(), 7, "each archived event once");
+    for message in &replayed {
+        let id = message.header("ce-id");
+        let original = live
+            .iter()
+            .find(|m| m.header("ce-id") == id)
+            .unwrap_or_else(|| panic!("{id} was not published live"));
+        let rest = original.subject.strip_prefix(&env.prefix).unwrap();
+        assert_eq!(message.subject, format!("{}{rest}", target.prefix));
+        for (name, values) in original.headers.iter() {
+            assert_eq!(
+                message.headers.get_all(name.clone()).collect::<Vec<_>>(),
+                values.iter().collect::<Vec<_>>(),
+                "{id}: {name}"
+            );
+        }
+        assert_eq!(
+            message.headers.iter().count(),
+            original.headers.iter().count(),
+            "{id}"
+        );
+        assert_eq!(message.payload, original.payload, "{id}");
+    }
+    let sequences = support::sequences(&replayed);
+    for aggregate in ["o-1", "o-2", "o-3"] {
+        assert_eq!(sequences[aggregate], [1, 2], "{aggregate}: in order");
+    }
+
+    // After o-2's first event: its second and o-3's two, which the stream holds already.
+    let archived = B::archived(&env).await;
+    let o2 = archived
+        .iter()
+        .find(|row| row.aggregate_id == "o-2" && row.aggregate_seq == 1)
+        .unwrap();
+    replay.after = Some(ArchivePosition {
+        aggregate_type: "Order".into(),
+        aggregate_id: "o-2".into(),
+        aggregate_seq: 1,
+        id: o2.id.parse().unwrap(),
+    });
+    let rest = replay_archive(&mut conn, env.nats.clone(), &replay, |_| {})
+        .await
+        .unwrap();
+    assert_eq!((rest.published, rest.duplicates), (3, 3));
+    assert_eq!(
+        rest.last.map(|p| (p.aggregate_id, p.aggregate_seq)),
+        Some(("o-3".to_owned(), 2))
+    );
+
+    // The database's times: an hour around now takes all, from an hour ahead nothing.
+    replay.after = None;
+    let now = time::OffsetDateTime::now_utc();
+    replay.published_since = Some(now - time::Duration::hours(1));
+    replay.published_before = Some(now + time::Duration::hours(1));
+    let around = replay_archive(&mut conn, env.nats.clone(), &replay, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(around.published, 7);
+    replay.published_since = Some(now + time::Duration::hours(1));
+    replay.published_before = None;
+    let ahead = replay_archive(&mut conn, env.nats.clone(), &replay, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(ahead.published, 0);
+}
+
+on_backends!(the_archive_replays_each_event_once_in_order_as_published:
+    async_pg => AsyncPg,
+    #[cfg(feature = "mysql")]
+    async_mysql => mysql::AsyncMysql,
+    #[cfg(feature = "sqlite")]
+    async_sqlite => sqlite::AsyncSqlite,
+);
+
 /// The archive's retention deletes the rows published longer ago than asked, oldest first
 /// and in batches, and keeps the newer ones; an age no row has deletes nothing.
 #[cfg(any(feature = "mysql", feature = "sqlite"))]

@@ -546,22 +546,6 @@ impl Operator {
         Ok(operator)
     }
 
-    /// [`connect`](Self::connect) for a command that runs on PostgreSQL only: its
-    /// connection, or an error naming `what` needs PostgreSQL.
-    pub(crate) async fn connect_postgres(
-        database_url: &str,
-        what: &str,
-    ) -> Result<AsyncPgConnection, String> {
-        match Self::connect(database_url).await? {
-            Self::Postgres(conn) => Ok(*conn),
-            #[allow(unreachable_patterns)]
-            _ => Err(format!(
-                "{what} runs on PostgreSQL; {} is not a PostgreSQL URL",
-                outbox_runtime::database::redacted(database_url)
-            )),
-        }
-    }
-
     /// Fails naming the migrations of this build the database at `database_url` lacks.
     async fn require_migrations(&mut self, database_url: &str) -> Result<(), String> {
         let pending = self.pending_migrations().await.map_err(database_error)?;

@@ -7,14 +7,16 @@ use std::time::{Duration, SystemTime};
 use clap::Args;
 use humantime::Duration as Span;
 use outbox_runtime::privileges::Component;
-use outbox_runtime::replay::{ArchivePosition, ReplayConfig, ReplayError, replay_archive};
+use outbox_runtime::replay::{
+    ArchivePosition, ReplayConfig, ReplayError, ReplayReport, replay_archive,
+};
 use outbox_runtime::{StreamSettings, SubjectPrefix, Topology};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use crate::Ended;
 use crate::nats::NatsArgs;
-use crate::operate::terminal_json;
+use crate::operate::{Operator, on_operator, terminal_json};
 
 #[derive(Debug, Args)]
 pub(crate) struct ReplayArgs {
@@ -112,15 +114,10 @@ pub(crate) async fn run(database_url: &str, args: ReplayArgs) -> Result<Ended, S
     let config = args.config();
     // Before connecting: settings that cannot work are named whatever the servers' state.
     config.check().map_err(|error| error.to_string())?;
-    let mut conn = crate::operate::Operator::connect_postgres(
-        database_url,
-        "outbox replay reads PostgreSQL's archive (those of MySQL and SQLite are not replayed \
-         yet): it",
-    )
-    .await?;
+    let mut operator = Operator::connect(database_url).await?;
     let nats = args.nats.connect("outbox-replay").await?;
     let mut last_line = None::<std::time::Instant>;
-    let report = replay_archive(&mut conn, nats, &config, |report| {
+    let progress = |report: &ReplayReport| {
         if last_line.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
             eprintln!(
                 "replayed {} ({} held already), up to {}",
@@ -130,9 +127,10 @@ pub(crate) async fn run(database_url: &str, args: ReplayArgs) -> Result<Ended, S
             );
             last_line = Some(std::time::Instant::now());
         }
-    })
-    .await
-    .map_err(|error| {
+    };
+    let replayed =
+        on_operator!(&mut operator, conn => replay_archive(conn, nats, &config, progress).await);
+    let report = replayed.map_err(|error| {
         // A role without SELECT on the archive is told what to grant.
         let hint = match &error {
             ReplayError::Database { source, .. } => {

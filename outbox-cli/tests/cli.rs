@@ -1998,7 +1998,7 @@ async fn an_operator_account_runs_the_operator_commands_on_mysql_with_the_grants
 
 /// `outbox migrate` and `outbox relay` on a SQLite file (built with `--features sqlite`): the
 /// daemon publishes what units of work commit to the file, and the operator's commands
-/// (status, dead letters, purge) work on it.
+/// (status, dead letters, replay, purge) work on it.
 #[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
@@ -2185,6 +2185,26 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         output.contains("relaying") && output.contains("stopped"),
         "{output}"
     );
+    // `replay` publishes the file's archive again, to a stream of its own.
+    let target = TestEnv::unmigrated(&support::nats_url()).await;
+    let replayed = command(&[
+        "replay",
+        "--subject-prefix",
+        &env.prefix,
+        "--to-prefix",
+        &target.prefix,
+        "--to-stream",
+        &target.stream,
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(replayed.status.code(), Some(0), "{}", text(&replayed));
+    assert!(
+        text(&replayed).starts_with(&format!("replayed 6 events to stream {}", target.stream)),
+        "{}",
+        text(&replayed)
+    );
+    assert_eq!(target.stream_len().await, 6);
     // `purge` deletes the archived rows older than it is told, and only those.
     conn.batch_execute(
         "UPDATE outbox_published SET published_at = '2000-01-01 00:00:00.000' \

@@ -44,8 +44,8 @@
 //! - [`outbox`]: the table (a public contract), its migrations and queries;
 //! - [`relay`]: the message relay that publishes committed rows;
 //! - [`dead_letter`]: rows the broker kept rejecting, and what an operator does with them;
-//! - `replay` (PostgreSQL): the archive published again to a stream of its own, for a
-//!   consumer that joins after the live stream's limits removed the events it needs;
+//! - `replay`: the archive published again to a stream of its own, for a consumer that
+//!   joins after the live stream's limits removed the events it needs;
 //! - [`publisher`]: the JetStream side, with the wire contract of every message;
 //! - [`inbox`]: idempotent consumers, with exactly-once effects, and their dead letters
 //!   (listed, replayed once a handler is fixed, or discarded);
@@ -160,7 +160,7 @@ pub mod outbox;
 pub mod privileges;
 pub mod publisher;
 pub mod relay;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod replay;
 mod spawned;
 #[cfg(feature = "sqlite")]

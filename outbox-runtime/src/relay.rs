@@ -42,7 +42,7 @@ mod listener;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
-mod polling;
+pub(crate) mod polling;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
 mod worker;

@@ -31,21 +31,29 @@
 //!   unpublished (the last event of the last page acked whole); [`ReplayConfig::after`] starts
 //!   there.
 //!
+//! # Databases
+//! [`replay_archive`] reads any [`ArchiveConnection`]: PostgreSQL's archive (daily
+//! partitions) by a row comparison on the index in one statement per page; MySQL's and
+//! SQLite's (one table) by up to three range reads of the same index per page, neither
+//! server ranging an index over a row comparison. The time filters compare with the times as
+//! each database keeps them: to the microsecond on PostgreSQL and MySQL, to the millisecond
+//! on SQLite.
+//!
 //! Limits: the archive holds what a relay published in Archive mode and the retention has not
-//! dropped (`outbox::drop_archived`); events published in `Delete` or `Mark` mode, or queued
-//! still, are not in it (the live stream carries the queued ones once published). A replay
-//! from [`ReplayConfig::published_since`] starts aggregates in the middle of their
-//! history: an inbox applies each such aggregate's first replayed event over a gap, recorded
-//! in `outbox_inbox_gaps`. The archive has no unique key on an aggregate's sequence, so two
+//! dropped (`outbox::drop_archived`, `mysql::purge_archived`, `sqlite::purge_archived`);
+//! events published in `Delete` or `Mark` mode, or queued still, are not in it (the live
+//! stream carries the queued ones once published). A replay from
+//! [`ReplayConfig::published_since`] starts aggregates in the middle of their history: an
+//! inbox applies each such aggregate's first replayed event over a gap, recorded in
+//! `outbox_inbox_gaps`. The archive has no unique key on an aggregate's sequence, so two
 //! archived rows with one sequence (a database restored under a running relay) are both
-//! replayed, in event id order, and the inbox applies the first.
+//! replayed, in event id order, and the inbox applies the first; on MySQL and SQLite a page
+//! takes both whole, and a position resumes after every row of its sequence.
 
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use diesel::sql_types::{Array, BigInt, Text, Timestamptz, Uuid as SqlUuid};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use uuid::Uuid;
 
 use crate::outbox::queries::ClaimedEvent;
@@ -305,8 +313,8 @@ impl ReplayError {
 /// [`ReplayError::Database`] when the archive cannot be read (a database without the
 /// migrations, a role without `SELECT` on `outbox_published`), [`ReplayError::Publish`]
 /// when an event is not acked: the last two say where to resume.
-pub async fn replay_archive(
-    conn: &mut AsyncPgConnection,
+pub async fn replay_archive<C: ArchiveConnection>(
+    conn: &mut C,
     nats: async_nats::Client,
     config: &ReplayConfig,
     mut on_page: impl FnMut(&ReplayReport),
@@ -350,7 +358,16 @@ pub async fn replay_archive(
     };
     let from_dot = format!("{from}.");
     loop {
-        let mut rows = page(conn, config, &from_dot, report.last.as_ref())
+        let page = Page {
+            from_dot: from_dot.clone(),
+            after: report.last.clone(),
+            since: config.published_since,
+            before: config.published_before,
+            types: config.aggregate_types.clone(),
+            limit: config.batch_size,
+        };
+        let mut rows = conn
+            .page(&page)
             .await
             .map_err(|source| ReplayError::Database {
                 source,
@@ -360,9 +377,27 @@ pub async fn replay_archive(
             return Ok(report);
         };
         for row in &mut rows {
-            // Selected by this prefix (`starts_with`), so the cut is on a character boundary.
-            row.subject = format!("{to}.{}", &row.subject[from_dot.len()..]);
+            // Selected by this prefix; a database comparing otherwise than byte by byte
+            // could select another spelling, which is refused rather than cut.
+            let Some(rest) = row.subject.strip_prefix(from_dot.as_str()) else {
+                return Err(ReplayError::Publish {
+                    event: position(row),
+                    reason: format!(
+                        "its subject {:?} is not under the prefix `{from}`",
+                        crate::subject::shortened(&row.subject, 256)
+                    ),
+                    resume_after: report.last.clone().map(Box::new),
+                });
+            };
+            row.subject = format!("{to}.{rest}");
         }
+        // Each aggregate's events together, in the order read (its sequence order), whatever
+        // the database's collation took for one aggregate (MySQL's pads spaces: `o-1` and
+        // `o-1 ` compare equal, and their rows come interleaved).
+        rows.sort_by(|a, b| {
+            (a.aggregate_type.as_bytes(), a.aggregate_id.as_bytes())
+                .cmp(&(b.aggregate_type.as_bytes(), b.aggregate_id.as_bytes()))
+        });
         let chains = rows.chunk_by(|a, b| {
             a.aggregate_type == b.aggregate_type && a.aggregate_id == b.aggregate_id
         });
@@ -378,7 +413,7 @@ pub async fn replay_archive(
             report.published += published;
             report.duplicates += duplicates;
         }
-        let full = rows.len() == config.batch_size;
+        let full = rows.len() >= config.batch_size;
         report.last = Some(last);
         on_page(&report);
         if !full {
@@ -443,80 +478,417 @@ fn position(row: &ClaimedEvent) -> ArchivePosition {
     }
 }
 
-/// The next page of the archive after `after`, in archive order, with the columns of a
-/// claimed row. The order's first three keys are the index `outbox_published_aggregate`'s
-/// (each partition's, merged), and the row comparison starts each page where the last ended
-/// (`COLLATE "C"` columns: byte order, as the index's).
-async fn page(
-    conn: &mut AsyncPgConnection,
-    config: &ReplayConfig,
-    from_dot: &str,
-    after: Option<&ArchivePosition>,
-) -> diesel::QueryResult<Vec<ClaimedEvent>> {
-    let mut sql = String::from(
-        "SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, event_version, \
-                partition_key, subject, payload, headers, occurred_at, correlation_id, \
-                causation_id, true AS available \
-         FROM outbox_published WHERE starts_with(subject, $1)",
-    );
-    // Each condition's parameters are numbered after the ones before it.
-    let mut n = 1;
-    let mut parameter = || {
-        n += 1;
-        format!("${n}")
-    };
-    if after.is_some() {
-        let (t, a, s, i) = (parameter(), parameter(), parameter(), parameter());
-        sql.push_str(&format!(
-            " AND (aggregate_type, aggregate_id, aggregate_seq, id) > ({t}, {a}, {s}, {i})"
-        ));
-    }
-    if config.published_since.is_some() {
-        sql.push_str(&format!(" AND published_at >= {}", parameter()));
-    }
-    if config.published_before.is_some() {
-        sql.push_str(&format!(" AND published_at < {}", parameter()));
-    }
-    if !config.aggregate_types.is_empty() {
-        sql.push_str(&format!(" AND aggregate_type = ANY({})", parameter()));
-    }
-    sql.push_str(" ORDER BY aggregate_type, aggregate_id, aggregate_seq, id LIMIT ");
-    sql.push_str(&config.batch_size.to_string());
-    let mut query = diesel::sql_query(sql)
-        .into_boxed()
-        .bind::<Text, _>(from_dot);
-    if let Some(after) = after {
-        query = query
-            .bind::<Text, _>(&after.aggregate_type)
-            .bind::<Text, _>(&after.aggregate_id)
-            .bind::<BigInt, _>(after.aggregate_seq)
-            .bind::<SqlUuid, _>(after.id);
-    }
-    if let Some(since) = config.published_since {
-        query = query.bind::<Timestamptz, _>(since);
-    }
-    if let Some(before) = config.published_before {
-        query = query.bind::<Timestamptz, _>(before);
-    }
-    if !config.aggregate_types.is_empty() {
-        query = query.bind::<Array<Text>, _>(&config.aggregate_types);
-    }
-    conn.transaction(async |conn| {
-        conn.batch_execute(ORDERED_SCAN).await?;
-        query.load(conn).await
-    })
-    .await
+/// What one page reads: the events under `from_dot` (the producer's prefix and a dot) after
+/// `after` in archive order, within the filters, at most `limit`.
+#[derive(Clone, Debug)]
+pub(crate) struct Page {
+    from_dot: String,
+    after: Option<ArchivePosition>,
+    since: Option<time::OffsetDateTime>,
+    before: Option<time::OffsetDateTime>,
+    types: Vec<String>,
+    limit: usize,
 }
 
-/// Steers a page's read to the ordered index scan, within the page's transaction only.
-/// PostgreSQL estimates a row comparison by its first column alone (`aggregate_type >
-/// 'Order'`: almost no row), and `starts_with` by a default selectivity, so it took a page
-/// for a few rows and read the whole archive, sorting it, to return 1,000 of them: 132 ms a
-/// page at 300,000 archived rows, growing with the archive; the ordered scan reads the page's
-/// rows alone (1.4 ms; `EXPLAIN ANALYZE`, PostgreSQL 15). `SET LOCAL` ends with the
-/// transaction (PostgreSQL docs, SET), so the connection's own settings are left as they were.
-const ORDERED_SCAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; \
-                            SET LOCAL enable_sort = off";
+/// A connection to a database whose archive [`replay_archive`] reads:
+/// `AsyncPgConnection` (PostgreSQL's daily partitions), `AsyncMysqlConnection` (feature
+/// `mysql`) or `AsyncSqliteConnection` (feature `sqlite`), whose archive is one table.
+///
+/// Sealed: implemented by the toolkit for the databases it has statements for.
+#[allow(private_bounds)]
+pub trait ArchiveConnection: Send + sealed::ReadsArchive {}
+
+impl<C: Send + sealed::ReadsArchive> ArchiveConnection for C {}
+
+pub(crate) mod sealed {
+    use super::{ClaimedEvent, Page};
+
+    /// Reads a page of the archive.
+    pub(crate) trait ReadsArchive {
+        /// The page's events in archive order, with the columns of a claimed row.
+        fn page(
+            &mut self,
+            page: &Page,
+        ) -> impl std::future::Future<Output = diesel::QueryResult<Vec<ClaimedEvent>>> + Send;
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use diesel::sql_types::{Array, BigInt, Text, Timestamptz, Uuid as SqlUuid};
+    use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+    use super::{ClaimedEvent, Page};
+
+    impl super::sealed::ReadsArchive for AsyncPgConnection {
+        /// The order's first three keys are the index `outbox_published_aggregate`'s (each
+        /// partition's, merged), and the row comparison starts each page where the last
+        /// ended (`COLLATE "C"` columns: byte order, as the index's).
+        async fn page(&mut self, page: &Page) -> diesel::QueryResult<Vec<ClaimedEvent>> {
+            let mut sql = String::from(
+                "SELECT id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+                        event_version, partition_key, subject, payload, headers, occurred_at, \
+                        correlation_id, causation_id, true AS available \
+                 FROM outbox_published WHERE starts_with(subject, $1)",
+            );
+            // Each condition's parameters are numbered after the ones before it.
+            let mut n = 1;
+            let mut parameter = || {
+                n += 1;
+                format!("${n}")
+            };
+            if page.after.is_some() {
+                let (t, a, s, i) = (parameter(), parameter(), parameter(), parameter());
+                sql.push_str(&format!(
+                    " AND (aggregate_type, aggregate_id, aggregate_seq, id) > ({t}, {a}, {s}, {i})"
+                ));
+            }
+            if page.since.is_some() {
+                sql.push_str(&format!(" AND published_at >= {}", parameter()));
+            }
+            if page.before.is_some() {
+                sql.push_str(&format!(" AND published_at < {}", parameter()));
+            }
+            if !page.types.is_empty() {
+                sql.push_str(&format!(" AND aggregate_type = ANY({})", parameter()));
+            }
+            sql.push_str(" ORDER BY aggregate_type, aggregate_id, aggregate_seq, id LIMIT ");
+            sql.push_str(&page.limit.to_string());
+            let mut query = diesel::sql_query(sql)
+                .into_boxed()
+                .bind::<Text, _>(&page.from_dot);
+            if let Some(after) = &page.after {
+                query = query
+                    .bind::<Text, _>(&after.aggregate_type)
+                    .bind::<Text, _>(&after.aggregate_id)
+                    .bind::<BigInt, _>(after.aggregate_seq)
+                    .bind::<SqlUuid, _>(after.id);
+            }
+            if let Some(since) = page.since {
+                query = query.bind::<Timestamptz, _>(since);
+            }
+            if let Some(before) = page.before {
+                query = query.bind::<Timestamptz, _>(before);
+            }
+            if !page.types.is_empty() {
+                query = query.bind::<Array<Text>, _>(&page.types);
+            }
+            self.transaction(async |conn| {
+                conn.batch_execute(ORDERED_SCAN).await?;
+                query.load(conn).await
+            })
+            .await
+        }
+    }
+
+    /// Steers a page's read to the ordered index scan, within the page's transaction only.
+    /// PostgreSQL estimates a row comparison by its first column alone (`aggregate_type >
+    /// 'Order'`: almost no row), and `starts_with` by a default selectivity, so it took a page
+    /// for a few rows and read the whole archive, sorting it, to return 1,000 of them: 132 ms
+    /// a page at 300,000 archived rows, growing with the archive; the ordered scan reads the
+    /// page's rows alone (1.4 ms; `EXPLAIN ANALYZE`, PostgreSQL 15). `SET LOCAL` ends with the
+    /// transaction (PostgreSQL docs, SET), so the connection's own settings are left as they
+    /// were.
+    const ORDERED_SCAN: &str = "SET LOCAL enable_seqscan = off; \
+                                SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off";
+}
+
+/// The archive of MySQL and SQLite: one table, with the index `outbox_published_aggregate` on
+/// `(aggregate_type, aggregate_id, aggregate_seq)`. Neither server ranges an index over a
+/// row comparison, and a sort by a fourth key would sort the rest of the archive for each
+/// page, so a page is read by up to three statements, each a range of that index read in its
+/// order: the rest of the position's aggregate, the later aggregates of its type, the later
+/// types; then, when the page is full, every row of its last key, so that a key the page
+/// cut (two archived rows with one sequence, which only a database restored under a running
+/// relay leaves) is replayed whole and the next page starts after it.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+mod portable {
+    use diesel::sql_types::{BigInt, Text};
+
+    use super::{ArchivePosition, ClaimedEvent, Page};
+    use crate::relay::polling::Row;
+
+    /// What a statement of the page selects besides the filters.
+    pub(super) enum Range<'a> {
+        /// The archive's first rows.
+        First,
+        /// The position's aggregate, after its sequence.
+        RestOfAggregate(&'a ArchivePosition),
+        /// The position's type, after its aggregate.
+        LaterAggregates(&'a ArchivePosition),
+        /// After the position's type.
+        LaterTypes(&'a ArchivePosition),
+        /// Every row of one key (type, aggregate, sequence).
+        Key(&'a ArchivePosition),
+    }
+
+    /// A value bound to a statement.
+    pub(super) enum Bind {
+        Text(String),
+        Int(i64),
+    }
+
+    /// How the database writes what the statements need.
+    pub(super) struct Dialect {
+        /// The archive's columns as `relay::polling::Row` reads them.
+        pub(super) columns: &'static str,
+        /// True, as the database writes it (`available`).
+        pub(super) truth: &'static str,
+        /// Whether the subject starts with the prefix: two parameters, its length in
+        /// characters and the prefix.
+        pub(super) starts_with: &'static str,
+        /// A time as the database compares it with `published_at`.
+        pub(super) time: fn(time::OffsetDateTime) -> String,
+    }
+
+    /// The statement of `range` within `page`'s filters, at most `limit` rows, and its
+    /// values.
+    fn statement(
+        dialect: &Dialect,
+        page: &Page,
+        range: &Range<'_>,
+        limit: usize,
+    ) -> (String, Vec<Bind>) {
+        let mut sql = format!(
+            "SELECT {}, {} AS available FROM outbox_published WHERE {}",
+            dialect.columns, dialect.truth, dialect.starts_with
+        );
+        let mut binds = vec![
+            Bind::Int(i64::try_from(page.from_dot.chars().count()).unwrap_or(i64::MAX)),
+            Bind::Text(page.from_dot.clone()),
+        ];
+        let text = |value: &str| Bind::Text(value.to_owned());
+        let order = match range {
+            Range::First => "aggregate_type, aggregate_id, aggregate_seq",
+            Range::RestOfAggregate(p) => {
+                sql.push_str(" AND aggregate_type = ? AND aggregate_id = ? AND aggregate_seq > ?");
+                binds.extend([
+                    text(&p.aggregate_type),
+                    text(&p.aggregate_id),
+                    Bind::Int(p.aggregate_seq),
+                ]);
+                "aggregate_seq"
+            }
+            Range::LaterAggregates(p) => {
+                sql.push_str(" AND aggregate_type = ? AND aggregate_id > ?");
+                binds.extend([text(&p.aggregate_type), text(&p.aggregate_id)]);
+                "aggregate_id, aggregate_seq"
+            }
+            Range::LaterTypes(p) => {
+                sql.push_str(" AND aggregate_type > ?");
+                binds.push(text(&p.aggregate_type));
+                "aggregate_type, aggregate_id, aggregate_seq"
+            }
+            Range::Key(p) => {
+                sql.push_str(" AND aggregate_type = ? AND aggregate_id = ? AND aggregate_seq = ?");
+                binds.extend([
+                    text(&p.aggregate_type),
+                    text(&p.aggregate_id),
+                    Bind::Int(p.aggregate_seq),
+                ]);
+                "id"
+            }
+        };
+        if let Some(since) = page.since {
+            sql.push_str(" AND published_at >= ?");
+            binds.push(Bind::Text((dialect.time)(since)));
+        }
+        if let Some(before) = page.before {
+            sql.push_str(" AND published_at < ?");
+            binds.push(Bind::Text((dialect.time)(before)));
+        }
+        if !page.types.is_empty() {
+            let marks = vec!["?"; page.types.len()].join(", ");
+            sql.push_str(&format!(" AND aggregate_type IN ({marks})"));
+            binds.extend(page.types.iter().map(|t| text(t)));
+        }
+        sql.push_str(&format!(" ORDER BY {order}"));
+        if let Range::Key(_) = range {
+        } else {
+            sql.push_str(&format!(" LIMIT {limit}"));
+        }
+        (sql, binds)
+    }
+
+    /// The reading of one page: [`next`](Self::next) gives each statement to run, and
+    /// [`take`](Self::take) what it returned, until `next` gives none; then
+    /// [`rows`](Self::rows) is the page.
+    pub(super) struct Reading<'a> {
+        dialect: &'a Dialect,
+        page: &'a Page,
+        ranges: Vec<Range<'a>>,
+        /// The ranges read so far.
+        read: usize,
+        /// The page's last key, once it was read whole.
+        completed: bool,
+        rows: Vec<ClaimedEvent>,
+    }
+
+    impl<'a> Reading<'a> {
+        pub(super) fn new(dialect: &'a Dialect, page: &'a Page) -> Self {
+            let ranges = match &page.after {
+                None => vec![Range::First],
+                Some(p) => vec![
+                    Range::RestOfAggregate(p),
+                    Range::LaterAggregates(p),
+                    Range::LaterTypes(p),
+                ],
+            };
+            Self {
+                dialect,
+                page,
+                ranges,
+                read: 0,
+                completed: false,
+                rows: Vec::new(),
+            }
+        }
+
+        /// The next statement to run, and its values; `None` once the page is read.
+        pub(super) fn next(&self) -> Option<(String, Vec<Bind>)> {
+            let left = self.page.limit - self.rows.len();
+            if left > 0 {
+                let range = self.ranges.get(self.read)?;
+                return Some(statement(self.dialect, self.page, range, left));
+            }
+            if self.completed {
+                return None;
+            }
+            let last = self.rows.last().map(super::position)?;
+            Some(statement(self.dialect, self.page, &Range::Key(&last), 0))
+        }
+
+        /// Takes what the statement [`next`](Self::next) gave returned.
+        pub(super) fn take(&mut self, rows: Vec<ClaimedEvent>) {
+            if self.rows.len() < self.page.limit {
+                self.rows.extend(rows);
+                self.read += 1;
+                return;
+            }
+            // The page's last key whole: its rows the ranges did not reach come after it.
+            for row in rows {
+                if !self.rows.iter().rev().any(|seen| seen.id == row.id) {
+                    self.rows.push(row);
+                }
+            }
+            self.completed = true;
+        }
+
+        /// The page, once read.
+        pub(super) fn rows(self) -> Vec<ClaimedEvent> {
+            self.rows
+        }
+    }
+
+    /// `sql` with `binds` bound, for database `DB`.
+    pub(super) fn bound<'f, DB>(
+        sql: String,
+        binds: Vec<Bind>,
+    ) -> diesel::query_builder::BoxedSqlQuery<'f, DB, diesel::query_builder::SqlQuery>
+    where
+        DB: diesel::backend::Backend
+            + diesel::sql_types::HasSqlType<Text>
+            + diesel::sql_types::HasSqlType<BigInt>,
+        String: diesel::serialize::ToSql<Text, DB>,
+        i64: diesel::serialize::ToSql<BigInt, DB>,
+    {
+        let mut query = diesel::sql_query(sql).into_boxed::<DB>();
+        for bind in binds {
+            query = match bind {
+                Bind::Text(value) => query.bind::<Text, _>(value),
+                Bind::Int(value) => query.bind::<BigInt, _>(value),
+            };
+        }
+        query
+    }
+
+    /// The rows a statement read, as the claim's rows.
+    pub(super) fn claimed(rows: Vec<Row>) -> diesel::QueryResult<Vec<ClaimedEvent>> {
+        rows.into_iter().map(Row::into_claimed).collect()
+    }
+
+    /// `time`, rounded up to `digits` decimals of a second, as `YYYY-MM-DD HH:MM:SS.fff...`
+    /// in UTC: how both databases keep `published_at` (MySQL's `DATETIME(6)`, SQLite's text
+    /// of `strftime('%Y-%m-%d %H:%M:%f')`, milliseconds). A stored time, a multiple of the
+    /// precision, is at or after `time` exactly when it is at or after the rounded one, and
+    /// before it exactly when it is before the rounded one.
+    pub(super) fn utc_text(time: time::OffsetDateTime, digits: u32) -> String {
+        let unit = 10_i128.pow(9 - digits);
+        let nanos = time.unix_timestamp_nanos();
+        let rounded = nanos.div_euclid(unit) * unit + if nanos % unit == 0 { 0 } else { unit };
+        let time = time::OffsetDateTime::from_unix_timestamp_nanos(rounded).unwrap_or(time);
+        let fraction = i128::from(time.nanosecond()) / unit;
+        format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02}.{fraction:0width$}",
+            time.year(),
+            u8::from(time.month()),
+            time.day(),
+            time.hour(),
+            time.minute(),
+            time.second(),
+            width = digits as usize
+        )
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use diesel::mysql::Mysql;
+    use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
+
+    use super::portable::{self, Dialect, Reading};
+    use super::{ClaimedEvent, Page};
+
+    const MYSQL: Dialect = Dialect {
+        columns: crate::relay::mysql::COLUMNS,
+        truth: "TRUE",
+        starts_with: "LEFT(subject, ?) = ?",
+        time: |time| portable::utc_text(time, 6),
+    };
+
+    impl super::sealed::ReadsArchive for AsyncMysqlConnection {
+        async fn page(&mut self, page: &Page) -> diesel::QueryResult<Vec<ClaimedEvent>> {
+            let mut reading = Reading::new(&MYSQL, page);
+            while let Some((sql, binds)) = reading.next() {
+                let rows = portable::bound::<Mysql>(sql, binds).load(self).await?;
+                reading.take(portable::claimed(rows)?);
+            }
+            Ok(reading.rows())
+        }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use diesel::RunQueryDsl;
+    use diesel::sqlite::Sqlite;
+
+    use super::portable::{self, Dialect, Reading};
+    use super::{ClaimedEvent, Page};
+    use crate::sqlite::AsyncSqliteConnection;
+
+    const SQLITE: Dialect = Dialect {
+        columns: crate::relay::sqlite::COLUMNS,
+        truth: "1",
+        starts_with: "substr(subject, 1, ?) = ?",
+        time: |time| portable::utc_text(time, 3),
+    };
+
+    impl super::sealed::ReadsArchive for AsyncSqliteConnection {
+        async fn page(&mut self, page: &Page) -> diesel::QueryResult<Vec<ClaimedEvent>> {
+            let page = page.clone();
+            self.spawn_blocking(move |conn| {
+                let mut reading = Reading::new(&SQLITE, &page);
+                while let Some((sql, binds)) = reading.next() {
+                    let rows = portable::bound::<Sqlite>(sql, binds).load(conn)?;
+                    reading.take(portable::claimed(rows)?);
+                }
+                Ok(reading.rows())
+            })
+            .await
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -592,6 +964,41 @@ mod tests {
         c.published_since = Some(now);
         c.published_before = Some(now);
         assert!(c.fault().unwrap_err().contains("published_since"));
+    }
+
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    #[test]
+    fn a_time_is_written_as_the_database_keeps_it_rounded_up_to_its_precision() {
+        use time::macros::datetime;
+        for (time, digits, text) in [
+            (
+                datetime!(2026-12-04 10:00:00 UTC),
+                3,
+                "2026-12-04 10:00:00.000",
+            ),
+            (
+                datetime!(2026-12-04 10:00:00.000_4 UTC),
+                3,
+                "2026-12-04 10:00:00.001",
+            ),
+            (
+                datetime!(2026-12-04 10:00:00.123_456_7 UTC),
+                6,
+                "2026-12-04 10:00:00.123457",
+            ),
+            (
+                datetime!(2026-12-31 23:59:59.999_9 UTC),
+                3,
+                "2027-01-01 00:00:00.000",
+            ),
+            (
+                datetime!(2026-12-04 12:00:00 +02:00),
+                6,
+                "2026-12-04 10:00:00.000000",
+            ),
+        ] {
+            assert_eq!(portable::utc_text(time, digits), text, "{time}");
+        }
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl PolledStore for AsyncMysqlConnection {
 
 /// The claim's columns, as [`Row`] reads them; `{available}` is the expression of its
 /// `available` column.
-const COLUMNS: &str = "id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+pub(crate) const COLUMNS: &str = "id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
     event_version, partition_key, subject, payload, headers, \
     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', occurred_at) AS occurred_us, \
     correlation_id, causation_id";

@@ -286,7 +286,7 @@ pub(super) struct Head {
 
 /// A row of the claim.
 #[derive(QueryableByName)]
-pub(super) struct Row {
+pub(crate) struct Row {
     #[diesel(sql_type = Text)]
     pub(super) id: String,
     #[diesel(sql_type = Text)]
@@ -356,7 +356,7 @@ impl StatsRow {
 }
 
 impl Row {
-    pub(super) fn into_claimed(self) -> QueryResult<ClaimedEvent> {
+    pub(crate) fn into_claimed(self) -> QueryResult<ClaimedEvent> {
         let invalid = |what: String| diesel::result::Error::DeserializationError(what.into());
         let id = Uuid::parse_str(&self.id)
             .map_err(|e| invalid(format!("outbox_events.id {:?} is not a UUID: {e}", self.id)))?;

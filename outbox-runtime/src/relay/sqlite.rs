@@ -156,7 +156,7 @@ impl PolledStore for SqliteStore {
 }
 
 /// The claim's columns, as [`Row`] reads them (`occurred_at` to the millisecond).
-const COLUMNS: &str = "id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
+pub(crate) const COLUMNS: &str = "id, aggregate_type, aggregate_id, aggregate_seq, event_type, \
     event_version, partition_key, subject, payload, headers, \
     CAST(ROUND((julianday(occurred_at) - 2440587.5) * 86400000.0) AS INTEGER) * 1000 \
         AS occurred_us, \
