@@ -703,8 +703,8 @@ mod portable {
             binds.extend(page.types.iter().map(|t| text(t)));
         }
         sql.push_str(&format!(" ORDER BY {order}"));
-        if let Range::Key(_) = range {
-        } else {
+        // A key's rows are read whole.
+        if !matches!(range, Range::Key(_)) {
             sql.push_str(&format!(" LIMIT {limit}"));
         }
         (sql, binds)
@@ -746,16 +746,22 @@ mod portable {
 
         /// The next statement to run, and its values; `None` once the page is read.
         pub(super) fn next(&self) -> Option<(String, Vec<Bind>)> {
-            let left = self.page.limit - self.rows.len();
+            if self.completed {
+                return None;
+            }
+            // The key's rows can take the page past its limit.
+            let left = self.page.limit.saturating_sub(self.rows.len());
             if left > 0 {
                 let range = self.ranges.get(self.read)?;
                 return Some(statement(self.dialect, self.page, range, left));
             }
-            if self.completed {
-                return None;
-            }
             let last = self.rows.last().map(super::position)?;
-            Some(statement(self.dialect, self.page, &Range::Key(&last), 0))
+            Some(statement(
+                self.dialect,
+                self.page,
+                &Range::Key(&last),
+                usize::MAX,
+            ))
         }
 
         /// Takes what the statement [`next`](Self::next) gave returned.
@@ -999,6 +1005,101 @@ mod tests {
         ] {
             assert_eq!(portable::utc_text(time, digits), text, "{time}");
         }
+    }
+
+    /// An archived row of `aggregate_id` at `seq`, with id `id`.
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    fn row(aggregate_id: &str, seq: i64, id: u128) -> ClaimedEvent {
+        use crate::outbox::queries::{JsonBytes, JsonText};
+        ClaimedEvent {
+            id: Uuid::from_u128(id),
+            aggregate_type: "Order".into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_seq: seq,
+            event_type: "Placed".into(),
+            event_version: 1,
+            partition_key: aggregate_id.into(),
+            subject: format!("events.Order.{aggregate_id}.Placed"),
+            payload: JsonBytes(bytes::Bytes::from_static(b"{}")),
+            headers: JsonText(b"{}".to_vec()),
+            occurred_at: time::OffsetDateTime::UNIX_EPOCH,
+            correlation_id: None,
+            causation_id: None,
+            available: true,
+        }
+    }
+
+    /// A page on MySQL and SQLite: the ranges after the position in turn, until the page is
+    /// full, then its last key whole, so that a key the limit cut (two archived rows with one
+    /// sequence) is replayed whole and the next page starts after it.
+    #[cfg(any(feature = "mysql", feature = "sqlite"))]
+    #[test]
+    fn a_portable_page_reads_its_ranges_in_turn_then_its_last_key_whole() {
+        use portable::{Dialect, Reading};
+        const DIALECT: Dialect = Dialect {
+            columns: "*",
+            truth: "1",
+            starts_with: "substr(subject, 1, ?) = ?",
+            time: |time| portable::utc_text(time, 3),
+        };
+        let page = Page {
+            from_dot: "events.".into(),
+            after: Some(ArchivePosition {
+                aggregate_type: "Order".into(),
+                aggregate_id: "o-1".into(),
+                aggregate_seq: 4,
+                id: Uuid::from_u128(1),
+            }),
+            since: None,
+            before: None,
+            types: Vec::new(),
+            limit: 3,
+        };
+        let mut reading = Reading::new(&DIALECT, &page);
+        let mut statements = Vec::new();
+        let mut answers = vec![
+            // The rest of o-1: one row. Later aggregates of its type: two, the last cut.
+            vec![row("o-1", 5, 10)],
+            vec![row("o-2", 1, 11), row("o-2", 2, 12)],
+            // o-2's sequence 2 whole: the row read, and one more.
+            vec![row("o-2", 2, 12), row("o-2", 2, 13)],
+        ]
+        .into_iter();
+        while let Some((sql, _)) = reading.next() {
+            statements.push(sql);
+            reading.take(answers.next().expect("no more statements than answers"));
+        }
+        let conditions: Vec<&str> = statements
+            .iter()
+            .map(|sql| {
+                let start = sql.find("? AND ").map_or(0, |at| at + 6);
+                &sql[start..]
+            })
+            .collect();
+        assert_eq!(
+            conditions,
+            [
+                "aggregate_type = ? AND aggregate_id = ? AND aggregate_seq > ? \
+                 ORDER BY aggregate_seq LIMIT 3",
+                "aggregate_type = ? AND aggregate_id > ? ORDER BY aggregate_id, aggregate_seq \
+                 LIMIT 2",
+                "aggregate_type = ? AND aggregate_id = ? AND aggregate_seq = ? ORDER BY id",
+            ]
+        );
+        let read: Vec<(String, i64, u128)> = reading
+            .rows()
+            .into_iter()
+            .map(|r| (r.aggregate_id, r.aggregate_seq, r.id.as_u128()))
+            .collect();
+        assert_eq!(
+            read,
+            [
+                ("o-1".to_owned(), 5, 10),
+                ("o-2".to_owned(), 1, 11),
+                ("o-2".to_owned(), 2, 12),
+                ("o-2".to_owned(), 2, 13)
+            ]
+        );
     }
 
     #[test]
