@@ -2515,21 +2515,18 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
         env.commit(&mut order).await;
     }
     archive().await;
-    let replay = |extra: &[&str]| {
-        let mut args = vec![
-            "replay",
-            "--subject-prefix",
-            &env.prefix,
-            "--source",
-            "/tests",
-            "--to-prefix",
-            &target.prefix,
-            "--to-stream",
-            &target.stream,
-        ];
-        args.extend_from_slice(extra);
-        outbox(&env, &support::nats_url(), &args)
-    };
+    let base = [
+        "replay",
+        "--subject-prefix",
+        &env.prefix,
+        "--source",
+        "/tests",
+        "--to-prefix",
+        &target.prefix,
+        "--to-stream",
+        &target.stream,
+    ];
+    let replay = |extra: &[&str]| outbox(&env, &support::nats_url(), &[&base[..], extra].concat());
 
     let first = replay(&[]);
     let said = text(&first);
@@ -2565,18 +2562,8 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
         text(&none)
     );
 
-    let base = [
-        "replay",
-        "--subject-prefix",
-        &env.prefix,
-        "--to-prefix",
-        &target.prefix,
-        "--to-stream",
-        &target.stream,
-    ];
     let before_connecting = |extra: &[&str], says: &str| {
-        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
-        refused_before_connecting(&env, &args, &[says]);
+        refused_before_connecting(&env, &[&base[..], extra].concat(), &[says]);
     };
     before_connecting(
         &["--since", "1h", "--before", "2000-01-01T00:00:00Z"],
@@ -2587,7 +2574,20 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
         &["--batch-size", "0"],
         "batch_size 0 is outside 1 to 100,000",
     );
-    before_connecting(&["--source", ""], "CloudEvents requires a non-empty source");
+    let no_source = [
+        "replay",
+        "--source",
+        "",
+        "--to-prefix",
+        &target.prefix,
+        "--to-stream",
+        &target.stream,
+    ];
+    refused_before_connecting(
+        &env,
+        &no_source,
+        &["CloudEvents requires a non-empty source"],
+    );
     for (after, says) in [
         ("o-2,2", "is not an archive position, a JSON array"),
         ("[\"Order\",\"o-2\",2]", "invalid length 3"),

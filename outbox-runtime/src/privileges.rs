@@ -92,11 +92,11 @@ impl fmt::Display for Component {
 /// What to add to a database error's message when the database refused one of
 /// `component`'s statements on the outbox's own tables or functions (its message names one,
 /// `outbox_...`) for a privilege the role lacks: for the operator, ": the role the operator
-/// logs in as lacks a privilege the operator needs; as the tables' owner, run the statements
-/// \`outbox grants operator &lt;role&gt;\` prints" (on MySQL, the account and `--mysql`
-/// with the database). `None` for any other error. Recognised by the server's words, which diesel gives no kind of its own: PostgreSQL's
-/// "permission denied for" (SQLSTATE 42501), MySQL's and MariaDB's "command denied to user"
-/// (errors 1142, 1143).
+/// logs in as lacks a privilege the operator needs; as the tables' owner, run the statements"
+/// that `outbox grants operator` prints for the role (on MySQL, for the account, with
+/// `--mysql` and the database). `None` for any other error. Recognised by the server's words,
+/// which diesel gives no kind of its own: PostgreSQL's "permission denied for" (SQLSTATE
+/// 42501), MySQL's and MariaDB's "command denied to user" (errors 1142, 1143).
 ///
 /// The relay, the inbox and the unit of work ([`UnitOfWorkError::MissingPrivilege`]) add it
 /// themselves; this is for a program's own calls of the operator's functions.
