@@ -12,21 +12,13 @@ use outbox_runtime::inbox::dead_letters;
 use outbox_runtime::replay::{
     ArchivePosition, ReplayConfig, ReplayError, ReplayReport, replay_archive,
 };
-use outbox_runtime::{Inbox, PublishedRows, Relay, StreamSettings, Topology};
+use outbox_runtime::{Inbox, StreamSettings, Topology};
 use support::consumer::{
-    Recording, applied, assert_applied_in_order, commit_round, consumer_config, consumer_database,
-    orders, run_until_settled,
+    Recording, applied, archive_all, assert_applied_in_order, commit_round, consumer_config,
+    consumer_database, orders, run_until_settled,
 };
 use support::domain::Order;
 use support::{Received, TestEnv, sequences};
-
-/// Relays everything `env` committed so far, in Archive mode.
-async fn archive_all(env: &TestEnv) {
-    let mut config = env.relay_config();
-    config.published = PublishedRows::Archive;
-    let mut relay = Relay::connect(config, env.nats.clone()).await.unwrap();
-    while relay.relay_batch().await.unwrap().claimed > 0 {}
-}
 
 /// Commits the rounds `rounds` of `orders` (see `commit_round`), so that the aggregates
 /// interleave in the outbox and in the live stream.

@@ -2501,20 +2501,12 @@ async fn an_operator_role_runs_the_operator_commands_with_the_grants_it_prints()
 async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_printed() {
     let env = TestEnv::new().await;
     let target = TestEnv::new().await;
-    let archive = async || {
-        let mut config = env.relay_config();
-        config.published = outbox_runtime::PublishedRows::Archive;
-        let mut relay = outbox_runtime::Relay::connect(config, env.nats.clone())
-            .await
-            .unwrap();
-        while relay.relay_batch().await.unwrap().claimed > 0 {}
-    };
     for n in 0..3 {
         let mut order = support::domain::Order::place(&format!("o-{n}"), "ada", 1);
         order.record(support::domain::OrderEvent::Shipped);
         env.commit(&mut order).await;
     }
-    archive().await;
+    support::consumer::archive_all(&env).await;
     let base = [
         "replay",
         "--subject-prefix",
@@ -2548,7 +2540,7 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
 
     let mut order = support::domain::Order::place("o-3", "ada", 1);
     env.commit(&mut order).await;
-    archive().await;
+    support::consumer::archive_all(&env).await;
     let resumed = replay(&["--after", last]);
     let said = text(&resumed);
     assert_eq!(resumed.status.code(), Some(0), "{said}");

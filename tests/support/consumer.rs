@@ -43,9 +43,20 @@ pub fn consumer_config(consumer: &TestEnv, producer: &TestEnv, name: &str) -> In
 
 /// Relays everything the producer committed so far.
 pub async fn relay_all(producer: &TestEnv) {
-    let mut relay = Relay::connect(producer.relay_config(), producer.nats.clone())
-        .await
-        .unwrap();
+    drain(producer.relay_config(), producer).await;
+}
+
+/// Relays everything the producer committed so far in Archive mode: each published row is
+/// moved to `outbox_published`.
+pub async fn archive_all(producer: &TestEnv) {
+    let mut config = producer.relay_config();
+    config.published = outbox_runtime::PublishedRows::Archive;
+    drain(config, producer).await;
+}
+
+/// Runs a relay of `config` batch after batch until one claims nothing.
+async fn drain(config: outbox_runtime::RelayConfig, producer: &TestEnv) {
+    let mut relay = Relay::connect(config, producer.nats.clone()).await.unwrap();
     while relay.relay_batch().await.unwrap().claimed > 0 {}
 }
 
