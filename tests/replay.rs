@@ -452,3 +452,79 @@ async fn each_page_is_read_by_the_archives_index_not_by_a_scan_of_the_archive() 
     );
     assert!(idx_after >= idx_before + 20, "{idx_before} -> {idx_after}");
 }
+
+/// The id of the server process of `conn`'s session.
+async fn backend_pid(conn: &mut diesel_async::AsyncPgConnection) -> i32 {
+    #[derive(diesel::QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    use diesel_async::RunQueryDsl;
+    diesel::sql_query("SELECT pg_backend_pid() AS pid")
+        .get_result::<Pid>(conn)
+        .await
+        .unwrap()
+        .pid
+}
+
+/// Whether the server process `pid` has loaded PostgreSQL's JIT provider (`llvmjit.so`,
+/// loaded at its session's first compiled statement), from its memory maps: the tests'
+/// PostgreSQL runs on this machine.
+fn has_loaded_jit(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_else(|e| panic!("the maps of PostgreSQL's process {pid} on this machine: {e}"))
+        .contains("llvmjit")
+}
+
+/// A page of the archive is read without compiling its plan: the settings that keep the read
+/// on the archive's index (`enable_sort = off` among them) put PostgreSQL's cost of a disabled
+/// plan node on the sort by event id within a sequence, far over `jit_above_cost`, and each
+/// page was compiled (79 functions, 120 ms) to run in 8 ms: a replay of a multi-day archive
+/// ran at 5,400 events/s. Here every statement of the replay's session is over its
+/// `jit_above_cost`, as that page was.
+#[tokio::test]
+async fn a_page_of_the_archive_is_read_without_compiling_its_plan() {
+    use diesel_async::SimpleAsyncConnection;
+    let producer = TestEnv::new().await;
+    let target = TestEnv::new().await;
+    let mut orders = orders(3);
+    commit(&producer, &mut orders, 0..2).await;
+    archive_all(&producer).await;
+
+    // What the test needs: a server that compiles a statement over `jit_above_cost`.
+    let mut control = producer.conn().await;
+    let control_pid = backend_pid(&mut control).await;
+    assert!(
+        !has_loaded_jit(control_pid),
+        "a new session compiled nothing yet"
+    );
+    control
+        .batch_execute("SET jit_above_cost = 0; SELECT count(*) FROM outbox_published")
+        .await
+        .unwrap();
+    assert!(
+        has_loaded_jit(control_pid),
+        "this PostgreSQL compiles no statement (jit off, or no llvmjit): the test needs it to"
+    );
+
+    let mut replaying = producer.conn().await;
+    let replaying_pid = backend_pid(&mut replaying).await;
+    replaying
+        .batch_execute("SET jit_above_cost = 0")
+        .await
+        .unwrap();
+    let report = replay_archive(
+        &mut replaying,
+        producer.nats.clone(),
+        &replay_config(&producer, &target),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.published, 6);
+    assert!(
+        !has_loaded_jit(replaying_pid),
+        "the replay's pages were compiled"
+    );
+}
