@@ -17,6 +17,13 @@
 //! Before the relay starts, in the `archive` layout, the newest seeded day (a tenth of the
 //! rows) is replayed to a stream of its own (`outbox_runtime::replay`), and its rate printed.
 //!
+//! With `--replay-memory`, the whole archive is then replayed twice more, each time into a
+//! nats-server of its own (`NATS_SERVER_BIN`, else `nats-server` on the PATH, else Debian's;
+//! a fresh store on a free port): into a stream with a stream's default duplicate window (2
+//! minutes), then with a replay's ([`replay::DUPLICATE_WINDOW`]), and the server's peak
+//! resident memory is printed beside the rate: the broker memory the message ids in the
+//! window hold.
+//!
 //! While the relay runs in that layout, writers commit units of work of two events at a
 //! fixed rate. The figures of each phase (before, while the removal runs, right after it,
 //! and while the VACUUM runs) are the unit of work's commit time and the time from a commit's return
@@ -36,13 +43,15 @@ use diesel::QueryableByName;
 use diesel::sql_types::Int8;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures::StreamExt;
-use outbox_runtime::replay::{ReplayConfig, replay_archive};
+use outbox_runtime::replay::{self, ReplayConfig, replay_archive};
 use outbox_runtime::{
     DomainEvent, Outbox, PendingEvents, PublishedRows, Relay, StreamSettings, Topology,
     UnitOfWorkError, aggregate, outbox,
 };
 use serde::{Deserialize, Serialize};
 
+#[path = "../tests/support/cluster.rs"]
+mod cluster;
 #[path = "support/place.rs"]
 mod place;
 
@@ -67,6 +76,11 @@ struct Args {
     /// and the VACUUM's phases last as long as they run).
     #[arg(long, default_value_t = 15)]
     window_secs: u64,
+    /// In the archive layout, also replay the whole archive into a nats-server of its own,
+    /// once with a stream's default duplicate window and once with a replay's, and print the
+    /// server's peak memory.
+    #[arg(long)]
+    replay_memory: bool,
     /// The layouts to measure.
     #[arg(long, value_delimiter = ',', default_values = ["mark", "archive"])]
     layouts: Vec<Layout>,
@@ -141,6 +155,9 @@ async fn run(args: &Args, layout: Layout, place: &Place) -> Result<(), BoxError>
 
     if layout == Layout::Archive {
         replay_newest_day(args, place, &mut conn).await?;
+        if args.replay_memory {
+            replay_memory(&mut conn).await?;
+        }
     }
 
     let mut config = place.relay_config();
@@ -277,6 +294,130 @@ async fn replay_newest_day(
         config.batch_size
     );
     Ok(())
+}
+
+/// Replays the whole archive once per duplicate window (a stream's default, then a
+/// replay's), each time into a nats-server of its own, and prints the rate and the server's
+/// peak resident memory; then what the longer window cost per message id it held more.
+async fn replay_memory(conn: &mut AsyncPgConnection) -> Result<(), BoxError> {
+    let mut runs = Vec::new();
+    for window in [
+        StreamSettings::default().duplicate_window,
+        replay::DUPLICATE_WINDOW,
+    ] {
+        let server = OwnServer::start().await?;
+        let before = server.memory("VmRSS")?;
+        let config = ReplayConfig::new(
+            "x".parse()?,
+            Topology::new(
+                "replay".parse()?,
+                StreamSettings {
+                    name: "REPLAY".to_owned(),
+                    duplicate_window: window,
+                    ..StreamSettings::default()
+                },
+            ),
+        );
+        let started = Instant::now();
+        let report = replay_archive(conn, server.nats.clone(), &config, |_| {}).await?;
+        let took = started.elapsed().as_secs_f64();
+        let peak = server.memory("VmHWM")?;
+        let rate = report.published as f64 / took;
+        // The ids the window held at most: those of its last `window` of publishes.
+        let held = (rate * window.as_secs_f64()).min(report.published as f64);
+        println!(
+            "replayed the whole archive, {} events, with a duplicate window of {window:?}, into \
+             a nats-server of its own in {took:.2} s: {rate:.0} events/s; the server's peak \
+             memory {} MiB ({} MiB before), its window holding up to {held:.0} message ids",
+            report.published,
+            peak >> 20,
+            before >> 20,
+        );
+        runs.push((window, held, peak));
+    }
+    if let [
+        (long, long_held, long_peak),
+        (short, short_held, short_peak),
+    ] = runs[..]
+    {
+        println!(
+            "the {long:?} window against the {short:?} one: {:.0} more message ids held, {} MiB \
+             more at the peak: {:.0} B per message id",
+            long_held - short_held,
+            long_peak.saturating_sub(short_peak) >> 20,
+            long_peak.saturating_sub(short_peak) as f64 / (long_held - short_held).max(1.0),
+        );
+    }
+    Ok(())
+}
+
+/// A nats-server of the benchmark's own, on a free port with a fresh store; killed and its
+/// store removed when dropped.
+struct OwnServer {
+    child: std::process::Child,
+    store: std::path::PathBuf,
+    nats: async_nats::Client,
+}
+
+impl OwnServer {
+    async fn start() -> Result<Self, BoxError> {
+        let port = cluster::free_ports(1)[0];
+        let store = std::env::temp_dir().join(format!(
+            "outbox-retention-bench-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let binary = cluster::nats_server_binary();
+        let child = std::process::Command::new(&binary)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&store)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                format!(
+                    "cannot start {} (set NATS_SERVER_BIN): {e}",
+                    binary.display()
+                )
+            })?;
+        let url = format!("nats://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let nats = loop {
+            match async_nats::connect(&url).await {
+                Ok(nats) => break nats,
+                Err(e) if Instant::now() > deadline => {
+                    return Err(format!("{} at {url}: {e}", binary.display()).into());
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        Ok(Self { child, store, nats })
+    }
+
+    /// A memory figure of the server's `/proc/{pid}/status` (`VmRSS`, `VmHWM`), in bytes.
+    fn memory(&self, field: &str) -> Result<u64, BoxError> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        let kib = status
+            .lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|value| {
+                value
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .ok_or_else(|| format!("no {field} in the server's /proc status"))?;
+        Ok(kib << 10)
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
 }
 
 /// Puts `args.rows` published rows where the layout keeps them, a million per statement.

@@ -8,7 +8,7 @@ use clap::Args;
 use humantime::Duration as Span;
 use outbox_runtime::privileges::Component;
 use outbox_runtime::replay::{
-    ArchivePosition, ReplayConfig, ReplayError, ReplayReport, replay_archive,
+    ArchivePosition, DUPLICATE_WINDOW, ReplayConfig, ReplayError, ReplayReport, replay_archive,
 };
 use outbox_runtime::{StreamSettings, SubjectPrefix, Topology};
 use time::OffsetDateTime;
@@ -45,6 +45,12 @@ pub(crate) struct ReplayArgs {
     /// removes it); a replay for one consumer can expire once it has read it.
     #[arg(long, default_value = "0s")]
     to_max_age: Span,
+    /// The replay stream's duplicate window, when it is created: default 10s
+    /// (`outbox_runtime::replay::DUPLICATE_WINDOW`; no longer than --to-max-age), where a
+    /// stream's default of 2m holds about 300 bytes of the broker's memory per event
+    /// replayed in the last 2 minutes (millions of ids at a replay's rate).
+    #[arg(long)]
+    to_duplicate_window: Option<Span>,
     /// Only events published at or after this time: RFC 3339 (`2026-01-31T00:00:00Z`), or a
     /// duration ago (`30d`).
     #[arg(long, value_parser = moment)]
@@ -86,12 +92,19 @@ fn moment(text: &str) -> Result<OffsetDateTime, String> {
 
 impl ReplayArgs {
     fn config(&self) -> ReplayConfig {
+        let max_age: Duration = self.to_max_age.into();
+        let duplicate_window = match self.to_duplicate_window {
+            Some(window) => window.into(),
+            None if !max_age.is_zero() => DUPLICATE_WINDOW.min(max_age),
+            None => DUPLICATE_WINDOW,
+        };
         let to = Topology::new(
             self.to_prefix.clone(),
             StreamSettings {
                 name: self.to_stream.clone(),
                 replicas: self.to_replicas,
-                max_age: self.to_max_age.into(),
+                max_age,
+                duplicate_window,
                 ..StreamSettings::default()
             },
         );

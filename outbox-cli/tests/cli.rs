@@ -2532,6 +2532,17 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
         "{said}"
     );
     assert_eq!(target.stream_len().await, 6);
+    // The stream it created keeps message ids 10 s, not a stream's default 2 minutes: each
+    // id in the window takes broker memory, and a replay publishes millions.
+    let window = |env: &TestEnv| {
+        let js = env.jetstream();
+        let stream = env.stream.clone();
+        async move {
+            let mut stream = js.get_stream(&stream).await.unwrap();
+            stream.info().await.unwrap().config.duplicate_window
+        }
+    };
+    assert_eq!(window(&target).await, Duration::from_secs(10));
     let last = stdout
         .split("the last: ")
         .nth(1)
@@ -2566,6 +2577,36 @@ async fn replay_publishes_the_archive_to_its_stream_and_resumes_after_what_it_pr
         &["--batch-size", "0"],
         "batch_size 0 is outside 1 to 100,000",
     );
+    before_connecting(
+        &["--to-duplicate-window", "0s"],
+        "the replay's stream duplicate_window 0ns is no window",
+    );
+    before_connecting(
+        &["--to-duplicate-window", "2m", "--to-max-age", "1m"],
+        "duplicate_window 120s is longer than max_age 60s",
+    );
+    // Given, the window is the operator's; a max age shorter than 10 s bounds the default.
+    for (extra, expected) in [
+        (
+            &["--to-duplicate-window", "45s"][..],
+            Duration::from_secs(45),
+        ),
+        (&["--to-max-age", "5s"][..], Duration::from_secs(5)),
+    ] {
+        let other = TestEnv::new().await;
+        let replayed = outbox(
+            &env,
+            &support::nats_url(),
+            &[
+                &base[..base.len() - 4],
+                &["--to-prefix", &other.prefix, "--to-stream", &other.stream],
+                extra,
+            ]
+            .concat(),
+        );
+        assert_eq!(replayed.status.code(), Some(0), "{}", text(&replayed));
+        assert_eq!(window(&other).await, expected, "{extra:?}");
+    }
     let no_source = [
         "replay",
         "--source",

@@ -71,7 +71,9 @@ pub struct ReplayConfig {
     pub from: SubjectPrefix,
     /// Where the events go: a prefix and a stream of their own, created when missing (as a
     /// relay creates its stream, with the stream settings given). Refused when it is the
-    /// producer's prefix, or a prefix capturing or captured by it.
+    /// producer's prefix, or a prefix capturing or captured by it. Give the stream a short
+    /// duplicate window, [`DUPLICATE_WINDOW`]: with a stream's default of 2 minutes, a replay
+    /// of millions of events holds millions of message ids in the broker's memory.
     pub to: Topology,
     /// The messages' `ce-source`: the producer relay's `RelayConfig::source` (default
     /// `/outbox`). An inbox records a message by source and id, so a replayed event is a
@@ -167,6 +169,21 @@ impl ReplayConfig {
         Ok(())
     }
 }
+
+/// The duplicate window of a replay stream: 10 seconds, where a stream's default
+/// ([`StreamSettings::default`](crate::StreamSettings)) is 2 minutes; `outbox replay` creates
+/// its stream with it.
+///
+/// nats-server keeps the id of every message a stream stored within its duplicate window in
+/// memory (NATS docs, "JetStream Model Deep Dive", message deduplication): 115-151 bytes an
+/// id on nats-server 2.15.1, 165-252 on 2.9.10 (BENCHMARKS.md, "Replaying the archive"), so a
+/// stream holds about its publish rate times the window of them. A replay publishes tens of
+/// thousands of events a second: into a 2-minute window at 25,000 events/s, 3 million ids,
+/// 0.35 to 0.75 GB of the broker the live streams run on. A replay needs the window less than
+/// a relay does: within a run no event is published twice (a failure stops the run), so its
+/// duplicates come only from a run again, which the window drops if it starts within it, and
+/// the consumer's inbox after it.
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(10);
 
 /// A place in archive order: an event's aggregate type, aggregate id, sequence and id.
 ///
