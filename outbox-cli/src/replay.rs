@@ -47,8 +47,8 @@ pub(crate) struct ReplayArgs {
     to_max_age: Span,
     /// The replay stream's duplicate window, when it is created: default 10s
     /// (`outbox_runtime::replay::DUPLICATE_WINDOW`; no longer than --to-max-age), where a
-    /// stream's default of 2m holds about 300 bytes of the broker's memory per event
-    /// replayed in the last 2 minutes (millions of ids at a replay's rate).
+    /// stream's default of 2m holds 115-252 bytes of the broker's memory per event replayed
+    /// in the last 2 minutes (millions of ids at a replay's rate).
     #[arg(long)]
     to_duplicate_window: Option<Span>,
     /// Only events published at or after this time: RFC 3339 (`2026-01-31T00:00:00Z`), or a
