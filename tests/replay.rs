@@ -378,6 +378,54 @@ async fn a_replay_cut_by_the_brokers_death_resumes_where_it_says_and_loses_nothi
     }
 }
 
+/// A replay refuses a connection inside a transaction before it reads or publishes anything:
+/// each page reads in a transaction of its own, and on PostgreSQL the planner settings of a
+/// page (`SET LOCAL`), inside the caller's transaction, lasted until that transaction ended,
+/// and its own statements after the replay ran with sorts and sequential scans disabled.
+#[tokio::test]
+async fn a_replay_refuses_a_connection_inside_a_transaction() {
+    use diesel_async::{AsyncConnection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        enable_sort: String,
+    }
+    let producer = TestEnv::new().await;
+    let target = TestEnv::new().await;
+    let mut orders = orders(2);
+    commit(&producer, &mut orders, 0..2).await;
+    archive_all(&producer).await;
+    let config = replay_config(&producer, &target);
+    let nats = producer.nats.clone();
+    let (replayed, setting) = producer
+        .conn()
+        .await
+        .transaction(async |conn| {
+            let replayed = replay_archive(conn, nats, &config, |_| {}).await;
+            let setting: Setting = diesel::sql_query("SHOW enable_sort")
+                .get_result(conn)
+                .await?;
+            Ok::<_, diesel::result::Error>((replayed, setting.enable_sort))
+        })
+        .await
+        .unwrap();
+    match replayed {
+        Err(ReplayError::Settings(message)) => assert!(
+            message.contains("its connection is inside a transaction"),
+            "{message}"
+        ),
+        other => panic!("a replay inside a transaction: {other:?}"),
+    }
+    assert_eq!(
+        setting, "on",
+        "the caller's transaction kept the page's settings"
+    );
+    assert!(
+        target.jetstream().get_stream(&target.stream).await.is_err(),
+        "the replay's stream was created"
+    );
+}
+
 /// The `seq_scan` and `idx_scan` counters of today's archive partition.
 async fn scans(conn: &mut diesel_async::AsyncPgConnection) -> (i64, i64) {
     #[derive(diesel::QueryableByName)]

@@ -54,6 +54,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use diesel_async::TransactionManager as _;
 use uuid::Uuid;
 
 use crate::outbox::queries::ClaimedEvent;
@@ -325,7 +326,8 @@ impl ReplayError {
 /// replay's.
 ///
 /// # Errors
-/// [`ReplayError::Settings`] for settings that cannot work, [`ReplayError::Stream`] for a
+/// [`ReplayError::Settings`] for settings that cannot work and for a connection inside a
+/// transaction (give the replay one of its own), [`ReplayError::Stream`] for a
 /// target stream that captures the producer's subjects or that JetStream refuses,
 /// [`ReplayError::Database`] when the archive cannot be read (a database without the
 /// migrations, a role without `SELECT` on `outbox_published`), [`ReplayError::Publish`]
@@ -337,6 +339,18 @@ pub async fn replay_archive<C: ArchiveConnection>(
     mut on_page: impl FnMut(&ReplayReport),
 ) -> Result<ReplayReport, ReplayError> {
     config.check()?;
+    // Each page reads in a transaction of its own; inside the caller's, PostgreSQL's page
+    // settings (`SET LOCAL`) would last until the caller's transaction ends, and apply to
+    // its statements after the replay.
+    let depth = C::TransactionManager::transaction_manager_status_mut(conn).transaction_depth();
+    if !matches!(depth, Ok(None)) {
+        return Err(ReplayError::Settings(
+            "its connection is inside a transaction (or in a broken one): a replay reads each \
+             page in a transaction of its own, whose settings would outlast the page in \
+             yours; give it a connection of its own"
+                .to_owned(),
+        ));
+    }
     let to = config.to.subject_prefix.as_str();
     let publisher = Publisher::new(
         nats,
@@ -520,8 +534,8 @@ impl<C: Send + sealed::ReadsArchive> ArchiveConnection for C {}
 pub(crate) mod sealed {
     use super::{ClaimedEvent, Page};
 
-    /// Reads a page of the archive.
-    pub(crate) trait ReadsArchive {
+    /// Reads a page of the archive, on a connection of diesel-async's.
+    pub(crate) trait ReadsArchive: diesel_async::AsyncConnection {
         /// The page's events in archive order, with the columns of a claimed row.
         fn page(
             &mut self,
