@@ -364,6 +364,15 @@ async fn a_replay_cut_by_the_brokers_death_resumes_where_it_says_and_loses_nothi
     );
 
     server.restart().await;
+    // The resumed run starts once the client is back and JetStream answers it (its stream
+    // recovered): within the run's 1-s request timeout, a client still reconnecting failed
+    // the run's first request under a loaded CI.
+    support::wait_until(
+        "JetStream answering the client again",
+        Duration::from_secs(30),
+        || async { producer.jetstream().get_stream(&target.stream).await.ok() },
+    )
+    .await;
     config.after = Some(resume_after);
     let rest = replay(&producer, &config).await.unwrap();
     assert_eq!(
