@@ -695,6 +695,64 @@ async fn a_denied_publish_is_rejected(deny_lookups: bool) {
     assert_eq!(connects(&nats), 1);
 }
 
+/// After a publish goes unacknowledged, the batch asks the stream whether it holds the
+/// message, each look bounded by the ack timeout, its transaction open meanwhile. Where the
+/// database ends transactions idle for less (an operator's
+/// `idle_in_transaction_session_timeout`), the batch's keep-alive must go on through those
+/// looks as through its publishes. Before, it stopped with the publishes: a look left
+/// unanswered (a relay's user not permitted to get messages) held the transaction idle for
+/// the whole ack timeout, the server ended the session, and the batch failed: the good row
+/// published but not recorded, the denied row's attempt never counted, the same again at
+/// every batch.
+#[tokio::test]
+async fn looks_at_the_stream_after_a_missing_ack_keep_the_batchs_session_alive() {
+    let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let server = server_denying_secrets(&prefix, true).await;
+    let url = format!("nats://relay:relay-pw@127.0.0.1:{}", server.port);
+    let env = TestEnv::with_nats(&url).await;
+    // Over the 133 ms a 200-ms timeout leaves a keep-alive every third of it, a loaded CI's
+    // scheduling cut a batch (`relay_faults::a_batch_slower_than_the_databases_idle_transaction_timeout_commits`).
+    support::set_database_default(&env, "idle_in_transaction_session_timeout", "1s").await;
+    let mut config = env.relay_config();
+    config.topology.subject_prefix = prefix.parse().unwrap();
+    config.ack_timeout = Duration::from_secs(2);
+    let outbox = outbox_runtime::Outbox::with_topology(config.topology.clone());
+    let mut relay = Relay::connect(config.clone(), env.nats.clone())
+        .await
+        .unwrap();
+    let mut conn = env.conn().await;
+    insert_raw(&mut conn, "s-1", &format!("{prefix}.Secret.s-1.Leaked")).await;
+    let mut order = Order::place("o-1", "ada", 1);
+    outbox
+        .transaction(&mut conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let report = relay.relay_batch().await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took > 2 * config.ack_timeout,
+        "the batch took {took:?}: less than its publish's and its look's ack timeouts, it \
+         proves nothing"
+    );
+    assert_eq!(
+        (report.published, report.rejected, report.transport_failures),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    let (attempts, error, dead) = raw_row(&mut conn, "s-1").await;
+    assert_eq!((attempts, dead), (1, false), "{error:?}");
+    let queued = outbox_runtime::outbox::stats(&mut conn)
+        .await
+        .unwrap()
+        .queued;
+    assert_eq!(queued, 1, "the published row is still queued");
+}
+
 #[tokio::test]
 async fn a_broker_back_from_a_long_outage_is_used_at_once_and_the_outage_is_logged() {
     let (logs, _guard) = Logs::capture().await;

@@ -260,7 +260,8 @@ impl RelayStore for AsyncMysqlConnection {
     /// A third of [`session_wait_timeout`], or of MariaDB's idle transaction timeout
     /// ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)) when one is
     /// set and shorter: a batch's transaction sends nothing while it waits for its acks, for
-    /// as long as one aggregate's chain takes to publish; a live relay's batch is never cut.
+    /// as long as one aggregate's chain takes to publish, nor while it looks at the stream
+    /// after a missing ack (up to two ack timeouts); a live relay's batch is never cut.
     fn keep_alive_every(shared: &Shared) -> Option<Duration> {
         let wait = session_wait_timeout(&shared.config);
         let idle = Duration::from_millis(std::sync::atomic::AtomicU64::load(

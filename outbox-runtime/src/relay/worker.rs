@@ -417,8 +417,9 @@ pub(super) async fn relay_batch<C: RelayStore>(
     Ok(outcome)
 }
 
-/// Awaits `publishing`, the batch's publishes, sending the session
-/// [`RelayStore::keep_alive`] every [`RelayStore::keep_alive_every`] meanwhile.
+/// Awaits `publishing`, the batch's publishes and its looks at the stream after a missing
+/// ack ([`resolve_unacknowledged`]), sending the session [`RelayStore::keep_alive`] every
+/// [`RelayStore::keep_alive_every`] meanwhile.
 async fn while_publishing<C: RelayStore, T>(
     shared: &Shared,
     conn: &mut C,
@@ -497,22 +498,25 @@ async fn batch<C: RelayStore>(
     crash_point!("relay::before_publish", |_| Err(Bounded::Failed(
         crate::unit_of_work::simulated_crash()
     )));
+    // The publishes, then the looks at the stream after a missing ack: network work only, as
+    // long as the acks and the ack timeouts make it, the batch's session kept alive meanwhile.
     // Unordered: the outcomes are independent, and polling them in any order is cheaper than
     // join_all's ordered bookkeeping.
-    let publishing = chains
-        .iter()
-        .map(|chain| publish_chain(&shared.publisher, chain, stop))
-        .collect::<futures::stream::FuturesUnordered<_>>()
-        .collect::<Vec<ChainOutcome<'_>>>();
+    let publishing = async {
+        let mut outcomes = chains
+            .iter()
+            .map(|chain| publish_chain(&shared.publisher, chain, stop))
+            .collect::<futures::stream::FuturesUnordered<_>>()
+            .collect::<Vec<ChainOutcome<'_>>>()
+            .await;
+        resolve_unacknowledged(shared, &mut outcomes).await;
+        outcomes
+    };
     let outcomes = while_publishing(shared, conn, publishing).await?;
     if outcomes.iter().any(|outcome| outcome.crashed) {
         return Err(Bounded::Failed(crate::unit_of_work::simulated_crash()));
     }
 
-    // A missing ack while the connection stayed up: ask the stream, once per batch, whether
-    // it answers. If it does, and acknowledges publishes, the server dropped that message on
-    // purpose.
-    let mut stream_answer = None;
     let mut transport_error = None;
     let mut no_responders = false;
     let mut published: Vec<Uuid> = Vec::with_capacity(report.claimed);
@@ -532,55 +536,6 @@ async fn batch<C: RelayStore>(
         report.duplicates += outcome.duplicates;
         let Some((row, failure)) = outcome.failure else {
             continue;
-        };
-        let failure = match failure {
-            PublishFailure::Unacknowledged { error, connects } => {
-                if stream_answer.is_none() {
-                    stream_answer = Some(stream_answer_now(shared, connects).await);
-                }
-                let stream = &config.topology.stream.name;
-                let answer = stream_answer.as_mut().expect("asked above");
-                let held = answer.holds(row, config).await;
-                match (answer, held) {
-                    (StreamAnswer::Silent, _) => PublishFailure::Transport {
-                        kind: "no_ack",
-                        error,
-                    },
-                    // The stream stored the message (its republish will be a duplicate it
-                    // acks once acks are back): nothing is wrong with the message.
-                    (StreamAnswer::WithoutAcks, _) => PublishFailure::Transport {
-                        kind: "no_ack",
-                        error: format!(
-                            "{error}: the stream {stream:?} does not acknowledge publishes \
-                             (no_ack was set on it); the events wait in the outbox until it \
-                             acknowledges them again"
-                        ),
-                    },
-                    // Its ack was lost, or the stream took it before an edit that lifted
-                    // no_ack: its republish will be a duplicate the stream acks.
-                    (StreamAnswer::Answers(_), Some(true)) => PublishFailure::Transport {
-                        kind: "no_ack",
-                        error: format!(
-                            "{error}, though the stream {stream:?} holds the message: its ack \
-                             was lost"
-                        ),
-                    },
-                    (StreamAnswer::Answers(_), held) => PublishFailure::Rejected {
-                        kind: "no_ack",
-                        error: format!(
-                            "{error} while the stream {stream:?} answered{}; the server dropped \
-                             the message (a publish permission that denies the subject is the \
-                             usual cause; see the server's log)",
-                            if held.is_some() {
-                                ", and it does not hold the message"
-                            } else {
-                                ""
-                            }
-                        ),
-                    },
-                }
-            }
-            other => other,
         };
         let (error, policy, kind) = match failure {
             PublishFailure::Transport { kind, error } => {
@@ -603,7 +558,7 @@ async fn batch<C: RelayStore>(
                 "invalid",
             ),
             PublishFailure::Rejected { kind, error } => (error, shared.retry, kind),
-            PublishFailure::Unacknowledged { .. } => unreachable!("resolved above"),
+            PublishFailure::Unacknowledged { .. } => unreachable!("resolved while publishing"),
         };
         metrics::counter!("outbox_relay_rejected_total", "kind" => kind).increment(1);
         let rejection = database::bounded(
@@ -641,6 +596,69 @@ async fn batch<C: RelayStore>(
         },
         published,
     ))
+}
+
+/// Resolves each [`PublishFailure::Unacknowledged`] of `outcomes` (a missing ack while the
+/// connection stayed up) into a transport failure or a rejection: asks the stream, once per
+/// batch, whether it answers ([`stream_answer_now`]) and, where it answers and acknowledges
+/// publishes, whether it holds the message ([`holds`]); where it does not, the server dropped
+/// the message on purpose. Each look is bounded by the ack timeout.
+async fn resolve_unacknowledged(shared: &Shared, outcomes: &mut [ChainOutcome<'_>]) {
+    let config = &shared.config;
+    let mut stream_answer = None;
+    for (row, failure) in outcomes
+        .iter_mut()
+        .filter_map(|outcome| outcome.failure.as_mut())
+    {
+        let PublishFailure::Unacknowledged { error, connects } = failure else {
+            continue;
+        };
+        let (error, connects) = (std::mem::take(error), *connects);
+        if stream_answer.is_none() {
+            stream_answer = Some(stream_answer_now(shared, connects).await);
+        }
+        let stream = &config.topology.stream.name;
+        let answer = stream_answer.as_mut().expect("asked above");
+        let held = answer.holds(row, config).await;
+        *failure = match (answer, held) {
+            (StreamAnswer::Silent, _) => PublishFailure::Transport {
+                kind: "no_ack",
+                error,
+            },
+            // The stream stored the message (its republish will be a duplicate it
+            // acks once acks are back): nothing is wrong with the message.
+            (StreamAnswer::WithoutAcks, _) => PublishFailure::Transport {
+                kind: "no_ack",
+                error: format!(
+                    "{error}: the stream {stream:?} does not acknowledge publishes \
+                     (no_ack was set on it); the events wait in the outbox until it \
+                     acknowledges them again"
+                ),
+            },
+            // Its ack was lost, or the stream took it before an edit that lifted
+            // no_ack: its republish will be a duplicate the stream acks.
+            (StreamAnswer::Answers(_), Some(true)) => PublishFailure::Transport {
+                kind: "no_ack",
+                error: format!(
+                    "{error}, though the stream {stream:?} holds the message: its ack \
+                     was lost"
+                ),
+            },
+            (StreamAnswer::Answers(_), held) => PublishFailure::Rejected {
+                kind: "no_ack",
+                error: format!(
+                    "{error} while the stream {stream:?} answered{}; the server dropped \
+                     the message (a publish permission that denies the subject is the \
+                     usual cause; see the server's log)",
+                    if held.is_some() {
+                        ", and it does not hold the message"
+                    } else {
+                        ""
+                    }
+                ),
+            },
+        };
+    }
 }
 
 /// What the relay's stream says, asked after a publish went unacknowledged.
@@ -945,8 +963,9 @@ impl RelayStore for AsyncPgConnection {
     /// stopped): the server ends a session idle in a transaction for longer (PostgreSQL docs,
     /// section 20.11.1, "Statement Behavior"), and a batch's transaction sends nothing while
     /// it waits for its acks, which one aggregate's chain, published one after another,
-    /// makes as long as the chain. A live relay's batch is never cut; a relay that stopped
-    /// still is, at the operator's timeout.
+    /// makes as long as the chain, nor while it looks at the stream after a missing ack (up
+    /// to two ack timeouts). A live relay's batch is never cut; a relay that stopped still
+    /// is, at the operator's timeout.
     fn keep_alive_every(shared: &Shared) -> Option<Duration> {
         match shared
             .idle_in_transaction_ms
