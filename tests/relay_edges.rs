@@ -639,6 +639,24 @@ async fn server_denying_secrets(prefix: &str, deny_lookups: bool) -> NatsServer 
     .await
 }
 
+/// Queues, under `prefix`, a `Secret` row ([`server_denying_secrets`] denies its subject,
+/// aggregate `s-1`) and an order's event it permits (`o-1`).
+async fn queue_a_denied_and_a_permitted_event(
+    conn: &mut AsyncPgConnection,
+    outbox: &outbox_runtime::Outbox,
+    prefix: &str,
+) {
+    insert_raw(conn, "s-1", &format!("{prefix}.Secret.s-1.Leaked")).await;
+    let mut order = Order::place("o-1", "ada", 1);
+    outbox
+        .transaction(conn, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap();
+}
+
 /// A publish the server's permissions deny goes unacknowledged while the stream answers and
 /// does not hold the message: a rejection, with its error. So it is also for a relay's user
 /// not permitted to look the message up: the look goes unanswered, and the relay decides as
@@ -663,15 +681,7 @@ async fn a_denied_publish_is_rejected(deny_lookups: bool) {
     let outbox = outbox_runtime::Outbox::with_topology(config.topology.clone());
     let mut relay = Relay::connect(config, nats.clone()).await.unwrap();
     let mut conn = env.conn().await;
-    insert_raw(&mut conn, "s-1", &format!("{prefix}.Secret.s-1.Leaked")).await;
-    let mut order = Order::place("o-1", "ada", 1);
-    outbox
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    queue_a_denied_and_a_permitted_event(&mut conn, &outbox, &prefix).await;
 
     let report = relay.relay_batch().await.unwrap();
     assert_eq!(
@@ -721,15 +731,7 @@ async fn looks_at_the_stream_after_a_missing_ack_keep_the_batchs_session_alive()
         .await
         .unwrap();
     let mut conn = env.conn().await;
-    insert_raw(&mut conn, "s-1", &format!("{prefix}.Secret.s-1.Leaked")).await;
-    let mut order = Order::place("o-1", "ada", 1);
-    outbox
-        .transaction(&mut conn, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap();
+    queue_a_denied_and_a_permitted_event(&mut conn, &outbox, &prefix).await;
 
     let started = Instant::now();
     let report = relay.relay_batch().await.unwrap();
