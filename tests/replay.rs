@@ -29,6 +29,28 @@ async fn commit(env: &TestEnv, orders: &mut [Order], rounds: std::ops::Range<usi
     }
 }
 
+/// Commits `rounds` rounds of `aggregates` orders to `env`'s outbox ([`commit`]) and
+/// archives them all: `aggregates` times `rounds` events in the archive.
+async fn archive(env: &TestEnv, aggregates: usize, rounds: usize) {
+    commit(env, &mut orders(aggregates), 0..rounds).await;
+    archive_all(env).await;
+}
+
+/// Asserts that `target`'s stream holds each event of an archive of `aggregates` times
+/// `rounds` events ([`archive`]) once, each aggregate's in sequence order.
+async fn assert_replayed_once_in_order(target: &TestEnv, aggregates: usize, rounds: usize) {
+    let replayed = target.stream_messages().await;
+    assert_eq!(
+        replayed.len(),
+        aggregates * rounds,
+        "each archived event once"
+    );
+    let expected: Vec<u64> = (1..=rounds as u64).collect();
+    for (aggregate, seqs) in sequences(&replayed) {
+        assert_eq!(seqs, expected, "{aggregate}: in sequence order");
+    }
+}
+
 /// A replay of `producer`'s archive into `target`'s prefix and stream, with the tests'
 /// relay source and small pages, so that pages end inside aggregates.
 fn replay_config(producer: &TestEnv, target: &TestEnv) -> ReplayConfig {
@@ -72,9 +94,7 @@ fn headers(message: &Received) -> BTreeMap<String, Vec<String>> {
 async fn an_archive_replays_to_a_stream_of_its_own_each_event_once_in_order_as_published() {
     let producer = TestEnv::new().await;
     let target = TestEnv::new().await;
-    let mut orders = orders(5);
-    commit(&producer, &mut orders, 0..4).await;
-    archive_all(&producer).await;
+    archive(&producer, 5, 4).await;
     let live = producer.stream_messages().await;
     assert_eq!(live.len(), 20);
 
@@ -141,9 +161,7 @@ async fn an_archive_replays_to_a_stream_of_its_own_each_event_once_in_order_as_p
 #[tokio::test]
 async fn a_replay_takes_only_what_its_filters_and_position_select() {
     let producer = TestEnv::new().await;
-    let mut orders = orders(3);
-    commit(&producer, &mut orders, 0..3).await;
-    archive_all(&producer).await;
+    archive(&producer, 3, 3).await;
 
     // From a position: what follows it in archive order (type, id, sequence), nothing before.
     let target = TestEnv::new().await;
@@ -206,9 +224,7 @@ async fn a_replay_takes_only_what_its_filters_and_position_select() {
 #[tokio::test]
 async fn a_replay_into_the_live_stream_or_its_subjects_is_refused_before_it_reads() {
     let producer = TestEnv::new().await;
-    let mut orders = orders(1);
-    commit(&producer, &mut orders, 0..1).await;
-    archive_all(&producer).await;
+    archive(&producer, 1, 1).await;
 
     // The producer's own prefix.
     let mut config = ReplayConfig::new(producer.prefix.parse().unwrap(), producer.topology());
@@ -322,9 +338,7 @@ async fn a_replay_cut_by_the_brokers_death_resumes_where_it_says_and_loses_nothi
     let mut server = support::NatsServer::start().await;
     let producer = TestEnv::with_nats(&server.url()).await;
     let target = TestEnv::with_nats(&server.url()).await;
-    let mut orders = orders(6);
-    commit(&producer, &mut orders, 0..5).await;
-    archive_all(&producer).await;
+    archive(&producer, 6, 5).await;
 
     let mut config = replay_config(&producer, &target);
     config.batch_size = 8;
@@ -379,12 +393,70 @@ async fn a_replay_cut_by_the_brokers_death_resumes_where_it_says_and_loses_nothi
         rest.published, 14,
         "the 30 events less the 16 of the first two pages"
     );
-    let replayed = target.stream_messages().await;
-    assert_eq!(replayed.len(), 30, "each archived event once");
-    let expected: Vec<u64> = (1..=5).collect();
-    for (aggregate, seqs) in sequences(&replayed) {
-        assert_eq!(seqs, expected, "{aggregate}: in sequence order");
+    assert_replayed_once_in_order(&target, 6, 5).await;
+}
+
+/// A replay whose database session ends under it (an operator's `pg_terminate_backend`, a
+/// failover) fails at its next page's read with the position after the last page acked
+/// whole, and a run resumed there publishes the rest, and nothing the stream held already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_database_session_ends_resumes_after_the_last_page_acked() {
+    use diesel_async::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
     }
+    let producer = TestEnv::new().await;
+    let target = TestEnv::new().await;
+    archive(&producer, 6, 5).await;
+    let mut config = replay_config(&producer, &target);
+    config.batch_size = 8;
+    let mut conn = producer.conn().await;
+    let replays: Pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    let runtime = tokio::runtime::Handle::current();
+    let mut reports = Vec::new();
+    let error = replay_archive(&mut conn, producer.nats.clone(), &config, |report| {
+        reports.push(report.clone());
+        if reports.len() == 1 {
+            tokio::task::block_in_place(|| {
+                runtime.block_on(async {
+                    diesel::sql_query("SELECT pg_terminate_backend($1)")
+                        .bind::<diesel::sql_types::Integer, _>(replays.pid)
+                        .execute(&mut producer.conn().await)
+                        .await
+                        .unwrap();
+                })
+            });
+        }
+    })
+    .await
+    .unwrap_err();
+    let resume_after = error
+        .resume_after()
+        .cloned()
+        .expect("a position to resume after");
+    assert!(matches!(error, ReplayError::Database { .. }), "{error}");
+    let acked = reports
+        .last()
+        .expect("a page acked before the session ended");
+    assert_eq!(
+        acked.last.as_ref(),
+        Some(&resume_after),
+        "the position to resume after is the last page acked: {reports:?}"
+    );
+
+    config.after = Some(resume_after);
+    let rest = replay(&producer, &config).await.unwrap();
+    assert_eq!(
+        (acked.published + rest.published, rest.duplicates),
+        (30, 0),
+        "each of the 30 events published once across the two runs: {acked:?} then {rest:?}"
+    );
+    assert_replayed_once_in_order(&target, 6, 5).await;
 }
 
 /// A replay refuses a connection inside a transaction before it reads or publishes anything:
@@ -401,9 +473,7 @@ async fn a_replay_refuses_a_connection_inside_a_transaction() {
     }
     let producer = TestEnv::new().await;
     let target = TestEnv::new().await;
-    let mut orders = orders(2);
-    commit(&producer, &mut orders, 0..2).await;
-    archive_all(&producer).await;
+    archive(&producer, 2, 2).await;
     let config = replay_config(&producer, &target);
     let nats = producer.nats.clone();
     let (replayed, setting) = producer
@@ -553,9 +623,7 @@ async fn a_page_of_the_archive_is_read_without_compiling_its_plan() {
         .await
         .unwrap();
     let target = TestEnv::new().await;
-    let mut orders = orders(3);
-    commit(&producer, &mut orders, 0..2).await;
-    archive_all(&producer).await;
+    archive(&producer, 3, 2).await;
 
     // What the test needs: a server that compiles a statement over `jit_above_cost`.
     let mut conn = producer.conn().await;
