@@ -52,6 +52,8 @@ use serde::{Deserialize, Serialize};
 
 #[path = "../tests/support/cluster.rs"]
 mod cluster;
+#[path = "../tests/support/nats.rs"]
+mod nats;
 #[path = "support/place.rs"]
 mod place;
 
@@ -305,8 +307,13 @@ async fn replay_memory(conn: &mut AsyncPgConnection) -> Result<(), BoxError> {
         StreamSettings::default().duplicate_window,
         replay::DUPLICATE_WINDOW,
     ] {
-        let server = OwnServer::start().await?;
-        let before = server.memory("VmRSS")?;
+        // Killed, and its store removed, when dropped at the end of the run.
+        let server = nats::NatsServer::start().await;
+        let pid = server
+            .pid()
+            .ok_or("the benchmark's nats-server is not running")?;
+        let client = async_nats::connect(server.url()).await?;
+        let before = memory(pid, "VmRSS")?;
         let config = ReplayConfig::new(
             "x".parse()?,
             Topology::new(
@@ -319,9 +326,9 @@ async fn replay_memory(conn: &mut AsyncPgConnection) -> Result<(), BoxError> {
             ),
         );
         let started = Instant::now();
-        let report = replay_archive(conn, server.nats.clone(), &config, |_| {}).await?;
+        let report = replay_archive(conn, client, &config, |_| {}).await?;
         let took = started.elapsed().as_secs_f64();
-        let peak = server.memory("VmHWM")?;
+        let peak = memory(pid, "VmHWM")?;
         let rate = report.published as f64 / took;
         // The ids the window held at most: those of its last `window` of publishes.
         let held = (rate * window.as_secs_f64()).min(report.published as f64);
@@ -351,73 +358,22 @@ async fn replay_memory(conn: &mut AsyncPgConnection) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// A nats-server of the benchmark's own, on a free port with a fresh store; killed and its
-/// store removed when dropped.
-struct OwnServer {
-    child: std::process::Child,
-    store: std::path::PathBuf,
-    nats: async_nats::Client,
-}
-
-impl OwnServer {
-    async fn start() -> Result<Self, BoxError> {
-        let port = cluster::free_ports(1)[0];
-        let store = std::env::temp_dir().join(format!(
-            "outbox-retention-bench-{}",
-            uuid::Uuid::new_v4().simple()
-        ));
-        let binary = cluster::nats_server_binary();
-        let child = std::process::Command::new(&binary)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(&store)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .map_err(|e| {
-                format!(
-                    "cannot start {} (set NATS_SERVER_BIN): {e}",
-                    binary.display()
-                )
-            })?;
-        let url = format!("nats://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let nats = loop {
-            match async_nats::connect(&url).await {
-                Ok(nats) => break nats,
-                Err(e) if Instant::now() > deadline => {
-                    return Err(format!("{} at {url}: {e}", binary.display()).into());
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        };
-        Ok(Self { child, store, nats })
-    }
-
-    /// A memory figure of the server's `/proc/{pid}/status` (`VmRSS`, `VmHWM`), in bytes.
-    fn memory(&self, field: &str) -> Result<u64, BoxError> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
-        let kib = status
-            .lines()
-            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-            .and_then(|value| {
-                value
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .ok()
-            })
-            .ok_or_else(|| format!("no {field} in the server's /proc status"))?;
-        Ok(kib << 10)
-    }
-}
-
-impl Drop for OwnServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.store);
-    }
+/// A memory figure of process `pid`'s `/proc/{pid}/status` (`VmRSS`, `VmHWM`), in bytes.
+fn memory(pid: u32, field: &str) -> Result<u64, BoxError> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .ok_or_else(|| format!("no {field} in process {pid}'s /proc status"))?;
+    Ok(kib << 10)
 }
 
 /// Puts `args.rows` published rows where the layout keeps them, a million per statement.
