@@ -56,9 +56,9 @@ pub struct BatchReport {
 
 /// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
 /// connect timeout, with its statement timeout, its transactions READ COMMITTED whatever the
-/// database's default ([`database::Isolation::ReadCommitted`]). Reads the session's
-/// `idle_in_transaction_session_timeout`, which a batch's keep-alive follows
-/// ([`RelayStore::keep_alive_every`]).
+/// database's default ([`database::Isolation::ReadCommitted`]), and no `lock_timeout`
+/// ([`NO_LOCK_TIMEOUT`]). Reads the session's `idle_in_transaction_session_timeout`, which a
+/// batch's keep-alive follows ([`RelayStore::keep_alive_every`]).
 #[cfg(feature = "postgres")]
 pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, database::ConnectError> {
     #[derive(diesel::QueryableByName)]
@@ -76,6 +76,13 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
         None,
     )
     .await?;
+    database::bounded_setup(
+        shared.config.statement_timeout,
+        &shared.target,
+        "switching the session's lock_timeout off",
+        diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, NO_LOCK_TIMEOUT),
+    )
+    .await?;
     let setting = database::bounded_setup(
         shared.config.statement_timeout,
         &shared.target,
@@ -89,6 +96,15 @@ pub(super) async fn connect(shared: &Shared) -> Result<AsyncPgConnection, databa
     );
     Ok(conn)
 }
+
+/// A relay session's `lock_timeout`: none, whatever the database's or the role's. An
+/// operator's, meant for the applications' sessions, refused the relay's own statements now
+/// and then (a batch's lock waits are short: it waits for no row lock, `SKIP LOCKED`), and
+/// each refusal cost a reconnect with backoff: under a 1-ms `lock_timeout`, 3 relays beside 4
+/// writers logged "the relay's database fails ... canceling statement due to lock timeout"
+/// in one run of about fifteen. Its `statement_timeout` bounds every statement instead.
+#[cfg(feature = "postgres")]
+const NO_LOCK_TIMEOUT: &str = "SET lock_timeout TO 0";
 
 /// The session's `idle_in_transaction_session_timeout` in milliseconds (0: none), as
 /// `pg_settings` gives it: the database's, the role's or the server's.
