@@ -752,7 +752,10 @@ async fn looks_at_the_stream_after_a_missing_ack_keep_the_batchs_session_alive()
         .await
         .unwrap()
         .queued;
-    assert_eq!(queued, 1, "the published row is still queued");
+    assert_eq!(
+        queued, 1,
+        "the denied row alone waits for its retry; more: the published row is still queued"
+    );
 }
 
 #[tokio::test]

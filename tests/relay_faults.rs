@@ -249,7 +249,7 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
             let relay = Relay::connect(config.clone(), env.nats.clone()).await;
             relays.push(relay.unwrap().spawn());
         }
-        let retries = write_concurrently(&env, AGGREGATES, PER_AGGREGATE, |error| {
+        let retries = write_concurrently(&env, level, AGGREGATES, PER_AGGREGATE, |error| {
             matches!(
                 error,
                 UnitOfWorkError::Database(DatabaseError(
@@ -307,9 +307,10 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
 /// Commits `per_aggregate` events to each of `aggregates` aggregates from 4 writers at once
 /// (one unit of work per event; each writer its own aggregates, `agg-{writer}-{i}`), and
 /// retries each unit of work refused with an error `retryable` accepts (any other fails the
-/// test); returns how many were retried.
+/// test, its message naming `case`); returns how many were retried.
 async fn write_concurrently(
     env: &TestEnv,
+    case: &str,
     aggregates: usize,
     per_aggregate: usize,
     retryable: fn(&UnitOfWorkError) -> bool,
@@ -317,6 +318,7 @@ async fn write_concurrently(
     let mut writers = Vec::new();
     for writer in 0..4 {
         let (outbox, url) = (env.outbox(), env.database_url.clone());
+        let case = case.to_owned();
         writers.push(tokio::spawn(async move {
             let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
             let mut retried = 0;
@@ -333,7 +335,7 @@ async fn write_concurrently(
                         })
                         .await
                     {
-                        assert!(retryable(&error), "a unit of work refused: {error}");
+                        assert!(retryable(&error), "{case}: a unit of work refused: {error}");
                         retried += 1;
                     }
                 }
@@ -387,9 +389,9 @@ async fn a_relay_waits_out_a_lock_whatever_the_databases_lock_timeout() {
 /// notifying commits wait for each other, within the writers' `lock_timeout`. A COMMIT that
 /// times out there rolls back whole: its events are neither lost nor published, and the
 /// relays, whose sessions turn `lock_timeout` off, publish every unit of work that committed
-/// once, in order, none of their statements refused. The writers here retry each refused unit of
-/// work, and nothing but a lock timeout; the count of refused ones is printed (`--
-/// --nocapture`) for README's "The doorbell", with the doorbell on and off (`listen =
+/// once, in order, none of their statements refused. The writers here retry each refused
+/// unit of work, and nothing but a lock timeout; the count of refused ones is printed
+/// (`-- --nocapture`) for README's "The doorbell", with the doorbell on and off (`listen =
 /// false`: no COMMIT notifies; a few are refused all the same, at a lock wait not traced).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_short_lock_timeout_what_commits_is_published_once_in_order() {
@@ -414,7 +416,8 @@ async fn under_a_short_lock_timeout_what_commits_is_published_once_in_order() {
             let relay = Relay::connect(config.clone(), env.nats.clone()).await;
             relays.push(relay.unwrap().spawn());
         }
-        let refused = write_concurrently(&env, AGGREGATES, PER_AGGREGATE, |error| {
+        let case = format!("{published:?}, listen {listen}");
+        let refused = write_concurrently(&env, &case, AGGREGATES, PER_AGGREGATE, |error| {
             error.to_string().contains("lock timeout")
         })
         .await;
