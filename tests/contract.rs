@@ -3394,21 +3394,116 @@ mod mysql {
     }
 
     /// A MariaDB server of the test's own (dropped, it stops: after the environment, so
-    /// bind it first) whose operator set `idle_transaction_timeout` globally to `seconds`,
-    /// and an environment on it, with NATS at `nats_url`.
-    async fn idle_transactions_cut_after(
-        seconds: u32,
+    /// bind it first) whose operator ran `settings` (`SET GLOBAL ...`), and an environment
+    /// on it, with NATS at `nats_url`.
+    async fn a_server_whose_operator_set(
+        settings: &str,
         nats_url: &str,
     ) -> (support::mariadb::MariadbServer, Env) {
         let server = support::mariadb::MariadbServer::start().await;
         AsyncMysqlConnection::establish(&server.url("mysql"))
             .await
             .unwrap()
-            .batch_execute(&format!("SET GLOBAL idle_transaction_timeout = {seconds}"))
+            .batch_execute(settings)
             .await
             .unwrap();
         let mysql = Database::create_on(server.url("mysql")).await;
         (server, AsyncMysql::setup_with(nats_url, mysql).await)
+    }
+
+    /// As [`a_server_whose_operator_set`], `idle_transaction_timeout` set to `seconds`.
+    async fn idle_transactions_cut_after(
+        seconds: u32,
+        nats_url: &str,
+    ) -> (support::mariadb::MariadbServer, Env) {
+        let settings = format!("SET GLOBAL idle_transaction_timeout = {seconds}");
+        a_server_whose_operator_set(&settings, nats_url).await
+    }
+
+    /// Runs `hold` on a session of its own, then one relay batch, and ends the hold (`end`)
+    /// after `held` from another task: the batch's report, once it checked that the batch
+    /// waited for the hold.
+    async fn one_batch_behind(
+        env: &Env,
+        relay: &mut MysqlRelay,
+        (hold, end): (&str, &'static str),
+        held: Duration,
+    ) -> outbox_runtime::BatchReport {
+        let mut holder = database(env).conn().await;
+        holder.batch_execute(hold).await.unwrap();
+        let since = std::time::Instant::now();
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(held).await;
+            holder.batch_execute(end).await.unwrap();
+        });
+        let report = relay.relay_batch().await;
+        release.await.unwrap();
+        let report = report.unwrap_or_else(|e| panic!("the batch behind `{hold}` failed: {e}"));
+        assert!(
+            since.elapsed() >= held,
+            "the batch did not wait for `{hold}`: it proves nothing"
+        );
+        report
+    }
+
+    /// An operator's lock wait timeouts (global, 1 s here, on a server of the test's own;
+    /// meant for the applications' sessions), shorter than a lock a relay's statement waits
+    /// for (2 s): a `LOCK TABLES` over the claim (a metadata lock: `lock_wait_timeout`),
+    /// then a transaction holding a rejected row's aggregate, as a unit of work does (a row
+    /// lock: `innodb_lock_wait_timeout`). The relay's sessions wait as long as their
+    /// `statement_timeout`, and each batch commits. Before, the claim failed ("Lock wait
+    /// timeout exceeded"), and so did the rejection's record: a running relay logged its
+    /// database as failing and reconnected with backoff.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_waits_out_a_lock_whatever_the_servers_lock_wait_timeouts() {
+        const HELD: Duration = Duration::from_secs(2);
+        let (_server, env) = a_server_whose_operator_set(
+            "SET GLOBAL innodb_lock_wait_timeout = 1, GLOBAL lock_wait_timeout = 1",
+            &support::nats_url(),
+        )
+        .await;
+        AsyncMysql::commit(&env, vec![shipped("o-1")], None, End::Ok)
+            .await
+            .1
+            .unwrap();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.max_attempts = 1;
+        let mut relay = MysqlRelay::connect(config, env.nats.clone()).await.unwrap();
+        let tables = ("LOCK TABLES outbox_events WRITE", "UNLOCK TABLES");
+        let report = one_batch_behind(&env, &mut relay, tables, HELD).await;
+        assert_eq!((report.claimed, report.published), (2, 2), "{report:?}");
+
+        // Over the server's max payload (1 MiB): JetStream refuses it, and the relay records
+        // the dead letter (`max_attempts` 1) on its row and its aggregate's.
+        let blob = "x".repeat(1_100_000);
+        <AsyncMysql as Backend>::execute(
+            &env,
+            &format!(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_seq, \
+                                            event_type, partition_key, subject, payload) \
+                 VALUES ('Big', 'b-1', 1, 'Uploaded', 'b-1', '{{prefix}}.Big.b-1.Uploaded', \
+                         '{{\"blob\": \"{blob}\"}}')"
+            ),
+        )
+        .await;
+        <AsyncMysql as Backend>::execute(
+            &env,
+            "INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq) \
+             VALUES ('Big', 'b-1', 1)",
+        )
+        .await;
+        let aggregate = (
+            "BEGIN; SELECT last_seq FROM outbox_aggregates \
+             WHERE aggregate_type = 'Big' AND aggregate_id = 'b-1' FOR UPDATE",
+            "COMMIT",
+        );
+        let report = one_batch_behind(&env, &mut relay, aggregate, HELD).await;
+        assert_eq!((report.claimed, report.dead_lettered), (1, 1), "{report:?}");
+        assert_eq!(
+            AsyncMysql::dead_letters(&env).await,
+            [("b-1".to_owned(), 1, 1)],
+            "the dead letter's record committed"
+        );
     }
 
     /// MariaDB's `idle_transaction_timeout` (an operator's, global; 2 s here, on a server of

@@ -237,7 +237,8 @@ pub struct RelayConfig {
     #[cfg(feature = "postgres")]
     pub connector: Option<Connector>,
     /// How long one of the relay's queries may take: set as the session's server-side
-    /// `statement_timeout`, and enforced by the relay itself, which drops a connection whose
+    /// `statement_timeout` (on MySQL, as its lock waits, `innodb_lock_wait_timeout` and
+    /// `lock_wait_timeout`), and enforced by the relay itself, which drops a connection whose
     /// server does not answer in time (its transaction is rolled back, its rows claimed
     /// again). Default [`DEFAULT_STATEMENT_TIMEOUT`] (30 s).
     pub statement_timeout: Duration,

@@ -224,17 +224,40 @@ pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
     Duration::from_secs(idle.as_secs() + u64::from(idle.subsec_nanos() > 0))
 }
 
+/// The statement that sets a relay session's lock waits, row locks'
+/// (`innodb_lock_wait_timeout`) and metadata locks' (`lock_wait_timeout`: a DDL's, a `LOCK
+/// TABLES`), to its `statement_timeout`, rounded up to whole seconds, at least 1 (MySQL docs,
+/// "InnoDB Startup Options and System Variables" and "Server System Variables"; MariaDB's
+/// likewise, where 0 would mean no wait at all), whatever the server's or an operator's: theirs, meant for the applications' sessions, refused the relay's statements
+/// behind a lock held a little longer (1 s against a 2-s `LOCK TABLES`, or a writer's
+/// transaction on a rejected row's aggregate), and the relay reconnected with backoff. The
+/// relay gives up on a statement at its `statement_timeout` all the same, dropping its
+/// connection; the server then gives up waiting about as soon, and rolls the batch back.
+pub(crate) fn lock_waits(statement_timeout: Duration) -> String {
+    let seconds = statement_timeout.as_secs() + u64::from(statement_timeout.subsec_nanos() > 0);
+    let seconds = seconds.max(1);
+    format!("SET SESSION innodb_lock_wait_timeout = {seconds}, lock_wait_timeout = {seconds}")
+}
+
 impl RelayStore for AsyncMysqlConnection {
     const KIND: database::Kind = database::Kind::Mysql;
 
-    /// Opens a session ([`session_wait_timeout`]), and reads MariaDB's idle transaction
-    /// timeouts ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)),
-    /// the shortest of which [`keep_alive_every`](RelayStore::keep_alive_every) follows.
+    /// Opens a session ([`session_wait_timeout`]) whose lock waits last as long as its
+    /// statements may ([`lock_waits`]), and reads MariaDB's idle transaction timeouts
+    /// ([`IDLE_TRANSACTION_TIMEOUTS`](crate::mysql::IDLE_TRANSACTION_TIMEOUTS)), the shortest
+    /// of which [`keep_alive_every`](RelayStore::keep_alive_every) follows.
     async fn connect(shared: &Shared) -> Result<Self, database::ConnectError> {
         let mut conn = database::connect_mysql(
             &shared.config.database_url,
             shared.limits(),
             session_wait_timeout(&shared.config),
+        )
+        .await?;
+        database::bounded_setup(
+            shared.config.statement_timeout,
+            &shared.target,
+            "setting the session's lock wait timeouts",
+            conn.batch_execute(&lock_waits(shared.config.statement_timeout)),
         )
         .await?;
         let idle = database::bounded_setup(
@@ -546,4 +569,29 @@ pub async fn stats(conn: &mut AsyncMysqlConnection) -> QueryResult<OutboxStats> 
     .get_result(conn)
     .await?;
     row.into_stats()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_waits_round_the_statement_timeout_up_to_whole_seconds() {
+        let seconds = |timeout| {
+            let sql = lock_waits(timeout);
+            let (_, value) = sql.rsplit_once("= ").unwrap();
+            assert!(
+                sql.contains(&format!("innodb_lock_wait_timeout = {value},")),
+                "both waits alike: {sql}"
+            );
+            value.parse::<u64>().unwrap()
+        };
+        assert_eq!(seconds(Duration::from_secs(30)), 30, "the default");
+        assert_eq!(seconds(Duration::from_millis(1_200)), 2);
+        assert_eq!(
+            seconds(Duration::from_millis(100)),
+            1,
+            "never 0: no wait at all on MariaDB"
+        );
+    }
 }
