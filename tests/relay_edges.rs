@@ -304,6 +304,7 @@ async fn migrations_refused_over(env: &TestEnv, id: &str, (column, at): (&str, &
 #[tokio::test]
 async fn an_upgrade_over_unreadable_times_names_a_row_and_completes_once_they_are_mended() {
     let env = TestEnv::new().await;
+    assert_eq!(revert_last_migration(&env).await, "20261205000017");
     assert_eq!(revert_last_migration(&env).await, "20261204000016");
     assert_eq!(revert_last_migration(&env).await, "20261204000015");
     assert_eq!(revert_last_migration(&env).await, "20261204000014");
@@ -360,7 +361,8 @@ async fn an_upgrade_over_unreadable_times_names_a_row_and_completes_once_they_ar
             "20261203000013",
             "20261204000014",
             "20261204000015",
-            "20261204000016"
+            "20261204000016",
+            "20261205000017"
         ]
     );
     let listed = dead_letter::list(&mut conn, 10).await.unwrap();

@@ -383,6 +383,59 @@ async fn a_relay_waits_out_a_lock_whatever_the_databases_lock_timeout() {
     assert_eq!(env.stream_len().await, 1);
 }
 
+/// A unit of work's registration of its outbox's topology (before its BEGIN, once an hour per
+/// process) waits out another process's registration of the same row, whatever the
+/// database's `lock_timeout` (an operator's: 50 ms here, against a registration held 300 ms).
+/// Before, the registration was refused ("canceling statement due to lock timeout"), the
+/// outbox logged "cannot register the outbox's topology" and did not register again for an
+/// hour: writers starting together under a 1-ms `lock_timeout` so logged in most runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topology_registration_waits_out_another_whatever_the_databases_lock_timeout() {
+    #[derive(QueryableByName)]
+    struct Registered {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        stream: String,
+    }
+    const HELD: Duration = Duration::from_millis(300);
+    let (logs, _turn) = Logs::capture().await;
+    let env = TestEnv::new().await;
+    set_database_default(&env, "lock_timeout", "50ms").await;
+    let mut holder = env.conn().await;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO outbox_topologies (role, subject_prefix, stream) \
+             VALUES ('outbox', '{}', 'another process''s')",
+            env.prefix
+        ))
+        .await
+        .unwrap();
+    let since = std::time::Instant::now();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(HELD).await;
+        holder.batch_execute("ROLLBACK").await.unwrap();
+    });
+    env.commit(&mut Order::place("o-1", "ada", 1)).await;
+    let took = since.elapsed();
+    release.await.unwrap();
+    let registered: Vec<Registered> =
+        diesel::sql_query("SELECT stream FROM outbox_topologies WHERE role = 'outbox'")
+            .load(&mut env.conn().await)
+            .await
+            .unwrap();
+    let registered: Vec<String> = registered.into_iter().map(|row| row.stream).collect();
+    assert_eq!(registered, [env.stream.as_str()], "the outbox's topology");
+    assert!(
+        took >= HELD,
+        "the unit of work did not wait for the other registration ({took:?}): it proves nothing"
+    );
+    let text = logs.text();
+    let warned: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("cannot register the outbox's topology"))
+        .collect();
+    assert!(warned.is_empty(), "{warned:#?}");
+}
+
 /// A database whose `lock_timeout` (an operator's) is shorter than a commit's flush: a unit
 /// of work that notifies a waiting relay takes PostgreSQL's lock on the notification queue at
 /// COMMIT and keeps it through the flush (`async.c`, `PreCommit_Notify`), so concurrent
@@ -392,7 +445,9 @@ async fn a_relay_waits_out_a_lock_whatever_the_databases_lock_timeout() {
 /// once, in order, none of their statements refused. The writers here retry each refused
 /// unit of work, and nothing but a lock timeout; the count of refused ones is printed
 /// (`-- --nocapture`) for README's "The doorbell", with the doorbell on and off (`listen =
-/// false`: no COMMIT notifies; a few are refused all the same, at a lock wait not traced).
+/// false`: no COMMIT notifies; a few were refused all the same on a slower host, at a lock
+/// wait not traced). The writers' topology registrations, which met at their start and were
+/// refused in most runs, wait for each other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_short_lock_timeout_what_commits_is_published_once_in_order() {
     const AGGREGATES: usize = 40;
@@ -455,6 +510,11 @@ async fn under_a_short_lock_timeout_what_commits_is_published_once_in_order() {
         .filter(|line| line.contains("outbox_runtime::relay") && line.contains("lock timeout"))
         .collect();
     assert!(relay_failures.is_empty(), "{relay_failures:#?}");
+    let unregistered: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("cannot register the outbox's topology"))
+        .collect();
+    assert!(unregistered.is_empty(), "{unregistered:#?}");
 }
 
 /// A row the broker refuses: its message is over the server's `max_payload` (1 MiB by

@@ -180,7 +180,7 @@ async fn migrate_applies_then_says_up_to_date() {
         );
         assert!(
             text(&refused).contains("lacks migrations of this outbox: 20261121000001, ")
-                && text(&refused).contains("20261204000016; run `outbox migrate`"),
+                && text(&refused).contains("20261205000017; run `outbox migrate`"),
             "{args:?}: {}",
             text(&refused)
         );
@@ -188,8 +188,8 @@ async fn migrate_applies_then_says_up_to_date() {
     let first = outbox(&env, &support::nats_url(), &["migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     assert!(
-        text(&first).contains("applied 16: 20261121000001")
-            && text(&first).contains("20261204000016"),
+        text(&first).contains("applied 17: 20261121000001")
+            && text(&first).contains("20261205000017"),
         "{}",
         text(&first)
     );
@@ -228,7 +228,7 @@ async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
     let ca = certificates.path("ca.pem").display().to_string();
     let with_tls = migrate(&[("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", &ca)]);
     assert!(
-        with_tls.status.success() && text(&with_tls).contains("applied 16: "),
+        with_tls.status.success() && text(&with_tls).contains("applied 17: "),
         "{}",
         text(&with_tls)
     );

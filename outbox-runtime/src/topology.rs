@@ -207,10 +207,13 @@ pub(crate) const REGISTER_EVERY: Duration = Duration::from_secs(3600);
 
 /// Records that `role` uses `topology` now, and logs a warning for each process of the other
 /// role, seen in the last day, whose prefix differs: the mismatch that would dead-letter
-/// every row.
+/// every row. Another process registering the same row at once is waited for, up to 5 s
+/// whatever the session's `lock_timeout` (the function's own, migration
+/// `000017_registration_lock_timeout`).
 ///
 /// # Errors
-/// The query's error (the table is missing before the migration `000008_topologies`).
+/// The query's error (the table is missing before the migration `000008_topologies`; a
+/// registration held longer than 5 s: "canceling statement due to lock timeout").
 #[cfg(feature = "postgres")]
 pub(crate) async fn register(
     conn: &mut AsyncPgConnection,

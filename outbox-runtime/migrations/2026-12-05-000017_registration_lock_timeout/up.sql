@@ -1,0 +1,14 @@
+-- A topology's registration waits for a lock up to 5 s, whatever the caller's lock_timeout.
+--
+-- A unit of work registers its outbox's topology before its BEGIN, once an hour per process
+-- (outbox_register_topology, migration 000008), and processes that start together register
+-- the same row at once: the second one's INSERT ... ON CONFLICT waits for the first one's
+-- transaction (PostgreSQL 15 docs, INSERT, "ON CONFLICT Clause"), a moment. Under an
+-- operator's short lock_timeout (meant for the applications' statements), that wait was
+-- refused ("canceling statement due to lock timeout"): the process logged "cannot register
+-- the outbox's topology" and did not register again for an hour; writers starting together
+-- under a 1-ms lock_timeout so logged in most runs. Under the default (no lock_timeout) a
+-- registration could wait as long as a registering transaction lasted, holding up the unit
+-- of work behind it. 5 s, as outbox_published_partitions (migration 000016): a registration
+-- is for diagnosis, and a unit of work never waits on it longer.
+ALTER FUNCTION outbox_register_topology(TEXT, TEXT, TEXT) SET lock_timeout = '5s';
