@@ -2775,10 +2775,28 @@ mod mysql {
     use outbox_runtime::mysql::MysqlRelay;
     use outbox_runtime::privileges::{self, Component};
 
-    /// `OUTBOX_TEST_MYSQL_URL`, or the local server's `test` database.
+    tokio::task_local! {
+        /// The server a test body's environments are made on, where a test runs bodies on a
+        /// server of its own ([`on_a_server_of_its_own`]).
+        static SERVER_URL: String;
+    }
+
+    /// The server's URL in [`SERVER_URL`]'s scope; else `OUTBOX_TEST_MYSQL_URL`, or the local
+    /// server's `test` database.
     fn admin_url() -> String {
-        std::env::var("OUTBOX_TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
+        SERVER_URL.try_with(Clone::clone).unwrap_or_else(|_| {
+            std::env::var("OUTBOX_TEST_MYSQL_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
+        })
+    }
+
+    /// Runs `bodies` one after another, their environments made on `server` (`setup` of
+    /// [`AsyncMysql`] and [`SyncMysql`]).
+    async fn on_a_server_of_its_own(
+        server: &support::mariadb::MariadbServer,
+        bodies: impl Future<Output = ()>,
+    ) {
+        SERVER_URL.scope(server.url("mysql"), bodies).await;
     }
 
     /// A throwaway MySQL database, dropped with the value.
@@ -3444,6 +3462,68 @@ mod mysql {
             "the batch did not wait for `{hold}`: it proves nothing"
         );
         report
+    }
+
+    /// The server's `sql_mode` an operator may set: MySQL 8.0's default (`ONLY_FULL_GROUP_BY`,
+    /// strict, no zero dates; MySQL 8.0 docs, "Server SQL Modes"; MariaDB's default has no
+    /// `ONLY_FULL_GROUP_BY`), with `STRICT_ALL_TABLES`, and the modes that change how a
+    /// statement reads: `ANSI_QUOTES` (a double-quoted string is a name),
+    /// `NO_BACKSLASH_ESCAPES` and `PIPES_AS_CONCAT`.
+    const STRICTEST_SQL_MODE: &str = "ONLY_FULL_GROUP_BY,STRICT_TRANS_TABLES,STRICT_ALL_TABLES,\
+        NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,\
+        ANSI_QUOTES,NO_BACKSLASH_ESCAPES,PIPES_AS_CONCAT";
+
+    /// The toolkit's MySQL statements under [`STRICTEST_SQL_MODE`], set globally on a server of
+    /// the test's own: the contract's bodies that run each kind of them (units of work, async
+    /// and sync, their dedup keys and rows inserted by hand; the relay's claim, rejection,
+    /// dead letter, archive and stats; the operator's retry, skip and purges; the inbox's
+    /// record, position, gap and dead letters) hold as on the server's default.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_contract_holds_under_an_operators_strictest_sql_mode() {
+        let server = support::mariadb::MariadbServer::start().await;
+        let mut root = AsyncMysqlConnection::establish(&server.url("mysql"))
+            .await
+            .unwrap();
+        root.batch_execute(&format!("SET GLOBAL sql_mode = '{STRICTEST_SQL_MODE}'"))
+            .await
+            .unwrap();
+        #[derive(QueryableByName)]
+        struct Mode {
+            #[diesel(sql_type = Text)]
+            mode: String,
+        }
+        on_a_server_of_its_own(&server, async {
+            let env = AsyncMysql::setup().await;
+            let Mode { mode } = diesel::sql_query("SELECT @@SESSION.sql_mode AS mode")
+                .get_result(&mut database(&env).conn().await)
+                .await
+                .unwrap();
+            assert!(
+                mode.contains("ANSI_QUOTES") && mode.contains("ONLY_FULL_GROUP_BY"),
+                "the environments' sessions run under the mode: {mode}"
+            );
+            super::committed_units_of_work_become_exactly_the_expected_messages::<AsyncMysql>()
+                .await;
+            super::committed_units_of_work_become_exactly_the_expected_messages::<SyncMysql>()
+                .await;
+            super::a_unit_of_work_numbers_after_rows_inserted_by_hand::<AsyncMysql>().await;
+            super::a_rejected_message_is_dead_lettered_while_the_others_flow::<AsyncMysql>().await;
+            super::a_row_the_relay_could_not_read_is_refused_where_it_is_written::<AsyncMysql>()
+                .await;
+            super::an_operator_retries_and_skips_dead_letters::<AsyncMysql>().await;
+            super::a_purge_deletes_only_old_published_rows_and_dedup_keys::<AsyncMysql>().await;
+            super::the_archive_keeps_each_published_row_whole::<AsyncMysql>().await;
+            super::an_inbox_applies_each_event_once_in_order::<AsyncMysql>().await;
+            super::an_inbox_dead_letters_a_failing_handlers_event_and_its_aggregate_moves_on::<
+                AsyncMysql,
+            >()
+            .await;
+            super::an_inbox_applies_an_event_after_a_gap_in_the_stream_and_records_the_gap::<
+                AsyncMysql,
+            >()
+            .await;
+        })
+        .await;
     }
 
     /// An operator's lock wait timeouts (global, 1 s here, on a server of the test's own;
