@@ -3418,6 +3418,13 @@ mod mysql {
         settings: &str,
         nats_url: &str,
     ) -> (support::mariadb::MariadbServer, Env) {
+        let server = a_server_set(settings).await;
+        let mysql = Database::create_on(server.url("mysql")).await;
+        (server, AsyncMysql::setup_with(nats_url, mysql).await)
+    }
+
+    /// A MariaDB server of the test's own whose operator ran `settings`.
+    async fn a_server_set(settings: &str) -> support::mariadb::MariadbServer {
         let server = support::mariadb::MariadbServer::start().await;
         AsyncMysqlConnection::establish(&server.url("mysql"))
             .await
@@ -3425,8 +3432,7 @@ mod mysql {
             .batch_execute(settings)
             .await
             .unwrap();
-        let mysql = Database::create_on(server.url("mysql")).await;
-        (server, AsyncMysql::setup_with(nats_url, mysql).await)
+        server
     }
 
     /// As [`a_server_whose_operator_set`], `idle_transaction_timeout` set to `seconds`.
@@ -3480,13 +3486,7 @@ mod mysql {
     /// record, position, gap and dead letters) hold as on the server's default.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_contract_holds_under_an_operators_strictest_sql_mode() {
-        let server = support::mariadb::MariadbServer::start().await;
-        let mut root = AsyncMysqlConnection::establish(&server.url("mysql"))
-            .await
-            .unwrap();
-        root.batch_execute(&format!("SET GLOBAL sql_mode = '{STRICTEST_SQL_MODE}'"))
-            .await
-            .unwrap();
+        let server = a_server_set(&format!("SET GLOBAL sql_mode = '{STRICTEST_SQL_MODE}'")).await;
         #[derive(QueryableByName)]
         struct Mode {
             #[diesel(sql_type = Text)]
@@ -3522,6 +3522,39 @@ mod mysql {
                 AsyncMysql,
             >()
             .await;
+        })
+        .await;
+    }
+
+    /// A server that words its errors in another language (an operator's `lc_messages`,
+    /// German here, on a server of the test's own): a unit of work whose closure ends its
+    /// transaction by hand, async or sync, fails with `TransactionEnded` all the same, and an
+    /// inbox handler that does so fails as the handler's, its attempts counted up to a dead
+    /// letter. Before, the toolkit read MariaDB's English words for the missing savepoint
+    /// ("SAVEPOINT outbox_unit_of_work does not exist"); under German ones ("... existiert
+    /// nicht") a closure that had committed by hand was reported rolled back (`Database`),
+    /// and the inbox took such a handler for the database failing: it counted no attempt and
+    /// redelivered the message for ever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transaction_ended_by_hand_is_told_in_any_language_of_the_servers() {
+        let server = a_server_set("SET GLOBAL lc_messages = 'de_DE'").await;
+        on_a_server_of_its_own(&server, async {
+            let env = AsyncMysql::setup().await;
+            let mut conn = database(&env).conn().await;
+            let german = conn
+                .batch_execute("RELEASE SAVEPOINT nowhere")
+                .await
+                .expect_err("no such savepoint")
+                .to_string();
+            assert!(
+                german.contains("existiert nicht"),
+                "the server words its errors in German: {german}"
+            );
+            super::a_transaction_ended_inside_the_closure_writes_no_ghost_event::<AsyncMysql>()
+                .await;
+            super::a_transaction_ended_inside_the_closure_writes_no_ghost_event::<SyncMysql>()
+                .await;
+            super::an_inbox_replays_its_consumers_dead_letters_oldest_first::<AsyncMysql>().await;
         })
         .await;
     }

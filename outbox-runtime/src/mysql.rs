@@ -577,14 +577,19 @@ pub(crate) fn released<T>(result: diesel::QueryResult<T>) -> Result<(), UnitOfWo
     result.map(drop).map_err(mark_error)
 }
 
+/// The name of [`BEGIN`]'s savepoint, the mark of a unit of work's transaction.
+const MARK: &str = "outbox_unit_of_work";
+
 /// The error of a statement that released [`BEGIN`]'s savepoint:
 /// [`UnitOfWorkError::TransactionEnded`] when the savepoint does not exist
-/// (ER_SP_DOES_NOT_EXIST: the transaction was ended).
+/// (ER_SP_DOES_NOT_EXIST, 1305: the transaction was ended), told by the savepoint's name
+/// ([`MARK`]) in the error's message, the one part of it the server's language
+/// (`lc_messages`) leaves as it is: MariaDB words it "SAVEPOINT outbox_unit_of_work does not
+/// exist" in English and "... existiert nicht" in German, and diesel gives no error number.
+/// No other error of releasing it (a lost connection, a killed query) names the savepoint.
 pub(crate) fn mark_error(error: diesel::result::Error) -> UnitOfWorkError {
     match error {
-        diesel::result::Error::DatabaseError(_, info)
-            if info.message().contains("does not exist") =>
-        {
+        diesel::result::Error::DatabaseError(_, info) if info.message().contains(MARK) => {
             UnitOfWorkError::TransactionEnded
         }
         error => UnitOfWorkError::Database(error),
@@ -883,6 +888,31 @@ async fn insert_rows<C: Exec>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_mark_is_the_savepoint_each_statement_names() {
+        let checked =
+            <AsyncMysqlConnection as crate::unit_of_work::sealed::Backend>::CHECKED_COMMIT;
+        for statement in [BEGIN, RELEASE, checked.unwrap()] {
+            assert!(
+                statement.contains(&format!("SAVEPOINT {MARK}")),
+                "{statement}"
+            );
+        }
+        let missing = diesel::result::Error::DatabaseError(
+            diesel::result::DatabaseErrorKind::Unknown,
+            Box::new(format!("SAVEPOINT {MARK} existiert nicht")),
+        );
+        assert!(matches!(
+            mark_error(missing),
+            UnitOfWorkError::TransactionEnded
+        ));
+        let lost = diesel::result::Error::DatabaseError(
+            diesel::result::DatabaseErrorKind::Unknown,
+            Box::new("Lost connection to server during query".to_owned()),
+        );
+        assert!(matches!(mark_error(lost), UnitOfWorkError::Database(_)));
+    }
 
     #[test]
     fn outbox_tables_names_each_table_the_migrations_create() {
