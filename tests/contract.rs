@@ -3526,6 +3526,75 @@ mod mysql {
         .await;
     }
 
+    /// A server whose operator turned `autocommit` off (global, on a server of the test's
+    /// own; MySQL docs, "autocommit, Commit, and Rollback"): the toolkit's sessions commit
+    /// each statement they run outside a transaction all the same. While a relay (its gauges
+    /// read every 50 ms) and an inbox run, a migration's DDL on the outbox's tables goes
+    /// through (an `ALTER TABLE` each, within 5 s), and a purge's deletes are there for every
+    /// other session. Before, a session's first statement outside a transaction opened one
+    /// that nothing ended: the relay's gauges session held its tables' metadata locks for
+    /// ever, so the DDL waited out its `lock_wait_timeout` ("Lock wait timeout exceeded"),
+    /// and the purge's deletes were rolled back when its session closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_toolkits_sessions_commit_under_an_operators_autocommit_off() {
+        let (_server, env) =
+            a_server_whose_operator_set("SET GLOBAL autocommit = 0", &support::nats_url()).await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        let (_, result) =
+            AsyncMysql::commit(&env, vec![shipped("o-1")], Some("r-1".into()), End::Ok).await;
+        result.unwrap();
+        let mut config = AsyncMysql::relay_config(&env);
+        config.stats_interval = Duration::from_millis(50);
+        let relay = AsyncMysql::spawn_relay(&env, config).await;
+        env.until_stream_holds(2, Duration::from_secs(10)).await;
+        let inbox: Inbox<Applier<AsyncMysql>, AsyncMysqlConnection> = Inbox::connect(
+            super::inbox_config::<AsyncMysql>(&env, "autocommit"),
+            env.nats.clone(),
+            Applier::new(),
+        )
+        .await
+        .unwrap();
+        let probe = inbox.clone();
+        let inbox = inbox.spawn();
+        support::consumer::wait_until_settled(
+            &probe,
+            "the events applied",
+            Duration::from_secs(10),
+        )
+        .await;
+        // The gauges read a few times more.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        // Checked once the relay and the inbox stopped: a failure must not leave their
+        // sessions holding the database that the environment drops.
+        let mut operator = database(&env).conn().await;
+        operator
+            .batch_execute("SET SESSION lock_wait_timeout = 5")
+            .await
+            .unwrap();
+        let mut refused = Vec::new();
+        for table in ["outbox_events", "outbox_aggregates", "outbox_inbox"] {
+            let ddl = format!("ALTER TABLE {table} COMMENT = 'migrated'");
+            if let Err(error) = operator.batch_execute(&ddl).await {
+                refused.push(format!("a migration's DDL on {table}: {error}"));
+            }
+        }
+        drop(operator);
+        let mut purging = database(&env).conn().await;
+        let purged =
+            outbox_runtime::outbox::purge_dedup_keys(&mut purging, Duration::ZERO, 100).await;
+        drop(purging);
+        inbox.shutdown().await.unwrap();
+        relay.shutdown().await.unwrap();
+        assert_eq!(purged.unwrap(), 1, "the unit of work's dedup key");
+        let kept = <AsyncMysql as Consumed>::count(&env, "outbox_dedup_keys").await;
+        if kept != 0 {
+            refused.push(format!("the purge's deletes, rolled back: {kept} key kept"));
+        }
+        assert!(refused.is_empty(), "{refused:#?}");
+        assert_eq!(<AsyncMysql as Consumed>::applied(&env).await.len(), 1);
+    }
+
     /// A server that words its errors in another language (an operator's `lc_messages`,
     /// German here, on a server of the test's own): a unit of work whose closure ends its
     /// transaction by hand, async or sync, fails with `TransactionEnded` all the same, and an

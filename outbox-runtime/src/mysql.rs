@@ -139,8 +139,9 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 ///
 /// With any of them the connection is TLS (as `require_ssl=true`). The files are read before
 /// connecting, and one that is missing or holds no certificate or key is named with its fault,
-/// never its content. The relays, the inbox, [`run_migrations`] and the `outbox` command open
-/// their connections with it.
+/// never its content. The session commits each statement run outside a transaction, whatever
+/// the server's `autocommit` default (`SET SESSION autocommit = 1`). The relays, the inbox,
+/// [`run_migrations`] and the `outbox` command open their connections with it.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), diesel::ConnectionError> {
@@ -163,6 +164,24 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// certificate or key, an `ssl_cert` without its `ssl_key` (or the reverse), and a key that
 /// is not RSA; else the driver's error, as `establish`'s.
 pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
+    let mut conn = connect(database_url).await?;
+    diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, AUTOCOMMIT)
+        .await
+        .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+    Ok(conn)
+}
+
+/// Sets a session of [`establish`]'s to commit each statement run outside a transaction, as
+/// diesel takes it to (its transaction manager opens and ends the transactions; a statement
+/// outside one is taken as committed), whatever the server's default: under an operator's
+/// `autocommit = 0` (MySQL docs, "autocommit, Commit, and Rollback"), a session's first
+/// statement opened a transaction that nothing ended, whose writes were lost when the
+/// session closed (an `outbox purge`'s deletes, a migration's record) and whose metadata
+/// locks held up every DDL on its tables (a migration, a `DROP DATABASE`) while it lived.
+const AUTOCOMMIT: &str = "SET SESSION autocommit = 1";
+
+/// The connection of [`establish`], before its settings.
+async fn connect(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     use diesel::ConnectionError;
     let Some((url, files)) = tls_files(database_url)? else {
         return AsyncMysqlConnection::establish(database_url).await;
