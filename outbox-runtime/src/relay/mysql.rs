@@ -228,11 +228,12 @@ pub(crate) fn session_wait_timeout(config: &RelayConfig) -> Duration {
 /// (`innodb_lock_wait_timeout`) and metadata locks' (`lock_wait_timeout`: a DDL's, a `LOCK
 /// TABLES`), to its `statement_timeout`, rounded up to whole seconds, at least 1 (MySQL docs,
 /// "InnoDB Startup Options and System Variables" and "Server System Variables"; MariaDB's
-/// likewise, where 0 would mean no wait at all), whatever the server's or an operator's: theirs, meant for the applications' sessions, refused the relay's statements
-/// behind a lock held a little longer (1 s against a 2-s `LOCK TABLES`, or a writer's
-/// transaction on a rejected row's aggregate), and the relay reconnected with backoff. The
-/// relay gives up on a statement at its `statement_timeout` all the same, dropping its
-/// connection; the server then gives up waiting about as soon, and rolls the batch back.
+/// likewise, where 0 would mean no wait at all), whatever the server's or an operator's:
+/// theirs, meant for the applications' sessions, refused the relay's statements behind a lock
+/// held a little longer (1 s against a 2-s `LOCK TABLES`, or a writer's transaction on a
+/// rejected row's aggregate), and the relay reconnected with backoff. The relay gives up on a
+/// statement at its `statement_timeout` all the same, dropping its connection; the server
+/// then gives up waiting about as soon, and rolls the batch back.
 pub(crate) fn lock_waits(statement_timeout: Duration) -> String {
     let seconds = statement_timeout.as_secs() + u64::from(statement_timeout.subsec_nanos() > 0);
     let seconds = seconds.max(1);
