@@ -279,16 +279,12 @@ async fn relays_run_read_committed_under_a_stricter_database_default() {
             registered, 1,
             "{level}: the units of work's topology registered"
         );
-        let messages = env.stream_messages().await;
-        assert_eq!(
-            messages.len() as u64,
-            TOTAL,
-            "{level}: no event stored twice"
+        // The level is the last line printed above.
+        support::assert_each_once_in_order(
+            &env.stream_messages().await,
+            AGGREGATES,
+            PER_AGGREGATE as u64,
         );
-        let in_order: Vec<u64> = (1..=PER_AGGREGATE as u64).collect();
-        for (aggregate, seqs) in &sequences(&messages) {
-            assert_eq!(seqs, &in_order, "{level}: aggregate {aggregate} in order");
-        }
     }
     let text = logs.text();
     let relay_failures: Vec<&str> = text
@@ -485,19 +481,12 @@ async fn under_a_short_lock_timeout_what_commits_is_published_once_in_order() {
         for relay in relays {
             relay.shutdown().await.unwrap();
         }
-        let messages = env.stream_messages().await;
-        assert_eq!(
-            messages.len() as u64,
-            TOTAL,
-            "{published:?}: each event once"
+        // The case is the last line printed above.
+        support::assert_each_once_in_order(
+            &env.stream_messages().await,
+            AGGREGATES,
+            PER_AGGREGATE as u64,
         );
-        let in_order: Vec<u64> = (1..=PER_AGGREGATE as u64).collect();
-        for (aggregate, seqs) in &sequences(&messages) {
-            assert_eq!(
-                seqs, &in_order,
-                "{published:?}: aggregate {aggregate} in order"
-            );
-        }
         let queued = outbox_runtime::outbox::stats(&mut env.conn().await)
             .await
             .unwrap()
