@@ -1745,15 +1745,13 @@ async fn the_relay_authenticates_with_a_credentials_file() {
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operators_commands_work_on_mysql() {
-    use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection};
-
     let admin_url = std::env::var("OUTBOX_TEST_MYSQL_URL")
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
     let name = format!(
         "outbox_cli_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..16]
     );
-    let mut admin = AsyncMysqlConnection::establish(&admin_url).await.unwrap();
+    let mut admin = outbox_runtime::mysql::establish(&admin_url).await.unwrap();
     admin
         .batch_execute(&format!("CREATE DATABASE {name}"))
         .await
@@ -1781,7 +1779,7 @@ async fn the_operators_commands_work_on_mysql() {
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("applied 5"), "{said}");
     let id = uuid::Uuid::now_v7().to_string();
-    AsyncMysqlConnection::establish(&url)
+    outbox_runtime::mysql::establish(&url)
         .await
         .unwrap()
         .batch_execute(&format!(
@@ -1815,7 +1813,7 @@ async fn the_operators_commands_work_on_mysql() {
         said.contains(&id) && said.contains("refused by the test"),
         "{said}"
     );
-    AsyncMysqlConnection::establish(&url)
+    outbox_runtime::mysql::establish(&url)
         .await
         .unwrap()
         .batch_execute(
@@ -1896,13 +1894,11 @@ async fn the_operators_commands_work_on_mysql() {
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_account_runs_the_operator_commands_on_mysql_with_the_grants_it_prints() {
-    use outbox_runtime::diesel_async::{AsyncConnection, AsyncMysqlConnection};
-
     let admin_url = std::env::var("OUTBOX_TEST_MYSQL_URL")
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
     let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
     let (name, account) = (format!("outbox_cli_{suffix}"), format!("o{suffix}_op"));
-    let mut admin = AsyncMysqlConnection::establish(&admin_url).await.unwrap();
+    let mut admin = outbox_runtime::mysql::establish(&admin_url).await.unwrap();
     admin
         .batch_execute(&format!(
             "CREATE DATABASE {name}; CREATE USER '{account}'@'%' IDENTIFIED BY 'pw'"
