@@ -38,7 +38,7 @@ use std::sync::Arc;
 use percent_encoding::percent_decode_str;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{WantsClientCert, WebPkiServerVerifier};
-use rustls::crypto::WebPkiSupportedAlgorithms;
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, ConfigBuilder, DigitallySignedStruct, RootCertStore, SignatureScheme};
@@ -184,6 +184,22 @@ impl Identity {
     }
 }
 
+/// The cryptography of the PostgreSQL connections' TLS: the process's default
+/// [`CryptoProvider`], where the service installed one
+/// ([`CryptoProvider::install_default`], say aws-lc-rs's, for its post-quantum key exchange,
+/// or a FIPS one), else *ring*'s, the one the toolkit builds (its rustls, async-nats's and
+/// mysql_async's all on *ring*).
+fn provider() -> Arc<CryptoProvider> {
+    if let Some(installed) = CryptoProvider::get_default() {
+        return Arc::clone(installed);
+    }
+    // rustls 0.23.48 deprecates *ring*'s provider, which has no post-quantum key exchange;
+    // the one that has it, aws-lc-rs's, needs cmake and a C compiler to build, so *ring*
+    // stays the toolkit's and a service that wants the hybrid exchange installs aws-lc-rs's.
+    #[allow(deprecated)]
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
 impl Tls {
     /// The TLS connector for these settings, sending `identity` to a server that asks for a
     /// client certificate; `None` for no TLS.
@@ -196,7 +212,7 @@ impl Tls {
         &self,
         identity: Option<&Identity>,
     ) -> Result<Option<MakeRustlsConnect>, String> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = provider();
         let builder = || {
             ClientConfig::builder_with_provider(provider.clone())
                 .with_safe_default_protocol_versions()
@@ -631,6 +647,35 @@ mod tests {
         let (url, tls, identity) = super::split_in(database_url, None, &|_| None)?;
         assert_eq!(identity, None, "{database_url}");
         Ok((url, tls))
+    }
+
+    /// The TLS of the toolkit's PostgreSQL sessions is *ring*'s until the service installs a
+    /// process default, and then that one (here, *ring* with ChaCha20-Poly1305 alone). The
+    /// only test of this binary that installs one.
+    #[test]
+    fn the_provider_is_the_one_the_service_installed_else_rings() {
+        if CryptoProvider::get_default().is_none() {
+            #[allow(deprecated)]
+            let ring = rustls::crypto::ring::default_provider();
+            assert_eq!(suites(&provider()), suites(&ring), "none installed: ring's");
+        }
+        #[allow(deprecated)]
+        let chacha = CryptoProvider {
+            cipher_suites: vec![rustls::crypto::ring::cipher_suite::TLS13_CHACHA20_POLY1305_SHA256],
+            ..rustls::crypto::ring::default_provider()
+        };
+        let installed = suites(&chacha);
+        let _ = chacha.install_default();
+        assert_eq!(suites(&provider()), installed);
+        assert_eq!(installed, ["TLS13_CHACHA20_POLY1305_SHA256"]);
+    }
+
+    fn suites(provider: &CryptoProvider) -> Vec<String> {
+        provider
+            .cipher_suites
+            .iter()
+            .map(|suite| format!("{:?}", suite.suite()))
+            .collect()
     }
 
     #[test]
