@@ -2844,11 +2844,24 @@ mod mysql {
             }
         }
 
+        /// A connection as a service's own: see [`services_connection`].
         pub async fn conn(&self) -> AsyncMysqlConnection {
-            outbox_runtime::mysql::establish(&self.url)
+            services_connection(&self.url)
                 .await
                 .unwrap_or_else(|e| panic!("connect to {}: {e}", self.name))
         }
+    }
+
+    /// A connection to `url` as a service opens its own, for its units of work and the
+    /// tests' fixtures: the toolkit's `mysql::establish` (whose `autocommit = 1` the fixtures'
+    /// statements take as given), in the server's own error language (`lc_messages`), which
+    /// the toolkit's sessions set to English and a service's keeps.
+    async fn services_connection(url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
+        let mut conn = outbox_runtime::mysql::establish(url).await?;
+        conn.batch_execute("SET SESSION lc_messages = @@GLOBAL.lc_messages")
+            .await
+            .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+        Ok(conn)
     }
 
     impl Drop for Database {
@@ -3603,7 +3616,9 @@ mod mysql {
     /// ("SAVEPOINT outbox_unit_of_work does not exist"); under German ones ("... existiert
     /// nicht") a closure that had committed by hand was reported rolled back (`Database`),
     /// and the inbox took such a handler for the database failing: it counted no attempt and
-    /// redelivered the message for ever.
+    /// redelivered the message for ever. (The inbox's sessions have since taken English words,
+    /// `mysql::establish`; a service's own connection, the units of work's here, keeps the
+    /// server's language.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transaction_ended_by_hand_is_told_in_any_language_of_the_servers() {
         let server = a_server_set("SET GLOBAL lc_messages = 'de_DE'").await;
@@ -4056,7 +4071,7 @@ mod mysql {
         }
 
         async fn conn(&self) -> AsyncMysqlConnection {
-            outbox_runtime::mysql::establish(&self.url)
+            services_connection(&self.url)
                 .await
                 .unwrap_or_else(|e| panic!("connect as {}: {e}", self.name))
         }
@@ -4333,6 +4348,11 @@ mod mysql {
     /// the log gave the server's "DELETE command denied ..." alone.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_privilege_revoked_under_a_running_relay_is_named_with_what_to_run() {
+        a_privilege_revoked_under_a_running_relay_is_named().await;
+    }
+
+    /// [`a_privilege_revoked_under_a_running_relay_is_named_with_what_to_run`]'s body.
+    async fn a_privilege_revoked_under_a_running_relay_is_named() {
         let (logs, _turn) = support::Logs::capture().await;
         let mut env = AsyncMysql::setup().await;
         let db = database(&env);
@@ -4398,6 +4418,25 @@ mod mysql {
     /// and what to run; once it is granted again, the message is applied once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run() {
+        a_privilege_revoked_under_a_running_inbox_is_named().await;
+    }
+
+    /// The same under a server that words its errors in another language (an operator's
+    /// `lc_messages`, German here, on a server of the test's own): the toolkit's sessions
+    /// take English words, which its hints read. Before, the relay's and the inbox's logs gave
+    /// the server's German words alone ("DELETE Befehl nicht erlaubt ..."), no hint.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_privilege_revoked_under_a_running_relay_or_inbox_is_named_in_any_language() {
+        let server = a_server_set("SET GLOBAL lc_messages = 'de_DE'").await;
+        on_a_server_of_its_own(&server, async {
+            a_privilege_revoked_under_a_running_relay_is_named().await;
+            a_privilege_revoked_under_a_running_inbox_is_named().await;
+        })
+        .await;
+    }
+
+    /// [`a_privilege_revoked_under_a_running_inbox_is_named_with_what_to_run`]'s body.
+    async fn a_privilege_revoked_under_a_running_inbox_is_named() {
         let (logs, _turn) = support::Logs::capture().await;
         let mut env = AsyncMysql::setup().await;
         <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;

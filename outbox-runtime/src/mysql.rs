@@ -140,7 +140,8 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// With any of them the connection is TLS (as `require_ssl=true`). The files are read before
 /// connecting, and one that is missing or holds no certificate or key is named with its fault,
 /// never its content. The session commits each statement run outside a transaction, whatever
-/// the server's `autocommit` default (`SET SESSION autocommit = 1`). The relays, the inbox,
+/// the server's `autocommit` default, and words its errors in English, whatever the server's
+/// `lc_messages` (`SET SESSION autocommit = 1, lc_messages = 'en_US'`). The relays, the inbox (its handlers' connection too),
 /// [`run_migrations`] and the `outbox` command open their connections with it.
 ///
 /// ```no_run
@@ -165,20 +166,28 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// is not RSA; else the driver's error, as `establish`'s.
 pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     let mut conn = connect(database_url).await?;
-    diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, AUTOCOMMIT)
+    diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, SESSION)
         .await
         .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
     Ok(conn)
 }
 
-/// Sets a session of [`establish`]'s to commit each statement run outside a transaction, as
-/// diesel takes it to (its transaction manager opens and ends the transactions; a statement
-/// outside one is taken as committed), whatever the server's default: under an operator's
-/// `autocommit = 0` (MySQL docs, "autocommit, Commit, and Rollback"), a session's first
-/// statement opened a transaction that nothing ended, whose writes were lost when the
-/// session closed (an `outbox purge`'s deletes, a migration's record) and whose metadata
-/// locks held up every DDL on its tables (a migration, a `DROP DATABASE`) while it lived.
-const AUTOCOMMIT: &str = "SET SESSION autocommit = 1";
+/// The settings of a session of [`establish`]'s, whatever the server's defaults:
+///
+/// - `autocommit = 1`: each statement run outside a transaction commits, as diesel takes it
+///   to (its transaction manager opens and ends the transactions; a statement outside one is
+///   taken as committed). Under an operator's `autocommit = 0` (MySQL docs, "autocommit,
+///   Commit, and Rollback"), a session's first statement opened a transaction that nothing
+///   ended, whose writes were lost when the session closed (an `outbox purge`'s deletes, a
+///   migration's record) and whose metadata locks held up every DDL on its tables (a
+///   migration, a `DROP DATABASE`) while it lived.
+/// - `lc_messages = 'en_US'`: errors in English, the language of the server's error-message
+///   files that the toolkit's hints read (a missing privilege's "command denied to user", a
+///   replica's "--read-only option"; diesel keeps a server error's words, not its number).
+///   Under an operator's `lc_messages = 'de_DE'` (MySQL docs, "Setting the Error Message
+///   Language"), a privilege revoked under a running relay or inbox was logged in German
+///   alone, without what to run. Any account may set it for its session.
+const SESSION: &str = "SET SESSION autocommit = 1, lc_messages = 'en_US'";
 
 /// The connection of [`establish`], before its settings.
 async fn connect(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {

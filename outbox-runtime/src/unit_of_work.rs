@@ -193,7 +193,9 @@ pub enum UnitOfWorkError {
     /// for table outbox_events", MySQL's "INSERT command denied to user ..."), and the
     /// transaction was rolled back. The message names what to run: the statements `outbox
     /// grants service <role>` prints ([`crate::privileges::grants`]), as the tables' owner;
-    /// `outbox grants inbox <role>` for the inbox's tables.
+    /// `outbox grants inbox <role>` for the inbox's tables. Told by the server's English
+    /// words: on a service's own connection to a server set to word its errors in another
+    /// language (`lc_messages`; PostgreSQL's or MySQL's), such a refusal is [`Self::Database`].
     #[error("{source}{hint}")]
     MissingPrivilege {
         /// The database's refusal.
