@@ -1,8 +1,9 @@
 //! A three-node JetStream cluster on loopback (three nats-server processes of the test's
 //! own) and a stream with three replicas: the relay and two live instances of one inbox
 //! consumer keep every guarantee while nodes are SIGKILLed (the stream's leader, the
-//! consumer's leader, the node each client is connected to) and rejoin, and a client whose
-//! node dies fails over to another of its server list. A relay and an inbox connected to a
+//! consumer's leader, the node each client is connected to) and rejoin, and through a
+//! rolling restart in lame duck mode; a client whose node goes fails over to another of its
+//! server list. A relay and an inbox connected to a
 //! leaf node reach the stream of its hub by the hub's JetStream domain.
 
 mod support;
@@ -55,8 +56,33 @@ enum Target {
     InboxsNode,
 }
 
+/// How a node goes down.
+#[derive(Clone, Copy, Debug)]
+enum Shutdown {
+    /// SIGKILL, as a crash.
+    Kill,
+    /// Lame duck mode, as an operator's rolling restart (or an upgrade) takes each node down.
+    LameDuck,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin() {
+    keep_every_guarantee_while_nodes_go_down(Shutdown::Kill).await;
+}
+
+/// The same through a rolling restart: each node in turn shut down in lame duck mode (it
+/// moves its stream and consumer leaderships away, then closes its clients' connections) and
+/// started again, the stream's leader, the consumer's, the relay's node and the inbox's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_and_inbox_keep_every_guarantee_through_a_rolling_restart_in_lame_duck_mode() {
+    keep_every_guarantee_while_nodes_go_down(Shutdown::LameDuck).await;
+}
+
+/// The relay and two inbox instances on a cluster whose nodes go down one at a time by
+/// `shutdown` (the stream's leader, the consumer's leader, the relay's node, the inbox's)
+/// and rejoin, while units of work commit: every event stored once and in order, and
+/// applied once and in order.
+async fn keep_every_guarantee_while_nodes_go_down(shutdown: Shutdown) {
     let mut cluster = NatsCluster::start().await;
     let producer = TestEnv::with_nats(&cluster.urls()).await;
     let consumer = consumer_database().await;
@@ -150,8 +176,13 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
                 producer.stream_len().await,
                 applied_count(&mut consumer.conn().await).await,
             );
-            cluster.kill(node);
+            let going = std::time::Instant::now();
+            match shutdown {
+                Shutdown::Kill => cluster.kill(node),
+                Shutdown::LameDuck => cluster.lame_duck(node).await,
+            }
             let down = std::time::Instant::now();
+            let went_down_in = down - going;
             // While the node is down, events keep reaching the stream and the handlers:
             // a new leader took over, and the clients of the dead node reconnected.
             wait_until(
@@ -187,7 +218,7 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
                 _ => {}
             }
             killed.push(format!(
-                "{target:?} {name}: while down, {} more applied in {applied_in:.1?}, and stored \
+                "{target:?} {name} ({shutdown:?}, down in {went_down_in:.1?}): while down, {} more applied in {applied_in:.1?}, and stored \
                  in {:.1?}",
                 2 * AGGREGATES,
                 down.elapsed()
@@ -218,7 +249,7 @@ async fn relay_and_inbox_keep_every_guarantee_while_nodes_are_killed_and_rejoin(
     .await;
     wait_until_settled(&probe, "every message settled", Duration::from_secs(30)).await;
     println!(
-        "{expected} events ({rounds} rounds of {AGGREGATES} aggregates) through these kills: \
+        "{expected} events ({rounds} rounds of {AGGREGATES} aggregates) through these faults: \
          {killed:#?}; after the last rejoin, all stored and applied in {:.1?}",
         caught_up.elapsed()
     );

@@ -90,6 +90,15 @@ struct Node {
     log_start: usize,
 }
 
+/// The longest a node in lame duck mode ([`NatsCluster::lame_duck`]) takes to close its
+/// clients' connections, after [`LAME_DUCK_GRACE`]: the least nats-server takes (30 s; the
+/// default is 2 minutes). It waits at most a second between two clients, so with the
+/// tests' few it exits in seconds.
+pub const LAME_DUCK_DURATION: Duration = Duration::from_secs(30);
+
+/// How long a node in lame duck mode waits before it closes its first client's connection.
+pub const LAME_DUCK_GRACE: Duration = Duration::from_secs(1);
+
 /// Three nats-server processes forming one JetStream cluster. Dropping it kills them and
 /// removes their stores.
 pub struct NatsCluster {
@@ -244,6 +253,41 @@ impl NatsCluster {
         }
     }
 
+    /// Shuts `node` down as an operator does in a rolling restart: lame duck mode (SIGUSR2;
+    /// nats-server docs, "Lame Duck Mode"): it stops taking connections, moves its JetStream
+    /// leaderships to other nodes, and after [`LAME_DUCK_GRACE`] closes its clients' connections
+    /// over [`LAME_DUCK_DURATION`] and exits. Waits (up to 30 s) until it has.
+    pub async fn lame_duck(&mut self, node: usize) {
+        let name = self.nodes[node].name.clone();
+        let mut child = self.nodes[node]
+            .child
+            .take()
+            .unwrap_or_else(|| panic!("node {name} does not run"));
+        let signalled = Command::new("kill")
+            .args(["-USR2", &child.id().to_string()])
+            .status()
+            .expect("the kill command");
+        assert!(signalled.success(), "SIGUSR2 to node {name}: {signalled}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while child.try_wait().expect("the node's status").is_none() {
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                panic!(
+                    "node {name} did not exit within 30 s of lame duck mode; its log:\n{}",
+                    self.log(node)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let logged = self.log(node);
+        assert!(
+            logged
+                .get(self.nodes[node].log_start..)
+                .is_some_and(|since| since.contains("Entering lame duck mode")),
+            "node {name} exited in lame duck mode; its log:\n{logged}"
+        );
+    }
+
     /// Starts `node` again, with its ports and store, and waits until it listens.
     pub async fn restart(&mut self, node: usize) {
         self.spawn(node);
@@ -265,8 +309,22 @@ impl NatsCluster {
             .expect("the node's log file");
         this.log_start = usize::try_from(log.metadata().expect("the log's size").len())
             .expect("a log under usize::MAX bytes");
+        // What no flag sets: a shorter lame duck mode than the default 2 minutes, after a
+        // grace period of 1 s, not 10.
+        let config = this.store.with_extension("conf");
+        std::fs::write(
+            &config,
+            format!(
+                "lame_duck_duration: \"{}s\"\nlame_duck_grace_period: \"{}s\"\n",
+                LAME_DUCK_DURATION.as_secs(),
+                LAME_DUCK_GRACE.as_secs()
+            ),
+        )
+        .expect("the node's configuration file");
         let mut command = Command::new(nats_server_binary());
         command
+            .arg("-c")
+            .arg(&config)
             .args([
                 "-a",
                 "127.0.0.1",
@@ -356,6 +414,7 @@ impl Drop for NatsCluster {
             let store = &self.nodes[node].store;
             let _ = std::fs::remove_dir_all(store);
             let _ = std::fs::remove_file(store.with_extension("log"));
+            let _ = std::fs::remove_file(store.with_extension("conf"));
         }
     }
 }
