@@ -3066,8 +3066,11 @@ mod mysql {
                 .outbox()
                 .transaction(&mut conn, async |uow| {
                     // A read first, as business code does: under REPEATABLE READ it fixes the
-                    // transaction's snapshot before the outbox numbers the events.
-                    diesel::sql_query("SELECT COUNT(*) AS n FROM orders")
+                    // transaction's snapshot before the outbox numbers the events. Of a table
+                    // no unit of work writes: under SERIALIZABLE, whose reads take shared
+                    // locks, one of `orders` would deadlock the fixture's own inserts there
+                    // (`the_contract_holds_under_an_operators_isolation_levels`).
+                    diesel::sql_query("SELECT COUNT(*) AS n FROM __diesel_schema_migrations")
                         .execute(uow.conn())
                         .await?;
                     for order in &mut orders {
@@ -3641,6 +3644,50 @@ mod mysql {
             super::an_inbox_replays_its_consumers_dead_letters_oldest_first::<AsyncMysql>().await;
         })
         .await;
+    }
+
+    /// An operator's default isolation level (global `transaction_isolation`, on a server of
+    /// the test's own for each): SERIALIZABLE, under which InnoDB's plain reads in a
+    /// transaction take shared locks, and READ UNCOMMITTED, under which they see other
+    /// transactions' uncommitted rows. Units of work (async and sync, on the service's own
+    /// connections, in the server's level) racing on the same aggregates keep their sequences
+    /// contiguous and never deadlock on the outbox's rows; three relays racing keep each
+    /// aggregate in order; a rejection is dead-lettered while the rest flows; an inbox applies
+    /// each event once, in order. (The relays' and the inbox's sessions run READ COMMITTED
+    /// whatever the server's default.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_contract_holds_under_an_operators_isolation_levels() {
+        for level in ["SERIALIZABLE", "READ-UNCOMMITTED"] {
+            let server = a_server_set(&format!("SET GLOBAL tx_isolation = '{level}'")).await;
+            #[derive(QueryableByName)]
+            struct Level {
+                #[diesel(sql_type = Text)]
+                level: String,
+            }
+            on_a_server_of_its_own(&server, async {
+                let env = AsyncMysql::setup().await;
+                let Level { level: session } =
+                    diesel::sql_query("SELECT @@SESSION.tx_isolation AS level")
+                        .get_result(&mut database(&env).conn().await)
+                        .await
+                        .unwrap();
+                assert_eq!(
+                    session, level,
+                    "a service's sessions run at the server's level"
+                );
+                super::committed_units_of_work_become_exactly_the_expected_messages::<AsyncMysql>()
+                    .await;
+                super::sequences_stay_contiguous_under_concurrent_units_of_work::<AsyncMysql>()
+                    .await;
+                super::sequences_stay_contiguous_under_concurrent_units_of_work::<SyncMysql>()
+                    .await;
+                super::three_relays_racing_keep_each_aggregate_in_order::<AsyncMysql>().await;
+                super::a_rejected_message_is_dead_lettered_while_the_others_flow::<AsyncMysql>()
+                    .await;
+                super::an_inbox_applies_each_event_once_in_order::<AsyncMysql>().await;
+            })
+            .await;
+        }
     }
 
     /// An operator's lock wait timeouts (global, 1 s here, on a server of the test's own;
@@ -4893,8 +4940,10 @@ mod mysql {
                 use diesel::RunQueryDsl as Sync;
                 let mut conn = diesel::MysqlConnection::establish(&url).expect("a connection");
                 let result = outbox.sync_transaction(&mut conn, |uow| {
-                    // A read first, as business code does (REPEATABLE READ's snapshot).
-                    let count = diesel::sql_query("SELECT COUNT(*) AS n FROM orders");
+                    // A read first, as business code does (REPEATABLE READ's snapshot), of a
+                    // table no unit of work writes (see `AsyncMysql::commit`).
+                    let count =
+                        diesel::sql_query("SELECT COUNT(*) AS n FROM __diesel_schema_migrations");
                     Sync::execute(count, uow.conn())?;
                     for order in &mut orders {
                         let insert = diesel::sql_query("INSERT INTO orders VALUES (?)")
