@@ -218,8 +218,8 @@ async fn keep_every_guarantee_while_nodes_go_down(shutdown: Shutdown) {
                 _ => {}
             }
             killed.push(format!(
-                "{target:?} {name} ({shutdown:?}, down in {went_down_in:.1?}): while down, {} more applied in {applied_in:.1?}, and stored \
-                 in {:.1?}",
+                "{target:?} {name} ({shutdown:?}, down in {went_down_in:.1?}): while down, {} \
+                 more applied in {applied_in:.1?}, and stored in {:.1?}",
                 2 * AGGREGATES,
                 down.elapsed()
             ));

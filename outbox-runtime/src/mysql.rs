@@ -141,8 +141,9 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// connecting, and one that is missing or holds no certificate or key is named with its fault,
 /// never its content. The session commits each statement run outside a transaction, whatever
 /// the server's `autocommit` default, and words its errors in English, whatever the server's
-/// `lc_messages` (`SET SESSION autocommit = 1, lc_messages = 'en_US'`). The relays, the inbox (its handlers' connection too),
-/// [`run_migrations`] and the `outbox` command open their connections with it.
+/// `lc_messages` (`SET SESSION autocommit = 1, lc_messages = 'en_US'`). The relays, the
+/// inbox (its handlers' connection too), [`run_migrations`] and the `outbox` command open
+/// their connections with it.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), diesel::ConnectionError> {
