@@ -180,6 +180,65 @@ async fn the_relay_and_the_inbox_refuse_a_database_without_the_outbox_tables() {
         .expect("migrated, the relay starts");
 }
 
+/// A role whose `search_path` names no schema that exists (PostgreSQL's secure schema usage
+/// pattern, `ALTER ROLE ... SET search_path = "$user"`, for a role without a schema of its
+/// name): the migrations refuse at once, naming the search_path and the URL option that
+/// names a schema, where diesel failed "no schema has been selected to create in"; with a
+/// schema named in the URL they apply there, and the relay, given the same URL, starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_under_a_search_path_of_no_schema_say_how_to_name_one() {
+    use diesel_async::SimpleAsyncConnection;
+
+    let env = TestEnv::unmigrated(&support::nats_url()).await;
+    let role = format!("{}_nowhere", env.prefix);
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN PASSWORD 'pw'; \
+             GRANT CREATE ON DATABASE \"{database}\" TO {role}; \
+             ALTER ROLE {role} IN DATABASE \"{database}\" SET search_path = \"$user\"",
+            database = env.database_url.rsplit('/').next().unwrap(),
+        ))
+        .await
+        .unwrap();
+    let url = support::roles::as_role(&env.database_url, &role);
+    let error = outbox_runtime::run_migrations(&url).await.unwrap_err();
+    assert!(
+        matches!(error, outbox_runtime::MigrationError::NoSchema(_)),
+        "{error:?}"
+    );
+    assert_eq!(
+        error.to_string(),
+        "cannot run the outbox migrations: the search_path (\"$user\") names no schema that \
+         exists in this database, so the outbox's tables have nowhere to go; name one that \
+         exists in the URL (`?options=-csearch_path%3D<schema>`), as the relay's, the inbox's \
+         and the service's URLs will, or in the role's search_path (`ALTER ROLE ... SET \
+         search_path`)"
+    );
+
+    // The schema named in the URL, made by the role.
+    let mut conn = outbox_runtime::database::establish_postgres(&url, Duration::from_secs(10))
+        .await
+        .unwrap();
+    conn.batch_execute("CREATE SCHEMA orders").await.unwrap();
+    let in_orders = format!("{url}?options=-csearch_path%3Dorders");
+    let applied = outbox_runtime::run_migrations(&in_orders).await.unwrap();
+    assert!(!applied.is_empty());
+    let mut config = env.relay_config();
+    config.database_url = in_orders;
+    Relay::connect(config, env.nats.clone())
+        .await
+        .expect("migrated in the schema its URL names, the relay starts");
+    drop(conn);
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "DROP SCHEMA orders CASCADE; DROP OWNED BY {role}; DROP ROLE {role}"
+        ))
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn credentials_in_a_nats_url_work_and_no_secret_reaches_a_log_an_error_or_a_debug() {
     const SECRET: &str = "n4ts-s3cret";

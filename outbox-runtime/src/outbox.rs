@@ -241,6 +241,18 @@ pub enum MigrationError {
     /// A migration failed; the database keeps the migrations applied before it.
     #[error("an outbox migration failed: {0}")]
     Migration(Box<dyn std::error::Error + Send + Sync>),
+    /// The session's `search_path` (given) names no schema of the database that exists, so
+    /// the outbox's tables have nowhere to go: PostgreSQL's `current_schema()` is NULL
+    /// (PostgreSQL docs, "System Information Functions"), as under the docs' secure schema
+    /// usage pattern (`ALTER ROLE ALL SET search_path = "$user"`, "Schemas: Usage Patterns")
+    /// for a role without a schema of its name. Nothing was applied.
+    #[error(
+        "cannot run the outbox migrations: the search_path ({0}) names no schema that exists \
+         in this database, so the outbox's tables have nowhere to go; name one that exists in \
+         the URL (`?options=-csearch_path%3D<schema>`), as the relay's, the inbox's and the \
+         service's URLs will, or in the role's search_path (`ALTER ROLE ... SET search_path`)"
+    )]
+    NoSchema(String),
     /// The blocking task running the migrations panicked or was cancelled.
     #[error("the outbox migration task did not finish: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -293,11 +305,30 @@ pub async fn run_migrations_on(
 ) -> Result<Vec<String>, MigrationError> {
     use diesel::connection::SimpleConnection as _;
 
+    #[derive(QueryableByName)]
+    struct Target {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        search_path: String,
+    }
+
     tokio::task::spawn_blocking(move || {
         let mut connection = AsyncConnectionWrapper::<AsyncPgConnection>::from(connection);
         // Session-level lock: held across the migrations' own transactions, released when
         // the connection closes even if a migration fails. The key is "outbox" in ASCII.
         connection.batch_execute("SELECT pg_advisory_lock(122550254464888)")?;
+        // Before diesel creates its table there ("no schema has been selected to create in").
+        let target: Target = diesel::RunQueryDsl::get_result(
+            diesel::sql_query(
+                "SELECT current_schema() IS NOT NULL AS exists, \
+                 current_setting('search_path') AS search_path",
+            ),
+            &mut connection,
+        )?;
+        if !target.exists {
+            return Err(MigrationError::NoSchema(target.search_path));
+        }
         let applied = connection
             .run_pending_migrations(MIGRATIONS)
             .map_err(MigrationError::Migration)?
