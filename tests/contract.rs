@@ -3646,6 +3646,56 @@ mod mysql {
         .await;
     }
 
+    /// The MySQL migrations name what keeps them from the database, as PostgreSQL's do: a
+    /// URL without a database (`mysql://host:3306`) is refused before connecting, and a
+    /// server that cannot be reached or refuses the account is named without the URL's
+    /// password, as a connect error. Before, each was "an outbox migration failed: No
+    /// database selected" (or the driver's words alone, "Connection refused", "Access
+    /// denied"), and a URL without a database went as far as the migrations; `outbox status`
+    /// said to run them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_migrations_name_a_url_without_a_database_and_a_server_they_cannot_reach() {
+        let (server, _) = admin_url()
+            .rsplit_once('/')
+            .map(|(server, database)| (server.to_owned(), database.to_owned()))
+            .expect("a database in the URL");
+        for url in [server.clone(), format!("{server}/")] {
+            let error = outbox_runtime::mysql::run_migrations(&url)
+                .await
+                .expect_err("no database");
+            assert!(
+                matches!(error, outbox_runtime::MigrationError::Connect(_)),
+                "{url}: {error:?}"
+            );
+            assert!(
+                error.to_string().ends_with(
+                    "the URL names no database, where the outbox's tables are: \
+                     mysql://user@host:3306/<database>"
+                ),
+                "{url}: {error}"
+            );
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let unreachable = format!("mysql://app:s3cret-pw@127.0.0.1:{port}/orders");
+        let error = outbox_runtime::mysql::run_migrations(&unreachable)
+            .await
+            .expect_err("nothing listens");
+        let text = error.to_string();
+        assert!(
+            matches!(error, outbox_runtime::MigrationError::Connect(_))
+                && text.starts_with(&format!(
+                    "cannot run the outbox migrations: cannot connect to the database at \
+                     mysql://app@127.0.0.1:{port}/orders: "
+                ))
+                && !text.contains("s3cret-pw"),
+            "{text}"
+        );
+    }
+
     /// An operator's default isolation level (global `transaction_isolation`, on a server of
     /// the test's own for each): SERIALIZABLE, under which InnoDB's plain reads in a
     /// transaction take shared locks, and READ UNCOMMITTED, under which they see other

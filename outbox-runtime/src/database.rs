@@ -684,7 +684,7 @@ pub(crate) async fn connect(
 
 /// Runs `setup` (a connection and its session settings) within `limit`; its error, or the
 /// timeout, is a [`ConnectError`] naming the database without its password.
-async fn within_connect_timeout<C>(
+pub(crate) async fn within_connect_timeout<C>(
     database_url: &str,
     limit: Duration,
     setup: impl Future<Output = Result<C, String>>,

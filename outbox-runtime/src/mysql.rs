@@ -162,10 +162,18 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 ///
 /// # Errors
 /// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL that
-/// does not parse, an `ssl_ca`, `ssl_cert` or `ssl_key` that names no file or holds no
+/// does not parse or names no database (`mysql://host:3306` and `mysql://host:3306/`: a
+/// session without one fails every statement on the outbox's tables), an `ssl_ca`, `ssl_cert` or `ssl_key` that names no file or holds no
 /// certificate or key, an `ssl_cert` without its `ssl_key` (or the reverse), and a key that
 /// is not RSA; else the driver's error, as `establish`'s.
 pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
+    if !names_a_database(database_url) {
+        return Err(diesel::ConnectionError::InvalidConnectionUrl(
+            "the URL names no database, where the outbox's tables are: \
+             mysql://user@host:3306/<database>"
+                .to_owned(),
+        ));
+    }
     let mut conn = connect(database_url).await?;
     diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, SESSION)
         .await
@@ -189,6 +197,18 @@ pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysq
 ///   Language"), a privilege revoked under a running relay or inbox was logged in German
 ///   alone, without what to run. Any account may set it for its session.
 const SESSION: &str = "SET SESSION autocommit = 1, lc_messages = 'en_US'";
+
+/// Whether the MySQL URL `database_url` names a database: a path after its host, as
+/// `mysql://user@host:3306/orders`. Without one the session has no default database, and
+/// every statement on the outbox's tables fails ("No database selected").
+fn names_a_database(database_url: &str) -> bool {
+    let rest = database_url
+        .split_once("://")
+        .map_or(database_url, |(_, rest)| rest);
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
+    rest.split_once('/')
+        .is_some_and(|(_, database)| !database.is_empty())
+}
 
 /// The connection of [`establish`], before its settings.
 async fn connect(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
@@ -374,13 +394,20 @@ fn rsa_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
 /// Safe to call from every instance at start-up: a named lock (`GET_LOCK`) serialises
 /// concurrent runs. Runs on a blocking thread. MySQL commits DDL as it goes, so a migration
 /// that fails half-way leaves what it created; the migrations here each create tables only.
+/// The connection is opened as [`establish`] opens it, within
+/// [`DEFAULT_CONNECT_TIMEOUT`](crate::database::DEFAULT_CONNECT_TIMEOUT) (10 s).
 ///
 /// # Errors
+/// [`MigrationError::Connect`] naming the server (without its password) when it cannot be
+/// reached in time, refuses the account, or the URL names no database; else
 /// [`MigrationError`] naming the step that failed.
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
-    let connection = establish(database_url)
-        .await
-        .map_err(|e| MigrationError::Migration(Box::new(e)))?;
+    let connection = crate::database::within_connect_timeout(
+        database_url,
+        crate::database::DEFAULT_CONNECT_TIMEOUT,
+        async { establish(database_url).await.map_err(|e| e.to_string()) },
+    )
+    .await?;
     tokio::task::spawn_blocking(move || {
         use diesel::connection::SimpleConnection as _;
         let mut connection = AsyncConnectionWrapper::<AsyncMysqlConnection>::from(connection);
@@ -917,6 +944,25 @@ async fn insert_rows<C: Exec>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_names_a_database_by_its_path() {
+        for url in [
+            "mysql://root@127.0.0.1:3306/orders",
+            "mysql://app:p%2Fw@db:3306/orders?require_ssl=true",
+            "mysql://db/orders#x",
+        ] {
+            assert!(names_a_database(url), "{url}");
+        }
+        for url in [
+            "mysql://root@127.0.0.1:3306",
+            "mysql://root@127.0.0.1:3306/",
+            "mysql://root@127.0.0.1:3306?ssl_ca=/etc/ca.pem",
+            "mysql://root@127.0.0.1:3306/?ssl_ca=/etc/ca.pem",
+        ] {
+            assert!(!names_a_database(url), "{url}");
+        }
+    }
 
     #[test]
     fn the_mark_is_the_savepoint_each_statement_names() {
