@@ -163,9 +163,10 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// # Errors
 /// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL that
 /// does not parse or names no database (`mysql://host:3306` and `mysql://host:3306/`: a
-/// session without one fails every statement on the outbox's tables), an `ssl_ca`, `ssl_cert` or `ssl_key` that names no file or holds no
-/// certificate or key, an `ssl_cert` without its `ssl_key` (or the reverse), and a key that
-/// is not RSA; else the driver's error, as `establish`'s.
+/// session without one fails every statement on the outbox's tables), an `ssl_ca`,
+/// `ssl_cert` or `ssl_key` that names no file or holds no certificate or key, an `ssl_cert`
+/// without its `ssl_key` (or the reverse), and a key that is not RSA; else the driver's
+/// error, as `establish`'s.
 pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     if !names_a_database(database_url) {
         return Err(diesel::ConnectionError::InvalidConnectionUrl(

@@ -241,8 +241,9 @@ pub enum MigrationError {
     /// A migration failed; the database keeps the migrations applied before it.
     #[error("an outbox migration failed: {0}")]
     Migration(Box<dyn std::error::Error + Send + Sync>),
-    /// The session's `search_path` (given) names no schema of the database that exists, so
-    /// the outbox's tables have nowhere to go: PostgreSQL's `current_schema()` is NULL
+    /// The session's `search_path` (the string: its setting, as `SHOW search_path` gives it)
+    /// names no schema of the database that exists, so the outbox's tables have nowhere to
+    /// go: PostgreSQL's `current_schema()` is NULL
     /// (PostgreSQL docs, "System Information Functions"), as under the docs' secure schema
     /// usage pattern (`ALTER ROLE ALL SET search_path = "$user"`, "Schemas: Usage Patterns")
     /// for a role without a schema of its name. Nothing was applied.
@@ -325,7 +326,8 @@ pub async fn run_migrations_on(
                  current_setting('search_path') AS search_path",
             ),
             &mut connection,
-        )?;
+        )
+        .map_err(|e| MigrationError::Migration(Box::new(e)))?;
         if !target.exists {
             return Err(MigrationError::NoSchema(target.search_path));
         }
