@@ -3655,11 +3655,9 @@ mod mysql {
     /// said to run them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_migrations_name_a_url_without_a_database_and_a_server_they_cannot_reach() {
-        let (server, _) = admin_url()
-            .rsplit_once('/')
-            .map(|(server, database)| (server.to_owned(), database.to_owned()))
-            .expect("a database in the URL");
-        for url in [server.clone(), format!("{server}/")] {
+        let admin = admin_url();
+        let (server, database) = admin.rsplit_once('/').expect("a database in the URL");
+        for url in [server.to_owned(), format!("{server}/")] {
             let error = outbox_runtime::mysql::run_migrations(&url)
                 .await
                 .expect_err("no database");
@@ -3681,19 +3679,41 @@ mod mysql {
             .unwrap()
             .port();
         let unreachable = format!("mysql://app:s3cret-pw@127.0.0.1:{port}/orders");
-        let error = outbox_runtime::mysql::run_migrations(&unreachable)
-            .await
-            .expect_err("nothing listens");
-        let text = error.to_string();
-        assert!(
-            matches!(error, outbox_runtime::MigrationError::Connect(_))
-                && text.starts_with(&format!(
-                    "cannot run the outbox migrations: cannot connect to the database at \
-                     mysql://app@127.0.0.1:{port}/orders: "
-                ))
-                && !text.contains("s3cret-pw"),
-            "{text}"
+        // An account the server does not know, on the test's server.
+        let stranger = format!(
+            "outbox_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
         );
+        let host = server
+            .rsplit_once(['@', '/'])
+            .map_or(server, |(_, host)| host);
+        let refused = format!("mysql://{stranger}:s3cret-pw@{host}/{database}");
+        for (url, shown, why) in [
+            (
+                unreachable,
+                format!("mysql://app@127.0.0.1:{port}/orders"),
+                "nothing listens",
+            ),
+            (
+                refused,
+                format!("mysql://{stranger}@{host}/{database}"),
+                "no such account",
+            ),
+        ] {
+            let error = outbox_runtime::mysql::run_migrations(&url)
+                .await
+                .expect_err(why);
+            let text = error.to_string();
+            assert!(
+                matches!(error, outbox_runtime::MigrationError::Connect(_))
+                    && text.starts_with(&format!(
+                        "cannot run the outbox migrations: cannot connect to the database at \
+                         {shown}: "
+                    ))
+                    && !text.contains("s3cret-pw"),
+                "{why}: {text}"
+            );
+        }
     }
 
     /// An operator's default isolation level (global `transaction_isolation`, on a server of
