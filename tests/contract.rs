@@ -2632,14 +2632,16 @@ async fn a_dedup_key_taken_by_a_sync_unit_of_work_holds_for_an_async_one() {
 
 #[cfg(feature = "postgres-sync")]
 /// `sync_transaction` takes an r2d2-pooled connection (`&mut PooledConnection` derefs to
-/// `&mut PgConnection`), and says what is missing on a database without the outbox tables.
+/// `&mut PgConnection`), and says what is missing on a database without the outbox tables;
+/// on one whose outbox is in a schema off the `search_path`, it names that schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migrations() {
     let env = SyncPg::setup().await;
     let unmigrated = TestEnv::unmigrated(&support::nats_url()).await;
-    let (url, bare_url, outbox) = (
+    let (url, bare_url, elsewhere_url, outbox) = (
         env.database_url.clone(),
         unmigrated.database_url.clone(),
+        format!("{}?options=-csearch_path%3Dorders", unmigrated.database_url),
         env.outbox(),
     );
     tokio::task::spawn_blocking(move || {
@@ -2666,7 +2668,31 @@ async fn a_sync_unit_of_work_runs_on_a_pooled_connection_and_names_missing_migra
             })
             .unwrap_err();
         assert!(
-            matches!(&error, UnitOfWorkError::MissingMigrations(missing) if !missing.pending.is_empty()),
+            matches!(&error, UnitOfWorkError::MissingMigrations(missing) if !missing.pending.is_empty() && missing.elsewhere.is_none()),
+            "{error:?}"
+        );
+        assert_eq!(order.pending_events().len(), 2);
+
+        diesel::connection::SimpleConnection::batch_execute(&mut bare, "CREATE SCHEMA orders")
+            .unwrap();
+        tokio::runtime::Handle::current()
+            .block_on(outbox_runtime::run_migrations(&elsewhere_url))
+            .unwrap();
+        let error = outbox
+            .sync_transaction(&mut bare, |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                UnitOfWorkError::MissingMigrations(missing)
+                    if missing.elsewhere == Some(outbox_runtime::TablesElsewhere::Schemas {
+                        schemas: vec!["orders".to_owned()],
+                        search_path: "\"$user\", public".to_owned(),
+                    })
+            ),
             "{error:?}"
         );
         assert_eq!(order.pending_events().len(), 2);
@@ -2814,6 +2840,15 @@ mod mysql {
 
         /// A database on the server of `admin_url`, migrated.
         async fn create_on(admin_url: String) -> Self {
+            let database = Self::unmigrated_on(admin_url).await;
+            outbox_runtime::mysql::run_migrations(&database.url)
+                .await
+                .unwrap_or_else(|e| panic!("the MySQL migrations on {}: {e}", database.name));
+            database
+        }
+
+        /// A database on the server of `admin_url`, without the outbox tables.
+        async fn unmigrated_on(admin_url: String) -> Self {
             let name = format!(
                 "outbox_test_{}",
                 &uuid::Uuid::new_v4().simple().to_string()[..16]
@@ -2834,9 +2869,6 @@ mod mysql {
             } else {
                 format!("{server}/{name}?{query}")
             };
-            outbox_runtime::mysql::run_migrations(&url)
-                .await
-                .unwrap_or_else(|e| panic!("the MySQL migrations on {name}: {e}"));
             Self {
                 url,
                 name,
@@ -3714,6 +3746,107 @@ mod mysql {
                 "{why}: {text}"
             );
         }
+    }
+
+    /// A relay, an inbox and units of work (async and sync) given a database of the server
+    /// that holds no outbox tables, where the service's database holds them: each names the
+    /// databases that hold them and how to name one in the URL, beside what a new outbox there
+    /// needs. Before, each said only to run the migrations, which there make a second, empty
+    /// outbox that the service's units of work never write to. Migrated, the relay starts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_database_without_the_outbox_names_those_of_the_server_that_hold_one() {
+        use diesel::Connection as _;
+        use outbox_runtime::{InboxError, MissingMigrations, RelayError, TablesElsewhere};
+
+        let env = AsyncMysql::setup().await;
+        env.create_stream(Duration::from_secs(120)).await;
+        let holder = database(&env).name.clone();
+        let bare = Database::unmigrated_on(admin_url()).await;
+        let check = |missing: &MissingMigrations| {
+            match &missing.elsewhere {
+                Some(TablesElsewhere::Databases {
+                    databases,
+                    database,
+                }) => {
+                    assert_eq!(database, &bare.name);
+                    assert!(
+                        databases.contains(&holder) && !databases.contains(&bare.name),
+                        "{databases:?}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+            let text = missing.to_string();
+            assert!(
+                text.starts_with("the outbox tables are not migrated: migrations 20261124000001, ")
+                    && text.contains(&format!(
+                        " outbox tables, not the URL's database {}: to use ",
+                        bare.name
+                    ))
+                    && text.contains(", name it as the URL's database (`mysql://host/")
+                    && text.ends_with(
+                        "`), as the URL its migrations ran on did; to make a new one here, run \
+                         the outbox migrations first (outbox_runtime::run_migrations(database_url), \
+                         or outbox_runtime::MIGRATIONS with your own diesel migration harness)"
+                    ),
+                "{text}"
+            );
+        };
+        let mut config = AsyncMysql::relay_config(&env);
+        config.database_url = bare.url.clone();
+        match MysqlRelay::connect(config.clone(), env.nats.clone()).await {
+            Err(RelayError::MissingMigrations(missing)) => check(&missing),
+            other => panic!("{:?}", other.err()),
+        }
+        let mut inbox = InboxConfig::new("elsewhere", &bare.url);
+        inbox.topology = env.topology();
+        match Inbox::<_, AsyncMysqlConnection>::connect(
+            inbox,
+            env.nats.clone(),
+            Applier::<AsyncMysql>::new(),
+        )
+        .await
+        {
+            Err(InboxError::MissingMigrations(missing)) => check(&missing),
+            other => panic!("{:?}", other.err()),
+        }
+        let mut order = shipped("o-1");
+        match env
+            .outbox()
+            .transaction(&mut bare.conn().await, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+        {
+            Err(UnitOfWorkError::MissingMigrations(missing)) => check(&missing),
+            other => panic!("{other:?}"),
+        }
+        #[cfg(feature = "mysql-sync")]
+        {
+            let (url, outbox) = (bare.url.clone(), env.outbox());
+            let missing = tokio::task::spawn_blocking(move || {
+                let mut conn = diesel::MysqlConnection::establish(&url).unwrap();
+                let mut order = shipped("o-2");
+                match outbox.sync_transaction(&mut conn, |uow| {
+                    uow.track(&mut order);
+                    Ok::<_, UnitOfWorkError>(())
+                }) {
+                    Err(UnitOfWorkError::MissingMigrations(missing)) => missing,
+                    other => panic!("{other:?}"),
+                }
+            })
+            .await
+            .unwrap();
+            check(&missing);
+        }
+
+        outbox_runtime::mysql::run_migrations(&bare.url)
+            .await
+            .unwrap();
+        MysqlRelay::connect(config, env.nats.clone())
+            .await
+            .expect("migrated, a new outbox there relays");
     }
 
     /// An operator's default isolation level (global `transaction_isolation`, on a server of

@@ -180,6 +180,153 @@ async fn the_relay_and_the_inbox_refuse_a_database_without_the_outbox_tables() {
         .expect("migrated, the relay starts");
 }
 
+/// The outbox migrated into the schema `orders` (its URL naming it), and a relay, an inbox
+/// and a unit of work given the database's URL without it: each names the schema that holds
+/// the outbox tables and the URL option that names it, beside what a new outbox here needs;
+/// before, each said only to run the migrations, which on that URL make a second, empty
+/// outbox that the service's units of work never write to, and whose relay publishes
+/// nothing. Two schemas are both named; the service's own diesel migrations on the
+/// `search_path` hide neither; a schema the role may not use is not offered; a relay on the
+/// right URL starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_whose_search_path_misses_the_outbox_names_the_schema_that_holds_it() {
+    use diesel_async::SimpleAsyncConnection;
+    use outbox_runtime::{MissingMigrations, TablesElsewhere, UnitOfWorkError};
+
+    let env = TestEnv::unmigrated(&support::nats_url()).await;
+    env.create_stream(Duration::from_secs(120)).await;
+    // The service's own migrations, in `public`, diesel's table beside its tables.
+    env.conn()
+        .await
+        .batch_execute(
+            "CREATE SCHEMA orders; \
+             CREATE TABLE __diesel_schema_migrations (version VARCHAR(50) PRIMARY KEY, \
+                 run_on TIMESTAMP NOT NULL DEFAULT now()); \
+             INSERT INTO __diesel_schema_migrations (version) VALUES ('20200101000000')",
+        )
+        .await
+        .unwrap();
+    let in_orders = format!("{}?options=-csearch_path%3Dorders", env.database_url);
+    outbox_runtime::run_migrations(&in_orders).await.unwrap();
+
+    let expected = |schemas: &[&str], hint: &str| {
+        (
+            Some(TablesElsewhere::Schemas {
+                schemas: schemas.iter().map(|s| s.to_string()).collect(),
+                search_path: "\"$user\", public".to_owned(),
+            }),
+            format!(
+                "{} outbox tables outside the search_path (\"$user\", public): to use {hint}; \
+                 to make a new one here, run the outbox migrations first \
+                 (outbox_runtime::run_migrations(database_url), or outbox_runtime::MIGRATIONS \
+                 with your own diesel migration harness)",
+                match schemas {
+                    [one] => format!("schema {one} holds"),
+                    many => format!("schemas {} hold", many.join(", ")),
+                }
+            ),
+        )
+    };
+    let check = |missing: &MissingMigrations,
+                 (elsewhere, ends): &(Option<TablesElsewhere>, String)| {
+        assert_eq!(&missing.elsewhere, elsewhere, "{missing}");
+        assert!(!missing.pending.is_empty(), "{missing:?}");
+        let text = missing.to_string();
+        assert!(
+            text.starts_with("the outbox tables are not migrated: migrations 20261121000001, ")
+                && text.ends_with(ends.as_str()),
+            "{text}"
+        );
+    };
+    let one = expected(
+        &["orders"],
+        "that outbox, name it in the URL (`?options=-csearch_path%3Dorders`) or the role's \
+         search_path, as the URL its migrations ran on did",
+    );
+    match Relay::connect(env.relay_config(), env.nats.clone()).await {
+        Err(RelayError::MissingMigrations(missing)) => check(&missing, &one),
+        other => panic!("{:?}", other.err()),
+    }
+    let mut config = InboxConfig::new("elsewhere", &env.database_url);
+    config.topology = env.topology();
+    match Inbox::connect(config, env.nats.clone(), Nothing).await {
+        Err(InboxError::MissingMigrations(missing)) => check(&missing, &one),
+        other => panic!("{:?}", other.err()),
+    }
+    let mut order = Order::place("o-1", "ada", 1);
+    let error = env
+        .outbox()
+        .transaction(&mut env.conn().await, async |uow| {
+            uow.track(&mut order);
+            Ok::<_, UnitOfWorkError>(())
+        })
+        .await
+        .unwrap_err();
+    match &error {
+        UnitOfWorkError::MissingMigrations(missing) => check(missing, &one),
+        other => panic!("{other:?}"),
+    }
+
+    // A second outbox, in a schema whose name needs quoting; and one the role cannot use.
+    let in_billing = format!("{}?options=-csearch_path%3D%22Billing%22", env.database_url);
+    env.conn()
+        .await
+        .batch_execute("CREATE SCHEMA \"Billing\"")
+        .await
+        .unwrap();
+    outbox_runtime::run_migrations(&in_billing).await.unwrap();
+    let two = expected(
+        &["Billing", "orders"],
+        "one of them, name it in the URL (`?options=-csearch_path%3D<schema>`) or the role's \
+         search_path, as the URL its migrations ran on did",
+    );
+    match Relay::connect(env.relay_config(), env.nats.clone()).await {
+        Err(RelayError::MissingMigrations(missing)) => check(&missing, &two),
+        other => panic!("{:?}", other.err()),
+    }
+    let role = format!("{}_elsewhere", env.prefix);
+    env.conn()
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA orders TO {role}; \
+             GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"
+        ))
+        .await
+        .unwrap();
+    let mut order = Order::place("o-2", "ada", 1);
+    let error = env
+        .outbox()
+        .transaction(
+            &mut outbox_runtime::database::establish_postgres(
+                &support::roles::as_role(&env.database_url, &role),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap(),
+            async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            },
+        )
+        .await
+        .unwrap_err();
+    match &error {
+        UnitOfWorkError::MissingMigrations(missing) => check(missing, &one),
+        other => panic!("{other:?}"),
+    }
+
+    let mut config = env.relay_config();
+    config.database_url = in_orders;
+    Relay::connect(config, env.nats.clone())
+        .await
+        .expect("on the URL that names its schema, the relay starts");
+    env.conn()
+        .await
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await
+        .unwrap();
+}
+
 /// A role whose `search_path` names no schema that exists (PostgreSQL's secure schema usage
 /// pattern, `ALTER ROLE ... SET search_path = "$user"`, for a role without a schema of its
 /// name): the migrations refuse at once, naming the search_path and the URL option that

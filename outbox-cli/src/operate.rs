@@ -9,7 +9,7 @@ use clap::{Args, Subcommand};
 use diesel_async::AsyncPgConnection;
 use futures::StreamExt;
 use outbox_runtime::database::OperatorConnection;
-use outbox_runtime::{InboxConnection, dead_letter, inbox, outbox};
+use outbox_runtime::{InboxConnection, MissingMigrations, dead_letter, inbox, outbox};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -546,33 +546,36 @@ impl Operator {
         Ok(operator)
     }
 
-    /// Fails naming the migrations of this build the database at `database_url` lacks.
+    /// Fails naming the migrations of this build the database at `database_url` lacks, or
+    /// the schemas or databases that hold the outbox tables where it looks at none.
     async fn require_migrations(&mut self, database_url: &str) -> Result<(), String> {
-        let pending = self.pending_migrations().await.map_err(database_error)?;
-        if pending.is_empty() {
+        let Some(missing) = self.missing_migrations().await.map_err(database_error)? else {
             return Ok(());
-        }
+        };
         Err(format!(
-            "the outbox schema of {} lacks {} of this outbox: {}; run `outbox migrate`",
+            "the outbox schema of {} lacks {} of this outbox: {}; {}run `outbox migrate`",
             outbox_runtime::database::redacted(database_url),
-            if pending.len() == 1 {
+            if missing.pending.len() == 1 {
                 "a migration"
             } else {
                 "migrations"
             },
-            pending.join(", ")
+            missing.pending.join(", "),
+            missing.elsewhere.map_or(String::new(), |elsewhere| format!(
+                "{elsewhere}; to make a new one here, "
+            )),
         ))
     }
 
-    /// The versions of this build's migrations the database has not applied.
-    async fn pending_migrations(&mut self) -> diesel::QueryResult<Vec<String>> {
+    /// This build's migrations the database has not applied; `None` when it has all.
+    async fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {
         match self {
-            Self::Postgres(conn) => outbox::pending_migrations(conn).await,
+            Self::Postgres(conn) => outbox::missing_migrations(conn).await,
             #[cfg(feature = "mysql")]
-            Self::Mysql(conn) => outbox_runtime::mysql::pending_migrations(conn).await,
+            Self::Mysql(conn) => outbox_runtime::mysql::missing_migrations(conn).await,
             #[cfg(feature = "sqlite")]
             Self::Sqlite(conn) => {
-                conn.spawn_blocking(outbox_runtime::sqlite::pending_migrations)
+                conn.spawn_blocking(outbox_runtime::sqlite::missing_migrations)
                     .await
             }
         }

@@ -205,10 +205,12 @@ pub use inbox::{
 };
 pub use outbox::{
     DEFAULT_MAX_PAYLOAD_BYTES, MigrationError, MissingMigrations, Outbox, OutboxStats,
-    PublishedRows,
+    PublishedRows, TablesElsewhere,
 };
 #[cfg(feature = "postgres")]
-pub use outbox::{MIGRATIONS, pending_migrations, run_migrations, run_migrations_on};
+pub use outbox::{
+    MIGRATIONS, missing_migrations, pending_migrations, run_migrations, run_migrations_on,
+};
 /// `#[derive(DomainEvent)]`: a struct is one event type, an enum one event type per variant.
 ///
 /// The type must also derive serde's `Serialize` and `Deserialize` (a unit struct needs

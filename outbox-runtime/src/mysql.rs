@@ -97,7 +97,7 @@ use std::collections::{HashMap, HashSet};
 use diesel::QueryableByName;
 use diesel::mysql::Mysql;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::{BigInt, Nullable, Text};
 pub use diesel_async::AsyncMysqlConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl};
@@ -105,7 +105,7 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::causality::Causality;
 use crate::outbox::queries::{DedupKeys, NewEvent, TakenKey, numbering};
-use crate::outbox::{MigrationError, MissingMigrations, Outbox};
+use crate::outbox::{MigrationError, MissingMigrations, Outbox, TablesElsewhere};
 use crate::unit_of_work::{DuplicateEvents, UnitOfWorkError, drop_duplicates};
 
 pub use crate::relay::mysql::{MysqlRelay, stats};
@@ -525,6 +525,58 @@ pub(crate) async fn pending_versions<C: Exec>(conn: &mut C) -> diesel::QueryResu
         .collect())
 }
 
+/// The [`MIGRATIONS`] the database at the other end of `conn` lacks, as the relay, the inbox
+/// and a unit of work report them: [`pending_migrations`], and where the database holds no
+/// outbox tables, the server's other databases that hold them
+/// ([`MissingMigrations::elsewhere`]). `None` when the outbox schema is current.
+///
+/// # Errors
+/// The database's error.
+pub async fn missing_migrations(
+    conn: &mut AsyncMysqlConnection,
+) -> diesel::QueryResult<Option<MissingMigrations>> {
+    missing(conn).await
+}
+
+/// [`missing_migrations`] on either connection.
+pub(crate) async fn missing<C: Exec>(
+    conn: &mut C,
+) -> diesel::QueryResult<Option<MissingMigrations>> {
+    #[derive(QueryableByName)]
+    struct Holder {
+        #[diesel(sql_type = Nullable<Text>)]
+        here: Option<String>,
+        #[diesel(sql_type = Text)]
+        holder: String,
+    }
+    let pending = pending_versions(conn).await?;
+    if pending.is_empty() {
+        return Ok(None);
+    }
+    let holders: Vec<Holder> = conn
+        .load(
+            diesel::sql_query(
+                "SELECT DATABASE() AS here, CAST(table_schema AS CHAR) AS holder \
+                 FROM information_schema.tables \
+                 WHERE table_name = 'outbox_events' AND table_schema <> COALESCE(DATABASE(), '') \
+                   AND NOT EXISTS (SELECT 1 FROM information_schema.tables \
+                                   WHERE table_name = 'outbox_events' \
+                                     AND table_schema = DATABASE()) \
+                 ORDER BY table_schema",
+            )
+            .into_boxed(),
+        )
+        .await?;
+    let database = <[Holder]>::first(&holders).map(|row| row.here.clone().unwrap_or_default());
+    Ok(Some(MissingMigrations {
+        pending,
+        elsewhere: database.map(|database| TablesElsewhere::Databases {
+            databases: holders.into_iter().map(|row| row.holder).collect(),
+            database,
+        }),
+    }))
+}
+
 /// MariaDB's limits on a session left idle inside a transaction (MariaDB docs, "Server
 /// System Variables": `idle_transaction_timeout`, `idle_readonly_transaction_timeout`,
 /// `idle_write_transaction_timeout`, 10.3+, whole seconds, 0 for none), as an operator sets
@@ -597,12 +649,7 @@ impl crate::unit_of_work::sealed::Backend for AsyncMysqlConnection {
     }
 
     async fn missing_migrations(&mut self) -> diesel::QueryResult<Result<(), MissingMigrations>> {
-        let pending = pending_versions(self).await?;
-        Ok(if pending.is_empty() {
-            Ok(())
-        } else {
-            Err(MissingMigrations { pending })
-        })
+        Ok(missing(self).await?.map_or(Ok(()), Err))
     }
 
     fn events_committed() {

@@ -402,14 +402,109 @@ pub(crate) fn embedded_versions() -> QueryResult<Vec<String>> {
 /// The outbox schema is behind this version of the toolkit.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the outbox tables are not migrated: {} not applied; run the outbox migrations first \
+    "the outbox tables are not migrated: {} not applied; {}run the outbox migrations first \
      (outbox_runtime::run_migrations(database_url), or outbox_runtime::MIGRATIONS with your \
      own diesel migration harness)",
-    describe_pending(.pending)
+    describe_pending(.pending),
+    elsewhere_then(.elsewhere.as_ref())
 )]
 pub struct MissingMigrations {
     /// The versions not applied, oldest first.
     pub pending: Vec<String>,
+    /// Outbox tables the database server holds where this connection does not look, when it
+    /// finds none where it looks: a relay, an inbox or a unit of work given the wrong schema
+    /// or database, whose migrations would make a second, empty outbox beside the one the
+    /// service writes to (two outboxes in one database are as sound: each service's own
+    /// schema). `None` where the outbox tables are where the connection looks (the schema
+    /// is only behind), where nothing else holds them, and on SQLite.
+    pub elsewhere: Option<TablesElsewhere>,
+}
+
+/// Outbox tables that a connection does not see, of [`MissingMigrations::elsewhere`]. Its
+/// `Display` names them and how to point a URL at them: `schema orders holds outbox tables
+/// outside the search_path ("$user", public): to use that outbox, name it in the URL
+/// (`?options=-csearch_path%3Dorders`) or the role's search_path, as the URL its migrations
+/// ran on did`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TablesElsewhere {
+    /// PostgreSQL: the schemas of the database (of those the role may use) that hold
+    /// `outbox_events` outside the session's `search_path` (PostgreSQL docs, "Schemas: The
+    /// Schema Search Path").
+    Schemas {
+        /// The schemas, in name order.
+        schemas: Vec<String>,
+        /// The session's `search_path` setting, as `SHOW search_path` gives it.
+        search_path: String,
+    },
+    /// MySQL or MariaDB: the server's other databases that hold `outbox_events` (of those
+    /// the account sees in `information_schema.tables`).
+    Databases {
+        /// The databases, in name order.
+        databases: Vec<String>,
+        /// The connection's database, which the URL names.
+        database: String,
+    },
+}
+
+impl std::fmt::Display for TablesElsewhere {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (kind, names) = match self {
+            Self::Schemas { schemas, .. } => ("schema", schemas),
+            Self::Databases { databases, .. } => ("database", databases),
+        };
+        let (holders, use_it, name) = match names.as_slice() {
+            [one] => (
+                format!("{kind} {one} holds"),
+                "that outbox",
+                if is_plain_name(one) {
+                    one.clone()
+                } else {
+                    format!("<{kind}>")
+                },
+            ),
+            many => {
+                const SHOWN: usize = 5;
+                let more = many.len().saturating_sub(SHOWN);
+                let shown = many[..many.len().min(SHOWN)].join(", ");
+                let holders = if more == 0 {
+                    format!("{kind}s {shown} hold")
+                } else {
+                    format!("{kind}s {shown} and {more} more hold")
+                };
+                (holders, "one of them", format!("<{kind}>"))
+            }
+        };
+        match self {
+            Self::Schemas { search_path, .. } => write!(
+                f,
+                "{holders} outbox tables outside the search_path ({search_path}): to use \
+                 {use_it}, name it in the URL (`?options=-csearch_path%3D{name}`) or the \
+                 role's search_path, as the URL its migrations ran on did"
+            ),
+            Self::Databases { database, .. } => write!(
+                f,
+                "{holders} outbox tables, not the URL's database {database}: to use {use_it}, \
+                 name it as the URL's database (`mysql://host/{name}`), as the URL its \
+                 migrations ran on did"
+            ),
+        }
+    }
+}
+
+/// A name that needs no quoting in SQL or a URL: lower-case ASCII letters, digits and `_`,
+/// not led by a digit.
+fn is_plain_name(name: &str) -> bool {
+    name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+/// `{elsewhere}; to make a new one here, `, or nothing.
+pub(crate) fn elsewhere_then(elsewhere: Option<&TablesElsewhere>) -> String {
+    elsewhere.map_or(String::new(), |elsewhere| {
+        format!("{elsewhere}; to make a new one here, ")
+    })
 }
 
 fn describe_pending(pending: &[String]) -> String {
@@ -419,17 +514,64 @@ fn describe_pending(pending: &[String]) -> String {
     }
 }
 
+/// The [`MIGRATIONS`] the database at the other end of `conn` lacks, as the relay, the inbox
+/// and a unit of work report them: [`pending_migrations`], and where the `search_path` finds
+/// no outbox tables, the database's schemas outside it that hold them
+/// ([`MissingMigrations::elsewhere`]). `None` when the outbox schema is current.
+///
+/// # Errors
+/// The database's error.
+#[cfg(feature = "postgres")]
+pub async fn missing_migrations(
+    conn: &mut AsyncPgConnection,
+) -> QueryResult<Option<MissingMigrations>> {
+    let pending = pending_migrations(conn).await?;
+    if pending.is_empty() {
+        return Ok(None);
+    }
+    let elsewhere: SchemasElsewhere = diesel::sql_query(TABLES_ELSEWHERE).get_result(conn).await?;
+    Ok(Some(MissingMigrations {
+        pending,
+        elsewhere: elsewhere.into(),
+    }))
+}
+
 /// Fails with [`MissingMigrations`] when the database lacks some of [`MIGRATIONS`].
 #[cfg(feature = "postgres")]
 pub(crate) async fn require_migrations(
     conn: &mut AsyncPgConnection,
 ) -> Result<Result<(), MissingMigrations>, diesel::result::Error> {
-    let pending = pending_migrations(conn).await?;
-    Ok(if pending.is_empty() {
-        Ok(())
-    } else {
-        Err(MissingMigrations { pending })
-    })
+    Ok(missing_migrations(conn).await?.map_or(Ok(()), Err))
+}
+
+/// The schemas of the database that hold `outbox_events` outside the session's
+/// `search_path` and that the role may use (a column `schemas`), where the `search_path` finds
+/// none; and the `search_path` (a column `search_path`). Read by [`SchemasElsewhere`].
+#[cfg(feature = "postgres")]
+pub(crate) const TABLES_ELSEWHERE: &str = "SELECT current_setting('search_path') AS search_path, \
+     coalesce(array_agg(n.nspname::text ORDER BY n.nspname), '{}') AS schemas \
+     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE c.relname = 'outbox_events' AND c.relkind IN ('r', 'p') AND c.relpersistence <> 't' \
+       AND to_regclass('outbox_events') IS NULL AND has_schema_privilege(n.oid, 'USAGE')";
+
+/// A row of [`TABLES_ELSEWHERE`].
+#[cfg(feature = "postgres")]
+#[derive(QueryableByName)]
+pub(crate) struct SchemasElsewhere {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    search_path: String,
+    #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::Text>)]
+    schemas: Vec<String>,
+}
+
+#[cfg(feature = "postgres")]
+impl From<SchemasElsewhere> for Option<TablesElsewhere> {
+    fn from(row: SchemasElsewhere) -> Self {
+        (!row.schemas.is_empty()).then_some(TablesElsewhere::Schemas {
+            schemas: row.schemas,
+            search_path: row.search_path,
+        })
+    }
 }
 
 /// The state of the outbox, for health checks and dashboards: read by [`stats`] on
@@ -692,4 +834,73 @@ pub async fn purge_dedup_keys<C: OperatorConnection>(
     batch: i64,
 ) -> diesel::QueryResult<usize> {
     conn.purge_dedup_keys(older_than, batch.max(1)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(names: &[&str]) -> Vec<String> {
+        names.iter().map(|name| name.to_string()).collect()
+    }
+
+    #[test]
+    fn missing_migrations_name_the_outbox_elsewhere_and_how_to_point_a_url_at_it() {
+        let missing = |elsewhere| MissingMigrations {
+            pending: names(&["20261121000001", "20261122000002"]),
+            elsewhere,
+        };
+        assert_eq!(
+            missing(None).to_string(),
+            "the outbox tables are not migrated: migrations 20261121000001, 20261122000002 are \
+             not applied; run the outbox migrations first \
+             (outbox_runtime::run_migrations(database_url), or outbox_runtime::MIGRATIONS with \
+             your own diesel migration harness)"
+        );
+        let schemas = |schemas: &[&str]| {
+            Some(TablesElsewhere::Schemas {
+                schemas: names(schemas),
+                search_path: "\"$user\", public".to_owned(),
+            })
+        };
+        assert_eq!(
+            missing(schemas(&["orders"])).to_string(),
+            "the outbox tables are not migrated: migrations 20261121000001, 20261122000002 are \
+             not applied; schema orders holds outbox tables outside the search_path (\"$user\", \
+             public): to use that outbox, name it in the URL (`?options=-csearch_path%3Dorders`) \
+             or the role's search_path, as the URL its migrations ran on did; to make a new one \
+             here, run the outbox migrations first \
+             (outbox_runtime::run_migrations(database_url), or outbox_runtime::MIGRATIONS with \
+             your own diesel migration harness)"
+        );
+        // A name that needs quoting is not put into a URL as it is.
+        for quoted in ["Orders", "order lines", "2026", "a%3Db"] {
+            let text = missing(schemas(&[quoted])).to_string();
+            assert!(
+                text.contains(&format!("schema {quoted} holds outbox tables"))
+                    && text.contains("(`?options=-csearch_path%3D<schema>`)"),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            TablesElsewhere::Databases {
+                databases: names(&["a", "b", "c", "d", "e", "f", "g"]),
+                database: "orders".to_owned(),
+            }
+            .to_string(),
+            "databases a, b, c, d, e and 2 more hold outbox tables, not the URL's database \
+             orders: to use one of them, name it as the URL's database \
+             (`mysql://host/<database>`), as the URL its migrations ran on did"
+        );
+        assert_eq!(
+            TablesElsewhere::Databases {
+                databases: names(&["billing"]),
+                database: "orders".to_owned(),
+            }
+            .to_string(),
+            "database billing holds outbox tables, not the URL's database orders: to use that \
+             outbox, name it as the URL's database (`mysql://host/billing`), as the URL its \
+             migrations ran on did"
+        );
+    }
 }

@@ -358,16 +358,20 @@ pub(crate) fn write_events(
     Ok(())
 }
 
-/// The migrations the database lacks, asked after a database error.
-pub(crate) fn missing_migrations(
+/// The [`MIGRATIONS`] the database file at the other end of `conn` lacks, as the relay, the
+/// inbox and a unit of work report them ([`pending_migrations`]; a file has no
+/// [`MissingMigrations::elsewhere`]). `None` when the outbox schema is current.
+///
+/// # Errors
+/// The database's error.
+pub fn missing_migrations(
     conn: &mut SqliteConnection,
-) -> diesel::QueryResult<Result<(), MissingMigrations>> {
+) -> diesel::QueryResult<Option<MissingMigrations>> {
     let pending = pending_migrations(conn)?;
-    Ok(if pending.is_empty() {
-        Ok(())
-    } else {
-        Err(MissingMigrations { pending })
-    })
+    Ok((!pending.is_empty()).then_some(MissingMigrations {
+        pending,
+        elsewhere: None,
+    }))
 }
 
 // The trait is crate-private in effect (see `unit_of_work::sealed`).
@@ -395,7 +399,8 @@ impl crate::unit_of_work::sealed::Backend for AsyncSqliteConnection {
     }
 
     async fn missing_migrations(&mut self) -> diesel::QueryResult<Result<(), MissingMigrations>> {
-        self.spawn_blocking(missing_migrations).await
+        self.spawn_blocking(|conn| Ok(missing_migrations(conn)?.map_or(Ok(()), Err)))
+            .await
     }
 
     fn events_committed() {

@@ -511,7 +511,15 @@ pub(crate) mod sealed {
             } else {
                 embedded
             };
-            Ok((!pending.is_empty()).then_some(MissingMigrations { pending }))
+            if pending.is_empty() {
+                return Ok(None);
+            }
+            let elsewhere: outbox_mod::SchemasElsewhere =
+                diesel::sql_query(outbox_mod::TABLES_ELSEWHERE).get_result(self)?;
+            Ok(Some(MissingMigrations {
+                pending,
+                elsewhere: elsewhere.into(),
+            }))
         }
     }
 
@@ -549,8 +557,7 @@ pub(crate) mod sealed {
         }
 
         fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {
-            let pending = ready(crate::mysql::pending_versions(self))?;
-            Ok((!pending.is_empty()).then_some(MissingMigrations { pending }))
+            ready(crate::mysql::missing(self))
         }
 
         fn events_committed() {
@@ -578,7 +585,7 @@ pub(crate) mod sealed {
         }
 
         fn missing_migrations(&mut self) -> diesel::QueryResult<Option<MissingMigrations>> {
-            Ok(crate::sqlite::missing_migrations(self)?.err())
+            crate::sqlite::missing_migrations(self)
         }
 
         fn events_committed() {

@@ -16,8 +16,8 @@ use uuid::Uuid;
 use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
 use super::worker::{RelayStore, finish_then_commit};
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
+use crate::MissingMigrations;
 use crate::database;
-use crate::mysql::pending_migrations;
 use crate::outbox::OutboxStats;
 use crate::outbox::queries::{ClaimedEvent, Held, PublishedRows, Rejection, RetryPolicy};
 
@@ -80,8 +80,8 @@ impl MysqlRelay {
 impl PolledStore for AsyncMysqlConnection {
     const NAME: &'static str = "MysqlRelay";
 
-    async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
-        pending_migrations(self).await
+    async fn missing_migrations(&mut self) -> QueryResult<Option<MissingMigrations>> {
+        crate::mysql::missing_migrations(self).await
     }
 
     async fn check_writes(&mut self) -> QueryResult<()> {

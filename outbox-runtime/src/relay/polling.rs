@@ -31,8 +31,10 @@ pub(super) trait PolledStore: RelayStore {
         config
     }
 
-    /// The versions of the outbox's migrations the database lacks.
-    fn pending_migrations(&mut self) -> impl Future<Output = QueryResult<Vec<String>>> + Send;
+    /// The outbox's migrations the database lacks; `None` when it lacks none.
+    fn missing_migrations(
+        &mut self,
+    ) -> impl Future<Output = QueryResult<Option<MissingMigrations>>> + Send;
 
     /// Runs [`WRITE_CHECK`]: fails where the database takes no writes.
     fn check_writes(&mut self) -> impl Future<Output = QueryResult<()>> + Send;
@@ -107,15 +109,15 @@ impl<C: PolledStore> Polling<C> {
             Err(database::Bounded::Failed(error)) => return Err(error.into()),
             Err(database::Bounded::TimedOut(timed_out)) => return Err(timed_out.into()),
         }
-        let pending = database::bounded(
+        let missing = database::bounded(
             shared.config.statement_timeout,
             &shared.target,
             "the migrations check",
-            conn.pending_migrations(),
+            conn.missing_migrations(),
         )
         .await?;
-        if !pending.is_empty() {
-            return Err(MissingMigrations { pending }.into());
+        if let Some(missing) = missing {
+            return Err(missing.into());
         }
         // The relay's first write, of no rows: a database that takes none is named now,
         // where every batch would fail, and the relay would publish nothing, for as long as

@@ -14,10 +14,11 @@ use uuid::Uuid;
 use super::polling::{Head, Next, PolledStore, Polling, Rejected, Row, StatsRow, chained, groups};
 use super::worker::RelayStore;
 use super::{BatchReport, RelayConfig, RelayError, RelayHandle, Shared};
+use crate::MissingMigrations;
 use crate::database;
 use crate::outbox::OutboxStats;
 use crate::outbox::queries::{ClaimedEvent, PublishedRows, Rejection, RetryPolicy, claim_window};
-use crate::sqlite::{AsyncSqliteConnection, NOW, SqliteConnection, pending_migrations};
+use crate::sqlite::{AsyncSqliteConnection, NOW, SqliteConnection};
 
 /// The message relay on SQLite: publishes the rows of the outbox tables of
 /// [`crate::sqlite::MIGRATIONS`] to JetStream, exactly as [`Relay`](crate::Relay) publishes
@@ -146,8 +147,10 @@ impl PolledStore for SqliteStore {
         config
     }
 
-    async fn pending_migrations(&mut self) -> QueryResult<Vec<String>> {
-        self.conn.spawn_blocking(pending_migrations).await
+    async fn missing_migrations(&mut self) -> QueryResult<Option<MissingMigrations>> {
+        self.conn
+            .spawn_blocking(crate::sqlite::missing_migrations)
+            .await
     }
 
     async fn check_writes(&mut self) -> QueryResult<()> {
