@@ -5399,6 +5399,56 @@ mod sqlite {
         .await;
     }
 
+    /// A relay and an inbox given the path of a file that does not exist (a typo beside the
+    /// service's database, as a path, a `sqlite://` URL and a `file:` URI) stop at start
+    /// naming it, and leave no file there. Before, each made an empty database at that path
+    /// and said to run the migrations, which there make a second outbox that the service's
+    /// units of work never write to.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_and_an_inbox_given_a_path_where_no_database_is_make_none() {
+        let env = AsyncSqlite::setup().await;
+        let typo = format!("{}-typo", database(&env).path);
+        for url in [
+            typo.clone(),
+            format!("sqlite://{typo}"),
+            format!("file:{typo}?cache=private"),
+        ] {
+            let mut config = AsyncSqlite::relay_config(&env);
+            config.database_url = url.clone();
+            let relay = match SqliteRelay::connect(config, env.nats.clone()).await {
+                Ok(_) => panic!("a relay started on {url}"),
+                Err(error) => error.to_string(),
+            };
+            let mut config = super::inbox_config::<AsyncSqlite>(&env, "typo");
+            config.database_url = url.clone();
+            let inbox = match Inbox::connect(
+                config,
+                env.nats.clone(),
+                super::Applier::<AsyncSqlite>::new(),
+            )
+            .await
+            {
+                Ok(_) => panic!("an inbox started on {url}"),
+                Err(error) => error.to_string(),
+            };
+            for (component, said) in [("relay", relay), ("inbox", inbox)] {
+                assert!(
+                    said.starts_with(&format!(
+                        "{component}: cannot connect to the database at {}: no SQLite \
+                         database at {typo}: the relay and the inbox open the database that \
+                         the service's migrations made, and make none; check the path",
+                        outbox_runtime::database::redacted(&url)
+                    )),
+                    "{url}: {said}"
+                );
+            }
+            assert!(
+                !std::path::Path::new(&typo).exists(),
+                "{url}: a database was made at {typo}"
+            );
+        }
+    }
+
     /// A relay and an inbox given a database file opened read-only (`file:...?mode=ro`)
     /// stop at start naming the file, why and what to give them. Before, both started: each
     /// of the relay's batches failed ("attempt to write a readonly database"), publishing

@@ -147,18 +147,18 @@ fn open_sqlite(
     })
 }
 
-/// Fails, naming the path, when the SQLite file `url` names (a path or `sqlite://path`) does
-/// not exist; a `file:` URI is left to SQLite.
+/// Fails, naming the path, when the SQLite file `url` names (a path, `sqlite://path` or a
+/// `file:` URI: [`outbox_runtime::database::sqlite_file`]) does not exist.
 #[cfg(feature = "sqlite")]
 pub(crate) fn sqlite_file_exists(url: &str) -> Result<(), String> {
-    let path = url.trim().strip_prefix("sqlite://").unwrap_or(url.trim());
-    if path.starts_with("file:") || std::path::Path::new(path).exists() {
-        return Ok(());
+    match outbox_runtime::database::sqlite_file(url) {
+        Some(path) if !path.exists() => Err(format!(
+            "no SQLite database at {}: `outbox migrate` creates one there, or check \
+             DATABASE_URL",
+            path.display()
+        )),
+        _ => Ok(()),
     }
-    Err(format!(
-        "no SQLite database at {path}: `outbox migrate` creates one there, or check \
-         DATABASE_URL"
-    ))
 }
 
 /// The error for a database this build cannot open.

@@ -2068,6 +2068,23 @@ async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {
         text(&missing)
     );
     assert!(!std::path::Path::new(&path).exists(), "no file made");
+    // Nor as a `file:` URI (before, SQLite made the file it was asked to open).
+    for uri in [
+        format!("file:{path}"),
+        format!("file://localhost{path}?cache=private"),
+    ] {
+        let missing = command(&["status"])
+            .env("DATABASE_URL", &uri)
+            .output()
+            .unwrap();
+        assert_eq!(missing.status.code(), Some(2), "{uri}: {}", text(&missing));
+        assert!(
+            text(&missing).contains(&format!("no SQLite database at {path}")),
+            "{uri}: {}",
+            text(&missing)
+        );
+        assert!(!std::path::Path::new(&path).exists(), "{uri}: a file made");
+    }
     let migrated = command(&["migrate"]).output().unwrap();
     assert!(migrated.status.success(), "{}", text(&migrated));
     assert!(text(&migrated).contains("applied 6"), "{}", text(&migrated));

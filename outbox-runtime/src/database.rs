@@ -270,6 +270,72 @@ impl std::str::FromStr for Kind {
     }
 }
 
+/// The file a SQLite database URL names: a plain path as it is, a `sqlite://` URL's path, or
+/// a `file:` URI's path (after an empty or `localhost` authority, without its parameters,
+/// percent-decoded: SQLite docs, "Uniform Resource Identifiers", section 3). `None` for an
+/// in-memory database (`:memory:`, or a `file:` URI whose path is that or whose `mode` is
+/// `memory`) and a URL that names no path.
+///
+/// ```
+/// use std::path::PathBuf;
+/// use outbox_runtime::database::sqlite_file;
+/// assert_eq!(sqlite_file("/var/lib/orders.db"), Some(PathBuf::from("/var/lib/orders.db")));
+/// assert_eq!(sqlite_file("sqlite://orders.db"), Some(PathBuf::from("orders.db")));
+/// assert_eq!(
+///     sqlite_file("file://localhost/var/lib/my%20orders.db?mode=ro"),
+///     Some(PathBuf::from("/var/lib/my orders.db"))
+/// );
+/// assert_eq!(sqlite_file("file::memory:?cache=shared"), None);
+/// ```
+pub fn sqlite_file(database_url: &str) -> Option<std::path::PathBuf> {
+    let url = database_url.trim();
+    let path = if let Some(path) = url.strip_prefix("sqlite://") {
+        path.to_owned()
+    } else if let Some(uri) = url.strip_prefix("file:") {
+        let (path, parameters) = uri.split_once('?').unwrap_or((uri, ""));
+        let path = path.split('#').next().unwrap_or_default();
+        let path = match path.strip_prefix("//") {
+            Some(authority_and_path) => {
+                let at = authority_and_path.find('/')?;
+                match &authority_and_path[..at] {
+                    "" | "localhost" => &authority_and_path[at..],
+                    // SQLite refuses any other authority.
+                    _ => return None,
+                }
+            }
+            None => path,
+        };
+        let in_memory = parameters
+            .split(['&', '#'])
+            .any(|parameter| parameter == "mode=memory");
+        if in_memory {
+            return None;
+        }
+        percent_encoding::percent_decode_str(path)
+            .decode_utf8_lossy()
+            .into_owned()
+    } else {
+        url.to_owned()
+    };
+    (!path.trim().is_empty() && path != ":memory:").then(|| std::path::PathBuf::from(path))
+}
+
+/// Fails, naming the path, where the SQLite database `database_url` names is a file that does
+/// not exist: the relay and the inbox open the database the service's migrations made, and
+/// must not make an empty one at a mistyped path (SQLite creates the file it is asked to
+/// open), which the migrations would then make a second outbox of.
+#[cfg(feature = "sqlite")]
+pub(crate) fn sqlite_file_exists(database_url: &str) -> Result<(), String> {
+    match sqlite_file(database_url) {
+        Some(path) if !path.exists() => Err(format!(
+            "no SQLite database at {}: the relay and the inbox open the database that the \
+             service's migrations made, and make none; check the path",
+            path.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Why `database_url` names no database at all: it is empty or blank
 /// ([`ParseKindError::Empty`]), or a `sqlite://` URL or `file:` URI whose path (without the
 /// URI's parameters) is ([`ParseKindError::NoSqlitePath`]). SQLite opens a temporary database
@@ -727,7 +793,8 @@ pub(crate) async fn connect_mysql(
 }
 
 /// Opens a SQLite database file for the outbox ([`crate::sqlite::establish`]) on the
-/// blocking pool, within the connect timeout.
+/// blocking pool, within the connect timeout; a file that does not exist is refused
+/// ([`sqlite_file_exists`]), not made.
 #[cfg(feature = "sqlite")]
 pub(crate) async fn connect_sqlite(
     database_url: &str,
@@ -735,10 +802,12 @@ pub(crate) async fn connect_sqlite(
 ) -> Result<diesel::sqlite::SqliteConnection, ConnectError> {
     let url = database_url.to_owned();
     let setup = async move {
-        tokio::task::spawn_blocking(move || crate::sqlite::establish(&url))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())
+        tokio::task::spawn_blocking(move || {
+            sqlite_file_exists(&url)?;
+            crate::sqlite::establish(&url).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())?
     };
     within_connect_timeout(database_url, limits.connect_timeout, setup).await
 }
@@ -1125,6 +1194,37 @@ mod kind_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sqlite_url_names_the_file_sqlite_opens() {
+        use std::path::PathBuf;
+        for (url, file) in [
+            ("orders.db", Some("orders.db")),
+            ("  /var/lib/orders.db ", Some("/var/lib/orders.db")),
+            ("sqlite:///var/lib/orders.db", Some("/var/lib/orders.db")),
+            ("file:orders.db", Some("orders.db")),
+            (
+                "file:/var/lib/orders.db?mode=rw&cache=shared",
+                Some("/var/lib/orders.db"),
+            ),
+            ("file:///var/lib/orders.db", Some("/var/lib/orders.db")),
+            (
+                "file://localhost/var/lib/orders.db#part",
+                Some("/var/lib/orders.db"),
+            ),
+            ("file:data%3Fone%23two.db", Some("data?one#two.db")),
+            // No file: SQLite refuses another host, and opens these in memory or not at all.
+            ("file://db.internal/var/lib/orders.db", None),
+            (":memory:", None),
+            ("file::memory:?cache=shared", None),
+            ("file:orders.db?cache=shared&mode=memory", None),
+            ("", None),
+            ("sqlite://", None),
+            ("file:?mode=rwc", None),
+        ] {
+            assert_eq!(sqlite_file(url), file.map(PathBuf::from), "{url:?}");
+        }
+    }
 
     /// Why a connection failed, as the driver's cause says it: an option with a bad value, a
     /// server that refuses; never a password. (Before, "invalid connection string" and

@@ -1035,8 +1035,9 @@ impl<H: Handler<C>, C: InboxConnection> Inbox<H, C> {
     /// ([`NO_JETSTREAM`](crate::nats::NO_JETSTREAM)); or an existing consumer of that name
     /// has other filter subjects, or acks other than explicitly),
     /// [`InboxError::Connect`] (also for a database that takes no writes: a hot standby
-    /// or a replica, a role without them, a read-only SQLite file, named as such; and for a
-    /// PostgreSQL role that lacks privileges, naming each),
+    /// or a replica, a role without them, a read-only SQLite file, named as such; for a
+    /// SQLite file that does not exist, which it does not make; and for a PostgreSQL role
+    /// that lacks privileges, naming each),
     /// [`InboxError::MissingMigrations`] or [`InboxError::TimedOut`].
     pub async fn connect(
         config: InboxConfig,

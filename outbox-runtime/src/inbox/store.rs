@@ -386,7 +386,14 @@ macro_rules! deadpool_store {
             // consumer's position in an aggregate locked against every instance.
             $crate::database::Pooled::get(pool)
                 .await
-                .map_err(|e| e.to_string())
+                .map_err(|error| match error {
+                    // The connection's own error, without deadpool's "Error occurred while
+                    // creating a new object: " before it.
+                    diesel_async::pooled_connection::deadpool::PoolError::Backend(error) => {
+                        error.to_string()
+                    }
+                    other => other.to_string(),
+                })
         }
     };
 }

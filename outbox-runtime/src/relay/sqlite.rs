@@ -58,11 +58,13 @@ impl SqliteRelay {
     }
 
     /// Checks the configuration, makes sure the stream exists (as [`Relay::connect`]), and
-    /// that the database file opens and is migrated.
+    /// that the database file opens and is migrated. A file that does not exist is refused,
+    /// not made: the relay serves the database the service's migrations made.
     ///
     /// # Errors
     /// [`RelayError::Config`] (also for a `connector`),
-    /// [`RelayError::Stream`], [`RelayError::Connect`], [`RelayError::MissingMigrations`].
+    /// [`RelayError::Stream`], [`RelayError::Connect`] (also for a file that does not
+    /// exist, naming its path), [`RelayError::MissingMigrations`].
     ///
     /// [`Relay::connect`]: crate::Relay::connect
     pub async fn connect(
