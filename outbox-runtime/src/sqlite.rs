@@ -137,8 +137,10 @@ const KEYS_PER_STATEMENT: usize = 10_000;
 /// # Errors
 /// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL with no
 /// path (`""`, `sqlite://`, `file:?mode=rwc`), where SQLite would open a temporary database
-/// that no other connection sees and that vanishes with this one; else the database's error,
-/// when the file cannot be opened or the settings cannot be applied.
+/// that no other connection sees and that vanishes with this one;
+/// [`BadConnection`](diesel::ConnectionError::BadConnection) naming the directory for a file
+/// in one that does not exist (no directory is made); else the database's error, when the
+/// file cannot be opened or the settings cannot be applied.
 pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
     if let Some(error) = crate::database::names_no_file(url) {
         return Err(diesel::ConnectionError::InvalidConnectionUrl(
@@ -146,7 +148,19 @@ pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
         ));
     }
     let path = url.strip_prefix("sqlite://").unwrap_or(url);
-    let mut conn = SqliteConnection::establish(path)?;
+    let mut conn = SqliteConnection::establish(path).map_err(|error| {
+        let file = crate::database::sqlite_file(url);
+        match file.as_deref().and_then(std::path::Path::parent) {
+            Some(dir) if !dir.as_os_str().is_empty() && !dir.exists() => {
+                diesel::ConnectionError::BadConnection(format!(
+                    "unable to open database file {}: the directory {} does not exist",
+                    file.as_deref().unwrap_or(dir).display(),
+                    dir.display()
+                ))
+            }
+            _ => error,
+        }
+    })?;
     conn.batch_execute(&format!(
         "PRAGMA busy_timeout = {}; PRAGMA journal_mode = WAL;",
         BUSY_TIMEOUT.as_millis()
@@ -569,5 +583,33 @@ mod tests {
         }
         assert!(std::path::Path::new(path).exists());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file in a directory that does not exist (a volume not mounted, a typo in the
+    /// directory) is named with the directory, where SQLite says only "unable to open database
+    /// file"; no directory is made.
+    #[test]
+    fn a_file_in_a_directory_that_does_not_exist_names_the_directory() {
+        let dir = std::env::temp_dir().join(format!("outbox-no-dir-{}", std::process::id()));
+        let path = dir.join("orders.db");
+        let path = path.to_str().unwrap();
+        for url in [
+            path.to_owned(),
+            format!("sqlite://{path}"),
+            format!("file:{path}?mode=rwc"),
+        ] {
+            let Err(diesel::ConnectionError::BadConnection(error)) = establish(&url) else {
+                panic!("{url:?} was opened");
+            };
+            assert_eq!(
+                error,
+                format!(
+                    "unable to open database file {path}: the directory {} does not exist",
+                    dir.display()
+                ),
+                "{url}"
+            );
+        }
+        assert!(!dir.exists());
     }
 }
