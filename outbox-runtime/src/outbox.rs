@@ -399,8 +399,10 @@ pub(crate) fn embedded_versions() -> QueryResult<Vec<String>> {
     )
 }
 
-/// The outbox schema is behind this version of the toolkit.
+/// The outbox schema is behind this version of the toolkit, or not where the connection
+/// looks ([`elsewhere`](Self::elsewhere)).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 #[error(
     "the outbox tables are not migrated: {} not applied; {}run the outbox migrations first \
      (outbox_runtime::run_migrations(database_url), or outbox_runtime::MIGRATIONS with your \
@@ -421,11 +423,12 @@ pub struct MissingMigrations {
 }
 
 /// Outbox tables that a connection does not see, of [`MissingMigrations::elsewhere`]. Its
-/// `Display` names them and how to point a URL at them: `schema orders holds outbox tables
+/// `Display` names them and how to point a URL at them: "schema orders holds outbox tables
 /// outside the search_path ("$user", public): to use that outbox, name it in the URL
-/// (`?options=-csearch_path%3Dorders`) or the role's search_path, as the URL its migrations
-/// ran on did`.
+/// (\`?options=-csearch_path%3Dorders\`) or the role's search_path, as the URL its
+/// migrations ran on did".
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TablesElsewhere {
     /// PostgreSQL: the schemas of the database (of those the role may use) that hold
     /// `outbox_events` outside the session's `search_path` (PostgreSQL docs, "Schemas: The
