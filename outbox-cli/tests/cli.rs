@@ -287,6 +287,90 @@ async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
     );
 }
 
+/// A deployment that gives the database's URL without the password, the password kept where
+/// libpq finds it: `PGPASSWORD`, or the password file (`PGPASSFILE`, or `~/.pgpass`), on a
+/// server that asks for it. Before, the command connected without one, and the server refused
+/// it ("password missing"). A password file its group may read is ignored with a warning, as
+/// libpq ignores it; the password is in no output.
+#[tokio::test]
+async fn a_password_kept_where_libpq_finds_it_is_used() {
+    use diesel_async::{AsyncConnection, AsyncPgConnection};
+    use std::os::unix::fs::PermissionsExt as _;
+    const PASSWORD: &str = "s3cret-in-a-file";
+
+    let server = support::postgres::PostgresServer::start_with_passwords().await;
+    server.create_database("orders").await;
+    AsyncPgConnection::establish(&server.url("postgres"))
+        .await
+        .unwrap()
+        .batch_execute(&format!(
+            "CREATE ROLE app LOGIN PASSWORD '{PASSWORD}'; ALTER DATABASE orders OWNER TO app"
+        ))
+        .await
+        .unwrap();
+    let home = std::env::temp_dir().join(format!("outbox-cli-home-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&home).unwrap();
+    let url = format!("postgres://app@127.0.0.1:{}/orders", server.port);
+    let run = |args: &[&str], environment: &[(&str, &str)]| {
+        let output = Command::new(OUTBOX)
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .env("HOME", &home)
+            .env_remove("PGPASSWORD")
+            .env_remove("PGPASSFILE")
+            .envs(environment.iter().copied())
+            .output()
+            .expect("run outbox");
+        assert!(!text(&output).contains(PASSWORD), "{}", text(&output));
+        output
+    };
+    let without = run(&["migrate"], &[]);
+    assert!(
+        !without.status.success() && text(&without).contains("password missing"),
+        "{}",
+        text(&without)
+    );
+    let migrated = run(&["migrate"], &[("PGPASSWORD", PASSWORD)]);
+    assert!(
+        migrated.status.success() && text(&migrated).contains("applied 17: "),
+        "{}",
+        text(&migrated)
+    );
+    let file = home.join("outbox.pgpass");
+    std::fs::write(
+        &file,
+        format!(
+            "# another server's first\n\
+             db.internal:5432:*:app:not-this-one\n\
+             127.0.0.1:{}:orders:app:{PASSWORD}\n",
+            server.port
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let passfile = file.to_str().unwrap();
+    let status = run(&["status"], &[("PGPASSFILE", passfile)]);
+    assert!(status.status.success(), "{}", text(&status));
+    // `~/.pgpass`, without PGPASSFILE.
+    std::fs::copy(&file, home.join(".pgpass")).unwrap();
+    std::fs::set_permissions(home.join(".pgpass"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let status = run(&["status"], &[]);
+    assert!(status.status.success(), "{}", text(&status));
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let open = run(&["status"], &[("PGPASSFILE", passfile)]);
+    assert!(
+        !open.status.success()
+            && text(&open).contains(&format!(
+                "password missing (the password file {passfile} was ignored: it has group or \
+                 world access (mode 644), and its permissions should be u=rw (0600) or less, \
+                 as libpq asks)"
+            )),
+        "{}",
+        text(&open)
+    );
+    std::fs::remove_dir_all(&home).unwrap();
+}
+
 #[tokio::test]
 async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
     let env = TestEnv::new().await;

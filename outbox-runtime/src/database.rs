@@ -29,6 +29,8 @@ use {
 };
 
 #[cfg(feature = "postgres")]
+mod password;
+#[cfg(feature = "postgres")]
 mod tls;
 
 /// A connection the operator's functions run on ([`crate::dead_letter`]'s,
@@ -621,16 +623,25 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
     })
 }
 
-/// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls).
+/// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls),
+/// with libpq's `PGPASSWORD` or password file where the string gives no password
+/// ([`password`]).
 #[cfg(feature = "postgres")]
 async fn open<T>(database_url: &str, tls: T) -> Result<AsyncPgConnection, String>
 where
     T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
     T::Stream: Send + 'static,
 {
-    let (client, connection) = tokio_postgres::connect(database_url, tls)
-        .await
-        .map_err(|error| explained(&error))?;
+    let mut config: tokio_postgres::Config =
+        database_url.parse().map_err(|error| explained(&error))?;
+    let ignored = password::fill(&mut config);
+    let (client, connection) = config.connect(tls).await.map_err(|error| {
+        let error = explained(&error);
+        match &ignored {
+            Some(ignored) => format!("{error} ({ignored})"),
+            None => error,
+        }
+    })?;
     AsyncPgConnection::try_from_client_and_connection(client, connection)
         .await
         .map_err(|error| error.to_string())

@@ -494,6 +494,27 @@ impl PostgresServer {
         Self::start_with_hba(certificates, "cert").await
     }
 
+    /// A server without TLS whose TCP sessions must give their role's password
+    /// (`scram-sha-256`; PostgreSQL docs, "Password Authentication"), but for the database
+    /// `postgres`, which the test's set-up and this harness's readiness check reach without.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub async fn start_with_passwords() -> Self {
+        let hba = std::env::temp_dir().join(format!("outbox-test-hba-{}", uuid::Uuid::new_v4()));
+        std::fs::write(
+            &hba,
+            "local all all trust\n\
+             host postgres all 127.0.0.1/32 trust\n\
+             host all all 127.0.0.1/32 scram-sha-256\n",
+        )
+        .expect("the server's pg_hba.conf");
+        let server = Self::start_with(&[&format!("hba_file={}", hba.display())]).await;
+        // Read at start; the server keeps what it read.
+        let _ = std::fs::remove_file(&hba);
+        server
+    }
+
     async fn start_with_hba(certificates: &TestCertificates, method: &str) -> Self {
         let hba = certificates.path("pg_hba.conf");
         std::fs::write(

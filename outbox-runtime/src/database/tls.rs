@@ -24,8 +24,9 @@
 //!
 //! Where the string does not give them, libpq's environment variables do: `PGSSLMODE`,
 //! `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY` (PostgreSQL docs, "libpq: Environment
-//! Variables"; a deployment that sets them beside a URL from a secret). Other `PG`
-//! variables are not read (tokio-postgres reads none).
+//! Variables"; a deployment that sets them beside a URL from a secret). Of the other `PG`
+//! variables, only `PGPASSWORD` and `PGPASSFILE` are read, for a password the string does
+//! not give (the module `password`); tokio-postgres reads none.
 //!
 //! tokio-postgres knows `disable`, `prefer` and `require` only, and none of `sslrootcert`,
 //! `sslcert`, `sslkey`: it is given the string with `verify-ca` and `verify-full` as
