@@ -174,6 +174,20 @@ fn unknown_database(database_url: &str) -> String {
 /// the features `mysql` and `sqlite` MySQL's and SQLite's.
 pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
     use outbox_runtime::database::Kind;
+    // Outbox tables where the URL does not look, before these migrations make a new outbox
+    // where it does: said after them, in case the URL was meant for that outbox.
+    let elsewhere = match Kind::of(database_url) {
+        Kind::Sqlite => None,
+        _ => match Operator::open(database_url).await {
+            Ok(mut operator) => operator
+                .missing_migrations()
+                .await
+                .ok()
+                .flatten()
+                .and_then(|missing| missing.elsewhere),
+            Err(_) => None,
+        },
+    };
     let applied = match Kind::of(database_url) {
         Kind::Postgres => outbox_runtime::run_migrations(database_url)
             .await
@@ -199,6 +213,9 @@ pub(crate) async fn migrate(database_url: &str) -> Result<Ended, String> {
         println!("the outbox schema is up to date");
     } else {
         println!("applied {}: {}", applied.len(), applied.join(", "));
+        if let Some(elsewhere) = elsewhere {
+            println!("note: this is a new outbox; {elsewhere}");
+        }
     }
     Ok(Ended::Done)
 }

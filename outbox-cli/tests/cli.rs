@@ -239,6 +239,23 @@ async fn status_on_a_url_that_misses_the_outbox_schema_names_it() {
     );
     let status = in_schema(&["status"]);
     assert!(status.status.success(), "{}", text(&status));
+
+    // Migrated all the same: a new outbox there, said so, with where the other one is.
+    let second = outbox(&env, &support::nats_url(), &["migrate"]);
+    assert!(second.status.success(), "{}", text(&second));
+    assert!(
+        text(&second).contains("applied 17: ")
+            && text(&second).contains(
+                "note: this is a new outbox; schema orders holds outbox tables outside the \
+                 search_path (\"$user\", public): to use that outbox, name it in the URL \
+                 (`?options=-csearch_path%3Dorders`) or the role's search_path, as the URL its \
+                 migrations ran on did"
+            ),
+        "{}",
+        text(&second)
+    );
+    let status = outbox(&env, &support::nats_url(), &["status"]);
+    assert!(status.status.success(), "{}", text(&status));
 }
 
 /// A deployment that gives the database's URL without TLS options and sets libpq's
