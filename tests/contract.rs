@@ -42,8 +42,8 @@ use outbox_runtime::{
     RelayConfig, RelayHandle, UnitOfWork, UnitOfWorkError, inbox,
 };
 use serde::{Deserialize, Serialize};
-use support::TestEnv;
 use support::domain::{Order, OrderEvent};
+use support::{TestEnv, server_of, through};
 
 #[derive(Debug, Serialize, Deserialize, DomainEvent)]
 struct Invoiced {
@@ -381,39 +381,6 @@ impl Backend for SyncPg {
         .await
         .expect("the sync unit of work ran")
     }
-}
-
-/// The address of the server of a database URL (`scheme://[user@]host:port/...`).
-fn server_of(url: &str) -> std::net::SocketAddr {
-    use std::net::ToSocketAddrs;
-    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = authority.split('/').next().unwrap_or_default();
-    let host = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    host.to_socket_addrs()
-        .ok()
-        .and_then(|mut addresses| addresses.next())
-        .unwrap_or_else(|| panic!("no server address in {url}"))
-}
-
-/// `url` with its server replaced by port `port` on loopback, in plain text all the way, so
-/// that a proxy there reads the statements: without TLS (libpq's `sslmode=prefer` would
-/// encrypt), and over TCP (mysql_async's `prefer_socket` moves a loopback connection to the
-/// server's Unix socket after the handshake).
-fn through(url: &str, port: u16) -> String {
-    let (scheme, rest) = url.split_once("://").expect("a database URL");
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let user = authority
-        .rsplit_once('@')
-        .map_or(String::new(), |(user, _)| format!("{user}@"));
-    let plain = if scheme.starts_with("postgres") {
-        "sslmode=disable"
-    } else {
-        "prefer_socket=false"
-    };
-    let separator = if path.contains('?') { '&' } else { '?' };
-    format!("{scheme}://{user}127.0.0.1:{port}/{path}{separator}{plain}")
 }
 
 /// How a test unit of work's closure ends.

@@ -541,10 +541,8 @@ async fn a_connection_lost_during_the_inboxs_commit_applies_the_message_once() {
     let consumer = consumer_database().await;
     let mut config = consumer_config(&consumer, &producer, "lost-commit");
     config.max_attempts = 1;
-    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    config.database_url = config
-        .database_url
-        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    let proxy = Proxy::start(support::server_of(&config.database_url)).await;
+    config.database_url = support::through(&config.database_url, proxy.port);
     proxy.cut_at(b"COMMIT", Severed::AfterForwarding);
     let (logs, _turn) = Logs::capture().await;
     let inbox = Inbox::connect(config, producer.nats.clone(), Recording::default())

@@ -98,11 +98,9 @@ async fn connecting_to_a_database_that_never_answers_fails_in_time_naming_the_ho
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_database_freezes_drops_the_connection_and_stops_in_bounded_time() {
     let env = TestEnv::new().await;
-    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let proxy = Proxy::start(support::server_of(&env.database_url)).await;
     let mut config = env.relay_config();
-    config.database_url = env
-        .database_url
-        .replace("127.0.0.1:5432", &format!("127.0.0.1:{}", proxy.port));
+    config.database_url = support::through(&env.database_url, proxy.port);
     config.statement_timeout = Duration::from_secs(1);
     config.connect_timeout = Duration::from_secs(1);
     config.ack_timeout = Duration::from_secs(1);
