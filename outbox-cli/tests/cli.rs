@@ -305,7 +305,8 @@ async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
 }
 
 /// A deployment that gives the database's URL without the password, the password kept where
-/// libpq finds it: `PGPASSWORD`, or the password file (`PGPASSFILE`, or `~/.pgpass`), on a
+/// libpq finds it: `PGPASSWORD`, or the password file (the URL's `passfile`, `PGPASSFILE`, or
+/// `~/.pgpass`), on a
 /// server that asks for it. Before, the command connected without one, and the server refused
 /// it ("password missing"). A password file its group may read is ignored with a warning, as
 /// libpq ignores it; the password is in no output.
@@ -367,6 +368,10 @@ async fn a_password_kept_where_libpq_finds_it_is_used() {
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let passfile = file.to_str().unwrap();
     let status = run(&["status"], &[("PGPASSFILE", passfile)]);
+    assert!(status.status.success(), "{}", text(&status));
+    // libpq's `passfile` option, in the URL.
+    let with_passfile = format!("{url}?passfile={passfile}");
+    let status = run(&["status"], &[("DATABASE_URL", &with_passfile)]);
     assert!(status.status.success(), "{}", text(&status));
     // `~/.pgpass`, without PGPASSFILE.
     std::fs::copy(&file, home.join(".pgpass")).unwrap();

@@ -604,10 +604,11 @@ pub async fn establish_postgres(
 /// certificate of `sslcert` and `sslkey` shown to a server that asks for one ([`tls`]).
 #[cfg(feature = "postgres")]
 async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
+    let passfile = tls::passfile(database_url);
     let (database_url, tls, identity) = tls::split(database_url)?;
     let opened = match tls.connector(identity.as_ref())? {
-        None => open(&database_url, tokio_postgres::NoTls).await,
-        Some(connector) => open(&database_url, connector).await,
+        None => open(&database_url, passfile.as_deref(), tokio_postgres::NoTls).await,
+        Some(connector) => open(&database_url, passfile.as_deref(), connector).await,
     };
     opened.map_err(|error| match &identity {
         // A fatal alert is the server's word on the handshake: with a client certificate
@@ -624,17 +625,21 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
 }
 
 /// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls),
-/// with libpq's `PGPASSWORD` or password file where the string gives no password
-/// ([`password`]).
+/// with libpq's `PGPASSWORD` or password file (`passfile`, the string's option) where the
+/// string gives no password ([`password`]).
 #[cfg(feature = "postgres")]
-async fn open<T>(database_url: &str, tls: T) -> Result<AsyncPgConnection, String>
+async fn open<T>(
+    database_url: &str,
+    passfile: Option<&str>,
+    tls: T,
+) -> Result<AsyncPgConnection, String>
 where
     T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
     T::Stream: Send + 'static,
 {
     let mut config: tokio_postgres::Config =
         database_url.parse().map_err(|error| explained(&error))?;
-    let ignored = password::fill(&mut config);
+    let ignored = password::fill(&mut config, passfile);
     let (client, connection) = config.connect(tls).await.map_err(|error| {
         let error = explained(&error);
         match &ignored {

@@ -2,7 +2,7 @@
 //! it (PostgreSQL docs, "libpq: Environment Variables" and "libpq: The Password File"):
 //!
 //! - `PGPASSWORD`, as if the string gave it;
-//! - else the password file, `PGPASSFILE` or `~/.pgpass`: lines of
+//! - else the password file, the string's `passfile`, `PGPASSFILE` or `~/.pgpass`: lines of
 //!   `hostname:port:database:username:password`, the first four matched against the
 //!   connection's (each may be `*`), the first matching line winning; `\:` and `\\` stand for
 //!   `:` and `\`; lines that start with `#` are comments. A connection over a Unix socket
@@ -27,11 +27,15 @@ pub(crate) struct Target<'a> {
 /// Gives `config` the password libpq would use where it has none, from the process's
 /// environment and the password file; returns why the password file was ignored, for the
 /// error of a connection that then fails.
-pub(crate) fn fill(config: &mut tokio_postgres::Config) -> Option<String> {
+pub(crate) fn fill(config: &mut tokio_postgres::Config, passfile: Option<&str>) -> Option<String> {
     if config.get_password().is_some() {
         return None;
     }
-    let environment = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+    let environment = |name: &str| match (name, passfile) {
+        // The string's option comes before the environment's (libpq's order).
+        ("PGPASSFILE", Some(passfile)) => Some(passfile.to_owned()),
+        _ => std::env::var(name).ok().filter(|value| !value.is_empty()),
+    };
     let home = std::env::var_os("HOME").map(PathBuf::from);
     match find(config, &environment, home.as_deref()) {
         Ok(Some(password)) => {
@@ -257,7 +261,7 @@ mod tests {
         );
         // A password in the string is kept.
         let mut given = config("postgres://app:in-the-url@db.internal/orders");
-        assert_eq!(fill(&mut given), None);
+        assert_eq!(fill(&mut given, None), None);
         assert_eq!(given.get_password(), Some(&b"in-the-url"[..]));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -26,7 +26,8 @@
 //! `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY` (PostgreSQL docs, "libpq: Environment
 //! Variables"; a deployment that sets them beside a URL from a secret). Of the other `PG`
 //! variables, only `PGPASSWORD` and `PGPASSFILE` are read, for a password the string does
-//! not give (the module `password`); tokio-postgres reads none.
+//! not give (the module `password`, which also takes libpq's `passfile` option, removed from
+//! the string here); tokio-postgres reads none.
 //!
 //! tokio-postgres knows `disable`, `prefer` and `require` only, and none of `sslrootcert`,
 //! `sslcert`, `sslkey`: it is given the string with `verify-ca` and `verify-full` as
@@ -151,6 +152,12 @@ fn split_in<'a>(
         tls,
         identity,
     ))
+}
+
+/// The password file `database_url` names (libpq's `passfile` option), which [`split`]
+/// removes from the string.
+pub(crate) fn passfile(database_url: &str) -> Option<String> {
+    Options::of(database_url).passfile
 }
 
 /// `database_url` as tokio-postgres parses it, whatever certificate authorities its TLS
@@ -354,13 +361,16 @@ struct Options {
     root: Option<String>,
     cert: Option<String>,
     key: Option<String>,
+    /// libpq's `passfile`, the password file (not TLS, but an option tokio-postgres lacks
+    /// too: removed from the string like the three below).
+    passfile: Option<String>,
     /// A `postgres://` URL: the byte offset of its query (after `?`), and the byte range of
     /// each pair in it. A `key=value` string: `None`.
     query: Option<(usize, Vec<std::ops::Range<usize>>)>,
     /// Where `sslmode`'s pair and value are written.
     mode_at: Option<(std::ops::Range<usize>, std::ops::Range<usize>)>,
-    /// Where each pair of `sslrootcert`, `sslcert` and `sslkey` is written (every one of
-    /// them, if one is given twice): what tokio-postgres must not see.
+    /// Where each pair of `sslrootcert`, `sslcert`, `sslkey` and `passfile` is written (every
+    /// one of them, if one is given twice): what tokio-postgres must not see.
     removed: Vec<std::ops::Range<usize>>,
     /// Whether the string is a `postgres://` URL (else a `key=value` string).
     url: bool,
@@ -421,6 +431,10 @@ impl Options {
             }
             "sslkey" => {
                 self.key = Some(value);
+                self.removed.push(pair);
+            }
+            "passfile" => {
+                self.passfile = Some(value);
                 self.removed.push(pair);
             }
             _ => {}
@@ -810,6 +824,26 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+
+    #[test]
+    fn libpqs_passfile_is_taken_from_either_form_and_kept_from_tokio_postgres() {
+        for (string, written) in [
+            (
+                "postgres://app@db/orders?passfile=%2Fetc%2Forders.pgpass&application_name=x",
+                "postgres://app@db/orders?application_name=x",
+            ),
+            (
+                "host=db passfile='/etc/orders.pgpass' dbname=orders",
+                "host=db  dbname=orders",
+            ),
+        ] {
+            assert_eq!(passfile(string).as_deref(), Some("/etc/orders.pgpass"));
+            let (parsed, tls, _) = split_in(string, None, &|_| None).unwrap();
+            assert_eq!((parsed.as_ref(), tls), (written, Tls::Off), "{string}");
+            assert!(parsed.parse::<tokio_postgres::Config>().is_ok(), "{parsed}");
+        }
+        assert_eq!(passfile("postgres://app@db/orders"), None);
     }
 
     #[test]
