@@ -6,7 +6,8 @@
 //!   `hostname:port:database:username:password`, the first four matched against the
 //!   connection's (each may be `*`), the first matching line winning; `\:` and `\\` stand for
 //!   `:` and `\`; lines that start with `#` are comments. A connection over a Unix socket
-//!   matches `localhost`; with several hosts, the first host that has a line gives it.
+//!   matches its directory, else `localhost`; with several hosts, the first host that has a
+//!   line gives it.
 //!   As libpq does, a file that its group or others may read is ignored: its permissions
 //!   must be `u=rw` (0600) or less; a connection that then fails says so.
 //!
@@ -76,21 +77,27 @@ fn find(
         .iter()
         .enumerate()
         .find_map(|(index, host)| {
-            let host = match host {
-                tokio_postgres::config::Host::Tcp(name) => name.as_str(),
-                #[cfg(unix)]
-                tokio_postgres::config::Host::Unix(_) => "localhost",
-            };
             let port = ports.get(index).or(ports.first()).copied().unwrap_or(5432);
-            lookup(
-                &text,
-                &Target {
-                    host,
-                    port,
-                    database,
-                    user,
-                },
-            )
+            let names = match host {
+                tokio_postgres::config::Host::Tcp(name) => vec![name.clone()],
+                // Its directory as written, else `localhost`, which libpq matches with its
+                // default socket directory (the docs' "The Password File").
+                #[cfg(unix)]
+                tokio_postgres::config::Host::Unix(path) => {
+                    vec![path.to_string_lossy().into_owned(), "localhost".to_owned()]
+                }
+            };
+            names.iter().find_map(|host| {
+                lookup(
+                    &text,
+                    &Target {
+                        host,
+                        port,
+                        database,
+                        user,
+                    },
+                )
+            })
         }))
 }
 
@@ -169,6 +176,7 @@ mod tests {
         db.internal:*:orders:app:not-this\n\
         *:*:*:relay:relay\\\\pw:with:colons\n\
         localhost:5433:*:app:local\n\
+        /run/pg-other:5433:*:app:by-directory\n\
         broken line\n";
 
     #[test]
@@ -228,6 +236,27 @@ mod tests {
             .unwrap()
             .as_deref(),
             Some("local")
+        );
+        // A Unix socket: its directory, else `localhost`.
+        assert_eq!(
+            find(
+                &config("host=/run/postgresql port=5433 user=app dbname=billing"),
+                &with_file,
+                None
+            )
+            .unwrap()
+            .as_deref(),
+            Some("local")
+        );
+        assert_eq!(
+            find(
+                &config("host=/run/pg-other port=5433 user=app dbname=billing"),
+                &with_file,
+                None
+            )
+            .unwrap()
+            .as_deref(),
+            Some("by-directory")
         );
         // `PGPASSWORD` comes first.
         let both = |name: &str| match name {
