@@ -256,19 +256,22 @@ async fn a_url_whose_search_path_misses_the_outbox_names_the_schema_that_holds_i
         Err(InboxError::MissingMigrations(missing)) => check(&missing, &one),
         other => panic!("{:?}", other.err()),
     }
-    let mut order = Order::place("o-1", "ada", 1);
-    let error = env
-        .outbox()
-        .transaction(&mut env.conn().await, async |uow| {
-            uow.track(&mut order);
-            Ok::<_, UnitOfWorkError>(())
-        })
-        .await
-        .unwrap_err();
-    match &error {
-        UnitOfWorkError::MissingMigrations(missing) => check(missing, &one),
-        other => panic!("{other:?}"),
-    }
+    // A unit of work of one order on `conn`, which must fail for want of migrations.
+    let missing_on = async |mut conn: diesel_async::AsyncPgConnection| {
+        let mut order = Order::place("o-1", "ada", 1);
+        match env
+            .outbox()
+            .transaction(&mut conn, async |uow| {
+                uow.track(&mut order);
+                Ok::<_, UnitOfWorkError>(())
+            })
+            .await
+        {
+            Err(UnitOfWorkError::MissingMigrations(missing)) => missing,
+            other => panic!("{other:?}"),
+        }
+    };
+    check(&missing_on(env.conn().await).await, &one);
 
     // A second outbox, in a schema whose name needs quoting; and one the role cannot use.
     let in_billing = format!("{}?options=-csearch_path%3D%22Billing%22", env.database_url);
@@ -296,27 +299,13 @@ async fn a_url_whose_search_path_misses_the_outbox_names_the_schema_that_holds_i
         ))
         .await
         .unwrap();
-    let mut order = Order::place("o-2", "ada", 1);
-    let error = env
-        .outbox()
-        .transaction(
-            &mut outbox_runtime::database::establish_postgres(
-                &support::roles::as_role(&env.database_url, &role),
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap(),
-            async |uow| {
-                uow.track(&mut order);
-                Ok::<_, UnitOfWorkError>(())
-            },
-        )
-        .await
-        .unwrap_err();
-    match &error {
-        UnitOfWorkError::MissingMigrations(missing) => check(missing, &one),
-        other => panic!("{other:?}"),
-    }
+    let as_role = outbox_runtime::database::establish_postgres(
+        &support::roles::as_role(&env.database_url, &role),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    check(&missing_on(as_role).await, &one);
 
     let mut config = env.relay_config();
     config.database_url = in_orders;

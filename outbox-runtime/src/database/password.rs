@@ -222,42 +222,29 @@ mod tests {
         let path = file.to_str().unwrap().to_owned();
         let with_file = |name: &str| (name == "PGPASSFILE").then(|| path.clone());
         let url = "postgres://app@db.internal/orders";
-        assert_eq!(
-            find(&config(url), &with_file, None).unwrap().as_deref(),
-            Some("first:one")
-        );
-        // The second host has a line where the first has none.
-        assert_eq!(
-            find(
-                &config("postgres://app@elsewhere:5444,localhost:5433/billing"),
-                &with_file,
-                None
-            )
-            .unwrap()
-            .as_deref(),
-            Some("local")
-        );
-        // A Unix socket: its directory, else `localhost`.
-        assert_eq!(
-            find(
-                &config("host=/run/postgresql port=5433 user=app dbname=billing"),
-                &with_file,
-                None
-            )
-            .unwrap()
-            .as_deref(),
-            Some("local")
-        );
-        assert_eq!(
-            find(
-                &config("host=/run/pg-other port=5433 user=app dbname=billing"),
-                &with_file,
-                None
-            )
-            .unwrap()
-            .as_deref(),
-            Some("by-directory")
-        );
+        for (string, password) in [
+            (url, "first:one"),
+            // The second host has a line where the first has none.
+            (
+                "postgres://app@elsewhere:5444,localhost:5433/billing",
+                "local",
+            ),
+            // A Unix socket: its directory, else `localhost`.
+            (
+                "host=/run/postgresql port=5433 user=app dbname=billing",
+                "local",
+            ),
+            (
+                "host=/run/pg-other port=5433 user=app dbname=billing",
+                "by-directory",
+            ),
+        ] {
+            assert_eq!(
+                find(&config(string), &with_file, None).unwrap().as_deref(),
+                Some(password),
+                "{string}"
+            );
+        }
         // `PGPASSWORD` comes first.
         let both = |name: &str| match name {
             "PGPASSWORD" => Some("from-the-environment".to_owned()),
