@@ -643,8 +643,9 @@ where
     let (client, connection) = config.connect(tls).await.map_err(|error| {
         let error = explained(&error);
         match &ignored {
-            Some(ignored) => format!("{error} ({ignored})"),
-            None => error,
+            // Why there was no password, where the want of one failed the connection.
+            Some(ignored) if error.ends_with("password missing") => format!("{error} ({ignored})"),
+            _ => error,
         }
     })?;
     AsyncPgConnection::try_from_client_and_connection(client, connection)

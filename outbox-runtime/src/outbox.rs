@@ -417,8 +417,9 @@ pub struct MissingMigrations {
     /// finds none where it looks: a relay, an inbox or a unit of work given the wrong schema
     /// or database, whose migrations would make a second, empty outbox beside the one the
     /// service writes to (where two services keep their outboxes in schemas of one database,
-    /// a new one is what the migrations should make). `None` where the outbox tables are where the connection looks (the schema
-    /// is only behind), where nothing else holds them, and on SQLite.
+    /// a new one is what the migrations should make). `None` where the outbox tables are where
+    /// the connection looks (the schema is only behind), where nothing else holds them, and on
+    /// SQLite.
     pub elsewhere: Option<TablesElsewhere>,
 }
 

@@ -149,12 +149,14 @@ pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
     }
     let path = url.strip_prefix("sqlite://").unwrap_or(url);
     let mut conn = SqliteConnection::establish(path).map_err(|error| {
-        let file = crate::database::sqlite_file(url);
-        match file.as_deref().and_then(std::path::Path::parent) {
+        let Some(file) = crate::database::sqlite_file(url) else {
+            return error;
+        };
+        match file.parent() {
             Some(dir) if !dir.as_os_str().is_empty() && !dir.exists() => {
                 diesel::ConnectionError::BadConnection(format!(
                     "unable to open database file {}: the directory {} does not exist",
-                    file.as_deref().unwrap_or(dir).display(),
+                    file.display(),
                     dir.display()
                 ))
             }

@@ -9,7 +9,8 @@
 //!   matches its directory, else `localhost`; with several hosts, the first host that has a
 //!   line gives it.
 //!   As libpq does, a file that its group or others may read is ignored: its permissions
-//!   must be `u=rw` (0600) or less; a connection that then fails says so.
+//!   must be `u=rw` (0600) or less; a connection that then fails for want of a password says
+//!   so.
 //!
 //! A deployment keeps the password out of the URL this way, which travels in environment
 //! variables, process listings and configuration; tokio-postgres reads neither of them.
@@ -18,11 +19,11 @@ use std::path::{Path, PathBuf};
 
 /// What a password file's line is matched against: one host of the connection.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Target<'a> {
-    pub host: &'a str,
-    pub port: u16,
-    pub database: &'a str,
-    pub user: &'a str,
+struct Target<'a> {
+    host: &'a str,
+    port: u16,
+    database: &'a str,
+    user: &'a str,
 }
 
 /// Gives `config` the password libpq would use where it has none, from the process's
@@ -126,7 +127,7 @@ fn readable(file: &Path) -> Result<Option<String>, String> {
 }
 
 /// The password of the first line of the password file `text` that matches `target`.
-pub(crate) fn lookup(text: &str, target: &Target<'_>) -> Option<String> {
+fn lookup(text: &str, target: &Target<'_>) -> Option<String> {
     let port = target.port.to_string();
     let wanted = [target.host, port.as_str(), target.database, target.user];
     text.lines()
