@@ -2020,6 +2020,21 @@ fn inbox_config<B: Consumed>(env: &Env, name: &str) -> InboxConfig {
     config
 }
 
+/// The error of an inbox of consumer `name` on the environment's stream and the database at
+/// `database_url` (default the environment's), which must refuse to start.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+async fn inbox_refusal<B: Consumed>(env: &Env, name: &str, database_url: Option<&str>) -> String {
+    let mut config = inbox_config::<B>(env, name);
+    if let Some(url) = database_url {
+        config.database_url = url.to_owned();
+    }
+    let shown = outbox_runtime::database::redacted(&config.database_url);
+    match Inbox::<Applier<B>, B::Conn>::connect(config, env.nats.clone(), Applier::new()).await {
+        Ok(_) => panic!("an inbox of {name} started on {shown}"),
+        Err(error) => error.to_string(),
+    }
+}
+
 /// Runs `instances` instances of the inbox of `config` until JetStream has nothing left for
 /// the consumer (every message delivered and settled), then shuts them down.
 async fn consume<B: Consumed>(
@@ -4212,18 +4227,7 @@ mod mysql {
                 && relay.contains(&format!("{hint} the relay writes the outbox's tables")),
             "{relay}"
         );
-        let mut config = super::inbox_config::<AsyncMysql>(&env, "read-only");
-        config.database_url = app;
-        let inbox = match Inbox::connect(
-            config,
-            env.nats.clone(),
-            super::Applier::<AsyncMysql>::new(),
-        )
-        .await
-        {
-            Ok(_) => panic!("an inbox started on a read-only server"),
-            Err(error) => error.to_string(),
-        };
+        let inbox = super::inbox_refusal::<AsyncMysql>(&env, "read-only", Some(&app)).await;
         assert!(
             inbox.starts_with(&format!(
                 "inbox: cannot connect to the database at {target}: checking that the inbox \
@@ -4486,17 +4490,7 @@ mod mysql {
             "{refused}"
         );
 
-        let config = super::inbox_config::<AsyncMysql>(&env, "lacking");
-        let refused = match Inbox::connect(
-            config,
-            env.nats.clone(),
-            super::Applier::<AsyncMysql>::new(),
-        )
-        .await
-        {
-            Ok(_) => panic!("an inbox started without the privileges it needs"),
-            Err(error) => error.to_string(),
-        };
+        let refused = super::inbox_refusal::<AsyncMysql>(&env, "lacking", None).await;
         let inbox_tables = [
             "outbox_inbox",
             "outbox_inbox_positions",
@@ -5386,18 +5380,7 @@ mod sqlite {
                 Ok(_) => panic!("a relay started on {url}"),
                 Err(error) => error.to_string(),
             };
-            let mut config = super::inbox_config::<AsyncSqlite>(&env, "typo");
-            config.database_url = url.clone();
-            let inbox = match Inbox::connect(
-                config,
-                env.nats.clone(),
-                super::Applier::<AsyncSqlite>::new(),
-            )
-            .await
-            {
-                Ok(_) => panic!("an inbox started on {url}"),
-                Err(error) => error.to_string(),
-            };
+            let inbox = super::inbox_refusal::<AsyncSqlite>(&env, "typo", Some(&url)).await;
             for (component, said) in [("relay", relay), ("inbox", inbox)] {
                 assert!(
                     said.starts_with(&format!(
@@ -5442,18 +5425,7 @@ mod sqlite {
             )),
             "{relay}"
         );
-        let mut config = super::inbox_config::<AsyncSqlite>(&env, "read-only");
-        config.database_url = read_only;
-        let inbox = match Inbox::connect(
-            config,
-            env.nats.clone(),
-            super::Applier::<AsyncSqlite>::new(),
-        )
-        .await
-        {
-            Ok(_) => panic!("an inbox started on a read-only file"),
-            Err(error) => error.to_string(),
-        };
+        let inbox = super::inbox_refusal::<AsyncSqlite>(&env, "read-only", Some(&read_only)).await;
         assert!(
             inbox.starts_with(&format!(
                 "inbox: cannot connect to the database at {target}: checking that the inbox \
