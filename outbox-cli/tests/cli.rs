@@ -393,6 +393,93 @@ async fn a_password_kept_where_libpq_finds_it_is_used() {
     std::fs::remove_dir_all(&home).unwrap();
 }
 
+/// A URL without a host, port, user or database takes them from libpq's `PGHOST`, `PGPORT`,
+/// `PGUSER`, `PGDATABASE` and its server `options` from `PGOPTIONS`, as the same URL does in
+/// `psql` and diesel's `PgConnection`; without a host anywhere, a Unix socket of libpq's
+/// default directories, else `localhost`, named where the connection fails. Before,
+/// tokio-postgres refused such a URL: "both host and hostaddr are missing".
+#[tokio::test]
+async fn a_url_that_leaves_out_the_host_takes_it_and_the_rest_where_libpq_does() {
+    let server = support::postgres::PostgresServer::start().await;
+    server.create_database("orders").await;
+    let socket = server.socket_directory().to_str().unwrap().to_owned();
+    let port = server.port.to_string();
+    let run = |args: &[&str], url: &str, environment: &[(&str, &str)]| {
+        let mut command = Command::new(OUTBOX);
+        command.args(args).env("DATABASE_URL", url);
+        for variable in [
+            "PGHOST",
+            "PGHOSTADDR",
+            "PGPORT",
+            "PGUSER",
+            "PGDATABASE",
+            "PGOPTIONS",
+        ] {
+            command.env_remove(variable);
+        }
+        command
+            .envs(environment.iter().copied())
+            .output()
+            .expect("run outbox")
+    };
+    // The server's Unix socket, named by PGHOST.
+    let migrated = run(
+        &["migrate"],
+        "postgres:///orders",
+        &[
+            ("PGHOST", &socket),
+            ("PGPORT", &port),
+            ("PGUSER", "postgres"),
+        ],
+    );
+    assert!(
+        migrated.status.success() && text(&migrated).contains("applied 17: "),
+        "{}",
+        text(&migrated)
+    );
+    // Nothing in the URL at all.
+    let over_tcp = [
+        ("PGHOST", "127.0.0.1"),
+        ("PGPORT", port.as_str()),
+        ("PGUSER", "postgres"),
+        ("PGDATABASE", "orders"),
+    ];
+    let status = run(&["status", "--json"], "postgresql://", &over_tcp);
+    assert!(status.status.success(), "{}", text(&status));
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(report["queued"], 0);
+    // PGOPTIONS reaches the server: a search_path without the outbox's schema.
+    let options = [&over_tcp[..], &[("PGOPTIONS", "-c search_path=elsewhere")]].concat();
+    let elsewhere = run(&["status"], "postgresql://", &options);
+    assert!(
+        !elsewhere.status.success()
+            && text(&elsewhere)
+                .contains("schema public holds outbox tables outside the search_path"),
+        "{}",
+        text(&elsewhere)
+    );
+    // No host anywhere: libpq's socket directories hold no socket of a port no server
+    // listens on, so `localhost`, which refuses, and the error says where it went.
+    let nowhere = support::free_port().to_string();
+    let refused = run(&["status"], "postgres:///orders", &[("PGPORT", &nowhere)]);
+    assert!(
+        !refused.status.success()
+            && text(&refused).contains(&format!(
+                "(no host in the string nor PGHOST, and no socket .s.PGSQL.{nowhere} in \
+                 /var/run/postgresql or /tmp: localhost)"
+            )),
+        "{}",
+        text(&refused)
+    );
+    let typo = run(&["status"], "postgres:///orders", &[("PGPORT", "54321x")]);
+    assert!(
+        !typo.status.success()
+            && text(&typo).contains("PGPORT=54321x: `54321x` is not a port number (1 to 65535)"),
+        "{}",
+        text(&typo)
+    );
+}
+
 #[tokio::test]
 async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
     let env = TestEnv::new().await;

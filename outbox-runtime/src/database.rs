@@ -29,6 +29,8 @@ use {
 };
 
 #[cfg(feature = "postgres")]
+mod defaults;
+#[cfg(feature = "postgres")]
 mod password;
 #[cfg(feature = "postgres")]
 mod tls;
@@ -103,6 +105,10 @@ pub struct TimedOut {
 /// );
 /// assert_eq!(redacted("host=db password=s3cret dbname=orders"), "postgres://db/orders");
 /// assert_eq!(
+///     redacted("host=/run/postgresql dbname=orders"),
+///     "postgres://%2Frun%2Fpostgresql/orders"
+/// );
+/// assert_eq!(
 ///     redacted("mysql://app:s3cret@db.internal:3306/orders?ssl-mode=required"),
 ///     "mysql://app@db.internal:3306/orders"
 /// );
@@ -120,6 +126,19 @@ pub fn redacted(database_url: &str) -> String {
     }
     redacted_other(database_url)
 }
+
+/// What [`redacted`] percent-encodes in a Unix socket's directory: `/`, `%`, `:`, `@`, `,`
+/// and what a URL never holds as it is.
+#[cfg(all(feature = "postgres", unix))]
+const SOCKET_PATH: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'/')
+    .add(b'%')
+    .add(b':')
+    .add(b'@')
+    .add(b',')
+    .add(b'?')
+    .add(b'#');
 
 /// [`redacted`] for what tokio-postgres parses: a `postgres://` URL or a `key=value`
 /// connection string.
@@ -141,7 +160,11 @@ fn redacted_postgres(database_url: &str) -> Option<String> {
         match host {
             tokio_postgres::config::Host::Tcp(name) => text.push_str(name),
             #[cfg(unix)]
-            tokio_postgres::config::Host::Unix(path) => text.push_str(&path.to_string_lossy()),
+            // Percent-encoded, as libpq's URLs write a socket's directory: shown as a path,
+            // `postgres:///run/postgresql/orders` read as the database `run/postgresql/orders`.
+            tokio_postgres::config::Host::Unix(path) => text.extend(
+                percent_encoding::utf8_percent_encode(&path.to_string_lossy(), SOCKET_PATH),
+            ),
         }
         let port = ports.get(index).or(ports.first());
         if let Some(port) = port.filter(|port| **port != 5432) {
@@ -625,8 +648,9 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
 }
 
 /// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls),
-/// with libpq's `PGPASSWORD` or password file (`passfile`, the string's option) where the
-/// string gives no password ([`password`]).
+/// with libpq's environment and defaults for the host, port, user, database and `options`
+/// the string leaves out ([`defaults`]), and libpq's `PGPASSWORD` or password file
+/// (`passfile`, the string's option) where the string gives no password ([`password`]).
 #[cfg(feature = "postgres")]
 async fn open<T>(
     database_url: &str,
@@ -639,13 +663,19 @@ where
 {
     let mut config: tokio_postgres::Config =
         database_url.parse().map_err(|error| explained(&error))?;
+    let defaulted_host = defaults::fill(&mut config)?;
     let ignored = password::fill(&mut config, passfile);
     let (client, connection) = config.connect(tls).await.map_err(|error| {
         let error = explained(&error);
-        match &ignored {
+        let error = match &ignored {
             // Why there was no password, where the want of one failed the connection.
             Some(ignored) if error.ends_with("password missing") => format!("{error} ({ignored})"),
             _ => error,
+        };
+        match &defaulted_host {
+            // Where the connection went, when the string did not say.
+            Some(host) => format!("{error} ({host})"),
+            None => error,
         }
     })?;
     AsyncPgConnection::try_from_client_and_connection(client, connection)

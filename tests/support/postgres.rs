@@ -106,6 +106,11 @@ impl PostgresServer {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
     }
 
+    /// The directory of the server's Unix socket (`.s.PGSQL.<port>`).
+    pub fn socket_directory(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     /// Creates the database `name` on this server, through the database `postgres` (which
     /// every server of this harness lets in without TLS).
     pub async fn create_database(&self, name: &str) {

@@ -24,10 +24,11 @@
 //!
 //! Where the string does not give them, libpq's environment variables do: `PGSSLMODE`,
 //! `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY` (PostgreSQL docs, "libpq: Environment
-//! Variables"; a deployment that sets them beside a URL from a secret). Of the other `PG`
-//! variables, only `PGPASSWORD` and `PGPASSFILE` are read, for a password the string does
-//! not give (the module `password`, which also takes libpq's `passfile` option, removed from
-//! the string here); tokio-postgres reads none.
+//! Variables"; a deployment that sets them beside a URL from a secret). `PGPASSWORD` and
+//! `PGPASSFILE` give a password the string does not give (the module `password`, which also
+//! takes libpq's `passfile` option, removed from the string here), and `PGHOST`, `PGPORT`,
+//! `PGUSER`, `PGDATABASE`, `PGOPTIONS` what else it leaves out (the module `defaults`);
+//! tokio-postgres reads none.
 //!
 //! tokio-postgres knows `disable`, `prefer` and `require` only, and none of `sslrootcert`,
 //! `sslcert`, `sslkey`: it is given the string with `verify-ca` and `verify-full` as

@@ -1,0 +1,271 @@
+//! What a PostgreSQL connection string leaves out, taken where libpq takes it (PostgreSQL
+//! docs, "libpq: Environment Variables" and "libpq: Parameter Key Words"), so that the string
+//! a service's libpq connections take (diesel's `PgConnection`, `psql`) also connects the
+//! toolkit's own, which tokio-postgres opens and which read no environment:
+//!
+//! - the host: `PGHOST` (hosts separated by commas, a name that starts with `/` the
+//!   directory of a Unix socket) or `PGHOSTADDR` (IP addresses); else, as libpq, a Unix
+//!   socket in its default directory: the first of `/var/run/postgresql` (the directory of
+//!   Debian's and Ubuntu's libpq) and `/tmp` (libpq's own default) that holds the socket of
+//!   the port (`.s.PGSQL.5432`), and where neither does, `localhost` over TCP (libpq's default
+//!   where it has no Unix sockets; a server in a container publishes only its TCP port);
+//! - the port: `PGPORT` (ports separated by commas, one per host), else 5432;
+//! - the user: `PGUSER`, else the operating system's user (tokio-postgres's default, as
+//!   libpq's);
+//! - the database: `PGDATABASE`, else the user's name;
+//! - the server's command-line `options`: `PGOPTIONS` (`-c search_path=orders`).
+//!
+//! A value the string gives is never replaced. `PGPASSWORD` and the password file are the
+//! module `password`'s, the TLS variables (`PGSSLMODE`, ...) the module `tls`'s.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+/// The socket directories tried, in order, for a string and an environment without a host.
+#[cfg(unix)]
+const SOCKET_DIRECTORIES: [&str; 2] = ["/var/run/postgresql", "/tmp"];
+
+/// Fills what `config` leaves out from the process's environment and libpq's defaults
+/// ([the module](self)). Returns, where the host was neither in the string nor in the
+/// environment, where the connection goes and why, for the error of a connection that then
+/// fails.
+///
+/// # Errors
+/// A variable whose value is not one (`PGPORT=abc`, `PGHOSTADDR=db.internal`), named.
+pub(crate) fn fill(config: &mut tokio_postgres::Config) -> Result<Option<String>, String> {
+    fill_from(
+        config,
+        &|name| std::env::var(name).ok().filter(|value| !value.is_empty()),
+        &|socket| socket.exists(),
+    )
+}
+
+/// [`fill`], with `environment` the process's variables and `listening` whether a socket
+/// file exists.
+fn fill_from(
+    config: &mut tokio_postgres::Config,
+    environment: &dyn Fn(&str) -> Option<String>,
+    listening: &dyn Fn(&Path) -> bool,
+) -> Result<Option<String>, String> {
+    if config.get_ports().is_empty()
+        && let Some(ports) = environment("PGPORT")
+    {
+        for port in ports.split(',') {
+            let port = port.trim();
+            match port.parse::<u16>() {
+                Ok(port) if port > 0 => config.port(port),
+                _ => {
+                    return Err(format!(
+                        "PGPORT={ports}: `{port}` is not a port number (1 to 65535)"
+                    ));
+                }
+            };
+        }
+    }
+    let mut defaulted = None;
+    if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        if let Some(hosts) = environment("PGHOST") {
+            for host in hosts.split(',') {
+                let host = host.trim();
+                if host.is_empty() {
+                    return Err(format!("PGHOST={hosts}: an empty host name"));
+                }
+                config.host(host);
+            }
+        } else if let Some(addresses) = environment("PGHOSTADDR") {
+            for address in addresses.split(',') {
+                let address = address.trim();
+                let parsed = address.parse::<IpAddr>().map_err(|_| {
+                    format!("PGHOSTADDR={addresses}: `{address}` is not an IP address")
+                })?;
+                config.hostaddr(parsed);
+            }
+        } else {
+            defaulted = Some(default_host(config, listening));
+        }
+    }
+    if config.get_user().is_none()
+        && let Some(user) = environment("PGUSER")
+    {
+        config.user(user);
+    }
+    if config.get_dbname().is_none()
+        && let Some(dbname) = environment("PGDATABASE")
+    {
+        config.dbname(dbname);
+    }
+    if config.get_options().is_none()
+        && let Some(options) = environment("PGOPTIONS")
+    {
+        config.options(options);
+    }
+    Ok(defaulted)
+}
+
+/// Gives `config`, which names no host, libpq's default one: the first socket directory
+/// holding the port's socket, else `localhost`. Returns what it chose and why.
+fn default_host(config: &mut tokio_postgres::Config, listening: &dyn Fn(&Path) -> bool) -> String {
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    #[cfg(unix)]
+    {
+        let socket = format!(".s.PGSQL.{port}");
+        let found = SOCKET_DIRECTORIES
+            .into_iter()
+            .find(|directory| listening(&Path::new(directory).join(&socket)));
+        if let Some(directory) = found {
+            config.host_path(directory);
+            return format!(
+                "no host in the string nor PGHOST: the Unix socket {directory}/{socket}, as libpq"
+            );
+        }
+        config.host("localhost");
+        format!(
+            "no host in the string nor PGHOST, and no socket {socket} in {}: localhost",
+            SOCKET_DIRECTORIES.join(" or ")
+        )
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (port, listening);
+        config.host("localhost");
+        "no host in the string nor PGHOST: localhost, as libpq".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_postgres::config::Host;
+
+    fn filled(
+        url: &str,
+        environment: &[(&str, &str)],
+        listening: &[&str],
+    ) -> (tokio_postgres::Config, Result<Option<String>, String>) {
+        let mut config: tokio_postgres::Config = url.parse().unwrap();
+        let result = fill_from(
+            &mut config,
+            &|name| {
+                environment
+                    .iter()
+                    .find(|(key, _)| *key == name)
+                    .map(|(_, value)| (*value).to_owned())
+            },
+            &|socket| listening.iter().any(|path| Path::new(path) == socket),
+        );
+        (config, result)
+    }
+
+    #[test]
+    fn the_environment_gives_what_the_string_leaves_out_and_nothing_it_gives() {
+        let everything = [
+            ("PGHOST", "db-1.internal,/run/pg"),
+            ("PGPORT", "5433,5434"),
+            ("PGUSER", "app"),
+            ("PGDATABASE", "orders"),
+            ("PGOPTIONS", "-c search_path=orders"),
+        ];
+        let (config, result) = filled("postgres://", &everything, &[]);
+        assert_eq!(result, Ok(None));
+        assert_eq!(
+            config.get_hosts(),
+            [
+                Host::Tcp("db-1.internal".to_owned()),
+                Host::Unix("/run/pg".into())
+            ]
+        );
+        assert_eq!(config.get_ports(), [5433, 5434]);
+        assert_eq!(config.get_user(), Some("app"));
+        assert_eq!(config.get_dbname(), Some("orders"));
+        assert_eq!(config.get_options(), Some("-c search_path=orders"));
+
+        let given = "postgres://relay@db.internal:6432/billing?options=-c%20search_path%3Dbilling";
+        let (config, result) = filled(given, &everything, &[]);
+        assert_eq!(result, Ok(None));
+        assert_eq!(config.get_hosts(), [Host::Tcp("db.internal".to_owned())]);
+        assert_eq!(config.get_ports(), [6432]);
+        assert_eq!(config.get_user(), Some("relay"));
+        assert_eq!(config.get_dbname(), Some("billing"));
+        assert_eq!(config.get_options(), Some("-c search_path=billing"));
+
+        // A `hostaddr` in the string is a host: PGHOST is not read.
+        let (config, _) = filled("hostaddr=10.0.0.7 dbname=orders", &everything, &[]);
+        assert!(config.get_hosts().is_empty());
+        assert_eq!(
+            config.get_hostaddrs(),
+            ["10.0.0.7".parse::<IpAddr>().unwrap()]
+        );
+
+        let (config, _) = filled("postgres:///orders", &[("PGHOSTADDR", "10.0.0.7")], &[]);
+        assert_eq!(
+            config.get_hostaddrs(),
+            ["10.0.0.7".parse::<IpAddr>().unwrap()]
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn without_a_host_the_first_directory_with_the_ports_socket_else_localhost() {
+        let (config, result) = filled(
+            "postgres:///orders",
+            &[],
+            &["/var/run/postgresql/.s.PGSQL.5432", "/tmp/.s.PGSQL.5432"],
+        );
+        assert_eq!(
+            config.get_hosts(),
+            [Host::Unix("/var/run/postgresql".into())]
+        );
+        assert!(
+            result
+                .unwrap()
+                .unwrap()
+                .contains("/var/run/postgresql/.s.PGSQL.5432")
+        );
+
+        // The port's socket: PGPORT's here.
+        let (config, _) = filled(
+            "postgres:///orders",
+            &[("PGPORT", "5433")],
+            &["/var/run/postgresql/.s.PGSQL.5432", "/tmp/.s.PGSQL.5433"],
+        );
+        assert_eq!(config.get_hosts(), [Host::Unix("/tmp".into())]);
+
+        let (config, result) = filled(
+            "postgres:///orders",
+            &[],
+            &["/var/run/postgresql/.s.PGSQL.5433"],
+        );
+        assert_eq!(config.get_hosts(), [Host::Tcp("localhost".to_owned())]);
+        let why = result.unwrap().unwrap();
+        assert!(
+            why.contains("no socket .s.PGSQL.5432 in /var/run/postgresql or /tmp: localhost"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_variable_that_is_not_a_value_of_its_kind_is_named() {
+        for (variable, value, error) in [
+            (
+                "PGPORT",
+                "5432,abc",
+                "PGPORT=5432,abc: `abc` is not a port number",
+            ),
+            ("PGPORT", "0", "PGPORT=0: `0` is not a port number"),
+            (
+                "PGHOST",
+                "db-1,,db-2",
+                "PGHOST=db-1,,db-2: an empty host name",
+            ),
+            (
+                "PGHOSTADDR",
+                "db.internal",
+                "PGHOSTADDR=db.internal: `db.internal` is not an IP address",
+            ),
+        ] {
+            let (_, result) = filled("postgres:///orders", &[(variable, value)], &[]);
+            let message = result.unwrap_err();
+            assert!(message.starts_with(error), "{message}");
+        }
+    }
+}
