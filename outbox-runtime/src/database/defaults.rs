@@ -4,7 +4,8 @@
 //! toolkit's own, which tokio-postgres opens and which read no environment:
 //!
 //! - the host: `PGHOST` (hosts separated by commas, a name that starts with `/` the
-//!   directory of a Unix socket) or `PGHOSTADDR` (IP addresses); else, as libpq, a Unix
+//!   directory of a Unix socket) and `PGHOSTADDR` (IP addresses, one per host, connected to
+//!   where both are set, the host's name then kept for TLS's checks); else, as libpq, a Unix
 //!   socket in its default directory: the first of `/var/run/postgresql` (the directory of
 //!   Debian's and Ubuntu's libpq) and `/tmp` (libpq's own default) that holds the socket of
 //!   the port (`.s.PGSQL.5432`), and where neither does, `localhost` over TCP (libpq's default
@@ -64,23 +65,29 @@ fn fill_from(
     }
     let mut defaulted = None;
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
-        if let Some(hosts) = environment("PGHOST") {
-            for host in hosts.split(',') {
-                let host = host.trim();
-                if host.is_empty() {
-                    return Err(format!("PGHOST={hosts}: an empty host name"));
-                }
-                config.host(host);
+        let hosts = environment("PGHOST");
+        let addresses = environment("PGHOSTADDR");
+        for host in hosts.iter().flat_map(|hosts| hosts.split(',')) {
+            let host = host.trim();
+            if host.is_empty() {
+                return Err(format!(
+                    "PGHOST={}: an empty host name",
+                    hosts.as_deref().unwrap_or_default()
+                ));
             }
-        } else if let Some(addresses) = environment("PGHOSTADDR") {
-            for address in addresses.split(',') {
-                let address = address.trim();
-                let parsed = address.parse::<IpAddr>().map_err(|_| {
-                    format!("PGHOSTADDR={addresses}: `{address}` is not an IP address")
-                })?;
-                config.hostaddr(parsed);
-            }
-        } else {
+            config.host(host);
+        }
+        for address in addresses.iter().flat_map(|addresses| addresses.split(',')) {
+            let address = address.trim();
+            let parsed = address.parse::<IpAddr>().map_err(|_| {
+                format!(
+                    "PGHOSTADDR={}: `{address}` is not an IP address",
+                    addresses.as_deref().unwrap_or_default()
+                )
+            })?;
+            config.hostaddr(parsed);
+        }
+        if hosts.is_none() && addresses.is_none() {
             defaulted = Some(default_host(config, listening));
         }
     }
