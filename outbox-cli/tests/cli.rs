@@ -465,8 +465,20 @@ async fn a_url_that_leaves_out_the_host_takes_it_and_the_rest_where_libpq_does()
     assert!(
         !refused.status.success()
             && text(&refused).contains(&format!(
-                "(no host in the string nor PGHOST, and no socket .s.PGSQL.{nowhere} in \
-                 /var/run/postgresql or /tmp: localhost)"
+                "(from the environment: PGPORT={nowhere}; no host in the string nor PGHOST, \
+                 and no socket .s.PGSQL.{nowhere} in /var/run/postgresql or /tmp: localhost)"
+            )),
+        "{}",
+        text(&refused)
+    );
+    // A refusal names what the environment gave, which the URL shown with it does not.
+    let stranger = [&over_tcp[..], &[("PGUSER", "nobody")]].concat();
+    let refused = run(&["status"], "postgresql://", &stranger);
+    assert!(
+        !refused.status.success()
+            && text(&refused).contains(&format!(
+                "role \"nobody\" does not exist (from the environment: PGPORT={port}, \
+                 PGHOST=127.0.0.1, PGUSER=nobody, PGDATABASE=orders)"
             )),
         "{}",
         text(&refused)

@@ -663,7 +663,7 @@ where
 {
     let mut config: tokio_postgres::Config =
         database_url.parse().map_err(|error| explained(&error))?;
-    let defaulted_host = defaults::fill(&mut config)?;
+    let taken = defaults::fill(&mut config)?;
     let ignored = password::fill(&mut config, passfile);
     let (client, connection) = config.connect(tls).await.map_err(|error| {
         let error = explained(&error);
@@ -672,9 +672,9 @@ where
             Some(ignored) if error.ends_with("password missing") => format!("{error} ({ignored})"),
             _ => error,
         };
-        match &defaulted_host {
-            // Where the connection went, when the string did not say.
-            Some(host) => format!("{error} ({host})"),
+        match &taken {
+            // What the connection took that the string, shown with the error, does not say.
+            Some(taken) => format!("{error} ({taken})"),
             None => error,
         }
     })?;

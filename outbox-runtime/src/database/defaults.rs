@@ -27,9 +27,10 @@ use std::path::Path;
 const SOCKET_DIRECTORIES: [&str; 2] = ["/var/run/postgresql", "/tmp"];
 
 /// Fills what `config` leaves out from the process's environment and libpq's defaults
-/// ([the module](self)). Returns, where the host was neither in the string nor in the
-/// environment, where the connection goes and why, for the error of a connection that then
-/// fails.
+/// ([the module](self)). Returns what it took, for the error of a connection that then
+/// fails, which the string alone would not explain: the variables read, with their values
+/// (`from the environment: PGHOST=/run/pg, PGUSER=app`), and where the string and the
+/// environment gave no host, the one taken and why; `None` where it took nothing.
 ///
 /// # Errors
 /// A variable whose value is not one (`PGPORT=abc`, `PGHOSTADDR=db.internal`), named.
@@ -48,8 +49,14 @@ fn fill_from(
     environment: &dyn Fn(&str) -> Option<String>,
     listening: &dyn Fn(&Path) -> bool,
 ) -> Result<Option<String>, String> {
+    let mut taken = Vec::new();
+    let mut take = |name: &'static str| {
+        let value = environment(name)?;
+        taken.push(format!("{name}={value}"));
+        Some(value)
+    };
     if config.get_ports().is_empty()
-        && let Some(ports) = environment("PGPORT")
+        && let Some(ports) = take("PGPORT")
     {
         for port in ports.split(',') {
             let port = port.trim();
@@ -65,8 +72,8 @@ fn fill_from(
     }
     let mut defaulted = None;
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
-        let hosts = environment("PGHOST");
-        let addresses = environment("PGHOSTADDR");
+        let hosts = take("PGHOST");
+        let addresses = take("PGHOSTADDR");
         for host in hosts.iter().flat_map(|hosts| hosts.split(',')) {
             let host = host.trim();
             if host.is_empty() {
@@ -92,21 +99,25 @@ fn fill_from(
         }
     }
     if config.get_user().is_none()
-        && let Some(user) = environment("PGUSER")
+        && let Some(user) = take("PGUSER")
     {
         config.user(user);
     }
     if config.get_dbname().is_none()
-        && let Some(dbname) = environment("PGDATABASE")
+        && let Some(dbname) = take("PGDATABASE")
     {
         config.dbname(dbname);
     }
     if config.get_options().is_none()
-        && let Some(options) = environment("PGOPTIONS")
+        && let Some(options) = take("PGOPTIONS")
     {
         config.options(options);
     }
-    Ok(defaulted)
+    let taken = (!taken.is_empty()).then(|| format!("from the environment: {}", taken.join(", ")));
+    Ok(match (taken, defaulted) {
+        (Some(taken), Some(defaulted)) => Some(format!("{taken}; {defaulted}")),
+        (taken, defaulted) => taken.or(defaulted),
+    })
 }
 
 /// Gives `config`, which names no host, libpq's default one: the first socket directory
@@ -173,7 +184,13 @@ mod tests {
             ("PGOPTIONS", "-c search_path=orders"),
         ];
         let (config, result) = filled("postgres://", &everything, &[]);
-        assert_eq!(result, Ok(None));
+        assert_eq!(
+            result.unwrap().as_deref(),
+            Some(
+                "from the environment: PGPORT=5433,5434, PGHOST=db-1.internal,/run/pg, \
+                 PGUSER=app, PGDATABASE=orders, PGOPTIONS=-c search_path=orders"
+            )
+        );
         assert_eq!(
             config.get_hosts(),
             [
@@ -187,6 +204,7 @@ mod tests {
         assert_eq!(config.get_options(), Some("-c search_path=orders"));
 
         let given = "postgres://relay@db.internal:6432/billing?options=-c%20search_path%3Dbilling";
+        // Nothing taken, nothing said.
         let (config, result) = filled(given, &everything, &[]);
         assert_eq!(result, Ok(None));
         assert_eq!(config.get_hosts(), [Host::Tcp("db.internal".to_owned())]);
@@ -230,12 +248,19 @@ mod tests {
         );
 
         // The port's socket: PGPORT's here.
-        let (config, _) = filled(
+        let (config, result) = filled(
             "postgres:///orders",
             &[("PGPORT", "5433")],
             &["/var/run/postgresql/.s.PGSQL.5432", "/tmp/.s.PGSQL.5433"],
         );
         assert_eq!(config.get_hosts(), [Host::Unix("/tmp".into())]);
+        assert_eq!(
+            result.unwrap().as_deref(),
+            Some(
+                "from the environment: PGPORT=5433; no host in the string nor PGHOST: the Unix \
+                 socket /tmp/.s.PGSQL.5433, as libpq"
+            )
+        );
 
         let (config, result) = filled(
             "postgres:///orders",
