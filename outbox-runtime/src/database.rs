@@ -624,52 +624,52 @@ pub async fn establish_postgres(
 ///
 /// With `sslmode=require`, `verify-ca` or `verify-full` in `database_url` the connection is
 /// TLS, its server's certificate verified as the mode and `sslrootcert` ask, and the client
-/// certificate of `sslcert` and `sslkey` shown to a server that asks for one ([`tls`]).
+/// certificate of `sslcert` and `sslkey` shown to a server that asks for one ([`tls`]);
+/// over Unix sockets only, without TLS whatever the mode, as libpq. What the string leaves
+/// out comes from libpq's environment and defaults ([`defaults`], [`password`]), and the
+/// error of a connection that fails names what was taken so.
 #[cfg(feature = "postgres")]
 async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
-    let passfile = tls::passfile(database_url);
-    let (database_url, tls, identity) = tls::split(database_url)?;
-    let opened = match tls.connector(identity.as_ref())? {
-        None => open(&database_url, passfile.as_deref(), tokio_postgres::NoTls).await,
-        Some(connector) => open(&database_url, passfile.as_deref(), connector).await,
+    let parsed = |text: &str| -> Result<_, String> {
+        let mut config: tokio_postgres::Config = text.parse().map_err(|error| explained(&error))?;
+        let taken = defaults::fill(&mut config)?;
+        Ok((config, taken))
     };
-    opened.map_err(|error| match &identity {
-        // A fatal alert is the server's word on the handshake: with a client certificate
-        // sent, most often that it does not take it (an authority it does not trust:
-        // UnknownCA; expired: CertificateExpired; not for clients: UnsupportedCertificate).
-        Some(identity) if error.contains("received fatal alert: ") => format!(
-            "{error} (the server refused the TLS handshake, where the client certificate \
-             sslcert {} was sent: is it signed by an authority of the server's ssl_ca_file, \
-             and current?)",
-            identity.certificate.display()
-        ),
-        _ => error,
-    })
-}
-
-/// Connects to `database_url` through `tls` (tokio-postgres's connector: none, or rustls),
-/// with libpq's environment and defaults for the host, port, user, database and `options`
-/// the string leaves out ([`defaults`]), and libpq's `PGPASSWORD` or password file
-/// (`passfile`, the string's option) where the string gives no password ([`password`]).
-#[cfg(feature = "postgres")]
-async fn open<T>(
-    database_url: &str,
-    passfile: Option<&str>,
-    tls: T,
-) -> Result<AsyncPgConnection, String>
-where
-    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
-    T::Stream: Send + 'static,
-{
-    let mut config: tokio_postgres::Config =
-        database_url.parse().map_err(|error| explained(&error))?;
-    let taken = defaults::fill(&mut config)?;
-    let ignored = password::fill(&mut config, passfile);
-    let (client, connection) = config.connect(tls).await.map_err(|error| {
-        let error = explained(&error);
-        let error = match &ignored {
+    // Where the hosts are known (the string's, the environment's, libpq's default), the TLS
+    // the string's options ask for.
+    let (mut config, taken) = parsed(&tls::parsable(database_url))?;
+    let (tls, identity) = if over_unix_sockets(&config) {
+        // "sslmode is ignored for Unix domain socket communication" (PostgreSQL docs, "libpq:
+        // Parameter Key Words"): libpq negotiates no TLS over a socket, whatever the mode,
+        // nor looks for certificates, and a server takes none there. rustls, asked, would
+        // fail for want of a host name.
+        config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+        (tls::Tls::Off, None)
+    } else {
+        let (text, tls, identity) = tls::split(database_url)?;
+        (config, _) = parsed(&text)?;
+        (tls, identity)
+    };
+    let ignored = password::fill(&mut config, tls::passfile(database_url).as_deref());
+    let opened = match tls.connector(identity.as_ref())? {
+        None => open(&config, tokio_postgres::NoTls).await,
+        Some(connector) => open(&config, connector).await,
+    };
+    opened.map_err(|error| {
+        let error = match (&ignored, &identity) {
             // Why there was no password, where the want of one failed the connection.
-            Some(ignored) if error.ends_with("password missing") => format!("{error} ({ignored})"),
+            (Some(ignored), _) if error.ends_with("password missing") => {
+                format!("{error} ({ignored})")
+            }
+            // A fatal alert is the server's word on the handshake: with a client certificate
+            // sent, most often that it does not take it (an authority it does not trust:
+            // UnknownCA; expired: CertificateExpired; not for clients: UnsupportedCertificate).
+            (_, Some(identity)) if error.contains("received fatal alert: ") => format!(
+                "{error} (the server refused the TLS handshake, where the client certificate \
+                 sslcert {} was sent: is it signed by an authority of the server's \
+                 ssl_ca_file, and current?)",
+                identity.certificate.display()
+            ),
             _ => error,
         };
         match &taken {
@@ -677,7 +677,41 @@ where
             Some(taken) => format!("{error} ({taken})"),
             None => error,
         }
-    })?;
+    })
+}
+
+/// Whether `config` connects over Unix sockets only: every host a socket's directory, and no
+/// `hostaddr`.
+#[cfg(feature = "postgres")]
+fn over_unix_sockets(config: &tokio_postgres::Config) -> bool {
+    #[cfg(unix)]
+    {
+        let hosts = config.get_hosts();
+        config.get_hostaddrs().is_empty()
+            && !hosts.is_empty()
+            && hosts
+                .iter()
+                .all(|host| matches!(host, tokio_postgres::config::Host::Unix(_)))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = config;
+        false
+    }
+}
+
+/// Connects with `config` through `tls` (tokio-postgres's connector: none, or rustls), the
+/// error tokio-postgres's with its cause ([`explained`]).
+#[cfg(feature = "postgres")]
+async fn open<T>(config: &tokio_postgres::Config, tls: T) -> Result<AsyncPgConnection, String>
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
+    T::Stream: Send + 'static,
+{
+    let (client, connection) = config
+        .connect(tls)
+        .await
+        .map_err(|error| explained(&error))?;
     AsyncPgConnection::try_from_client_and_connection(client, connection)
         .await
         .map_err(|error| error.to_string())

@@ -30,6 +30,10 @@
 //! `PGUSER`, `PGDATABASE`, `PGOPTIONS` what else it leaves out (the module `defaults`);
 //! tokio-postgres reads none.
 //!
+//! Over a Unix socket no TLS is negotiated, whatever the mode: "sslmode is ignored for Unix
+//! domain socket communication" (PostgreSQL docs, "libpq: Parameter Key Words"), and
+//! `psql` connects there with `sslmode=verify-full` (a Cloud SQL proxy's socket, say).
+//!
 //! tokio-postgres knows `disable`, `prefer` and `require` only, and none of `sslrootcert`,
 //! `sslcert`, `sslkey`: it is given the string with `verify-ca` and `verify-full` as
 //! `require` and without those three, and the TLS connector does what they ask.
