@@ -336,6 +336,7 @@ async fn a_password_kept_where_libpq_finds_it_is_used() {
             .env("HOME", &home)
             .env_remove("PGPASSWORD")
             .env_remove("PGPASSFILE")
+            .env_remove("PGUSER")
             .envs(environment.iter().copied())
             .output()
             .expect("run outbox");
@@ -378,6 +379,45 @@ async fn a_password_kept_where_libpq_finds_it_is_used() {
     std::fs::set_permissions(home.join(".pgpass"), std::fs::Permissions::from_mode(0o600)).unwrap();
     let status = run(&["status"], &[]);
     assert!(status.status.success(), "{}", text(&status));
+    // No user in the URL nor PGUSER: the password file is searched for libpq's default user,
+    // the operating system's. Before, "password missing".
+    let me = Command::new("id")
+        .arg("-un")
+        .output()
+        .expect("run id")
+        .stdout;
+    let me = String::from_utf8(me).unwrap().trim().to_owned();
+    AsyncPgConnection::establish(&server.url("postgres"))
+        .await
+        .unwrap()
+        .batch_execute(&format!(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{me}') THEN \
+             CREATE ROLE \"{me}\"; END IF; END $$; \
+             ALTER ROLE \"{me}\" LOGIN SUPERUSER PASSWORD '{PASSWORD}'"
+        ))
+        .await
+        .unwrap();
+    let without_user = format!("postgres://127.0.0.1:{}/orders", server.port);
+    let status = run(
+        &["status"],
+        &[("DATABASE_URL", &without_user), ("PGPASSFILE", passfile)],
+    );
+    assert!(
+        !status.status.success() && text(&status).contains("password missing"),
+        "no line for {me} yet: {}",
+        text(&status)
+    );
+    let mut lines = std::fs::read_to_string(&file).unwrap();
+    lines.push_str(&format!(
+        "127.0.0.1:{}:orders:{me}:{PASSWORD}\n",
+        server.port
+    ));
+    std::fs::write(&file, lines).unwrap();
+    let status = run(
+        &["status"],
+        &[("DATABASE_URL", &without_user), ("PGPASSFILE", passfile)],
+    );
+    assert!(status.status.success(), "{me}: {}", text(&status));
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let open = run(&["status"], &[("PGPASSFILE", passfile)]);
     assert!(

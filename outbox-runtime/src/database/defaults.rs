@@ -11,8 +11,8 @@
 //!   the port (`.s.PGSQL.5432`), and where neither does, `localhost` over TCP (libpq's default
 //!   where it has no Unix sockets; a server in a container publishes only its TCP port);
 //! - the port: `PGPORT` (ports separated by commas, one per host), else 5432;
-//! - the user: `PGUSER`, else the operating system's user (tokio-postgres's default, as
-//!   libpq's);
+//! - the user: `PGUSER`, else the operating system's user (libpq's default, and
+//!   tokio-postgres's, set here so that the password file is searched for it too);
 //! - the database: `PGDATABASE`, else the user's name;
 //! - the server's command-line `options`: `PGOPTIONS` (`-c search_path=orders`).
 //!
@@ -39,15 +39,17 @@ pub(crate) fn fill(config: &mut tokio_postgres::Config) -> Result<Option<String>
         config,
         &|name| std::env::var(name).ok().filter(|value| !value.is_empty()),
         &|socket| socket.exists(),
+        &|| whoami::username().ok(),
     )
 }
 
-/// [`fill`], with `environment` the process's variables and `listening` whether a socket
-/// file exists.
+/// [`fill`], with `environment` the process's variables, `listening` whether a socket file
+/// exists and `login` the operating system's user.
 fn fill_from(
     config: &mut tokio_postgres::Config,
     environment: &dyn Fn(&str) -> Option<String>,
     listening: &dyn Fn(&Path) -> bool,
+    login: &dyn Fn() -> Option<String>,
 ) -> Result<Option<String>, String> {
     let mut taken = Vec::new();
     let mut take = |name: &'static str| {
@@ -99,7 +101,7 @@ fn fill_from(
         }
     }
     if config.get_user().is_none()
-        && let Some(user) = take("PGUSER")
+        && let Some(user) = take("PGUSER").or_else(login)
     {
         config.user(user);
     }
@@ -170,6 +172,7 @@ mod tests {
                     .map(|(_, value)| (*value).to_owned())
             },
             &|socket| listening.iter().any(|path| Path::new(path) == socket),
+            &|| Some("login".to_owned()),
         );
         (config, result)
     }
@@ -212,6 +215,10 @@ mod tests {
         assert_eq!(config.get_user(), Some("relay"));
         assert_eq!(config.get_dbname(), Some("billing"));
         assert_eq!(config.get_options(), Some("-c search_path=billing"));
+
+        // Without PGUSER, the operating system's user, as libpq.
+        let (config, _) = filled("postgres://db.internal/orders", &[], &[]);
+        assert_eq!(config.get_user(), Some("login"));
 
         // A `hostaddr` in the string is a host: PGHOST is not read.
         let (config, _) = filled("hostaddr=10.0.0.7 dbname=orders", &everything, &[]);
