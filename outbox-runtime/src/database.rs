@@ -600,13 +600,19 @@ pub(crate) struct Limits {
 /// Opens a connection to the PostgreSQL database `database_url` names (a URL or a
 /// `key=value` string) within `connect_timeout`, as diesel-async's
 /// `AsyncPgConnection::establish` does, with no session settings of the toolkit's: for an
-/// operator's or a tool's connection.
+/// operator's or a tool's connection. As libpq, it takes what the string leaves out from
+/// `PGHOST`, `PGHOSTADDR`, `PGPORT`, `PGUSER`, `PGDATABASE`, `PGOPTIONS`, `PGPASSWORD`, the
+/// password file and the `PGSSL...` variables (a string without a host: a Unix socket of
+/// `/var/run/postgresql` or `/tmp`, else `localhost`), and negotiates no TLS over a Unix
+/// socket (PostgreSQL docs, "libpq: Environment Variables", "libpq: Parameter Key Words").
 ///
 /// # Errors
 /// [`ConnectError`]: the database without its password ([`redacted`]) and why, with
 /// tokio-postgres's cause, which its own message leaves out ("error connecting to server:
 /// Connection refused (os error 111)", "invalid connection string: invalid value for option
-/// `sslmode`", the server's message); a connection string that does not parse is shown
+/// `sslmode`", the server's message), and the variables the connection took from the
+/// environment, with their values ("from the environment: PGHOST=db.internal"); a variable
+/// whose value is not one (`PGPORT=abc`); a connection string that does not parse is shown
 /// without the parser's words when they quote it (they could quote a password); or "no
 /// answer within" `connect_timeout`.
 #[cfg(feature = "postgres")]
