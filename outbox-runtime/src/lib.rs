@@ -59,7 +59,8 @@
 //! crate serves a crate of event and aggregate definitions (the derives, [`PendingEvents`]).
 //! - `postgres` (default): the unit of work on diesel-async's `AsyncPgConnection`, the
 //!   [`Relay`](crate::relay) woken by `LISTEN/NOTIFY`, the inbox, the dead-letter and
-//!   retention functions and the operator's queries (PostgreSQL 12+; pure Rust);
+//!   retention functions and the operator's queries (PostgreSQL 13+,
+//!   [`outbox::MINIMUM_POSTGRES`]; pure Rust);
 //! - `testing`: `outbox_runtime::testing`, the test kit for services (aggregate tests and an
 //!   in-memory outbox on any database; throwaway PostgreSQL databases and streams with
 //!   `postgres`);
