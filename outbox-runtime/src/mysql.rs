@@ -400,8 +400,9 @@ fn rsa_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
 ///
 /// # Errors
 /// [`MigrationError::Connect`] naming the server (without its password) when it cannot be
-/// reached in time, refuses the account, or the URL names no database; else
-/// [`MigrationError`] naming the step that failed.
+/// reached in time, refuses the account, or the URL names no database;
+/// [`MigrationError::UnsupportedServer`] on MySQL before 8.0.16 or MariaDB before 10.6, with
+/// nothing applied; else [`MigrationError`] naming the step that failed.
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
     let connection = crate::database::within_connect_timeout(
         database_url,
@@ -414,6 +415,22 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
         let mut connection = AsyncConnectionWrapper::<AsyncMysqlConnection>::from(connection);
         // Waits as long as another instance migrates; released when the connection closes
         // even if a migration fails.
+        #[derive(QueryableByName)]
+        struct Server {
+            #[diesel(sql_type = Text)]
+            version: String,
+        }
+        let server: Server = diesel::RunQueryDsl::get_result(
+            diesel::sql_query("SELECT VERSION() AS version"),
+            &mut connection,
+        )
+        .map_err(|e| MigrationError::Migration(Box::new(e)))?;
+        if older_than_supported(&server.version) {
+            return Err(MigrationError::UnsupportedServer {
+                server: server.version,
+                minimum: MINIMUM_SERVERS,
+            });
+        }
         connection.batch_execute(&format!("DO GET_LOCK('{MIGRATION_LOCK}', -1)"))?;
         let applied = connection
             .run_pending_migrations(MIGRATIONS)
@@ -425,6 +442,37 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
         Ok(applied)
     })
     .await?
+}
+
+/// The oldest servers the outbox runs on, as [`MigrationError::UnsupportedServer`] names them:
+/// the relay's claim takes `FOR UPDATE SKIP LOCKED` (MySQL 8.0.1, MariaDB 10.6), and the
+/// tables' `CHECK` constraints refuse rows the relay could not read (enforced by MySQL since
+/// 8.0.16: MySQL 8.0 Reference Manual, "CHECK Constraints").
+const MINIMUM_SERVERS: &str = "MySQL 8.0.16 or later, or MariaDB 10.6 or later";
+
+/// Whether `version`, as `VERSION()` gives it (`8.0.36`, `8.0.28-log`,
+/// `10.11.6-MariaDB-0+deb12u1`), is a server older than [`MINIMUM_SERVERS`]. A version that
+/// does not parse, or of another server that speaks MySQL's protocol (`8.0.11-TiDB-v7.5.0`,
+/// whose own version is not MySQL's), is let through.
+fn older_than_supported(version: &str) -> bool {
+    let (numbers, suffix) = version.split_once('-').unwrap_or((version, ""));
+    let Ok(parts) = numbers
+        .split('.')
+        .map(str::parse::<u32>)
+        .collect::<Result<Vec<_>, _>>()
+    else {
+        return false;
+    };
+    let [major, minor, patch] = parts[..] else {
+        return false;
+    };
+    if suffix.contains("MariaDB") {
+        (major, minor) < (10, 6)
+    } else if suffix.contains("TiDB") {
+        false
+    } else {
+        (major, minor, patch) < (8, 0, 16)
+    }
 }
 
 /// The versions of [`MIGRATIONS`] the database at the other end of `conn` has not applied,
@@ -992,6 +1040,27 @@ async fn insert_rows<C: Exec>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn servers_older_than_mysql_8_0_16_or_mariadb_10_6_are_told_apart() {
+        for (version, older) in [
+            ("5.7.44", true),
+            ("8.0.15", true),
+            ("8.0.16", false),
+            ("8.0.28-log", false),
+            ("8.0.36-0ubuntu0.22.04.1", false),
+            ("8.4.3", false),
+            ("9.1.0", false),
+            ("10.5.23-MariaDB-0+deb11u1", true),
+            ("10.6.0-MariaDB", false),
+            ("10.11.6-MariaDB-0+deb12u1", false),
+            ("11.4.2-MariaDB-log", false),
+            ("8.0.11-TiDB-v7.5.0", false),
+            ("not a version", false),
+        ] {
+            assert_eq!(older_than_supported(version), older, "{version}");
+        }
+    }
 
     #[test]
     fn a_url_names_a_database_by_its_path() {

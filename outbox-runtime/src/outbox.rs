@@ -254,15 +254,24 @@ pub enum MigrationError {
          service's URLs will, or in the role's search_path (`ALTER ROLE ... SET search_path`)"
     )]
     NoSchema(String),
-    /// The server is older than [`MINIMUM_POSTGRES`], PostgreSQL 13: the outbox's tables
-    /// default their ids to `gen_random_uuid()`, in PostgreSQL's core since 13 (its release
-    /// notes: "Add function gen_random_uuid() to generate version-4 UUIDs"; the extension
-    /// `pgcrypto`'s before). The string: the server's `server_version`. Nothing was applied.
+    /// The server is older than the outbox's oldest, and nothing was applied: PostgreSQL
+    /// before 13 ([`MINIMUM_POSTGRES`]: the outbox's tables default their ids to
+    /// `gen_random_uuid()`, in PostgreSQL's core since 13, its release notes: "Add function
+    /// gen_random_uuid() to generate version-4 UUIDs"; the extension `pgcrypto`'s before);
+    /// MySQL before 8.0.16 or MariaDB before 10.6 (`crate::mysql::run_migrations`: the
+    /// relay's claim takes `FOR UPDATE SKIP LOCKED`, MariaDB's since 10.6, and the tables'
+    /// `CHECK` constraints are enforced by MySQL since 8.0.16, parsed and ignored before).
     #[error(
-        "cannot run the outbox migrations: the outbox needs PostgreSQL 13 or later, and this \
-         server is PostgreSQL {0}"
+        "cannot run the outbox migrations: the outbox needs {minimum}, and this server is \
+         {server}"
     )]
-    UnsupportedServer(String),
+    UnsupportedServer {
+        /// The server and its version, as it gives them (`PostgreSQL 12.22`,
+        /// `10.5.23-MariaDB`).
+        server: String,
+        /// The oldest servers the outbox runs on (`PostgreSQL 13 or later`).
+        minimum: &'static str,
+    },
     /// The blocking task running the migrations panicked or was cancelled.
     #[error("the outbox migration task did not finish: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -286,7 +295,8 @@ pub const MINIMUM_POSTGRES: i32 = 130_000;
 /// tokio runtime flavours.
 ///
 /// # Errors
-/// [`MigrationError`] naming the step that failed.
+/// [`MigrationError::UnsupportedServer`] on PostgreSQL before 13, with nothing applied;
+/// else [`MigrationError`] naming the step that failed.
 #[cfg(feature = "postgres")]
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
     let limits = database::Limits {
@@ -350,7 +360,10 @@ pub async fn run_migrations_on(
         )
         .map_err(|e| MigrationError::Migration(Box::new(e)))?;
         if target.version_num < MINIMUM_POSTGRES {
-            return Err(MigrationError::UnsupportedServer(target.version));
+            return Err(MigrationError::UnsupportedServer {
+                server: format!("PostgreSQL {}", target.version),
+                minimum: "PostgreSQL 13 or later",
+            });
         }
         if !target.exists {
             return Err(MigrationError::NoSchema(target.search_path));
