@@ -599,6 +599,13 @@ async fn migrate_on_a_postgresql_older_than_13_is_refused_naming_its_version() {
             .await
             .unwrap();
     assert!(!table.exists, "a migration ran on PostgreSQL 12");
+    drop(conn);
+    AsyncPgConnection::establish(&server)
+        .await
+        .unwrap()
+        .batch_execute(&format!("DROP DATABASE {name}"))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
