@@ -413,8 +413,6 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
     tokio::task::spawn_blocking(move || {
         use diesel::connection::SimpleConnection as _;
         let mut connection = AsyncConnectionWrapper::<AsyncMysqlConnection>::from(connection);
-        // Waits as long as another instance migrates; released when the connection closes
-        // even if a migration fails.
         #[derive(QueryableByName)]
         struct Server {
             #[diesel(sql_type = Text)]
@@ -431,6 +429,8 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
                 minimum: MINIMUM_SERVERS,
             });
         }
+        // Waits as long as another instance migrates; released when the connection closes
+        // even if a migration fails.
         connection.batch_execute(&format!("DO GET_LOCK('{MIGRATION_LOCK}', -1)"))?;
         let applied = connection
             .run_pending_migrations(MIGRATIONS)
