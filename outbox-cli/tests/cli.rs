@@ -482,17 +482,19 @@ async fn a_url_that_leaves_out_the_host_takes_it_and_the_rest_where_libpq_does()
     // default root certificate is not looked for. Before, rustls refused the socket ("error
     // performing TLS handshake: invalid dns name").
     let home = std::env::temp_dir().join(format!("outbox-cli-home-{}", uuid::Uuid::new_v4()));
+    let home = home.to_str().unwrap();
     for mode in ["require", "verify-full"] {
         let url = format!("postgres:///orders?sslmode={mode}");
-        let output = Command::new(OUTBOX)
-            .args(["status"])
-            .env("DATABASE_URL", &url)
-            .env("PGHOST", &socket)
-            .env("PGPORT", &port)
-            .env("PGUSER", "postgres")
-            .env("HOME", &home)
-            .output()
-            .expect("run outbox");
+        let output = run(
+            &["status"],
+            &url,
+            &[
+                ("PGHOST", &socket),
+                ("PGPORT", &port),
+                ("PGUSER", "postgres"),
+                ("HOME", home),
+            ],
+        );
         assert!(output.status.success(), "{url}: {}", text(&output));
     }
     // Nothing in the URL at all.
