@@ -2105,6 +2105,92 @@ async fn the_relay_authenticates_with_a_credentials_file() {
     assert!(!output.contains(&seed), "{output}");
 }
 
+/// A MySQL URL reads as diesel's own `MysqlConnection` (libmysqlclient) reads it, on a
+/// MariaDB of the test's own: diesel's `unix_socket` is the server's socket (the URL's port,
+/// closed, never tried), as is `MYSQL_UNIX_PORT` for `localhost`; a URL without a port or a
+/// password takes `MYSQL_TCP_PORT` and `MYSQL_PWD`; one without a host or a user is
+/// `localhost` and the operating system's user, and the error says what it took. Before,
+/// mysql_async refused `unix_socket` ("Unknown connection URL parameter") and
+/// `mysql:///orders` ("Invalid or incomplete connection URL"), read no variable, and logged
+/// in as the user `''`.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mysql_url_reads_as_diesels_mysql_connection_reads_it() {
+    let server = support::mariadb::MariadbServer::start().await;
+    let password = format!("pw-{}", uuid::Uuid::new_v4().simple());
+    outbox_runtime::mysql::establish(&server.url("mysql"))
+        .await
+        .unwrap()
+        .batch_execute(&format!(
+            "CREATE DATABASE orders; \
+             CREATE USER app@'%' IDENTIFIED BY '{password}'; \
+             GRANT ALL ON orders.* TO app@'%'"
+        ))
+        .await
+        .unwrap();
+    let socket = server.socket().display().to_string();
+    let port = server.port.to_string();
+    let closed = support::free_port().to_string();
+    let run = |args: &[&str], url: &str, environment: &[(&str, &str)]| {
+        let mut command = Command::new(OUTBOX);
+        command.args(args).env("DATABASE_URL", url);
+        for variable in ["MYSQL_UNIX_PORT", "MYSQL_TCP_PORT", "MYSQL_PWD"] {
+            command.env_remove(variable);
+        }
+        let output = command
+            .envs(environment.iter().copied())
+            .output()
+            .expect("run outbox");
+        (output.status.success(), text(&output))
+    };
+    let (migrated, said) = run(
+        &["migrate"],
+        &format!("mysql://root@localhost:{closed}/orders?unix_socket={socket}"),
+        &[],
+    );
+    assert!(migrated && said.contains("applied 5"), "{said}");
+    let (reported, said) = run(
+        &["status"],
+        &format!("mysql://root@localhost:{closed}/orders"),
+        &[("MYSQL_UNIX_PORT", &socket)],
+    );
+    assert!(reported, "{said}");
+    let (reported, said) = run(
+        &["status"],
+        "mysql://app@127.0.0.1/orders?prefer_socket=false",
+        &[("MYSQL_TCP_PORT", &port), ("MYSQL_PWD", &password)],
+    );
+    assert!(reported, "{said}");
+    // Without the variables, the URL alone: port 3306, no password.
+    let url = format!("mysql://app@127.0.0.1:{port}/orders?prefer_socket=false");
+    let (reported, said) = run(&["status"], &url, &[]);
+    assert!(
+        !reported
+            && said.contains("Access denied for user 'app'@")
+            && said.contains("(using password: NO)"),
+        "{said}"
+    );
+    // No host and no user: localhost, and the operating system's user, whom no account
+    // here knows by that password.
+    let login = Command::new("id").arg("-un").output().unwrap();
+    let login = String::from_utf8(login.stdout).unwrap();
+    let (reported, said) = run(
+        &["status"],
+        "mysql:///orders?prefer_socket=false",
+        &[("MYSQL_TCP_PORT", &port), ("MYSQL_PWD", &password)],
+    );
+    assert!(
+        !reported
+            && said.contains(&format!("Access denied for user '{}'@", login.trim()))
+            && said.contains(&format!(
+                "(from the environment: MYSQL_TCP_PORT={port}, MYSQL_PWD; no host in the URL: \
+                 localhost, as libmysqlclient)"
+            ))
+            && !said.contains(&password),
+        "{said}"
+    );
+}
+
 /// The operator's commands on MySQL (built with `--features mysql`): migrate, status, a dead
 /// letter listed, shown, skipped and retried, and purge, on a database of the test's own
 /// (`OUTBOX_TEST_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`, is the server).

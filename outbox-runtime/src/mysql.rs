@@ -119,17 +119,27 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations-mysql")
 /// [`GET_LOCK`]: https://dev.mysql.com/doc/refman/8.0/en/locking-functions.html
 const MIGRATION_LOCK: &str = "outbox-migrations";
 
+mod defaults;
+
 /// Opens a connection to `database_url` as diesel-async's `AsyncMysqlConnection::establish`
-/// does (mysql_async's URL options), and takes three options more, named as diesel's own
-/// `MysqlConnection` and MySQL's client name them:
+/// does (mysql_async's URL options), and reads the URL as diesel's own `MysqlConnection`
+/// (libmysqlclient) reads it too: without a host, `localhost`; without a port, user or
+/// password, `MYSQL_TCP_PORT`, the operating system's user and `MYSQL_PWD`; diesel's
+/// `unix_socket=<path>` and `ssl_mode=<disabled|preferred|required|verify_ca|verify_identity>`
+/// (the module `defaults` of this one has the rules). Where mysql_async alone refused
+/// `mysql:///orders` and those options, and logged in as the user `''`, a URL a service's
+/// diesel connections take connects the toolkit's as well. It takes three options more,
+/// named as diesel's own `MysqlConnection` and MySQL's client name them:
 ///
 /// - `ssl_ca=<PEM file>`: the certificate authorities that sign the server's certificate (a
 ///   private authority's, or a cloud's bundle: Amazon RDS's certificates chain to
 ///   "rds-ca-rsa2048-g1" and its kin, which no public store holds; AWS docs, "Using SSL/TLS
 ///   to encrypt a connection to a DB instance"). The server's certificate must chain to one
-///   of them, and to no other authority; its name is checked against the host unless
-///   `verify_identity=false`. Without it, the server's certificate is checked against the
-///   public authorities (webpki's roots), or `verify_ca=false` takes any certificate.
+///   of them, and to no other authority; its name is checked against the host, whatever
+///   `verify_identity=false` (or `ssl_mode=verify_ca`) says: the driver's way to skip it is
+///   inert on rustls (mysql_async issue 404), and the error of a wrong name says so. Without
+///   it, the server's certificate is checked against the public authorities (webpki's
+///   roots), or `verify_ca=false` (or `ssl_mode=required`) takes any certificate.
 /// - `ssl_cert=<PEM file>` and `ssl_key=<PEM file>`, together: a client certificate (its
 ///   chain) and its private key, for an account created `REQUIRE X509` or `REQUIRE SUBJECT`
 ///   (MySQL 8.0 docs, 15.7.1.3 "CREATE USER Statement", "SSL/TLS Options"), as Google Cloud
@@ -163,10 +173,14 @@ const MIGRATION_LOCK: &str = "outbox-migrations";
 /// # Errors
 /// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL that
 /// does not parse or names no database (`mysql://host:3306` and `mysql://host:3306/`: a
-/// session without one fails every statement on the outbox's tables), an `ssl_ca`,
+/// session without one fails every statement on the outbox's tables), a `ssl_mode` that is
+/// not one of MySQL's or contradicts another option, a `MYSQL_TCP_PORT` that is not a port
+/// number, an `ssl_ca`,
 /// `ssl_cert` or `ssl_key` that names no file or holds no certificate or key, an `ssl_cert`
 /// without its `ssl_key` (or the reverse), and a key that is not RSA; else the driver's
-/// error, as `establish`'s.
+/// error, as `establish`'s, with what was taken from the environment where anything was
+/// ("(from the environment: MYSQL_TCP_PORT=3307, MYSQL_PWD; no host in the URL: localhost,
+/// as libmysqlclient)", never the password).
 pub async fn establish(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     if !names_a_database(database_url) {
         return Err(diesel::ConnectionError::InvalidConnectionUrl(
@@ -211,8 +225,55 @@ fn names_a_database(database_url: &str) -> bool {
         .is_some_and(|(_, database)| !database.is_empty())
 }
 
-/// The connection of [`establish`], before its settings.
+/// The connection of [`establish`], before its settings: the URL read as diesel's
+/// `MysqlConnection` reads it ([`defaults`]), and the error of a connection that fails with
+/// what it took from the environment.
 async fn connect(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
+    use diesel::ConnectionError;
+    let completed =
+        defaults::complete(database_url).map_err(ConnectionError::InvalidConnectionUrl)?;
+    let connected = connect_to(&completed.url)
+        .await
+        .map_err(|error| match error {
+            ConnectionError::BadConnection(error)
+                if error.contains("certificate not valid for name")
+                    && completed.url.contains("verify_identity=false") =>
+            {
+                ConnectionError::BadConnection(format!(
+                    "{error} (the name is checked whatever verify_identity=false and \
+                 ssl_mode=verify_ca say: the driver, mysql_async 0.36 on rustls, fails to \
+                 tell a wrong name from another fault, mysql_async issue 404; connect by a \
+                 name the certificate holds)"
+                ))
+            }
+            error => error,
+        });
+    match (connected, completed.taken) {
+        (Err(ConnectionError::BadConnection(error)), Some(taken)) => {
+            Err(ConnectionError::BadConnection(format!("{error} ({taken})")))
+        }
+        (Err(ConnectionError::InvalidConnectionUrl(error)), Some(taken)) => Err(
+            ConnectionError::InvalidConnectionUrl(format!("{error} ({taken})")),
+        ),
+        // The server's refusal ("Access denied for user"), its kind kept.
+        (
+            Err(ConnectionError::CouldntSetupConfiguration(diesel::result::Error::DatabaseError(
+                kind,
+                information,
+            ))),
+            Some(taken),
+        ) => Err(ConnectionError::CouldntSetupConfiguration(
+            diesel::result::Error::DatabaseError(
+                kind,
+                Box::new(format!("{} ({taken})", information.message())),
+            ),
+        )),
+        (connected, _) => connected,
+    }
+}
+
+/// [`connect`] to a URL in mysql_async's terms, with the TLS files it names.
+async fn connect_to(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     use diesel::ConnectionError;
     let Some((url, files)) = tls_files(database_url)? else {
         return AsyncMysqlConnection::establish(database_url).await;

@@ -119,6 +119,11 @@ impl MariadbServer {
         )
     }
 
+    /// The server's Unix socket (`--socket`).
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("socket")
+    }
+
     /// Kills the server with SIGKILL, as a crash does: nothing is flushed or shut down.
     /// Returns once it has exited.
     pub fn crash(&mut self) {
@@ -159,7 +164,7 @@ impl MariadbServer {
             .arg(format!("--datadir={}", self.data().display()))
             .arg(format!("--port={}", self.port))
             .arg("--bind-address=127.0.0.1")
-            .arg(format!("--socket={}", self.dir.join("socket").display()))
+            .arg(format!("--socket={}", self.socket().display()))
             .arg(format!("--pid-file={}", self.dir.join("pid").display()))
             .arg(format!("--log-error={}", self.log_path().display()))
             .args([
