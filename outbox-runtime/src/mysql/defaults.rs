@@ -185,17 +185,21 @@ fn complete_from(
         changed = true;
         let _ = url.set_port(Some(number));
     }
+    // Encoded here: the URL's own encoding of the user information leaves a `%` as it is,
+    // which mysql_async then decodes (`p%41ss` would log in as `pAss`).
+    let userinfo =
+        |text: &str| percent_encoding::utf8_percent_encode(text, QUERY_VALUE).to_string();
     if url.username().is_empty()
         && let Some(user) = login()
     {
         changed = true;
-        let _ = url.set_username(&user);
+        let _ = url.set_username(&userinfo(&user));
     }
     if url.password().is_none()
         && let Some(password) = take("MYSQL_PWD", false)
     {
         changed = true;
-        let _ = url.set_password(Some(&password));
+        let _ = url.set_password(Some(&userinfo(&password)));
     }
 
     if let Some(mode) = ssl_mode {
@@ -256,7 +260,7 @@ fn complete_from(
     })
 }
 
-/// What a value added to the query is percent-encoded for: all but the unreserved characters
+/// What a value added to the URL is percent-encoded for: all but the unreserved characters
 /// (RFC 3986, 2.3) and `/`, which a path keeps readable.
 const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
     .remove(b'-')
@@ -341,6 +345,26 @@ mod tests {
             completed("mysql://app@h/orders", &[("MYSQL_TCP_PORT", "33o6")]),
             Err("MYSQL_TCP_PORT=33o6: `33o6` is not a port number (1 to 65535)".to_owned())
         );
+    }
+
+    #[test]
+    fn a_password_and_a_user_from_elsewhere_reach_the_driver_as_they_are() {
+        for odd in ["p%41ss", "p@ss:w/rd#?&=", "pässwörd", "100%"] {
+            let completed = complete_from(
+                "mysql://db.internal/orders",
+                &|name| (name == "MYSQL_PWD").then(|| odd.to_owned()),
+                &|| Some(odd.to_owned()),
+            )
+            .unwrap();
+            let opts = mysql_async::Opts::from_url(&completed.url).unwrap();
+            assert_eq!(
+                (opts.user(), opts.pass()),
+                (Some(odd), Some(odd)),
+                "{completed:?}"
+            );
+            assert_eq!(opts.ip_or_hostname(), "db.internal");
+            assert_eq!(opts.db_name(), Some("orders"));
+        }
     }
 
     #[test]
