@@ -100,7 +100,7 @@ use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{BigInt, Nullable, Text};
 pub use diesel_async::AsyncMysqlConnection;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl};
+use diesel_async::{AnsiTransactionManager, RunQueryDsl};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::causality::Causality;
@@ -255,50 +255,43 @@ async fn connect(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConne
         (Err(ConnectionError::InvalidConnectionUrl(error)), Some(taken)) => Err(
             ConnectionError::InvalidConnectionUrl(format!("{error} ({taken})")),
         ),
-        // The server's refusal ("Access denied for user"), its kind kept.
-        (
-            Err(ConnectionError::CouldntSetupConfiguration(diesel::result::Error::DatabaseError(
-                kind,
-                information,
-            ))),
-            Some(taken),
-        ) => Err(ConnectionError::CouldntSetupConfiguration(
-            diesel::result::Error::DatabaseError(
-                kind,
-                Box::new(format!("{} ({taken})", information.message())),
-            ),
-        )),
         (connected, _) => connected,
     }
 }
 
-/// [`connect`] to a URL in mysql_async's terms, with the TLS files it names.
+/// [`connect`] to a URL in mysql_async's terms, with the TLS files it names. The driver is
+/// given options, never the URL: diesel-async's `establish` would hand the URL, with the
+/// password [`defaults`] may have put in it (`MYSQL_PWD`), to the service's diesel
+/// instrumentation (its `StartEstablishConnection` event).
 async fn connect_to(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConnection> {
     use diesel::ConnectionError;
-    let Some((url, files)) = tls_files(database_url)? else {
-        return AsyncMysqlConnection::establish(database_url).await;
+    let (url, files) = match tls_files(database_url)? {
+        Some((url, files)) => (url, Some(files)),
+        None => (database_url.to_owned(), None),
     };
     let opts = mysql_async::Opts::from_url(&url)
         .map_err(|e| ConnectionError::InvalidConnectionUrl(e.to_string()))?;
-    let mut tls = opts.ssl_opts().cloned().unwrap_or_default(); // `require_ssl=true` is in `url`
-    if let Some(authorities) = files.authorities {
-        tls = tls
-            .with_root_certs(vec![authorities.into()])
-            .with_disable_built_in_roots(true);
-    }
-    if let Some((chain, key)) = files.identity {
-        tls = tls.with_client_identity(Some(mysql_async::ClientIdentity::new(
-            chain.into(),
-            key.into(),
-        )));
+    let mut builder = mysql_async::OptsBuilder::from_opts(opts.clone());
+    if let Some(files) = files {
+        let mut tls = opts.ssl_opts().cloned().unwrap_or_default(); // `require_ssl=true` is in `url`
+        if let Some(authorities) = files.authorities {
+            tls = tls
+                .with_root_certs(vec![authorities.into()])
+                .with_disable_built_in_roots(true);
+        }
+        if let Some((chain, key)) = files.identity {
+            tls = tls.with_client_identity(Some(mysql_async::ClientIdentity::new(
+                chain.into(),
+                key.into(),
+            )));
+        }
+        builder = builder.ssl_opts(Some(tls));
     }
     // As diesel-async's `establish` sets them: its own statement cache, and affected rows
-    // counted as matched rows, as PostgreSQL counts them.
-    let opts = mysql_async::OptsBuilder::from_opts(opts)
-        .ssl_opts(Some(tls))
-        .stmt_cache_size(0)
-        .client_found_rows(true);
-    let conn = mysql_async::Conn::new(opts)
+    // counted as matched rows, as PostgreSQL counts them. It runs its session's settings
+    // (UTC, utf8mb4) in `try_from`.
+    let builder = builder.stmt_cache_size(0).client_found_rows(true);
+    let conn = mysql_async::Conn::new(builder)
         .await
         .map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
     AsyncMysqlConnection::try_from(conn).await
