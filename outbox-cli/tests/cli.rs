@@ -433,6 +433,88 @@ async fn a_password_kept_where_libpq_finds_it_is_used() {
     std::fs::remove_dir_all(&home).unwrap();
 }
 
+/// `outbox args...` on the database `url`, in an environment whose libpq variables are
+/// `environment`'s alone (the test process's are removed), to completion.
+fn outbox_in_libpqs_environment(args: &[&str], url: &str, environment: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(OUTBOX);
+    command.args(args).env("DATABASE_URL", url);
+    for variable in [
+        "PGHOST",
+        "PGHOSTADDR",
+        "PGPORT",
+        "PGUSER",
+        "PGDATABASE",
+        "PGOPTIONS",
+        "PGSERVICE",
+        "PGSERVICEFILE",
+        "PGSYSCONFDIR",
+    ] {
+        command.env_remove(variable);
+    }
+    command
+        .envs(environment.iter().copied())
+        .output()
+        .expect("run outbox")
+}
+
+/// A connection service file's section (PostgreSQL docs, "libpq: The Connection Service
+/// File"), named by `PGSERVICE` or the URL's `service`, gives what the URL leaves out before
+/// the environment does, as it does for `psql`: here its port comes before a `PGPORT` where
+/// no server listens. A service in no file is named. Before, `PGSERVICE` was ignored (the
+/// toolkit connected where the URL and the environment alone led, another database than
+/// `psql`'s) and `service=` refused ("unknown option `service`").
+#[tokio::test]
+async fn a_service_file_gives_what_the_url_leaves_out_as_it_does_for_psql() {
+    let server = support::postgres::PostgresServer::start().await;
+    server.create_database("orders").await;
+    let dir = std::env::temp_dir().join(format!("outbox-cli-service-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("user.conf");
+    std::fs::write(
+        &file,
+        format!(
+            "# the test's\n[orders]\nhost=127.0.0.1\nport={}\ndbname=orders\nuser=postgres\n",
+            server.port
+        ),
+    )
+    .unwrap();
+    let closed = support::free_port().to_string();
+    let run = |args: &[&str], url: &str, service: Option<&str>| {
+        let user_file = file.to_str().unwrap();
+        // The system's file, where a missing service is looked for last: none here.
+        let system_directory = dir.join("etc");
+        let mut environment = vec![
+            ("PGPORT", closed.as_str()),
+            ("PGSERVICEFILE", user_file),
+            ("PGSYSCONFDIR", system_directory.to_str().unwrap()),
+        ];
+        environment.extend(service.map(|service| ("PGSERVICE", service)));
+        let output = outbox_in_libpqs_environment(args, url, &environment);
+        (output.status.success(), text(&output))
+    };
+    let (migrated, said) = run(&["migrate"], "postgres://", Some("orders"));
+    assert!(migrated && said.contains("applied 17: "), "{said}");
+    // Migrated where the service leads: its database on this server.
+    let direct = format!("postgres://postgres@127.0.0.1:{}/orders", server.port);
+    let (reported, said) = run(&["status"], &direct, None);
+    assert!(reported, "{said}");
+    let (reported, said) = run(&["status"], "postgres://?service=orders", None);
+    assert!(reported, "{said}");
+    let (reported, said) = run(&["status"], "service=orders", Some("missing"));
+    assert!(reported, "{said}");
+    let (reported, said) = run(&["status"], "postgres://", Some("missing"));
+    assert!(
+        !reported
+            && said.contains(&format!(
+                "definition of service \"missing\" not found (looked in {} and {})",
+                file.display(),
+                dir.join("etc").join("pg_service.conf").display()
+            )),
+        "{said}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A URL without a host, port, user or database takes them from libpq's `PGHOST`, `PGPORT`,
 /// `PGUSER`, `PGDATABASE` and its server `options` from `PGOPTIONS`, as the same URL does in
 /// `psql` and diesel's `PgConnection`; without a host anywhere, a Unix socket of libpq's
@@ -445,24 +527,7 @@ async fn a_url_that_leaves_out_the_host_takes_it_and_the_rest_where_libpq_does()
     server.create_database("orders").await;
     let socket = server.socket_directory().to_str().unwrap().to_owned();
     let port = server.port.to_string();
-    let run = |args: &[&str], url: &str, environment: &[(&str, &str)]| {
-        let mut command = Command::new(OUTBOX);
-        command.args(args).env("DATABASE_URL", url);
-        for variable in [
-            "PGHOST",
-            "PGHOSTADDR",
-            "PGPORT",
-            "PGUSER",
-            "PGDATABASE",
-            "PGOPTIONS",
-        ] {
-            command.env_remove(variable);
-        }
-        command
-            .envs(environment.iter().copied())
-            .output()
-            .expect("run outbox")
-    };
+    let run = outbox_in_libpqs_environment;
     // The server's Unix socket, named by PGHOST.
     let migrated = run(
         &["migrate"],

@@ -33,6 +33,8 @@ mod defaults;
 #[cfg(feature = "postgres")]
 mod password;
 #[cfg(feature = "postgres")]
+mod service;
+#[cfg(feature = "postgres")]
 mod tls;
 
 /// A connection the operator's functions run on ([`crate::dead_letter`]'s,
@@ -600,19 +602,23 @@ pub(crate) struct Limits {
 /// Opens a connection to the PostgreSQL database `database_url` names (a URL or a
 /// `key=value` string) within `connect_timeout`, as diesel-async's
 /// `AsyncPgConnection::establish` does, with no session settings of the toolkit's: for an
-/// operator's or a tool's connection. As libpq, it takes what the string leaves out from
+/// operator's or a tool's connection. As libpq, it takes what the string leaves out from the
+/// connection service file's section that its `service` or `PGSERVICE` names, then from
 /// `PGHOST`, `PGHOSTADDR`, `PGPORT`, `PGUSER`, `PGDATABASE`, `PGOPTIONS`, `PGPASSWORD`, the
 /// password file and the `PGSSL...` variables (a string without a host: a Unix socket of
 /// `/var/run/postgresql` or `/tmp`, else `localhost`), and negotiates no TLS over a Unix
-/// socket (PostgreSQL docs, "libpq: Environment Variables", "libpq: Parameter Key Words").
+/// socket (PostgreSQL docs, "libpq: The Connection Service File", "libpq: Environment
+/// Variables", "libpq: Parameter Key Words").
 ///
 /// # Errors
 /// [`ConnectError`]: the database without its password ([`redacted`]) and why, with
 /// tokio-postgres's cause, which its own message leaves out ("error connecting to server:
 /// Connection refused (os error 111)", "invalid connection string: invalid value for option
 /// `sslmode`", the server's message), and the variables the connection took from the
-/// environment, with their values ("from the environment: PGHOST=db.internal"); a variable
-/// whose value is not one (`PGPORT=abc`); a connection string that does not parse is shown
+/// environment, with their values ("from the environment: PGHOST=db.internal"), and the
+/// service that gave settings ("service orders of /home/app/.pg_service.conf: host=db,
+/// password"); a variable whose value is not one (`PGPORT=abc`); a service found in no file
+/// (`definition of service "orders" not found`) or a line of its file that is not `key=value`; a connection string that does not parse is shown
 /// without the parser's words when they quote it (they could quote a password); or "no
 /// answer within" `connect_timeout`.
 #[cfg(feature = "postgres")]
@@ -632,10 +638,14 @@ pub async fn establish_postgres(
 /// TLS, its server's certificate verified as the mode and `sslrootcert` ask, and the client
 /// certificate of `sslcert` and `sslkey` shown to a server that asks for one ([`tls`]);
 /// over Unix sockets only, without TLS whatever the mode, as libpq. What the string leaves
-/// out comes from libpq's environment and defaults ([`defaults`], [`password`]), and the
+/// out comes from the connection service file's section it or `PGSERVICE` names
+/// ([`service`]), then libpq's environment and defaults ([`defaults`], [`password`]), and the
 /// error of a connection that fails names what was taken so.
 #[cfg(feature = "postgres")]
 async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
+    // The settings of a service file's section, written in where the string gives none.
+    let (database_url, service) = service::expand(database_url)?;
+    let database_url = database_url.as_ref();
     let parsed = |text: &str| -> Result<_, String> {
         let mut config: tokio_postgres::Config = text.parse().map_err(|error| explained(&error))?;
         let taken = defaults::fill(&mut config)?;
@@ -678,10 +688,15 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
             ),
             _ => error,
         };
-        match &taken {
-            // What the connection took that the string, shown with the error, does not say.
-            Some(taken) => format!("{error} ({taken})"),
-            None => error,
+        // What the connection took that the string, shown with the error, does not say.
+        let taken: Vec<&str> = [service.as_deref(), taken.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        if taken.is_empty() {
+            error
+        } else {
+            format!("{error} ({})", taken.join("; "))
         }
     })
 }

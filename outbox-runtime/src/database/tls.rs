@@ -588,13 +588,13 @@ impl Options {
 /// Connection Strings", keyword/value form): spaces around `=` allowed, a value in single
 /// quotes where it holds spaces, `\'` and `\\` escapes. Yields the key, the unescaped value,
 /// and the byte ranges of the pair and of the value as written.
-struct KeyValues<'a> {
+pub(super) struct KeyValues<'a> {
     text: &'a str,
     at: usize,
 }
 
 impl<'a> KeyValues<'a> {
-    fn new(text: &'a str) -> Self {
+    pub(super) fn new(text: &'a str) -> Self {
         Self { text, at: 0 }
     }
 
