@@ -448,6 +448,8 @@ fn outbox_in_libpqs_environment(args: &[&str], url: &str, environment: &[(&str, 
         "PGSERVICE",
         "PGSERVICEFILE",
         "PGSYSCONFDIR",
+        "PGCONNECT_TIMEOUT",
+        "PGTARGETSESSIONATTRS",
     ] {
         command.env_remove(variable);
     }
@@ -513,6 +515,39 @@ async fn a_service_file_gives_what_the_url_leaves_out_as_it_does_for_psql() {
         "{said}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `PGTARGETSESSIONATTRS=read-write` keeps, of a URL's hosts, the one that takes writes, as
+/// libpq does: the first host here is a server whose sessions are read-only (a standby's
+/// like), and the migrations land on the second. Before, the variable was ignored and
+/// `outbox migrate` stopped at the first host.
+#[tokio::test]
+async fn pgtargetsessionattrs_keeps_the_host_that_takes_writes() {
+    let standby =
+        support::postgres::PostgresServer::start_with(&["default_transaction_read_only=on"]).await;
+    let primary = support::postgres::PostgresServer::start().await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres",
+        standby.port, primary.port
+    );
+    let output = outbox_in_libpqs_environment(&["migrate"], &url, &[]);
+    assert!(
+        !output.status.success() && text(&output).contains("read-only"),
+        "{}",
+        text(&output)
+    );
+    let output = outbox_in_libpqs_environment(
+        &["migrate"],
+        &url,
+        &[("PGTARGETSESSIONATTRS", "read-write")],
+    );
+    assert!(
+        output.status.success() && text(&output).contains("applied 17: "),
+        "{}",
+        text(&output)
+    );
+    let output = outbox_in_libpqs_environment(&["status"], &primary.url("postgres"), &[]);
+    assert!(output.status.success(), "{}", text(&output));
 }
 
 /// A URL without a host, port, user or database takes them from libpq's `PGHOST`, `PGPORT`,

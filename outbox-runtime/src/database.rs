@@ -648,7 +648,7 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
     let database_url = database_url.as_ref();
     let parsed = |text: &str| -> Result<_, String> {
         let mut config: tokio_postgres::Config = text.parse().map_err(|error| explained(&error))?;
-        let taken = defaults::fill(&mut config)?;
+        let taken = defaults::fill(&mut config, text)?;
         Ok((config, taken))
     };
     // Where the hosts are known (the string's, the environment's, libpq's default), the TLS

@@ -14,7 +14,12 @@
 //! - the user: `PGUSER`, else the operating system's user (libpq's default, and
 //!   tokio-postgres's, set here so that the password file is searched for it too);
 //! - the database: `PGDATABASE`, else the user's name;
-//! - the server's command-line `options`: `PGOPTIONS` (`-c search_path=orders`).
+//! - the server's command-line `options`: `PGOPTIONS` (`-c search_path=orders`);
+//! - the time one host has to answer: `PGCONNECT_TIMEOUT`, whole seconds (0 or less: none;
+//!   1: 2, libpq's least);
+//! - which server of several hosts to stay on: `PGTARGETSESSIONATTRS`, `any`, `read-write` or
+//!   `read-only` (the values tokio-postgres knows of libpq's; `read-write` is what a relay and
+//!   an inbox need of a list of a primary and its standbys).
 //!
 //! A value the string gives is never replaced. `PGPASSWORD` and the password file are the
 //! module `password`'s, the TLS variables (`PGSSLMODE`, ...) the module `tls`'s.
@@ -34,19 +39,25 @@ const SOCKET_DIRECTORIES: [&str; 2] = ["/var/run/postgresql", "/tmp"];
 ///
 /// # Errors
 /// A variable whose value is not one (`PGPORT=abc`, `PGHOSTADDR=db.internal`), named.
-pub(crate) fn fill(config: &mut tokio_postgres::Config) -> Result<Option<String>, String> {
+pub(crate) fn fill(
+    config: &mut tokio_postgres::Config,
+    text: &str,
+) -> Result<Option<String>, String> {
     fill_from(
         config,
+        &|key| super::service::Written::of(text).gives(key),
         &|name| std::env::var(name).ok().filter(|value| !value.is_empty()),
         &|socket| socket.exists(),
         &|| whoami::username().ok(),
     )
 }
 
-/// [`fill`], with `environment` the process's variables, `listening` whether a socket file
-/// exists and `login` the operating system's user.
+/// [`fill`], with `given` whether the string `config` was parsed from sets a key,
+/// `environment` the process's variables, `listening` whether a socket file exists and
+/// `login` the operating system's user.
 fn fill_from(
     config: &mut tokio_postgres::Config,
+    given: &dyn Fn(&str) -> bool,
     environment: &dyn Fn(&str) -> Option<String>,
     listening: &dyn Fn(&Path) -> bool,
     login: &dyn Fn() -> Option<String>,
@@ -115,6 +126,38 @@ fn fill_from(
     {
         config.options(options);
     }
+    if config.get_connect_timeout().is_none()
+        && let Some(seconds) = take("PGCONNECT_TIMEOUT")
+    {
+        let whole = seconds.trim().parse::<i64>().map_err(|_| {
+            format!("PGCONNECT_TIMEOUT={seconds}: `{seconds}` is not a whole number of seconds")
+        })?;
+        // "The minimum allowed timeout is 2 seconds, therefore a value of 1 is interpreted as
+        // 2", and zero, negative or none waits indefinitely (PostgreSQL docs, "libpq:
+        // Parameter Key Words", connect_timeout).
+        if whole > 0 {
+            config.connect_timeout(std::time::Duration::from_secs(whole.max(2).unsigned_abs()));
+        }
+    }
+    if !given("target_session_attrs")
+        && let Some(attributes) = take("PGTARGETSESSIONATTRS")
+    {
+        use tokio_postgres::config::TargetSessionAttrs;
+        let attributes_of = match attributes.trim() {
+            "any" => TargetSessionAttrs::Any,
+            "read-write" => TargetSessionAttrs::ReadWrite,
+            "read-only" => TargetSessionAttrs::ReadOnly,
+            other => {
+                return Err(format!(
+                    "PGTARGETSESSIONATTRS={other}: the toolkit's connections (tokio-postgres) \
+                     take `any`, `read-write` or `read-only` (libpq's primary, standby and \
+                     prefer-standby they lack); a relay and an inbox need the primary: \
+                     read-write"
+                ));
+            }
+        };
+        config.target_session_attrs(attributes_of);
+    }
     let taken = (!taken.is_empty()).then(|| format!("from the environment: {}", taken.join(", ")));
     Ok(match (taken, defaulted) {
         (Some(taken), Some(defaulted)) => Some(format!("{taken}; {defaulted}")),
@@ -165,6 +208,7 @@ mod tests {
         let mut config: tokio_postgres::Config = url.parse().unwrap();
         let result = fill_from(
             &mut config,
+            &|key| super::super::service::Written::of(url).gives(key),
             &|name| {
                 environment
                     .iter()
@@ -306,5 +350,54 @@ mod tests {
             let message = result.unwrap_err();
             assert!(message.starts_with(error), "{message}");
         }
+    }
+
+    #[test]
+    fn the_connect_timeout_and_the_session_attributes_come_as_libpq_takes_them() {
+        use tokio_postgres::config::TargetSessionAttrs;
+        let timeout = |value: &str| {
+            let (config, result) =
+                filled("postgres://db/orders", &[("PGCONNECT_TIMEOUT", value)], &[]);
+            result.map(|_| config.get_connect_timeout().copied())
+        };
+        assert_eq!(timeout("10"), Ok(Some(std::time::Duration::from_secs(10))));
+        assert_eq!(timeout("1"), Ok(Some(std::time::Duration::from_secs(2))));
+        assert_eq!(timeout("0"), Ok(None));
+        assert_eq!(timeout("-3"), Ok(None));
+        assert_eq!(
+            timeout("5s"),
+            Err("PGCONNECT_TIMEOUT=5s: `5s` is not a whole number of seconds".to_owned())
+        );
+        let (config, _) = filled(
+            "postgres://db/orders?connect_timeout=7",
+            &[("PGCONNECT_TIMEOUT", "10")],
+            &[],
+        );
+        assert_eq!(
+            config.get_connect_timeout(),
+            Some(&std::time::Duration::from_secs(7))
+        );
+
+        let attributes = |url: &str, value: &str| {
+            let (config, result) = filled(url, &[("PGTARGETSESSIONATTRS", value)], &[]);
+            result.map(|taken| (config.get_target_session_attrs(), taken))
+        };
+        assert_eq!(
+            attributes("host=a,b dbname=orders", "read-write"),
+            Ok((
+                TargetSessionAttrs::ReadWrite,
+                Some("from the environment: PGTARGETSESSIONATTRS=read-write".to_owned())
+            ))
+        );
+        // The string's own, even the default's value, is kept.
+        assert_eq!(
+            attributes("host=a,b target_session_attrs=any", "read-write"),
+            Ok((TargetSessionAttrs::Any, None))
+        );
+        assert!(
+            attributes("postgres://a,b/orders", "primary")
+                .unwrap_err()
+                .starts_with("PGTARGETSESSIONATTRS=primary: the toolkit's connections")
+        );
     }
 }

@@ -147,7 +147,7 @@ fn section(file: &Path, name: &str) -> Result<Option<Vec<(String, String)>>, Str
 
 /// What a connection string gives itself: its `service`, where that is written, and the keys
 /// it sets.
-struct Written {
+pub(super) struct Written {
     /// A `postgres://` URL (else a `key=value` string).
     url: bool,
     service: Option<String>,
@@ -159,7 +159,7 @@ struct Written {
 }
 
 impl Written {
-    fn of(database_url: &str) -> Self {
+    pub(super) fn of(database_url: &str) -> Self {
         let mut written = Self {
             url: false,
             service: None,
@@ -246,7 +246,7 @@ impl Written {
     }
 
     /// Whether the string sets `key` itself.
-    fn gives(&self, key: &str) -> bool {
+    pub(super) fn gives(&self, key: &str) -> bool {
         self.keys.iter().any(|given| given == key)
     }
 
