@@ -46,9 +46,11 @@ struct Cli {
     /// The URL of the database that holds the outbox: PostgreSQL's, or (built with the
     /// features `mysql`, `sqlite`) a `mysql://` URL or a SQLite file's path. PostgreSQL over
     /// TLS: `?sslmode=require`, or `verify-full` with `sslrootcert=<CA file>`; a client
-    /// certificate: `sslcert=<PEM file>&sslkey=<PEM file>`. MySQL over TLS: `?require_ssl=true`,
-    /// or `ssl_ca=<CA file>`; a client certificate: `ssl_cert=<PEM file>&ssl_key=<PEM file>`
-    /// (an RSA key).
+    /// certificate: `sslcert=<PEM file>&sslkey=<PEM file>`; what the URL leaves out, from a
+    /// service file (`service=`, `PGSERVICE`) and libpq's `PG...` variables. MySQL over TLS:
+    /// `?ssl_mode=required`, or `verify_identity` with `ssl_ca=<CA file>`; a client
+    /// certificate: `ssl_cert=<PEM file>&ssl_key=<PEM file>` (an RSA key); what the URL leaves
+    /// out, from `MYSQL_TCP_PORT`, `MYSQL_PWD` and `MYSQL_UNIX_PORT`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
     database_url: Option<String>,
 
