@@ -3971,6 +3971,43 @@ mod mysql {
         assert!(AsyncMysql::inbox_dead_letters(&env).await.is_empty());
     }
 
+    /// A handler that works 61 s without the database, within a `handler_timeout` of 90 s:
+    /// the message commits once. The inbox's sessions keep `handler_timeout` plus
+    /// `statement_timeout` as their `wait_timeout`; before, their 60 s closed the session
+    /// while the handler worked, and the message, redelivered, failed so again, for ever
+    /// (each time a database failure, no attempt counted, never dead-lettered), under the
+    /// default `handler_timeout` of 5 min too. (About 65 s.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_that_works_past_a_minute_without_the_database_commits() {
+        let env = AsyncMysql::setup().await;
+        <AsyncMysql as Backend>::execute(&env, <AsyncMysql as Consumed>::APPLIED_TABLE).await;
+        super::four_events_each::<AsyncMysql>(&env, &["o-1"]).await;
+        let mut config = super::inbox_config::<AsyncMysql>(&env, "past-a-minute");
+        config.handler_timeout = Duration::from_secs(90);
+        let inbox: Inbox<super::Applier<AsyncMysql>, AsyncMysqlConnection> = Inbox::connect(
+            config,
+            env.nats.clone(),
+            super::Applier {
+                slow_first: Duration::from_secs(61),
+                ..super::Applier::new()
+            },
+        )
+        .await
+        .unwrap();
+        let running = inbox.clone().spawn();
+        support::consumer::wait_until_settled(
+            &inbox,
+            "every message settled",
+            Duration::from_secs(150),
+        )
+        .await;
+        running.shutdown().await.unwrap();
+        let expected: BTreeMap<String, Vec<i64>> =
+            [("o-1".to_owned(), vec![1, 2, 3, 4])].into_iter().collect();
+        assert_eq!(AsyncMysql::applied(&env).await, expected);
+        assert!(AsyncMysql::inbox_dead_letters(&env).await.is_empty());
+    }
+
     /// A MariaDB user that takes TLS sessions only (`REQUIRE SSL`, as a server with
     /// `require_secure_transport` on takes every user): with `require_ssl=true` in the URL
     /// (mysql_async's options) the migrations, the relay and the inbox reach it over TLS. The

@@ -69,10 +69,11 @@
 //!   [`Handler<AsyncMysqlConnection>`](crate::Handler), on the tables of migration
 //!   `2026-11-27-000004_inbox`, with the same guarantees as on PostgreSQL: effects once per
 //!   message, each aggregate's events in order across restarts and instances, dead letters.
-//!   Its sessions set `wait_timeout` to 60 s, so that an instance whose host vanished
-//!   mid-message gives its aggregate's position back within a minute (PostgreSQL's sessions:
-//!   TCP keepalives); a handler that spends longer than that without a statement on its
-//!   connection loses its transaction, and the message is retried. The inbox's own queries
+//!   Its sessions set `wait_timeout` to `handler_timeout` plus `statement_timeout` (at least
+//!   60 s; 5.5 min with the defaults), so that a handler may work that long without a
+//!   statement on its connection and still commit, and an instance whose host vanished
+//!   mid-message gives its aggregate's position back then (PostgreSQL's sessions: TCP
+//!   keepalives, within about 25 s); a shorter `handler_timeout` gives it back sooner. The inbox's own queries
 //!   are bounded by `statement_timeout` on the client; the handlers' are not (no
 //!   server-side equivalent covers every statement on both servers).
 //! - Accounts of their own: [`privileges::mysql_grants`](crate::privileges::mysql_grants)

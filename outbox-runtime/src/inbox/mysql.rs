@@ -26,13 +26,35 @@ use super::store::{
 use crate::database::{self, ConnectError, Kind};
 use crate::unit_of_work::UnitOfWorkError;
 
-/// How long the server keeps an inbox session that sends no statement (`wait_timeout`): a
-/// session whose host vanished mid-transaction (no FIN, no RST) holds its aggregate's
+/// The least time the server keeps an inbox session that sends no statement (`wait_timeout`):
+/// a session whose host vanished mid-transaction (no FIN, no RST) holds its aggregate's
 /// position lock until then, and the server's default is 8 hours. A live session is idle
-/// between messages and while a handler works without the database; a pooled connection
-/// the server closed is replaced when the pool hands it out (diesel-async's pool checks each
-/// connection it recycles).
+/// between messages and while a handler works without the database, which it may do for
+/// `handler_timeout`: a session's `wait_timeout` is the longer of this and the message's
+/// longest wait ([`Session::idle_in_transaction`], `handler_timeout` plus
+/// `statement_timeout`), as PostgreSQL's sessions set their
+/// `idle_in_transaction_session_timeout` to it. A pooled connection the server closed is
+/// replaced when the pool hands it out (diesel-async's pool checks each connection it
+/// recycles).
 const SESSION_WAIT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// MySQL's and MariaDB's greatest `wait_timeout` (31,536,000 s, a year; MySQL docs, "Server
+/// System Variables", wait_timeout): a longer `handler_timeout` (`Duration::MAX`, never) has
+/// its sessions kept that long.
+const MOST_WAIT_TIMEOUT: Duration = Duration::from_secs(31_536_000);
+
+/// The `wait_timeout` of a session of `session`'s: [`SESSION_WAIT_TIMEOUT`], or the message's
+/// longest wait where that is longer, in whole seconds rounded up, at most
+/// [`MOST_WAIT_TIMEOUT`].
+fn wait_timeout(session: &Session) -> Duration {
+    let longest = session.idle_in_transaction;
+    let whole = Duration::from_secs(
+        longest
+            .as_secs()
+            .saturating_add(u64::from(longest.subsec_nanos() > 0)),
+    );
+    whole.clamp(SESSION_WAIT_TIMEOUT, MOST_WAIT_TIMEOUT)
+}
 
 /// Marks the transaction as the unit of work's again after [`InboxStore::finish`] released
 /// the mark (`crate::mysql`'s `BEGIN` set it): the unit of work's flush checks it after.
@@ -118,17 +140,19 @@ impl InboxStore for AsyncMysqlConnection {
 
     const KIND: Kind = Kind::Mysql;
 
-    /// Opens a session ([`SESSION_WAIT_TIMEOUT`]) and turns MariaDB's idle transaction
-    /// timeouts off for it ([`IDLE_TRANSACTION_TIMEOUTS`]), which an operator may set
-    /// shorter than a handler that works without the database: the inbox cannot send its
-    /// session a statement while the handler holds it, and the server would close it mid-
-    /// message, every time the message is redelivered. Its `wait_timeout` bounds such a
-    /// session instead.
+    /// Opens a session ([`wait_timeout`]) and turns MariaDB's idle transaction timeouts off
+    /// for it ([`IDLE_TRANSACTION_TIMEOUTS`]), which an operator may set shorter than a
+    /// handler that works without the database: the inbox cannot send its session a statement
+    /// while the handler holds it, and the server would close it mid-message, every time the
+    /// message is redelivered. Its `wait_timeout` bounds such a session instead, never shorter
+    /// than `handler_timeout` plus `statement_timeout`: under the 60 s it was, a handler that
+    /// worked longer without the database (within its 5-min default) lost its session at
+    /// every delivery, and its message never settled.
     ///
     /// [`IDLE_TRANSACTION_TIMEOUTS`]: crate::mysql::IDLE_TRANSACTION_TIMEOUTS
     async fn connect(database_url: &str, session: &Session) -> Result<Self, ConnectError> {
         let mut conn =
-            database::connect_mysql(database_url, session.limits, SESSION_WAIT_TIMEOUT).await?;
+            database::connect_mysql(database_url, session.limits, wait_timeout(session)).await?;
         let off = async {
             for (name, _) in crate::mysql::idle_transaction_timeouts(&mut conn).await? {
                 conn.batch_execute(&format!("SET SESSION {name} = 0"))
@@ -324,5 +348,29 @@ impl InboxStore for AsyncMysqlConnection {
     async fn has_positions(&mut self, consumer: &str) -> QueryResult<bool> {
         let row: portable::Settled = portable::has_positions(consumer).get_result(self).await?;
         Ok(row.settled())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sessions_wait_timeout_outlasts_a_handler_that_works_without_the_database() {
+        let wait = |handler: Duration, statement: Duration| {
+            let mut config = crate::InboxConfig::new("billing", "mysql://app@db/orders");
+            config.handler_timeout = handler;
+            config.statement_timeout = statement;
+            wait_timeout(&Session::of(&config))
+        };
+        let seconds = Duration::from_secs;
+        // The defaults: 5 min and 30 s.
+        assert_eq!(wait(seconds(300), seconds(30)), seconds(330));
+        assert_eq!(wait(seconds(2), seconds(1)), SESSION_WAIT_TIMEOUT);
+        assert_eq!(
+            wait(Duration::from_millis(90_400), seconds(30)),
+            seconds(121)
+        );
+        assert_eq!(wait(Duration::MAX, seconds(30)), MOST_WAIT_TIMEOUT);
     }
 }

@@ -176,9 +176,9 @@ pub(crate) struct Session {
     /// sessions set it as their `idle_in_transaction_session_timeout`, whatever the
     /// database's, so a handler that works that long without the database can still commit;
     /// before, under a shorter database setting, such a message failed at its commit (a
-    /// database failure, counting no attempt) at every redelivery. (MySQL's sessions keep
-    /// their 60 s `wait_timeout`: `crate::mysql`.)
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    /// database failure, counting no attempt) at every redelivery. MySQL's sessions keep at
+    /// least it as their `wait_timeout` (and at least 60 s).
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub idle_in_transaction: Duration,
     #[cfg(feature = "postgres")]
     pub connector: Option<crate::database::Connector>,
