@@ -1049,6 +1049,44 @@ async fn a_database_url_of_no_known_scheme_is_refused_naming_its_scheme() {
     }
 }
 
+/// An `application_name` in the URL names the relay's and the inbox's sessions in
+/// `pg_stat_activity`, as an operator labels each service's sessions; without one they are
+/// `outbox-relay` and `outbox-inbox` (libpq's `fallback_application_name`). Before, the
+/// toolkit's names replaced the URL's, and every service's relay read `outbox-relay`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_and_the_inbox_keep_the_application_name_of_their_url() {
+    let env = TestEnv::new().await;
+    let named = |name: &str| format!("{}?application_name={name}", env.database_url);
+    let mut relay_config = env.relay_config();
+    relay_config.database_url = named("orders-relay");
+    let relay = Relay::connect(relay_config, env.nats.clone())
+        .await
+        .unwrap()
+        .spawn();
+    let mut inbox_config = InboxConfig::new("billing", named("orders-billing"));
+    inbox_config.topology = env.topology();
+    let inbox = Inbox::connect(inbox_config, env.nats.clone(), Nothing)
+        .await
+        .unwrap()
+        .spawn();
+    let mut conn = env.conn().await;
+    for name in ["orders-relay", "orders-billing"] {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while sessions_with_tls(&mut conn, name).await.0 == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no session named {name}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    for name in ["outbox-relay", "outbox-inbox"] {
+        assert_eq!(sessions_with_tls(&mut conn, name).await.0, 0, "{name}");
+    }
+    relay.shutdown().await.unwrap();
+    inbox.shutdown().await.unwrap();
+}
+
 /// The number of sessions named `application_name` on the database at the other end of
 /// `conn`, and how many of them use TLS (`pg_stat_ssl`).
 async fn sessions_with_tls(

@@ -778,7 +778,10 @@ pub(crate) enum Isolation {
 }
 
 /// Opens a connection (with `connector`, or to `database_url`) within
-/// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity`, and sets its
+/// `limits.connect_timeout`, names it `application_name` in `pg_stat_activity` where the
+/// string (its `application_name`), `PGAPPNAME` and the role's settings name it nothing (as
+/// libpq's `fallback_application_name`: an operator's name for the service's sessions
+/// stays), and sets its
 /// server-side `statement_timeout` (none when zero), [`DEAD_PEER_KEEPALIVES`],
 /// [`DEAD_PEER_USER_TIMEOUT`], [`NO_IDLE_SESSION_TIMEOUT`], when `isolation` says so its
 /// transactions' isolation, and with `idle_in_transaction` its
@@ -822,8 +825,11 @@ pub(crate) async fn connect(
         // 0 switches the server-side timeout off (the migrations' connection).
         let statement_ms = limits.statement_timeout.as_millis();
         let (idle, interval, count) = DEAD_PEER_KEEPALIVES;
+        // The component's name where the string, PGAPPNAME and the role's settings give none:
+        // libpq's fallback_application_name (PostgreSQL docs, "libpq: Parameter Key Words").
         let mut settings = format!(
-            "SET application_name TO '{application_name}'; \
+            "SELECT set_config('application_name', '{application_name}', false) \
+             WHERE current_setting('application_name') = ''; \
              SET statement_timeout TO {statement_ms}; \
              SET tcp_keepalives_idle TO {}; SET tcp_keepalives_interval TO {}; \
              SET tcp_keepalives_count TO {count}; SET tcp_user_timeout TO {}; \

@@ -15,6 +15,8 @@
 //!   tokio-postgres's, set here so that the password file is searched for it too);
 //! - the database: `PGDATABASE`, else the user's name;
 //! - the server's command-line `options`: `PGOPTIONS` (`-c search_path=orders`);
+//! - the name `pg_stat_activity` shows: `PGAPPNAME` (else the relay's, the inbox's or the
+//!   migrations' own, `crate::database`'s `connect`);
 //! - the time one host has to answer: `PGCONNECT_TIMEOUT`, whole seconds (0 or less: none;
 //!   1: 2, libpq's least);
 //! - which server of several hosts to stay on: `PGTARGETSESSIONATTRS`, `any`, `read-write` or
@@ -125,6 +127,11 @@ fn fill_from(
         && let Some(options) = take("PGOPTIONS")
     {
         config.options(options);
+    }
+    if config.get_application_name().is_none()
+        && let Some(name) = take("PGAPPNAME")
+    {
+        config.application_name(name);
     }
     if config.get_connect_timeout().is_none()
         && let Some(seconds) = take("PGCONNECT_TIMEOUT")
@@ -353,7 +360,7 @@ mod tests {
     }
 
     #[test]
-    fn the_connect_timeout_and_the_session_attributes_come_as_libpq_takes_them() {
+    fn the_name_the_connect_timeout_and_the_session_attributes_come_as_libpq_takes_them() {
         use tokio_postgres::config::TargetSessionAttrs;
         let timeout = |value: &str| {
             let (config, result) =
@@ -377,6 +384,19 @@ mod tests {
             config.get_connect_timeout(),
             Some(&std::time::Duration::from_secs(7))
         );
+
+        let (config, _) = filled(
+            "postgres://db/orders",
+            &[("PGAPPNAME", "orders-relay")],
+            &[],
+        );
+        assert_eq!(config.get_application_name(), Some("orders-relay"));
+        let (config, _) = filled(
+            "postgres://db/orders?application_name=mine",
+            &[("PGAPPNAME", "orders-relay")],
+            &[],
+        );
+        assert_eq!(config.get_application_name(), Some("mine"));
 
         let attributes = |url: &str, value: &str| {
             let (config, result) = filled(url, &[("PGTARGETSESSIONATTRS", value)], &[]);

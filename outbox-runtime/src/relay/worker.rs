@@ -54,7 +54,8 @@ pub struct BatchReport {
     pub transport_failures: usize,
 }
 
-/// Opens a relay connection: named `outbox-relay` in `pg_stat_activity`, within the relay's
+/// Opens a relay connection: named `outbox-relay` in `pg_stat_activity` (unless the URL or
+/// `PGAPPNAME` names it), within the relay's
 /// connect timeout, with its statement timeout, its transactions READ COMMITTED whatever the
 /// database's default ([`database::Isolation::ReadCommitted`]), and no `lock_timeout`
 /// ([`NO_LOCK_TIMEOUT`]). Reads the session's `idle_in_transaction_session_timeout`, which a
