@@ -73,9 +73,9 @@
 //!   60 s; 5.5 min with the defaults), so that a handler may work that long without a
 //!   statement on its connection and still commit, and an instance whose host vanished
 //!   mid-message gives its aggregate's position back then (PostgreSQL's sessions: TCP
-//!   keepalives, within about 25 s); a shorter `handler_timeout` gives it back sooner. The inbox's own queries
-//!   are bounded by `statement_timeout` on the client; the handlers' are not (no
-//!   server-side equivalent covers every statement on both servers).
+//!   keepalives, within about 25 s); a shorter `handler_timeout` gives it back sooner. The
+//!   inbox's own queries are bounded by `statement_timeout` on the client; the handlers' are
+//!   not (no server-side equivalent covers every statement on both servers).
 //! - Accounts of their own: [`privileges::mysql_grants`](crate::privileges::mysql_grants)
 //!   (`outbox grants <component> <account> --mysql <database>`) writes what each part needs;
 //!   the relay and the inbox check at connect that their account holds it, and name each
@@ -242,9 +242,9 @@ async fn connect(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlConne
             {
                 ConnectionError::BadConnection(format!(
                     "{error} (the name is checked whatever verify_identity=false and \
-                 ssl_mode=verify_ca say: the driver, mysql_async 0.36 on rustls, fails to \
-                 tell a wrong name from another fault, mysql_async issue 404; connect by a \
-                 name the certificate holds)"
+                     ssl_mode=verify_ca say: the driver, mysql_async 0.36 on rustls, fails to \
+                     tell a wrong name from another fault, mysql_async issue 404; connect by \
+                     a name the certificate holds)"
                 ))
             }
             error => error,
@@ -274,7 +274,8 @@ async fn connect_to(database_url: &str) -> diesel::ConnectionResult<AsyncMysqlCo
         .map_err(|e| ConnectionError::InvalidConnectionUrl(e.to_string()))?;
     let mut builder = mysql_async::OptsBuilder::from_opts(opts.clone());
     if let Some(files) = files {
-        let mut tls = opts.ssl_opts().cloned().unwrap_or_default(); // `require_ssl=true` is in `url`
+        // `require_ssl=true` is in `url`.
+        let mut tls = opts.ssl_opts().cloned().unwrap_or_default();
         if let Some(authorities) = files.authorities {
             tls = tls
                 .with_root_certs(vec![authorities.into()])

@@ -205,7 +205,8 @@ impl Written {
         }
     }
 
-    /// The keys the part of a URL before its query gives: `postgres://user:password@host:port/dbname`.
+    /// The keys the part of a URL before its query gives:
+    /// `postgres://user:password@host:port/dbname`.
     fn url_keys(&mut self, base: &str) {
         let rest = base
             .split_once("://")
