@@ -71,11 +71,15 @@ fn expand_in<'a>(
     };
     let mut text = written.without_service(database_url);
     let mut gave = Vec::new();
+    let mut taken: Vec<String> = Vec::new();
     for (key, value) in settings {
-        if written.gives(&key) {
+        // The string's own first; of a key the section gives twice, its first (libpq: "don't
+        // override any previous explicit setting").
+        if written.gives(&key) || taken.contains(&key) {
             continue;
         }
-        gave.push(if key == "password" {
+        taken.push(key.clone());
+        gave.push(if key.contains("password") {
             key.clone()
         } else {
             format!("{key}={value}")
@@ -351,6 +355,7 @@ mod tests {
     const USER: &str = "# the user's\n\
                         [orders]\n\
                         host=db.internal\n\
+                        host=not-this-one\n\
                         port = 5433\n\
                         dbname=orders\n\
                         user=app\n\
