@@ -164,38 +164,18 @@ pub(super) struct Written {
 
 impl Written {
     pub(super) fn of(database_url: &str) -> Self {
+        let (form, pairs) = super::tls::pairs(database_url);
         let mut written = Self {
-            url: false,
+            url: matches!(form, super::tls::Form::Url { .. }),
             service: None,
             service_at: Vec::new(),
             keys: Vec::new(),
         };
-        let trimmed = database_url.trim_start();
-        if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
-            written.url = true;
-            let (base, query) = match database_url.find('?') {
-                Some(at) => (&database_url[..at], Some(at + 1)),
-                None => (database_url, None),
-            };
-            written.url_keys(base);
-            if let Some(start) = query {
-                let mut at = start;
-                for pair in database_url[start..].split('&') {
-                    let range = at..at + pair.len();
-                    at = range.end + 1;
-                    let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-                    let decode = |text: &str| {
-                        percent_encoding::percent_decode_str(text)
-                            .decode_utf8_lossy()
-                            .into_owned()
-                    };
-                    written.key(&decode(key), decode(value), range);
-                }
-            }
-        } else {
-            for (key, value, pair, _) in super::tls::KeyValues::new(database_url) {
-                written.key(key, value, pair);
-            }
+        if written.url {
+            written.url_keys(database_url.split('?').next().unwrap_or_default());
+        }
+        for pair in pairs {
+            written.key(&pair.key, pair.value, pair.at);
         }
         written
     }

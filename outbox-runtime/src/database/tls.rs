@@ -386,29 +386,15 @@ impl Options {
     /// occurrence of each, as tokio-postgres takes it).
     fn of(database_url: &str) -> Self {
         let mut options = Self::default();
-        let url = database_url.trim_start();
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let (form, pairs) = pairs(database_url);
+        if let Form::Url { query } = form {
             options.url = true;
-            let Some(start) = database_url.find('?').map(|at| at + 1) else {
-                return options;
-            };
-            let mut pairs = Vec::new();
-            let mut at = start;
-            for pair in database_url[start..].split('&') {
-                let range = at..at + pair.len();
-                at = range.end + 1;
-                pairs.push(range.clone());
-                let Some((key, value)) = pair.split_once('=') else {
-                    continue;
-                };
-                let decode = |text: &str| percent_decode_str(text).decode_utf8_lossy().into_owned();
-                let value_at = range.start + key.len() + 1..range.end;
-                options.take(&decode(key), decode(value), range, value_at);
-            }
-            options.query = Some((start, pairs));
-        } else {
-            for (key, value, pair, value_at) in KeyValues::new(database_url) {
-                options.take(key, value, pair, value_at);
+            options.query =
+                query.map(|start| (start, pairs.iter().map(|p| p.at.clone()).collect()));
+        }
+        for pair in pairs {
+            if let Some(value_at) = pair.value_at {
+                options.take(&pair.key, pair.value, pair.at, value_at);
             }
         }
         options
@@ -582,6 +568,65 @@ impl Options {
             format!("{base}?{}", kept.join("&"))
         })
     }
+}
+
+/// What a connection string is: a `postgres://` URL, with the byte offset of its query
+/// (after `?`) if it has one, or a `key=value` string.
+pub(super) enum Form {
+    Url { query: Option<usize> },
+    KeyValues,
+}
+
+/// One pair of a connection string as written: its key and value (a URL's percent-decoded,
+/// a `key=value` string's unquoted), the byte range of the pair, and of its value (`None`
+/// for a URL's query pair without `=`).
+pub(super) struct Pair {
+    pub(super) key: String,
+    pub(super) value: String,
+    pub(super) at: std::ops::Range<usize>,
+    pub(super) value_at: Option<std::ops::Range<usize>>,
+}
+
+/// The pairs of `database_url`: a `postgres://` URL's query pairs (`&`-separated), or a
+/// `key=value` string's ([`KeyValues`]), in their order.
+pub(super) fn pairs(database_url: &str) -> (Form, Vec<Pair>) {
+    let trimmed = database_url.trim_start();
+    if !(trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://")) {
+        let pairs = KeyValues::new(database_url)
+            .map(|(key, value, at, value_at)| Pair {
+                key: key.to_owned(),
+                value,
+                at,
+                value_at: Some(value_at),
+            })
+            .collect();
+        return (Form::KeyValues, pairs);
+    }
+    let Some(start) = database_url.find('?').map(|at| at + 1) else {
+        return (Form::Url { query: None }, Vec::new());
+    };
+    let decode = |text: &str| percent_decode_str(text).decode_utf8_lossy().into_owned();
+    let mut pairs = Vec::new();
+    let mut at = start;
+    for pair in database_url[start..].split('&') {
+        let range = at..at + pair.len();
+        at = range.end + 1;
+        pairs.push(match pair.split_once('=') {
+            Some((key, value)) => Pair {
+                key: decode(key),
+                value: decode(value),
+                value_at: Some(range.start + key.len() + 1..range.end),
+                at: range,
+            },
+            None => Pair {
+                key: decode(pair),
+                value: String::new(),
+                value_at: None,
+                at: range,
+            },
+        });
+    }
+    (Form::Url { query: Some(start) }, pairs)
 }
 
 /// The `key=value` pairs of a PostgreSQL connection string (PostgreSQL docs, "libpq:
