@@ -33,14 +33,17 @@ use std::path::Path;
 #[cfg(unix)]
 const SOCKET_DIRECTORIES: [&str; 2] = ["/var/run/postgresql", "/tmp"];
 
-/// Fills what `config` leaves out from the process's environment and libpq's defaults
-/// ([the module](self)). Returns what it took, for the error of a connection that then
+/// Fills what `config`, parsed from the connection string `text`, leaves out from the
+/// process's environment and libpq's defaults ([the module](self)); `text` tells a setting
+/// the string gives from tokio-postgres's default where the two read the same
+/// (`target_session_attrs=any`). Returns what it took, for the error of a connection that then
 /// fails, which the string alone would not explain: the variables read, with their values
 /// (`from the environment: PGHOST=/run/pg, PGUSER=app`), and where the string and the
 /// environment gave no host, the one taken and why; `None` where it took nothing.
 ///
 /// # Errors
-/// A variable whose value is not one (`PGPORT=abc`, `PGHOSTADDR=db.internal`), named.
+/// A variable whose value is not one (`PGPORT=abc`, `PGHOSTADDR=db.internal`,
+/// `PGTARGETSESSIONATTRS=primary`), named.
 pub(crate) fn fill(
     config: &mut tokio_postgres::Config,
     text: &str,
