@@ -514,6 +514,17 @@ async fn a_service_file_gives_what_the_url_leaves_out_as_it_does_for_psql() {
             )),
         "{said}"
     );
+    // The URL's own service, shown with the database (before, "<a database URL that does
+    // not parse>").
+    let (reported, said) = run(&["status"], "postgres://?service=absent", None);
+    assert!(
+        !reported
+            && said.contains(
+                "cannot connect to the database at postgres://?service=absent: definition of \
+                 service \"absent\" not found"
+            ),
+        "{said}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

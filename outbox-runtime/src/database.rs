@@ -147,8 +147,11 @@ const SOCKET_PATH: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
 #[cfg(feature = "postgres")]
 fn redacted_postgres(database_url: &str) -> Option<String> {
     // Without the TLS options tokio-postgres does not know (`sslmode=verify-full`,
-    // `sslrootcert`), which would make it refuse the whole string.
-    let config = tokio_postgres::Config::from_str(&tls::parsable(database_url)).ok()?;
+    // `sslrootcert`) and the service file's `service`, which would make it refuse the whole
+    // string; the service is shown after the rest.
+    let written = service::Written::of(database_url);
+    let without_service = written.without_service(database_url);
+    let config = tokio_postgres::Config::from_str(&tls::parsable(&without_service)).ok()?;
     let mut text = String::from("postgres://");
     if let Some(user) = config.get_user() {
         text.push_str(user);
@@ -177,6 +180,13 @@ fn redacted_postgres(database_url: &str) -> Option<String> {
     if let Some(dbname) = config.get_dbname() {
         text.push('/');
         text.push_str(dbname);
+    }
+    if let Some(name) = written.service {
+        text.push_str("?service=");
+        text.extend(percent_encoding::utf8_percent_encode(
+            &name,
+            percent_encoding::NON_ALPHANUMERIC,
+        ));
     }
     Some(text)
 }
@@ -1415,6 +1425,15 @@ mod tests {
                 "postgres://app@db:6000/orders",
             ),
             ("postgres://a:s3cret@h/d?password=other", "postgres://a@h/d"),
+            // A service file's section, named.
+            (
+                "postgres://a:s3cret@h/d?service=orders&sslmode=require",
+                "postgres://a@h/d?service=orders",
+            ),
+            (
+                "service=orders password=s3cret",
+                "postgres://?service=orders",
+            ),
             // TLS options tokio-postgres does not know, a missing authority file included.
             (
                 "postgres://a:s3cret@h/d?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",

@@ -154,7 +154,7 @@ fn section(file: &Path, name: &str) -> Result<Option<Vec<(String, String)>>, Str
 pub(super) struct Written {
     /// A `postgres://` URL (else a `key=value` string).
     url: bool,
-    service: Option<String>,
+    pub(super) service: Option<String>,
     /// The byte ranges of every `service` pair.
     service_at: Vec<std::ops::Range<usize>>,
     /// The keys the string sets: its options, and of a URL what its user information, hosts
@@ -236,7 +236,7 @@ impl Written {
     }
 
     /// `database_url` without its `service` pairs.
-    fn without_service(&self, database_url: &str) -> String {
+    pub(super) fn without_service(&self, database_url: &str) -> String {
         let mut text = database_url.to_owned();
         for pair in self.service_at.iter().rev() {
             let mut range = pair.clone();
