@@ -535,3 +535,17 @@ pub mod __private {
         }
     }
 }
+
+/// The variables `pairs` names, as the process's environment gives them: for the unit tests
+/// of what reads libpq's and libmysqlclient's variables.
+#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
+pub(crate) fn environment_of<'a>(
+    pairs: &'a [(&'a str, &'a str)],
+) -> impl Fn(&str) -> Option<String> + 'a {
+    |name| {
+        pairs
+            .iter()
+            .find(|(key, _)| *key == name)
+            .map(|(_, value)| (*value).to_owned())
+    }
+}

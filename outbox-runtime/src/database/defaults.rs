@@ -219,12 +219,7 @@ mod tests {
         let result = fill_from(
             &mut config,
             &|key| super::super::service::Written::of(url).gives(key),
-            &|name| {
-                environment
-                    .iter()
-                    .find(|(key, _)| *key == name)
-                    .map(|(_, value)| (*value).to_owned())
-            },
+            &crate::environment_of(environment),
             &|socket| listening.iter().any(|path| Path::new(path) == socket),
             &|| Some("login".to_owned()),
         );

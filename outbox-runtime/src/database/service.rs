@@ -314,10 +314,7 @@ mod tests {
             expand_in(
                 url,
                 &|name| {
-                    environment
-                        .iter()
-                        .find(|(key, _)| *key == name)
-                        .map(|(_, value)| (*value).to_owned())
+                    crate::environment_of(environment)(name)
                         .or_else(|| (name == "PGSYSCONFDIR").then(|| system.clone()))
                 },
                 Some(&self.dir),

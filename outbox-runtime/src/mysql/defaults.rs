@@ -122,22 +122,21 @@ fn complete_from(
     };
     let ssl_mode = option("ssl_mode");
     let unix_socket = option("unix_socket");
-    let socket_given = pairs.iter().any(|pair| pair.starts_with("socket="));
-    let tls_options: Vec<String> = ["require_ssl", "verify_ca", "verify_identity"]
-        .into_iter()
-        .filter(|name| {
-            pairs
-                .iter()
-                .any(|pair| pair.split_once('=').is_some_and(|(key, _)| key == *name))
-        })
-        .map(str::to_owned)
-        .collect();
-    let ssl_ca_given = pairs.iter().any(|pair| pair.starts_with("ssl_ca="));
-    let tls_file = ["ssl_ca", "ssl_cert", "ssl_key"].into_iter().find(|name| {
+    // Whether the query (diesel's options taken out) gives the option `name`.
+    let has = |name: &str| {
         pairs
             .iter()
-            .any(|pair| pair.starts_with(&format!("{name}=")))
-    });
+            .any(|pair| pair.split_once('=').map_or(pair.as_str(), |(key, _)| key) == name)
+    };
+    let socket_given = has("socket");
+    let tls_options: Vec<&str> = ["require_ssl", "verify_ca", "verify_identity"]
+        .into_iter()
+        .filter(|name| has(name))
+        .collect();
+    let ssl_ca_given = has("ssl_ca");
+    let tls_file = ["ssl_ca", "ssl_cert", "ssl_key"]
+        .into_iter()
+        .find(|name| has(name));
 
     let defaulted = match url.host_str() {
         None | Some("") => {
@@ -274,16 +273,9 @@ mod tests {
     use super::*;
 
     fn completed(url: &str, environment: &[(&str, &str)]) -> Result<Completed, String> {
-        complete_from(
-            url,
-            &|name| {
-                environment
-                    .iter()
-                    .find(|(key, _)| *key == name)
-                    .map(|(_, value)| (*value).to_owned())
-            },
-            &|| Some("login".to_owned()),
-        )
+        complete_from(url, &crate::environment_of(environment), &|| {
+            Some("login".to_owned())
+        })
     }
 
     fn url(url: &str, environment: &[(&str, &str)]) -> String {
