@@ -279,9 +279,16 @@ async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
             .arg("migrate");
         command.output().expect("run outbox")
     };
+    // Without sslmode: no TLS, which the server refuses; the error says what asks for it.
     let without_tls = migrate(&[]);
     assert!(
-        !without_tls.status.success() && text(&without_tls).contains("no encryption"),
+        !without_tls.status.success()
+            && text(&without_tls).contains(
+                "no encryption (the server takes this session only over TLS, which the \
+                 toolkit uses where the URL's sslmode asks for it: sslmode=require, or \
+                 verify-full with sslrootcert; without sslmode it connects without TLS, where \
+                 libpq's default, prefer, would try TLS first)"
+            ),
         "{}",
         text(&without_tls)
     );
@@ -719,6 +726,79 @@ async fn migrate_on_a_postgresql_older_than_13_is_refused_naming_its_version() {
         .batch_execute(&format!("DROP DATABASE {name}"))
         .await
         .unwrap();
+}
+
+/// `outbox migrate` on a PostgreSQL that takes no writes says so, with why (its session is
+/// read-only by `default_transaction_read_only`; the server is a hot standby), and that the
+/// primary is the one to give, and applies nothing. Before, both were "an outbox migration
+/// failed: cannot execute CREATE TABLE in a read-only transaction", which named neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_on_a_postgresql_that_takes_no_writes_names_why_and_asks_for_the_primary() {
+    use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+    }
+    let mut server = support::postgres::PostgresServer::start().await;
+    server.create_database("orders").await;
+    let url = server.url("orders");
+    let migrate = || {
+        let output = Command::new(OUTBOX)
+            .arg("migrate")
+            .env("DATABASE_URL", &url)
+            .output()
+            .expect("run outbox");
+        (output.status.code(), text(&output))
+    };
+    let applied_nothing = || async {
+        let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+        let table: Exists = diesel::sql_query(
+            "SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS exists",
+        )
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+        !table.exists
+    };
+    let primary = "and the migrations write the outbox's tables; run them on the primary's URL \
+                   (with several hosts, target_session_attrs=read-write picks it)";
+    AsyncPgConnection::establish(&server.url("postgres"))
+        .await
+        .unwrap()
+        .batch_execute("ALTER DATABASE orders SET default_transaction_read_only = on")
+        .await
+        .unwrap();
+    let (code, said) = migrate();
+    assert!(
+        code == Some(2)
+            && said.contains(
+                "cannot run the outbox migrations: the database takes no writes \
+                 (transaction_read_only is on: default_transaction_read_only, set for the \
+                 database, the role or in the URL's options)"
+            )
+            && said.contains(primary),
+        "{said}"
+    );
+    assert!(applied_nothing().await, "a migration ran: {said}");
+    AsyncPgConnection::establish(&server.url("postgres"))
+        .await
+        .unwrap()
+        .batch_execute("ALTER DATABASE orders RESET default_transaction_read_only")
+        .await
+        .unwrap();
+    server.restart_as_standby().await;
+    let (code, said) = migrate();
+    assert!(
+        code == Some(2)
+            && said.contains(
+                "cannot run the outbox migrations: the database takes no writes (a hot \
+                 standby: pg_is_in_recovery() is true)"
+            )
+            && said.contains(primary),
+        "{said}"
+    );
+    assert!(applied_nothing().await, "a migration ran: {said}");
 }
 
 #[tokio::test]
@@ -2302,6 +2382,44 @@ async fn a_mysql_url_reads_as_diesels_mysql_connection_reads_it() {
     );
 }
 
+/// `outbox migrate` on a MariaDB replica's `read_only`, as an account without the privilege
+/// to write through it, says that the database takes no writes and to give the primary.
+/// Before: "an outbox migration failed: The MariaDB server is running with the --read-only
+/// option so it cannot execute this statement", which named no way out.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_on_a_mysql_replica_names_it_and_asks_for_the_primary() {
+    let server = support::mariadb::MariadbServer::start().await;
+    outbox_runtime::mysql::establish(&server.url("mysql"))
+        .await
+        .unwrap()
+        .batch_execute(
+            "CREATE DATABASE orders; CREATE USER app@'%'; GRANT ALL ON orders.* TO app@'%'; \
+             SET GLOBAL read_only = 1",
+        )
+        .await
+        .unwrap();
+    let output = Command::new(OUTBOX)
+        .arg("migrate")
+        .env(
+            "DATABASE_URL",
+            format!("mysql://app@127.0.0.1:{}/orders", server.port),
+        )
+        .output()
+        .expect("run outbox");
+    assert!(
+        output.status.code() == Some(2)
+            && text(&output).contains(
+                "cannot run the outbox migrations: the database takes no writes (a replica, \
+                 with read_only or super_read_only on, or transaction_read_only on for the \
+                 session), and the migrations write the outbox's tables; run them on the \
+                 primary's URL"
+            ),
+        "{}",
+        text(&output)
+    );
+}
+
 /// The operator's commands on MySQL (built with `--features mysql`): migrate, status, a dead
 /// letter listed, shown, skipped and retried, and purge, on a database of the test's own
 /// (`OUTBOX_TEST_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`, is the server).
@@ -2559,6 +2677,54 @@ async fn an_operator_account_runs_the_operator_commands_on_mysql_with_the_grants
 /// `outbox migrate` and `outbox relay` on a SQLite file (built with `--features sqlite`): the
 /// daemon publishes what units of work commit to the file, and the operator's commands
 /// (status, dead letters, replay, purge) work on it.
+/// `outbox migrate` on a SQLite file opened read-only (`mode=ro`) says that the file takes
+/// no writes and what to give instead, both where diesel's table of migrations is still to
+/// be created (its CREATE is refused) and where it exists and a migration is refused. Before:
+/// "an outbox migration failed: attempt to write a readonly database", and "... Failed to
+/// run 20261125000001 with: attempt to write a readonly database".
+#[cfg(feature = "sqlite")]
+#[test]
+fn migrate_on_a_read_only_sqlite_file_names_it() {
+    use outbox_runtime::diesel::connection::SimpleConnection as _;
+    use outbox_runtime::diesel::{Connection as _, SqliteConnection};
+
+    let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, setup) in [
+        ("empty.db", ""),
+        (
+            "begun.db",
+            "CREATE TABLE __diesel_schema_migrations (version VARCHAR(50) PRIMARY KEY NOT \
+             NULL, run_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP);",
+        ),
+    ] {
+        let path = dir.join(file).to_string_lossy().into_owned();
+        SqliteConnection::establish(&path)
+            .unwrap()
+            .batch_execute(&format!(
+                "PRAGMA journal_mode = WAL; CREATE TABLE orders (id INTEGER); {setup}"
+            ))
+            .unwrap();
+        let output = Command::new(OUTBOX)
+            .arg("migrate")
+            .env("DATABASE_URL", format!("file:{path}?mode=ro"))
+            .output()
+            .expect("run outbox");
+        assert!(
+            output.status.code() == Some(2)
+                && text(&output).contains(
+                    "cannot run the outbox migrations: the database file takes no writes \
+                     (opened read-only, as mode=ro, or a file or directory this process may \
+                     not write), and the migrations write the outbox's tables; run them on a \
+                     file this process can write"
+                ),
+            "{file}: {}",
+            text(&output)
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_daemon_relays_a_sqlite_file_and_stops_on_sigterm() {

@@ -1028,45 +1028,81 @@ pub(crate) fn lacking_privilege(error: &diesel::result::Error) -> Option<(Kind, 
 ///   diesel gives no kind of its own; granted by the statements `outbox grants` prints
 ///   ([`crate::privileges`]).
 pub(crate) fn refusal_hint(error: &diesel::result::Error, kind: Kind, who: &str) -> String {
-    use diesel::result::{DatabaseErrorKind, Error};
-    let Error::DatabaseError(error_kind, information) = error else {
+    let diesel::result::Error::DatabaseError(_, information) = error else {
         return String::new();
     };
     let message = information.message();
-    let read_only = matches!(error_kind, DatabaseErrorKind::ReadOnlyTransaction)
-        || message.contains("-read-only option")
-        || message.contains("readonly database");
-    if !read_only {
-        return match kind {
-            Kind::Postgres if message.starts_with("permission denied for ") => format!(
-                ": the role the {who} logs in as lacks a privilege the {who} needs; as the \
-                 tables' owner, run the statements `outbox grants {who} <role>` prints"
-            ),
-            Kind::Mysql if message.contains(" command denied to user ") => format!(
-                ": the account the {who} logs in as lacks a privilege the {who} needs; as the \
-                 tables' owner, run the statements `outbox grants {who} <account> --mysql \
-                 <database>` prints"
-            ),
-            _ => String::new(),
-        };
+    if takes_no_writes(error) {
+        return format!(
+            ": {}, and the {who} writes the outbox's tables; give it {}",
+            no_writes(kind),
+            writable_target(kind)
+        );
     }
     match kind {
-        Kind::Postgres => format!(
-            ": the database takes no writes (a hot standby, or default_transaction_read_only on \
-             for the database or the role), and the {who} writes the outbox's tables; give it \
-             the primary's URL (with several hosts, target_session_attrs=read-write picks it)"
+        Kind::Postgres if message.starts_with("permission denied for ") => format!(
+            ": the role the {who} logs in as lacks a privilege the {who} needs; as the \
+             tables' owner, run the statements `outbox grants {who} <role>` prints"
         ),
-        Kind::Mysql => format!(
-            ": the database takes no writes (a replica, with read_only or super_read_only on, \
-             or transaction_read_only on for the session), and the {who} writes the outbox's \
-             tables; give it the primary's URL"
+        Kind::Mysql if message.contains(" command denied to user ") => format!(
+            ": the account the {who} logs in as lacks a privilege the {who} needs; as the \
+             tables' owner, run the statements `outbox grants {who} <account> --mysql \
+             <database>` prints"
         ),
-        Kind::Sqlite => format!(
-            ": the database file takes no writes (opened read-only, as mode=ro, or a file or \
-             directory this process may not write), and the {who} writes the outbox's tables; \
-             give it a file it can write, in a directory it can write (SQLite writes its \
+        _ => String::new(),
+    }
+}
+
+/// Whether `error` is the database's refusal to write: PostgreSQL's SQLSTATE 25006, MySQL's
+/// and MariaDB's errors 1792 and 1290 (by their words), SQLite's `SQLITE_READONLY`; as
+/// [`refusal_hint`] lists them.
+pub(crate) fn takes_no_writes(error: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    let Error::DatabaseError(error_kind, information) = error else {
+        return false;
+    };
+    matches!(error_kind, DatabaseErrorKind::ReadOnlyTransaction)
+        || NO_WRITES_WORDS
+            .iter()
+            .any(|words| information.message().contains(words))
+}
+
+/// The words of the refusals to write that diesel gives no kind of its own: MySQL's and
+/// MariaDB's error 1290 ("... is running with the --read-only option ..."), SQLite's
+/// `SQLITE_READONLY` ("attempt to write a readonly database").
+pub(crate) const NO_WRITES_WORDS: &[&str] = &["-read-only option", "readonly database"];
+
+/// That a database of `kind` takes no writes, with what makes it so: `the database takes no
+/// writes (a hot standby, ...)`.
+pub(crate) fn no_writes(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Postgres => {
+            "the database takes no writes (a hot standby, or default_transaction_read_only on \
+             for the database or the role)"
+        }
+        Kind::Mysql => {
+            "the database takes no writes (a replica, with read_only or super_read_only on, or \
+             transaction_read_only on for the session)"
+        }
+        Kind::Sqlite => {
+            "the database file takes no writes (opened read-only, as mode=ro, or a file or \
+             directory this process may not write)"
+        }
+    }
+}
+
+/// What to give a component that writes, in place of a database of `kind` that takes no
+/// writes: `the primary's URL`, or a SQLite file this process can write.
+pub(crate) fn writable_target(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Postgres => {
+            "the primary's URL (with several hosts, target_session_attrs=read-write picks it)"
+        }
+        Kind::Mysql => "the primary's URL",
+        Kind::Sqlite => {
+            "a file this process can write, in a directory it can write (SQLite writes its \
              journal beside the file)"
-        ),
+        }
     }
 }
 

@@ -458,7 +458,8 @@ fn rsa_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
 /// [`MigrationError::Connect`] naming the server (without its password) when it cannot be
 /// reached in time, refuses the account, or the URL names no database;
 /// [`MigrationError::UnsupportedServer`] on MySQL before 8.0.16 or MariaDB before 10.6, with
-/// nothing applied; else [`MigrationError`] naming the step that failed.
+/// nothing applied; [`MigrationError::ReadOnly`] on a server that takes no writes (a
+/// replica's `read_only`); else [`MigrationError`] naming the step that failed.
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
     let connection = crate::database::within_connect_timeout(
         database_url,
@@ -490,7 +491,7 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
         connection.batch_execute(&format!("DO GET_LOCK('{MIGRATION_LOCK}', -1)"))?;
         let applied = connection
             .run_pending_migrations(MIGRATIONS)
-            .map_err(MigrationError::Migration)?
+            .map_err(|e| MigrationError::applying(e, crate::database::Kind::Mysql))?
             .into_iter()
             .map(|version| version.to_string())
             .collect();

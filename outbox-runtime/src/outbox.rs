@@ -241,6 +241,17 @@ pub enum MigrationError {
     /// A migration failed; the database keeps the migrations applied before it.
     #[error("an outbox migration failed: {0}")]
     Migration(Box<dyn std::error::Error + Send + Sync>),
+    /// The database takes no writes, so the migrations cannot create or change the outbox's
+    /// tables there; the string says what makes it so and what to run them on instead (the
+    /// primary's URL; a SQLite file this process can write). On PostgreSQL this is found
+    /// before anything is applied, and names its cause: a hot standby
+    /// (`pg_is_in_recovery()`, PostgreSQL docs, "Hot Standby": "transactions ... cannot
+    /// write"), or a session read-only by `default_transaction_read_only`
+    /// (`transaction_read_only`, "Client Connection Defaults"). On MySQL, MariaDB and SQLite,
+    /// by the refusal of a migration's write (MySQL's errors 1290, "--read-only option", and
+    /// 1792; SQLite's `SQLITE_READONLY`); the database keeps the migrations applied before it.
+    #[error("cannot run the outbox migrations: {0}")]
+    ReadOnly(String),
     /// The session's `search_path` (the string: its setting, as `SHOW search_path` gives it)
     /// names no schema of the database that exists, so the outbox's tables have nowhere to
     /// go: PostgreSQL's `current_schema()` is NULL
@@ -277,6 +288,45 @@ pub enum MigrationError {
     Task(#[from] tokio::task::JoinError),
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+impl MigrationError {
+    /// A failure of diesel's migration harness on a database of `kind`:
+    /// [`ReadOnly`](Self::ReadOnly) where the database refused to write, else
+    /// [`Migration`](Self::Migration). The harness gives the database's error as it is where
+    /// its own table could not be created (the first write of a run), and in its words only
+    /// ("Failed to run <migration> with: ...") where a migration failed, so both are read.
+    pub(crate) fn applying(
+        error: Box<dyn std::error::Error + Send + Sync>,
+        kind: crate::database::Kind,
+    ) -> Self {
+        use crate::database::{no_writes, takes_no_writes};
+        let refused = match error.downcast_ref::<diesel::result::Error>() {
+            Some(error) => takes_no_writes(error),
+            None => {
+                let words = error.to_string();
+                ["in a read-only transaction", "READ ONLY transaction"]
+                    .iter()
+                    .chain(crate::database::NO_WRITES_WORDS)
+                    .any(|marker| words.contains(marker))
+            }
+        };
+        if refused {
+            Self::read_only(no_writes(kind), kind)
+        } else {
+            Self::Migration(error)
+        }
+    }
+
+    /// [`ReadOnly`](Self::ReadOnly): `reason` (`the database takes no writes (...)`) and what
+    /// to run the migrations on instead.
+    pub(crate) fn read_only(reason: &str, kind: crate::database::Kind) -> Self {
+        Self::ReadOnly(format!(
+            "{reason}, and the migrations write the outbox's tables; run them on {}",
+            crate::database::writable_target(kind)
+        ))
+    }
+}
+
 /// The oldest PostgreSQL the outbox runs on, as `server_version_num` spells it: 13.0
 /// ([`MigrationError::UnsupportedServer`]). The contract tests' PostgreSQL part passed on
 /// 13.23, 14.23, 15, 16.2, 17.10 and 18.4; on 12 the first migration fails.
@@ -295,8 +345,9 @@ pub const MINIMUM_POSTGRES: i32 = 130_000;
 /// tokio runtime flavours.
 ///
 /// # Errors
-/// [`MigrationError::UnsupportedServer`] on PostgreSQL before 13, with nothing applied;
-/// else [`MigrationError`] naming the step that failed.
+/// [`MigrationError::UnsupportedServer`] on PostgreSQL before 13, and
+/// [`MigrationError::ReadOnly`] on a database that takes no writes (a hot standby), each
+/// with nothing applied; else [`MigrationError`] naming the step that failed.
 #[cfg(feature = "postgres")]
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, MigrationError> {
     let limits = database::Limits {
@@ -324,7 +375,7 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, Migration
 /// `statement_timeout` set on the session still applies to them.
 ///
 /// # Errors
-/// [`MigrationError`] naming the step that failed.
+/// As [`run_migrations`]'s, but for [`MigrationError::Connect`].
 #[cfg(feature = "postgres")]
 pub async fn run_migrations_on(
     connection: AsyncPgConnection,
@@ -341,6 +392,10 @@ pub async fn run_migrations_on(
         version_num: i32,
         #[diesel(sql_type = diesel::sql_types::Text)]
         version: String,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        in_recovery: bool,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        read_only: bool,
     }
 
     tokio::task::spawn_blocking(move || {
@@ -354,7 +409,9 @@ pub async fn run_migrations_on(
                 "SELECT current_schema() IS NOT NULL AS exists, \
                  current_setting('search_path') AS search_path, \
                  current_setting('server_version_num')::int4 AS version_num, \
-                 current_setting('server_version') AS version",
+                 current_setting('server_version') AS version, \
+                 pg_is_in_recovery() AS in_recovery, \
+                 current_setting('transaction_read_only') = 'on' AS read_only",
             ),
             &mut connection,
         )
@@ -365,12 +422,26 @@ pub async fn run_migrations_on(
                 minimum: "PostgreSQL 13 or later",
             });
         }
+        if target.in_recovery {
+            return Err(MigrationError::read_only(
+                "the database takes no writes (a hot standby: pg_is_in_recovery() is true)",
+                database::Kind::Postgres,
+            ));
+        }
+        if target.read_only {
+            return Err(MigrationError::read_only(
+                "the database takes no writes (transaction_read_only is on: \
+                 default_transaction_read_only, set for the database, the role or in the \
+                 URL's options)",
+                database::Kind::Postgres,
+            ));
+        }
         if !target.exists {
             return Err(MigrationError::NoSchema(target.search_path));
         }
         let applied = connection
             .run_pending_migrations(MIGRATIONS)
-            .map_err(MigrationError::Migration)?
+            .map_err(|e| MigrationError::applying(e, database::Kind::Postgres))?
             .into_iter()
             .map(|version| version.to_string())
             .collect();

@@ -177,11 +177,12 @@ pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
 /// then finds the migration applied.
 ///
 /// # Errors
-/// [`MigrationError::Migration`] naming the migration that failed.
+/// [`MigrationError::ReadOnly`] on a file opened read-only (`mode=ro`) or one this process
+/// may not write; else [`MigrationError::Migration`] naming the migration that failed.
 pub fn run_migrations(conn: &mut SqliteConnection) -> Result<Vec<String>, MigrationError> {
     Ok(conn
         .run_pending_migrations(MIGRATIONS)
-        .map_err(MigrationError::Migration)?
+        .map_err(|e| MigrationError::applying(e, crate::database::Kind::Sqlite))?
         .into_iter()
         .map(|version| version.to_string())
         .collect())

@@ -170,6 +170,32 @@ impl PostgresServer {
         }
     }
 
+    /// Stops the server (`pg_ctl stop`, a fast shutdown) and starts it again as a hot standby
+    /// without a primary (a `standby.signal` file in its data directory: PostgreSQL docs,
+    /// "Log-Shipping Standby Servers"), as a replica is: it stays in recovery, takes sessions
+    /// that read, and refuses every write ("cannot execute ... in a read-only transaction").
+    ///
+    /// # Panics
+    /// When the server does not stop, or does not take sessions within 60 s, with its log.
+    pub async fn restart_as_standby(&mut self) {
+        let mut child = self.child.take().expect("the test's PostgreSQL is running");
+        let stopped = self
+            .command("pg_ctl")
+            .args(["stop", "-m", "fast", "-D"])
+            .arg(self.data())
+            .output()
+            .expect("run pg_ctl");
+        assert!(
+            stopped.status.success(),
+            "pg_ctl stop: {}{}",
+            String::from_utf8_lossy(&stopped.stderr),
+            self.log()
+        );
+        let _ = child.wait();
+        std::fs::write(self.data().join("standby.signal"), "").expect("standby.signal");
+        self.restart().await;
+    }
+
     fn data(&self) -> PathBuf {
         self.dir.join("data")
     }
