@@ -1136,12 +1136,20 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
         outbox_runtime::database::establish_postgres(&url, Duration::from_secs(10)).await
     };
 
-    // Without TLS the server refuses the session.
+    // Without TLS the server refuses the session, and the error says what asks for TLS
+    // (before, it gave only the server's words, which name the server's file).
     let refused = connect(at("127.0.0.1", "sslmode=disable"))
         .await
         .err()
         .unwrap();
-    assert!(refused.to_string().contains("no encryption"), "{refused}");
+    assert!(
+        refused.to_string().contains(
+            "no encryption (the server takes this session only over TLS, which the toolkit \
+             uses where the URL's sslmode asks for it: sslmode=require, or verify-full with \
+             sslrootcert;"
+        ),
+        "{refused}"
+    );
 
     let verify_full = at(
         "localhost",

@@ -550,7 +550,11 @@ async fn pgtargetsessionattrs_keeps_the_host_that_takes_writes() {
     );
     let output = outbox_in_libpqs_environment(&["migrate"], &url, &[]);
     assert!(
-        !output.status.success() && text(&output).contains("read-only"),
+        !output.status.success()
+            && text(&output).contains(
+                "the database takes no writes (transaction_read_only is on: \
+                 default_transaction_read_only"
+            ),
         "{}",
         text(&output)
     );

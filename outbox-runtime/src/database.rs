@@ -696,6 +696,14 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
                  ssl_ca_file, and current?)",
                 identity.certificate.display()
             ),
+            // The server's pg_hba.conf has a `hostssl` line for this session and no `host` or
+            // `hostnossl` one (PostgreSQL docs, "The pg_hba.conf File"): its words since 12.
+            _ if tls == tls::Tls::Off && error.contains(", no encryption") => format!(
+                "{error} (the server takes this session only over TLS, which the toolkit uses \
+                 where the URL's sslmode asks for it: sslmode=require, or verify-full with \
+                 sslrootcert; without sslmode it connects without TLS, where libpq's default, \
+                 prefer, would try TLS first)"
+            ),
             _ => error,
         };
         // What the connection took that the string, shown with the error, does not say.
