@@ -5536,36 +5536,61 @@ mod sqlite {
     /// stop at start naming the file, why and what to give them. Before, both started: each
     /// of the relay's batches failed ("attempt to write a readonly database"), publishing
     /// nothing, and each message of the inbox failed and came again, for as long as they ran.
+    /// The same for a file in SQLite's rollback journal (as a service's own connection
+    /// migrated it, before one of the toolkit's put it in write-ahead logging), where before
+    /// both failed at the change of its journal mode, in SQLite's words alone.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_relay_and_an_inbox_given_a_read_only_file_name_it() {
+        use diesel::Connection as _;
+        use diesel::connection::SimpleConnection as _;
+
         let env = AsyncSqlite::setup().await;
-        let read_only = format!("file:{}?mode=ro", database(&env).path);
-        let target = outbox_runtime::database::redacted(&read_only);
+        let path = &database(&env).path;
+        let journal = format!("{path}-rollback-journal.db");
+        diesel::SqliteConnection::establish(path)
+            .unwrap()
+            .batch_execute(&format!(
+                "VACUUM INTO '{journal}'; \
+                 ATTACH DATABASE '{journal}' AS copy; PRAGMA copy.journal_mode = DELETE"
+            ))
+            .unwrap();
         let hint = "attempt to write a readonly database: the database file takes no writes \
                     (opened read-only, as mode=ro, or a file or directory this process may \
                     not write), and";
-
-        let mut config = AsyncSqlite::relay_config(&env);
-        config.database_url = read_only.clone();
-        let relay = match SqliteRelay::connect(config, env.nats.clone()).await {
-            Ok(_) => panic!("a relay started on a read-only file"),
-            Err(error) => error.to_string(),
-        };
-        assert!(
-            relay.starts_with(&format!(
-                "relay: cannot connect to the database at {target}: checking that the relay \
-                 can write the outbox: {hint} the relay writes the outbox's tables"
-            )),
-            "{relay}"
+        for (file, consumer) in [(path, "read-only"), (&journal, "read-only-journal")] {
+            let read_only = format!("file:{file}?mode=ro");
+            let target = outbox_runtime::database::redacted(&read_only);
+            let mut config = AsyncSqlite::relay_config(&env);
+            config.database_url = read_only.clone();
+            let relay = match SqliteRelay::connect(config, env.nats.clone()).await {
+                Ok(_) => panic!("a relay started on a read-only file"),
+                Err(error) => error.to_string(),
+            };
+            assert!(
+                relay.starts_with(&format!(
+                    "relay: cannot connect to the database at {target}: checking that the \
+                     relay can write the outbox: {hint} the relay writes the outbox's tables"
+                )),
+                "{relay}"
+            );
+            let inbox = super::inbox_refusal::<AsyncSqlite>(&env, consumer, Some(&read_only)).await;
+            assert!(
+                inbox.starts_with(&format!(
+                    "inbox: cannot connect to the database at {target}: checking that the \
+                     inbox can write its tables: {hint} the inbox writes the outbox's tables"
+                )),
+                "{inbox}"
+            );
+        }
+        // The file is read as it is: the outbox's state, for an operator.
+        let mut reader = outbox_runtime::sqlite::AsyncSqliteConnection::new(
+            outbox_runtime::sqlite::establish(&format!("file:{journal}?mode=ro")).unwrap(),
         );
-        let inbox = super::inbox_refusal::<AsyncSqlite>(&env, "read-only", Some(&read_only)).await;
-        assert!(
-            inbox.starts_with(&format!(
-                "inbox: cannot connect to the database at {target}: checking that the inbox \
-                 can write its tables: {hint} the inbox writes the outbox's tables"
-            )),
-            "{inbox}"
-        );
+        let queued = outbox_runtime::outbox::queued_by_type(&mut reader)
+            .await
+            .unwrap();
+        assert!(queued.is_empty(), "{queued:?}");
+        std::fs::remove_file(&journal).unwrap();
     }
 
     pub struct AsyncSqlite;

@@ -132,7 +132,8 @@ const KEYS_PER_STATEMENT: usize = 10_000;
 
 /// Opens the database at `url` (a file path, `sqlite://path`, or a `file:` URI; created when
 /// missing) for the outbox: write-ahead logging (readers, the relay among them, do not wait
-/// for a writer), and a [`BUSY_TIMEOUT`] for the write lock.
+/// for a writer), and a [`BUSY_TIMEOUT`] for the write lock. A file this connection may not
+/// write (`mode=ro`, or its permissions) is opened in the journal mode it has, for reading.
 ///
 /// # Errors
 /// [`InvalidConnectionUrl`](diesel::ConnectionError::InvalidConnectionUrl) for a URL with no
@@ -164,11 +165,20 @@ pub fn establish(url: &str) -> ConnectionResult<SqliteConnection> {
         }
     })?;
     conn.batch_execute(&format!(
-        "PRAGMA busy_timeout = {}; PRAGMA journal_mode = WAL;",
+        "PRAGMA busy_timeout = {};",
         BUSY_TIMEOUT.as_millis()
     ))
     .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
-    Ok(conn)
+    match conn.batch_execute("PRAGMA journal_mode = WAL;") {
+        // A file this connection may not write (`mode=ro`, its permissions) in SQLite's
+        // rollback journal cannot be put in write-ahead logging: the connection reads it as
+        // it is, and a write is refused where it is made, named as such
+        // (`database::refusal_hint`, `MigrationError::ReadOnly`). Before, the connection
+        // failed here, in SQLite's words alone, and nothing could read the file.
+        Err(error) if crate::database::takes_no_writes(&error) => Ok(conn),
+        Err(error) => Err(diesel::ConnectionError::CouldntSetupConfiguration(error)),
+        Ok(()) => Ok(conn),
+    }
 }
 
 /// Applies the pending [`MIGRATIONS`] on `conn` and returns the versions it applied (empty
