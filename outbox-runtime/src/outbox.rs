@@ -245,9 +245,9 @@ pub enum MigrationError {
     /// tables there; the string says what makes it so and what to run them on instead (the
     /// primary's URL; a SQLite file this process can write). On PostgreSQL this is found
     /// before anything is applied, and names its cause: a hot standby
-    /// (`pg_is_in_recovery()`, PostgreSQL docs, "Hot Standby": "transactions ... cannot
-    /// write"), or a session read-only by `default_transaction_read_only`
-    /// (`transaction_read_only`, "Client Connection Defaults"). On MySQL, MariaDB and SQLite,
+    /// (`pg_is_in_recovery()`; PostgreSQL docs, "Hot Standby"), or a session read-only by
+    /// `default_transaction_read_only` (`transaction_read_only`; "Client Connection
+    /// Defaults"). On MySQL, MariaDB and SQLite,
     /// by the refusal of a migration's write (MySQL's errors 1290, "--read-only option", and
     /// 1792; SQLite's `SQLITE_READONLY`); the database keeps the migrations applied before it.
     #[error("cannot run the outbox migrations: {0}")]
