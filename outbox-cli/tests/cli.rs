@@ -286,8 +286,8 @@ async fn migrate_takes_postgresqls_tls_settings_from_libpqs_environment() {
             && text(&without_tls).contains(
                 "no encryption (the server takes this session only over TLS, which the \
                  toolkit uses where the URL's sslmode asks for it: sslmode=require, or \
-                 verify-full with sslrootcert; without sslmode it connects without TLS, where \
-                 libpq's default, prefer, would try TLS first)"
+                 verify-full with sslrootcert; no sslmode, prefer and disable connect without \
+                 TLS here, where libpq's prefer, its default, would try TLS first)"
             ),
         "{}",
         text(&without_tls)

@@ -701,8 +701,8 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
             _ if tls == tls::Tls::Off && error.contains(", no encryption") => format!(
                 "{error} (the server takes this session only over TLS, which the toolkit uses \
                  where the URL's sslmode asks for it: sslmode=require, or verify-full with \
-                 sslrootcert; without sslmode it connects without TLS, where libpq's default, \
-                 prefer, would try TLS first)"
+                 sslrootcert; no sslmode, prefer and disable connect without TLS here, where \
+                 libpq's prefer, its default, would try TLS first)"
             ),
             _ => error,
         };
