@@ -805,6 +805,39 @@ async fn migrate_on_a_postgresql_that_takes_no_writes_names_why_and_asks_for_the
     assert!(applied_nothing().await, "a migration ran: {said}");
 }
 
+/// On a hot standby (a replica's URL, say) the operator's commands that read work, and those
+/// that write say that the database takes no writes and to give the primary. Before, `outbox
+/// purge` said "database error: cannot execute SELECT in a read-only transaction".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_commands_read_a_hot_standby_and_name_it_where_they_write() {
+    let mut server = support::postgres::PostgresServer::start().await;
+    server.create_database("orders").await;
+    let url = server.url("orders");
+    let run = |args: &[&str]| {
+        let output = Command::new(OUTBOX)
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .output()
+            .expect("run outbox");
+        (output.status.code(), text(&output))
+    };
+    let (code, said) = run(&["migrate"]);
+    assert_eq!(code, Some(0), "{said}");
+    server.restart_as_standby().await;
+    let (code, said) = run(&["status"]);
+    assert!(code == Some(0) && said.contains("queued"), "{said}");
+    let (code, said) = run(&["purge", "--older-than", "1d"]);
+    assert!(
+        code == Some(2)
+            && said.contains(
+                "in a read-only transaction: the database takes no writes (a hot standby, or \
+                 default_transaction_read_only on for the database or the role), and the \
+                 operator writes the outbox's tables; give it the primary's URL"
+            ),
+        "{said}"
+    );
+}
+
 #[tokio::test]
 async fn status_shows_the_numbers_in_both_forms_and_max_lag_exits_1() {
     let env = TestEnv::new().await;

@@ -1075,6 +1075,27 @@ pub(crate) fn takes_no_writes(error: &diesel::result::Error) -> bool {
             .any(|words| information.message().contains(words))
 }
 
+/// The database whose refusal to write `error` is ([`takes_no_writes`]), by its words:
+/// SQLite's "readonly database", MySQL's and MariaDB's "--read-only option" and "READ ONLY
+/// transaction" (error 1792), else PostgreSQL's ("in a read-only transaction"). `None` for
+/// any other error.
+pub(crate) fn refused_writes(error: &diesel::result::Error) -> Option<Kind> {
+    let diesel::result::Error::DatabaseError(_, information) = error else {
+        return None;
+    };
+    if !takes_no_writes(error) {
+        return None;
+    }
+    let message = information.message();
+    Some(if message.contains("readonly database") {
+        Kind::Sqlite
+    } else if message.contains("-read-only option") || message.contains("READ ONLY transaction") {
+        Kind::Mysql
+    } else {
+        Kind::Postgres
+    })
+}
+
 /// The words of the refusals to write that diesel gives no kind of its own: MySQL's and
 /// MariaDB's error 1290 ("... is running with the --read-only option ..."), SQLite's
 /// `SQLITE_READONLY` ("attempt to write a readonly database").

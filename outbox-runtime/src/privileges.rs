@@ -94,16 +94,24 @@ impl fmt::Display for Component {
 /// `outbox_...`) for a privilege the role lacks: for the operator, ": the role the operator
 /// logs in as lacks a privilege the operator needs; as the tables' owner, run the statements"
 /// that `outbox grants operator` prints for the role (on MySQL, for the account, with
-/// `--mysql` and the database). `None` for any other error. Recognised by the server's words,
-/// which diesel gives no kind of its own: PostgreSQL's "permission denied for" (SQLSTATE
-/// 42501), MySQL's and MariaDB's "command denied to user" (errors 1142, 1143).
+/// `--mysql` and the database); or refused a write because it takes none (a hot standby, a
+/// replica, a SQLite file opened read-only): ": the database takes no writes (...), and the
+/// operator writes the outbox's tables; give it the primary's URL". `None` for any other
+/// error. Recognised by the server's words, which diesel gives no kind of its own:
+/// PostgreSQL's "permission denied for" (SQLSTATE 42501), MySQL's and MariaDB's "command
+/// denied to user" (errors 1142, 1143); for a write refused, as the relay and the inbox
+/// recognise it (PostgreSQL's SQLSTATE 25006, MySQL's errors 1792 and 1290, SQLite's
+/// `SQLITE_READONLY`).
 ///
 /// The relay, the inbox and the unit of work ([`UnitOfWorkError::MissingPrivilege`]) add it
 /// themselves; this is for a program's own calls of the operator's functions.
 ///
 /// [`UnitOfWorkError::MissingPrivilege`]: crate::UnitOfWorkError::MissingPrivilege
 pub fn refusal_hint(error: &diesel::result::Error, component: Component) -> Option<String> {
-    let (kind, _) = crate::database::lacking_privilege(error)?;
+    let kind = match crate::database::lacking_privilege(error) {
+        Some((kind, _)) => kind,
+        None => crate::database::refused_writes(error)?,
+    };
     Some(crate::database::refusal_hint(error, kind, component.name()))
 }
 
@@ -781,6 +789,59 @@ const LACKING: &str = "SELECT current_user::text AS role, \
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A write refused by a database that takes none is named with that database's causes
+    /// and what to give the operator instead, whichever database's words it has; another
+    /// error gets nothing. Before, only a missing privilege got a hint, and `outbox purge` on
+    /// a hot standby said "database error: cannot execute SELECT in a read-only transaction".
+    #[test]
+    fn a_write_refused_by_a_database_that_takes_none_is_named_for_its_database() {
+        use diesel::result::{DatabaseErrorKind, Error};
+        let error = |kind, message: &str| Error::DatabaseError(kind, Box::new(message.to_owned()));
+        for (error, says) in [
+            (
+                error(
+                    DatabaseErrorKind::ReadOnlyTransaction,
+                    "cannot execute SELECT in a read-only transaction",
+                ),
+                "the database takes no writes (a hot standby, or default_transaction_read_only",
+            ),
+            (
+                error(
+                    DatabaseErrorKind::ReadOnlyTransaction,
+                    "Cannot execute statement in a READ ONLY transaction.",
+                ),
+                "the database takes no writes (a replica, with read_only",
+            ),
+            (
+                error(
+                    DatabaseErrorKind::Unknown,
+                    "The MariaDB server is running with the --read-only option so it cannot \
+                     execute this statement",
+                ),
+                "the database takes no writes (a replica, with read_only",
+            ),
+            (
+                error(
+                    DatabaseErrorKind::Unknown,
+                    "attempt to write a readonly database",
+                ),
+                "the database file takes no writes (opened read-only",
+            ),
+        ] {
+            let hint = refusal_hint(&error, Component::Operator).expect("a hint");
+            assert!(
+                hint.starts_with(&format!(": {says}"))
+                    && hint.contains("and the operator writes the outbox's tables; give it "),
+                "{error}: {hint}"
+            );
+        }
+        let other = error(
+            DatabaseErrorKind::Unknown,
+            "relation \"orders\" does not exist",
+        );
+        assert_eq!(refusal_hint(&other, Component::Operator), None);
+    }
 
     #[test]
     fn grants_name_each_object_once_in_its_schema_with_names_quoted_as_given() {
