@@ -123,8 +123,14 @@ pub(crate) fn archive_error(error: diesel::result::Error) -> String {
     let hint = if not_owner {
         ": only outbox_published's owner may drop the archive's days (no grant gives it); \
          run this as the role that ran `outbox migrate`"
+            .to_owned()
     } else {
-        ""
+        // A database that takes no writes, or a privilege the role lacks.
+        outbox_runtime::privileges::refusal_hint(
+            &error,
+            outbox_runtime::privileges::Component::Operator,
+        )
+        .unwrap_or_default()
     };
     format!("database error: purging the archive: {error}{hint}")
 }
@@ -1368,6 +1374,44 @@ pub(crate) async fn tail(args: TailArgs) -> Result<Ended, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The archive's retention says why the database refused it: a role that does not own
+    /// the archive, one that lacks a privilege on it, a database that takes no writes. Before,
+    /// only the first had a hint.
+    #[test]
+    fn an_archive_purge_refused_says_why() {
+        use diesel::result::{DatabaseErrorKind, Error};
+        let error = |kind, message: &str| Error::DatabaseError(kind, Box::new(message.to_owned()));
+        for (error, says) in [
+            (
+                error(
+                    DatabaseErrorKind::Unknown,
+                    "must be owner of table outbox_published_20261201",
+                ),
+                ": only outbox_published's owner may drop the archive's days",
+            ),
+            (
+                error(
+                    DatabaseErrorKind::Unknown,
+                    "permission denied for table outbox_published",
+                ),
+                ": the role the operator logs in as lacks a privilege the operator needs",
+            ),
+            (
+                error(
+                    DatabaseErrorKind::ReadOnlyTransaction,
+                    "cannot execute DELETE in a read-only transaction",
+                ),
+                ": the database takes no writes (a hot standby",
+            ),
+        ] {
+            let shown = archive_error(error);
+            assert!(
+                shown.starts_with("database error: purging the archive: ") && shown.contains(says),
+                "{shown}"
+            );
+        }
+    }
 
     /// A row's text keeps its line and cannot drive the terminal: control characters and
     /// bidirectional overrides escaped, everything else (quotes, backslashes, accents, CJK,
