@@ -1136,20 +1136,33 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_tls() {
         outbox_runtime::database::establish_postgres(&url, Duration::from_secs(10)).await
     };
 
-    // Without TLS the server refuses the session, and the error says what asks for TLS
-    // (before, it gave only the server's words, which name the server's file).
+    // With sslmode=disable the server refuses the session, and the error says what asks for
+    // TLS (before, it gave only the server's words, which name the server's file).
     let refused = connect(at("127.0.0.1", "sslmode=disable"))
         .await
         .err()
         .unwrap();
     assert!(
         refused.to_string().contains(
-            "no encryption (the server takes this session only over TLS, which the toolkit \
-             uses where the URL's sslmode asks for it: sslmode=require, or verify-full with \
-             sslrootcert;"
+            "no encryption (the server takes this session only over TLS, and \
+             sslmode=disable asks for none: sslmode=require, or verify-full with sslrootcert, \
+             asks for it)"
         ),
         "{refused}"
     );
+    // With prefer, or no sslmode (libpq's default, a URL that works for psql), the session
+    // the server refused without TLS is opened with it, as libpq's prefer opens it; before,
+    // it was refused.
+    for options in ["", "sslmode=prefer"] {
+        let mut conn = connect(at("127.0.0.1", options))
+            .await
+            .unwrap_or_else(|e| panic!("{options:?}: {e}"));
+        let (sessions, with_tls) = sessions_with_tls(&mut conn, "").await;
+        assert!(
+            sessions >= 1 && with_tls == sessions,
+            "{options:?}: {with_tls} of {sessions}"
+        );
+    }
 
     let verify_full = at(
         "localhost",

@@ -647,6 +647,7 @@ pub async fn establish_postgres(
 /// With `sslmode=require`, `verify-ca` or `verify-full` in `database_url` the connection is
 /// TLS, its server's certificate verified as the mode and `sslrootcert` ask, and the client
 /// certificate of `sslcert` and `sslkey` shown to a server that asks for one ([`tls`]);
+/// with `prefer` or no `sslmode`, TLS only where the server refuses a session without it;
 /// over Unix sockets only, without TLS whatever the mode, as libpq. What the string leaves
 /// out comes from the connection service file's section it or `PGSERVICE` names
 /// ([`service`]), then libpq's environment and defaults ([`defaults`], [`password`]), and the
@@ -681,6 +682,21 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
         None => open(&config, tokio_postgres::NoTls).await,
         Some(connector) => open(&config, connector).await,
     };
+    let opened = match opened {
+        // `prefer` (or no sslmode), and a server that takes TLS sessions only (its pg_hba.conf
+        // has a `hostssl` line for the session and no `host` one: its words since 12): TLS
+        // without verifying the certificate, as libpq's `prefer` gives it.
+        Err(error) if tls == tls::Tls::Prefer && error.contains(", no encryption") => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Require);
+            let connector = tls::Tls::Unverified
+                .connector(None)?
+                .ok_or("TLS: no connector for an unverified session")?;
+            open(&config, connector).await.map_err(|retried| {
+                format!("{retried} (with TLS, after the server refused a session without: {error})")
+            })
+        }
+        opened => opened,
+    };
     opened.map_err(|error| {
         let error = match (&ignored, &identity) {
             // Why there was no password, where the want of one failed the connection.
@@ -699,10 +715,8 @@ async fn establish(database_url: &str) -> Result<AsyncPgConnection, String> {
             // The server's pg_hba.conf has a `hostssl` line for this session and no `host` or
             // `hostnossl` one (PostgreSQL docs, "The pg_hba.conf File"): its words since 12.
             _ if tls == tls::Tls::Off && error.contains(", no encryption") => format!(
-                "{error} (the server takes this session only over TLS, which the toolkit uses \
-                 where the URL's sslmode asks for it: sslmode=require, or verify-full with \
-                 sslrootcert; no sslmode, prefer and disable connect without TLS here, where \
-                 libpq's prefer, its default, would try TLS first)"
+                "{error} (the server takes this session only over TLS, and sslmode=disable \
+                 asks for none: sslmode=require, or verify-full with sslrootcert, asks for it)"
             ),
             _ => error,
         };

@@ -3,9 +3,13 @@
 //! ask (PostgreSQL docs, "libpq: SSL Support", section "Protection Provided in Different
 //! Modes"; the options are libpq's, in a URL's query or a `key=value` string):
 //!
-//! - `disable`, `prefer` (the default): no TLS, as diesel-async's own `establish` connects
-//!   (tokio-postgres without a TLS connector). libpq's `prefer` would try TLS first, without
-//!   verifying the server's certificate.
+//! - `disable`: no TLS, as diesel-async's own `establish` connects (tokio-postgres without a
+//!   TLS connector).
+//! - `prefer` (the default): no TLS, unless the server refuses a session without it (its
+//!   `pg_hba.conf` has a `hostssl` line for the session and no `host` one: "no pg_hba.conf
+//!   entry ..., no encryption"); then TLS without verifying the server's certificate, as
+//!   libpq's `prefer` gives it. libpq tries TLS first; here a server that takes both is
+//!   reached without TLS, as diesel-async's `establish` reaches it.
 //! - `require`: TLS. The server's certificate is verified as for `verify-ca` when
 //!   `sslrootcert` names the certificate authorities, and otherwise not: the connection is
 //!   encrypted, and a man in the middle is not detected (libpq's `require` as well).
@@ -54,8 +58,11 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 /// The TLS a connection string asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Tls {
-    /// No TLS (`disable`, `prefer`, or no `sslmode`).
+    /// No TLS (`disable`; and over Unix sockets, whatever the mode).
     Off,
+    /// No TLS unless the server refuses a session without it, then TLS as
+    /// [`Unverified`](Self::Unverified) (`prefer`, or no `sslmode`).
+    Prefer,
     /// TLS without verifying the server's certificate (`require` without `sslrootcert`).
     Unverified,
     /// TLS, the certificate chained to `roots` (`verify-ca`, or `require` with
@@ -108,18 +115,20 @@ fn split_in<'a>(
     let mut options = Options::of(database_url);
     options.default_from(environment)?;
     let Some(mode) = options.mode.as_deref().filter(|mode| *mode != "prefer") else {
-        // No sslmode, or prefer: the toolkit connects without TLS.
+        // No sslmode, or prefer: the toolkit connects without TLS, unless the server takes
+        // TLS sessions only.
         if let Some(key) = [("sslcert", &options.cert), ("sslkey", &options.key)]
             .into_iter()
             .find_map(|(key, value)| value.is_some().then_some(key))
         {
             return Err(format!(
-                "{key} is given, and sslmode {} connects without TLS here, where no client \
-                 certificate is sent: set sslmode=verify-full (or verify-ca, require)",
+                "{key} is given, and sslmode {} sends no client certificate here (it connects \
+                 without TLS, or with TLS where the server takes TLS sessions only, without a \
+                 certificate): set sslmode=verify-full (or verify-ca, require)",
                 options.mode.as_deref().unwrap_or("prefer (the default)")
             ));
         }
-        return Ok((options.written(database_url, None), Tls::Off, None));
+        return Ok((options.written(database_url, None), Tls::Prefer, None));
     };
     let root = options.root.as_deref();
     let roots = || -> Result<Roots, String> {
@@ -232,7 +241,7 @@ impl Tls {
                 .map_err(|e| format!("TLS: {e}"))
         };
         let verified: ConfigBuilder<ClientConfig, WantsClientCert> = match self {
-            Self::Off => return Ok(None),
+            Self::Off | Self::Prefer => return Ok(None),
             Self::Unverified => builder()?
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(AnyName {
@@ -766,14 +775,20 @@ mod tests {
         assert_eq!(tls, Tls::VerifyCa(Roots::File("/ca dir/ca.pem".into())));
         assert_eq!(parsed, "postgres://db/orders?sslmode=require");
         let (parsed, tls) = split("postgres://db/orders?sslrootcert=system").unwrap();
-        assert_eq!((parsed.as_ref(), tls), ("postgres://db/orders", Tls::Off));
+        assert_eq!(
+            (parsed.as_ref(), tls),
+            ("postgres://db/orders", Tls::Prefer)
+        );
 
-        for url in [
-            "postgres://db/orders",
-            "postgres://db/orders?sslmode=prefer",
-            "postgres://db/orders?sslmode=disable&connect_timeout=3",
+        for (url, tls) in [
+            ("postgres://db/orders", Tls::Prefer),
+            ("postgres://db/orders?sslmode=prefer", Tls::Prefer),
+            (
+                "postgres://db/orders?sslmode=disable&connect_timeout=3",
+                Tls::Off,
+            ),
         ] {
-            assert_eq!(split(url).unwrap(), (Cow::Borrowed(url), Tls::Off), "{url}");
+            assert_eq!(split(url).unwrap(), (Cow::Borrowed(url), tls), "{url}");
         }
         let url = "postgres://db/orders?sslmode=require";
         assert_eq!(split(url).unwrap(), (Cow::Borrowed(url), Tls::Unverified));
@@ -890,7 +905,7 @@ mod tests {
         ] {
             assert_eq!(passfile(string).as_deref(), Some("/etc/orders.pgpass"));
             let (parsed, tls, _) = split_in(string, None, &|_| None).unwrap();
-            assert_eq!((parsed.as_ref(), tls), (written, Tls::Off), "{string}");
+            assert_eq!((parsed.as_ref(), tls), (written, Tls::Prefer), "{string}");
             assert!(parsed.parse::<tokio_postgres::Config>().is_ok(), "{parsed}");
         }
         assert_eq!(passfile("postgres://app@db/orders"), None);
@@ -950,12 +965,13 @@ mod tests {
         for (url, expected) in [
             (
                 format!("postgres://db/o?sslcert={}", cert.display()),
-                "sslcert is given, and sslmode prefer (the default) connects without TLS here, \
-                 where no client certificate is sent: set sslmode=verify-full",
+                "sslcert is given, and sslmode prefer (the default) sends no client certificate \
+                 here (it connects without TLS, or with TLS where the server takes TLS sessions \
+                 only, without a certificate): set sslmode=verify-full",
             ),
             (
                 "host=db sslmode=prefer sslkey=/k.pem".to_owned(),
-                "sslkey is given, and sslmode prefer connects without TLS here",
+                "sslkey is given, and sslmode prefer sends no client certificate here",
             ),
             (
                 "postgres://db/o?sslmode=require&sslcert=/nonexistent/c.pem".to_owned(),
