@@ -1075,45 +1075,45 @@ pub(crate) fn refusal_hint(error: &diesel::result::Error, kind: Kind, who: &str)
     }
 }
 
-/// Whether `error` is the database's refusal to write: PostgreSQL's SQLSTATE 25006, MySQL's
-/// and MariaDB's errors 1792 and 1290 (by their words), SQLite's `SQLITE_READONLY`; as
-/// [`refusal_hint`] lists them.
+/// Whether `error` is the database's refusal to write ([`refused_writes`]).
 pub(crate) fn takes_no_writes(error: &diesel::result::Error) -> bool {
-    use diesel::result::{DatabaseErrorKind, Error};
-    let Error::DatabaseError(error_kind, information) = error else {
-        return false;
-    };
-    matches!(error_kind, DatabaseErrorKind::ReadOnlyTransaction)
-        || NO_WRITES_WORDS
-            .iter()
-            .any(|words| information.message().contains(words))
+    refused_writes(error).is_some()
 }
 
-/// The database whose refusal to write `error` is ([`takes_no_writes`]), by its words:
-/// SQLite's "readonly database", MySQL's and MariaDB's "--read-only option" and "READ ONLY
-/// transaction" (error 1792), else PostgreSQL's ("in a read-only transaction"). `None` for
-/// any other error.
+/// The database whose refusal to write `error` is, by its words ([`NO_WRITES_WORDS`]), or
+/// PostgreSQL's for diesel's `ReadOnlyTransaction` in other words (a server's messages in
+/// another language); `None` for any other error.
 pub(crate) fn refused_writes(error: &diesel::result::Error) -> Option<Kind> {
-    let diesel::result::Error::DatabaseError(_, information) = error else {
+    use diesel::result::{DatabaseErrorKind, Error};
+    let Error::DatabaseError(error_kind, information) = error else {
         return None;
     };
-    if !takes_no_writes(error) {
-        return None;
-    }
-    let message = information.message();
-    Some(if message.contains("readonly database") {
-        Kind::Sqlite
-    } else if message.contains("-read-only option") || message.contains("READ ONLY transaction") {
-        Kind::Mysql
-    } else {
-        Kind::Postgres
+    refused_writes_in(information.message()).or_else(|| {
+        matches!(error_kind, DatabaseErrorKind::ReadOnlyTransaction).then_some(Kind::Postgres)
     })
 }
 
-/// The words of the refusals to write that diesel gives no kind of its own: MySQL's and
-/// MariaDB's error 1290 ("... is running with the --read-only option ..."), SQLite's
-/// `SQLITE_READONLY` ("attempt to write a readonly database").
-pub(crate) const NO_WRITES_WORDS: &[&str] = &["-read-only option", "readonly database"];
+/// The database whose refusal to write `text` (an error's message, or words that quote one)
+/// holds the words of; `None` where it holds none.
+pub(crate) fn refused_writes_in(text: &str) -> Option<Kind> {
+    NO_WRITES_WORDS
+        .iter()
+        .find(|(words, _)| text.contains(words))
+        .map(|(_, kind)| *kind)
+}
+
+/// The words of each database's refusal to write, and whose they are: PostgreSQL's SQLSTATE
+/// 25006 (`read_only_sql_transaction`, "cannot execute ... in a read-only transaction"),
+/// MySQL's and MariaDB's errors 1792 ("Cannot execute statement in a READ ONLY transaction.")
+/// and 1290 ("... is running with the --read-only option ..."), SQLite's `SQLITE_READONLY`
+/// ("attempt to write a readonly database"). diesel gives the first two the kind
+/// `ReadOnlyTransaction`, the others none of their own.
+const NO_WRITES_WORDS: [(&str, Kind); 4] = [
+    ("in a read-only transaction", Kind::Postgres),
+    ("READ ONLY transaction", Kind::Mysql),
+    ("-read-only option", Kind::Mysql),
+    ("readonly database", Kind::Sqlite),
+];
 
 /// That a database of `kind` takes no writes, with what makes it so: `the database takes no
 /// writes (a hot standby, ...)`.

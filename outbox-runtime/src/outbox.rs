@@ -299,16 +299,10 @@ impl MigrationError {
         error: Box<dyn std::error::Error + Send + Sync>,
         kind: crate::database::Kind,
     ) -> Self {
-        use crate::database::{no_writes, takes_no_writes};
+        use crate::database::{no_writes, refused_writes_in, takes_no_writes};
         let refused = match error.downcast_ref::<diesel::result::Error>() {
             Some(error) => takes_no_writes(error),
-            None => {
-                let words = error.to_string();
-                ["in a read-only transaction", "READ ONLY transaction"]
-                    .iter()
-                    .chain(crate::database::NO_WRITES_WORDS)
-                    .any(|marker| words.contains(marker))
-            }
+            None => refused_writes_in(&error.to_string()).is_some(),
         };
         if refused {
             Self::read_only(no_writes(kind), kind)
