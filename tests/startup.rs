@@ -1319,6 +1319,16 @@ async fn the_relay_and_the_inbox_reach_a_database_that_requires_a_client_certifi
         let error = connect(url(client)).await.err().unwrap().to_string();
         assert!(error.contains(says), "{client:?}: {error}");
     }
+    // Without sslmode: refused without TLS, then with TLS (as libpq's prefer), where no
+    // certificate is sent; the error says both.
+    let plain = format!("postgres://postgres@127.0.0.1:{}/orders", server.port);
+    let error = connect(plain).await.err().unwrap().to_string();
+    assert!(
+        error.contains("connection requires a valid client certificate")
+            && error.contains("(with TLS, after the server refused a session without: ")
+            && error.contains("no encryption"),
+        "{error}"
+    );
     let with_certificate = url(Some("client"));
     let applied = outbox_runtime::run_migrations(&with_certificate)
         .await
